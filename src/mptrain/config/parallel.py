@@ -1,0 +1,32 @@
+"""Schema of the `parallel` config group (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """The layout. Data-parallel size = world size / (tp × pp)."""
+
+    name: str = "tp1pp1"
+    """Option name, used in the default run.dir."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank for interleaved 1F1B; null = 1."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations over TP along the sequence (needs tp > 1 to matter)."""
+    use_distributed_optimizer: bool = False
+    """ZeRO-1: shard fp32 main params and optimizer state over DP."""
+    overlap_grad_reduce: bool = False
+    """Launch DP bucket reductions during the last micro-batch's backward."""
+    grad_reduce_in_fp32: bool = False
+    """Accumulate and reduce grads in fp32 (main_grad dtype) even for fp16/bf16 params."""
+    bucket_size: Optional[int] = None
+    """DP bucket size in elements; null = max(40_000_000, 1_000_000 × dp) as Megatron."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Layers on the first stage for an uneven split; null = even."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Layers on the last stage for an uneven split; null = even."""

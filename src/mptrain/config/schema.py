@@ -1,0 +1,57 @@
+"""The top-level config and its ConfigStore registration."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mptrain.config.data import DataConfig
+from mptrain.config.model import ModelConfig
+from mptrain.config.optim import OptimConfig
+from mptrain.config.parallel import ParallelConfig
+from mptrain.config.precision import LossScalerConfig, PrecisionConfig
+from mptrain.config.train import CheckpointConfig, DebugConfig, LoggerConfig, RunConfig, TrainConfig
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    name: str = "auto"
+    """auto | no_pipelining | gpipe | 1f1b | interleaved_1f1b."""
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    loss_scaler: LossScalerConfig = dataclasses.field(default_factory=LossScalerConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    logger: LoggerConfig = dataclasses.field(default_factory=LoggerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
+
+
+GROUP_SCHEMAS: dict[str, Any] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "schedule": ScheduleConfig,
+    "precision": PrecisionConfig,
+    "loss_scaler": LossScalerConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register() -> None:
+    """Register the schemas: `base_config` (primary) and `<group>/base_<group>` for option files."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)

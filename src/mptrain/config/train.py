@@ -1,0 +1,72 @@
+"""Schemas of the `train`, `checkpoint`, `run`, `logger` and `debug` nodes (DESIGN.md §1, §2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    train_iters: int = 20
+    """The last iteration (iterations count completed optimizer steps from 1, skipped ones included)."""
+    exit_interval: Optional[int] = None
+    """Save a checkpoint and exit 0 after this iteration."""
+    micro_batch_size: int = 2
+    """Samples per micro-batch per DP rank."""
+    global_batch_size: int = 8
+    """Samples per iteration over all DP ranks; must be divisible by micro_batch_size × dp."""
+    seed: int = 1234
+    """Init and dropout seed."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+    log_interval: int = 1
+    """Console pacing only; metrics.jsonl gets every iteration."""
+    eval_interval: Optional[int] = 10
+    """Validate every N iterations (and at iteration 0); null = no evaluation."""
+    eval_iters: int = 2
+    """Global batches per evaluation."""
+    timeout_s: float = 600.0
+    """Collective timeout for start-up."""
+    step_timeout_s: Optional[float] = None
+    """Shorter collective timeout after the first step (catches a stalled rank); null = timeout_s."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Folder for checkpoints; null = no saving."""
+    load: Optional[str] = None
+    """Folder to resume from (its `latest`); null = start fresh."""
+    load_iteration: Optional[int] = None
+    save_interval: Optional[int] = None
+    keep_last_n: Optional[int] = None
+
+
+@dataclasses.dataclass
+class RunConfig:
+    dir: Optional[str] = None
+    """Run folder; null = outputs/<model>-<parallel>-<precision>."""
+
+
+@dataclasses.dataclass
+class LoggerConfig:
+    name: str = "none"
+    """none | wandb | tensorboard."""
+    project: str = "mptrain"
+    mode: str = "offline"
+    """wandb: online | offline | disabled."""
+
+
+@dataclasses.dataclass
+class DebugConfig:
+    fail_rank: Optional[int] = None
+    fail_iteration: Optional[int] = None
+    fail_where: str = "forward"
+    """forward | data | save."""
+    nonfinite_grad_rank: Optional[int] = None
+    nonfinite_grad_iteration: Optional[int] = None
+    sleep_rank: Optional[int] = None
+    sleep_seconds: float = 0.0
+    memory_snapshot: bool = False
+    """CUDA only: record allocation history and dump a pickle into the run folder on rank 0."""

@@ -1,0 +1,303 @@
+"""torch.distributed initialisation and the TP / PP / DP / MP / embedding process groups.
+
+Rank layout (Megatron's order "tp-dp-pp": TP varies fastest, then DP, then PP)::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)       i.e. arange(world).view(pp, dp, tp)
+
+Worked example (Megatron ``parallel_state.py``; checked by ``tests/test_groups.py``):
+16 GPUs, tensor_model_parallel_size=2, pipeline_model_parallel_size=4 => data-parallel size 2::
+
+    grid[pp][dp][tp] = [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]], [[12, 13], [14, 15]]]
+    TP  [0,1] [2,3] [4,5] [6,7] [8,9] [10,11] [12,13] [14,15]            (last axis)
+    DP  [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]            (middle axis)
+    PP  [0,4,8,12] [1,5,9,13] [2,6,10,14] [3,7,11,15]                    (first axis)
+    MP  [0,1,4,5,8,9,12,13] [2,3,6,7,10,11,14,15]                        (tp x pp, one dp index)
+    embedding [0,12] [1,13] [2,14] [3,15]                                (first + last of each PP group)
+
+TP groups are contiguous ranks (one node, NVLink); PP is the outermost axis (across nodes).
+
+All process-group state lives in one `ParallelGroups` object built by `build_groups` and torn
+down by `ParallelGroups.destroy`, so a second layout can be built in the same process (sweeps,
+tests). There are no module-level globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.errors import ConfigError
+
+GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells a process (read once from the environment by `read_dist_env`)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+
+def read_dist_env(environ: Optional[dict] = None) -> DistEnv:
+    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (defaults: world of 1)."""
+    env = os.environ if environ is None else environ
+    port = env.get("MASTER_PORT")
+    return DistEnv(
+        rank=int(env.get("RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=int(port) if port else None,
+    )
+
+
+def init_distributed(env: DistEnv, *, timeout_s: float = 600.0, device_type: Optional[str] = None) -> torch.device:
+    """Initialise the default process group and pick this process's device.
+
+    NCCL when CUDA is available (device ``cuda:LOCAL_RANK``), gloo otherwise (``cpu``). A world
+    of one needs no torchrun: it uses an in-memory store. When a default group already exists
+    (the persistent test pool, a Hydra sweep's second job) it is reused.
+
+    Args:
+        env: torchrun's environment (`read_dist_env`).
+        timeout_s: collective timeout in seconds; a stalled rank fails the job after this long.
+        device_type: "cuda" or "cpu"; None picks cuda when available.
+    Returns:
+        the torch.device this rank computes on.
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.world_size == 1 and env.master_addr is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        kwargs = {"device_id": device} if device_type == "cuda" else {}
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
+    return device
+
+
+def validate_layout(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+) -> int:
+    """Check a layout and return the data-parallel size.
+
+    Raises:
+        ConfigError: sizes below 1, world size not divisible by tp x pp, or a virtual pipeline
+            without pp > 1 (one line with the numbers and the fix).
+    """
+    tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size < 1:
+        raise ConfigError(
+            f"parallel: tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp} and world size "
+            f"{world_size} must all be >= 1"
+        )
+    if world_size % (tp * pp) != 0:
+        multiples = [tp * pp * k for k in (1, 2)]
+        raise ConfigError(
+            f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size × "
+            f"pipeline_model_parallel_size = {tp * pp}; run with --nproc_per_node={multiples[0]} or "
+            f"{multiples[1]}, or pick another parallel="
+        )
+    if vpp is not None:
+        if vpp < 1:
+            raise ConfigError(f"parallel: virtual_pipeline_model_parallel_size={vpp} must be >= 1 or null")
+        if vpp > 1 and pp == 1:
+            raise ConfigError(
+                f"parallel: virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
+                "(got 1); set virtual_pipeline_model_parallel_size=null or pick parallel=tp1pp2vpp2"
+            )
+    return world_size // (tp * pp)
+
+
+def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> dict:
+    """The rank lists of every group kind, as Megatron builds them (pure; no torch.distributed).
+
+    Ranks are laid out as ``arange(world).view(pp, dp, tp)`` (see the module docstring).
+
+    Returns:
+        {"tp": [...], "pp": [...], "dp": [...], "mp": [...], "embedding": [...]}, each a list of
+        rank lists. "mp" is tp x pp for one dp index; "embedding" is [first, last] of each PP
+        group ([first] when pp == 1).
+    Raises:
+        ConfigError: see `validate_layout`.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    dp = validate_layout(world_size, tp, pp)
+    grid = torch.arange(world_size).view(pp, dp, tp)
+    tp_groups = grid.reshape(-1, tp).tolist()
+    dp_groups = grid.transpose(1, 2).reshape(-1, dp).tolist()
+    pp_groups = grid.permute(1, 2, 0).reshape(-1, pp).tolist()
+    mp_groups = grid.permute(1, 0, 2).reshape(dp, pp * tp).tolist()
+    embedding_groups = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in pp_groups]
+    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups, "embedding": embedding_groups}
+
+
+def rank_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank in the ``view(pp, dp, tp)`` grid."""
+    dp = world_size // (tp * pp)
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """Every process group of one layout and the facts derived from it (Megatron's parallel_state, as an object).
+
+    Build with `build_groups`; call `destroy` before building another layout in the same process.
+    Group handles are None only for kinds this rank is not part of (the embedding group of a
+    middle pipeline stage).
+    """
+
+    world_size: int
+    rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    vpp_size: Optional[int]
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    ranks: dict  # kind -> this rank's group as a list of global ranks (None if not a member)
+    handles: dict  # kind -> ProcessGroup (None if not a member)
+    all_groups: tuple = ()  # every ProcessGroup created, for teardown
+    device: torch.device = torch.device("cpu")
+
+    # --- group handles -----------------------------------------------------------------
+    @property
+    def tp_group(self):
+        return self.handles["tp"]
+
+    @property
+    def pp_group(self):
+        return self.handles["pp"]
+
+    @property
+    def dp_group(self):
+        return self.handles["dp"]
+
+    @property
+    def mp_group(self):
+        return self.handles["mp"]
+
+    @property
+    def embedding_group(self):
+        return self.handles["embedding"]
+
+    # --- pipeline facts -----------------------------------------------------------------
+    def is_pipeline_first_stage(self, vp_stage: Optional[int] = None) -> bool:
+        """True on pp rank 0 (and, for a virtual chunk index, only for chunk 0)."""
+        return self.pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+
+    def is_pipeline_last_stage(self, vp_stage: Optional[int] = None) -> bool:
+        """True on the last pp rank (and, for a virtual chunk index, only for the last chunk)."""
+        last_chunk = (self.vpp_size or 1) - 1
+        return self.pp_rank == self.pp_size - 1 and (vp_stage is None or vp_stage == last_chunk)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.is_pipeline_first_stage()
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.is_pipeline_last_stage()
+
+    @property
+    def next_pp_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around, as Megatron's p2p does)."""
+        return self.ranks["pp"][(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_pp_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wraps around)."""
+        return self.ranks["pp"][(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def first_pp_rank(self) -> int:
+        return self.ranks["pp"][0]
+
+    @property
+    def last_pp_rank(self) -> int:
+        return self.ranks["pp"][-1]
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of tp rank 0 in this rank's TP group (the one that reads data)."""
+        return self.ranks["tp"][0]
+
+    @property
+    def is_in_embedding_group(self) -> bool:
+        return self.ranks["embedding"] is not None
+
+    def coordinates(self) -> dict:
+        """{"rank", "tp", "dp", "pp", "vpp"} for logs and layout.json."""
+        return {"rank": self.rank, "tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank, "vpp": self.vpp_size}
+
+    def destroy(self) -> None:
+        """Destroy the sub-groups of this layout (the default group stays)."""
+        for group in self.all_groups:
+            dist.destroy_process_group(group)
+
+
+def build_groups(
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    *,
+    device: torch.device = torch.device("cpu"),
+) -> ParallelGroups:
+    """Create the process groups of a layout on the initialised default group (collective on all ranks).
+
+    Every rank calls `torch.distributed.new_group` for every group in the same order (required
+    by torch), and keeps the handles of the groups it belongs to.
+
+    Raises:
+        ConfigError: invalid layout (before any collective; every rank raises the same error).
+    """
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    vpp = virtual_pipeline_model_parallel_size
+    dp = validate_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, vpp)
+    lists = rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    ranks: dict = {kind: None for kind in GROUP_KINDS}
+    handles: dict = {kind: None for kind in GROUP_KINDS}
+    created = []
+    for kind in GROUP_KINDS:
+        for group_ranks in lists[kind]:
+            group = dist.new_group(group_ranks)
+            created.append(group)
+            if rank in group_ranks:
+                ranks[kind], handles[kind] = group_ranks, group
+    tp_rank, dp_rank, pp_rank = rank_coordinates(rank, world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    return ParallelGroups(
+        world_size=world_size,
+        rank=rank,
+        tp_size=tensor_model_parallel_size,
+        pp_size=pipeline_model_parallel_size,
+        dp_size=dp,
+        vpp_size=vpp if (vpp or 1) > 1 else None,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+        ranks=ranks,
+        handles=handles,
+        all_groups=tuple(created),
+        device=device,
+    )

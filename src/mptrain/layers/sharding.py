@@ -1,0 +1,104 @@
+"""Sharding metadata of parameters: one typed record per parameter, owned by the layers.
+
+Instead of attributes bolted onto tensors (Megatron's ``tensor_model_parallel``, ``shared``,
+``sequence_parallel``), every module that holds parameters describes them with `ShardSpec`s
+(`ShardedModule.local_shard_specs`), and `collect_shard_specs` walks a model and returns one
+spec per parameter name. Everyone who needs to know how a parameter relates to the full,
+layout-independent model reads it from here:
+
+- grad-norm clipping (count TP-replicated params once, skip the tied embedding's second copy),
+- finalize_model_grads (which grads to all-reduce over TP under sequence parallelism, which over
+  the embedding group),
+- checkpoints (global unpadded shape and offset of each shard),
+- parameter counts and layout.json (padding excluded),
+- weight decay groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How one local parameter maps onto the full (unpadded, layout-independent) tensor.
+
+    Attributes:
+        global_shape: shape of the full unpadded tensor, e.g. [vocab_size, hidden] for the word
+            embedding, [3 * h, h] for a fused QKV weight.
+        partition_dim: the dim split over TP ranks; None when the param is replicated over TP
+            (LayerNorm, row-parallel bias, position embedding).
+        offset: start of this shard along ``partition_dim`` in global (unpadded) coordinates.
+        valid: how many entries along ``partition_dim`` of the local tensor are real; the rest
+            (at the end) are vocab padding. Equals the local size where nothing is padded.
+        interleave: for fused projections whose columns are laid out per head/group (QKV), the
+            number of equal parts the global tensor is split into before sharding (1 = plain
+            contiguous split). A local shard then holds part-local slices; see `global_index`.
+        sequence_parallel_grad: the grad must be all-reduced over TP (norms / row-parallel biases
+            under sequence parallelism).
+        tied_embedding: this param is the (tied) word embedding or its output-layer copy.
+        is_shared_copy: the last stage's copy of a tied embedding (pp > 1): kept equal to the
+            first stage's copy; excluded from grad norm and parameter counts.
+        no_weight_decay: biases and norm params.
+    """
+
+    global_shape: tuple
+    partition_dim: Optional[int] = None
+    offset: int = 0
+    valid: Optional[int] = None
+    interleave: int = 1
+    sequence_parallel_grad: bool = False
+    tied_embedding: bool = False
+    is_shared_copy: bool = False
+    no_weight_decay: bool = False
+
+    @property
+    def tp_replicated(self) -> bool:
+        return self.partition_dim is None
+
+    def counts_on(self, tp_rank: int) -> bool:
+        """Whether this rank's copy counts toward global sums (grad norm, param counts)."""
+        if self.is_shared_copy:
+            return False
+        return self.partition_dim is not None or tp_rank == 0
+
+
+@runtime_checkable
+class ShardedModule(Protocol):
+    def local_shard_specs(self) -> dict:
+        """{local parameter name (as in named_parameters(recurse=False)): ShardSpec}."""
+
+
+def replicated_spec(param: torch.Tensor, *, no_weight_decay: bool = False, sequence_parallel_grad: bool = False) -> ShardSpec:
+    """Spec of a parameter held whole on every TP rank."""
+    return ShardSpec(
+        global_shape=tuple(param.shape),
+        no_weight_decay=no_weight_decay,
+        sequence_parallel_grad=sequence_parallel_grad,
+        valid=None,
+    )
+
+
+def collect_shard_specs(model: torch.nn.Module) -> dict:
+    """{full parameter name: ShardSpec} for every parameter of ``model``.
+
+    Modules implementing `ShardedModule` describe their own direct parameters; any other
+    parameter is replicated over TP (1-D ones excluded from weight decay).
+    """
+    specs = {}
+    for mod_name, module in model.named_modules():
+        own = module.local_shard_specs() if isinstance(module, ShardedModule) else {}
+        for p_name, param in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            specs[full] = own.get(p_name) or replicated_spec(param, no_weight_decay=param.dim() == 1)
+    return specs
+
+
+def iter_params_with_specs(model: torch.nn.Module) -> Iterator[tuple]:
+    """(name, param, spec) for every parameter, in named_parameters() order."""
+    specs = collect_shard_specs(model)
+    for name, param in model.named_parameters():
+        yield name, param, specs[name]

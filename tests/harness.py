@@ -1,0 +1,164 @@
+"""Run a function on N gloo processes on CPU: a persistent pool per world size.
+
+Importing torch in 8 processes costs ~8 s on a 2-core machine, so each world size keeps one
+pool of worker processes alive across tests (`run_distributed`). Every worker has joined one
+default gloo group of that size; a task is a picklable, module-level function
+``fn(rank, world_size, *args) -> result`` that every worker runs. Results come back as a list
+indexed by rank.
+
+Failure handling: if any rank raises, the others usually block in a collective, so after the
+first error the pool waits a short grace period, then kills the workers (the next call starts a
+fresh pool) and raises `DistributedTestError` carrying the failing rank's traceback. A task that
+runs past ``timeout_s`` is treated the same way (a hang guard, not a speed assertion).
+
+Tasks must leave no process groups behind (use try/finally with ``groups.destroy()``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+_POOLS: dict = {}
+_GRACE_S = 5.0
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised (or the task timed out); the message holds the rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+        }
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, fn, args, kwargs = item
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+            results.put((task_id, rank, True, out))
+        except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+            results.put((task_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.next_id = 0
+
+    def run(self, fn, args, kwargs, timeout_s: float):
+        task_id = self.next_id
+        self.next_id += 1
+        for q in self.tasks:
+            q.put((task_id, fn, args, kwargs))
+        out = [None] * self.world_size
+        errors: dict = {}
+        pending = set(range(self.world_size))
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            wait = deadline - time.monotonic()
+            if errors:
+                wait = min(wait, _GRACE_S)
+            if wait <= 0:
+                break
+            try:
+                tid, rank, ok, value = self.results.get(timeout=wait)
+            except queue.Empty:
+                if any(not p.is_alive() for p in self.procs) and not errors:
+                    errors[-1] = "a worker process died (killed or crashed)"
+                break
+            if tid != task_id:
+                continue
+            pending.discard(rank)
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+        if errors or pending:
+            self.kill()
+            if errors:
+                rank = min(errors)
+                raise DistributedTestError(
+                    f"rank {rank} of {self.world_size} failed in {fn.__name__} (ranks that failed: {sorted(errors)}; "
+                    f"still running: {sorted(pending)}):\n{errors[rank]}"
+                )
+            raise DistributedTestError(f"{fn.__name__} timed out after {timeout_s} s on ranks {sorted(pending)}")
+        return out
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        _POOLS.pop(self.world_size, None)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a gloo world; return results by rank.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message) or the task hung.
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _Pool(world_size)
+        _POOLS[world_size] = pool
+    return pool.run(fn, args, kwargs, timeout_s)
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
