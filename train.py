@@ -1,0 +1,21 @@
+"""mptrain entry point: `torchrun --nproc_per_node=N train.py [group=option ...] [key=value ...]`.
+
+Thin by design: Hydra composes the config; `mptrain.training.run.main` does the rest.
+"""
+
+import hydra
+
+from mptrain.config.schema import register
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg) -> None:
+    from mptrain.training.run import hydra_main
+
+    hydra_main(cfg)
+
+
+if __name__ == "__main__":
+    main()
