@@ -1,0 +1,347 @@
+"""Optimizer wrappers: fp32 main params, loss-scale unscaling, non-finite check, global-norm clipping.
+
+Megatron names: `MegatronOptimizer`, `MixedPrecisionOptimizer`, `Float16OptimizerWithFloat16Params`
+and `FP32Optimizer` (megatron/core/optimizer/optimizer.py). ``step()`` runs, in order:
+
+1. copy model grads (``grad_fn(param)``: the DP wrapper's main_grad view, fp32 or param dtype)
+   into fp32 main grads;
+2. unscale by 1/S and detect inf/nan in one fused pass (`torch._amp_foreach_non_finite_check_and_unscale_`;
+   with no scaler the factor is 1, so bf16/fp32 non-finite grads are caught too);
+3. all-reduce found_inf with MAX over the grad-stats group(s) (model-parallel group; the
+   distributed optimizer adds DP), so every rank takes the same decision; update the scaler;
+4. on non-finite grads: skip (count ``skipped_iters_total``; without a dynamic scaler to explain
+   the overflow also ``nan_iters_total``), nothing is applied;
+5. otherwise: global L2 norm over the counted grads (``ShardSpec.counts_on(tp_rank)``, reduced
+   over the grad-stats groups), clip by it when ``clip_grad > 0``, optional zero count, inner
+   optimizer step on the main params, copy main params back into the model params.
+
+Hooks for subclasses (the distributed optimizer, ZeRO-1, overrides "which main params / grads do
+I own" and nothing else):
+
+- `_make_main_param(param, spec) -> Parameter | None`: the fp32 main param this rank steps for a
+  model param (None: this rank owns none of it). Called once per param by `__init__`. A ZeRO-1
+  subclass can instead override `_build_entries` to return `MainParamEntry` subclasses carrying a
+  range into the param.
+- `_copy_model_grads_to_main_grads()`: fill ``entry.main.grad`` for every entry.
+- `_copy_main_params_to_model_params()` / `_copy_model_params_to_main_params()`: write back after
+  the step (ZeRO-1: shard copy + all-gather over DP) / reload after the model params changed.
+- `_grad_stats_groups() -> list[ProcessGroup]`: reduced over, in turn, for found_inf (MAX), the
+  grad norm and the zero count (SUM). Default ``[groups.mp_group]``; ZeRO-1 adds ``groups.dp_group``.
+
+The LR scheduler sets ``lr`` on `param_groups` (the inner optimizer's). Skipped steps do not stop
+the iteration counter or the schedule (see `mptrain.optim.lr_scheduler`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.optim.builders import param_groups as build_param_groups
+from mptrain.precision.clip_grads import (
+    all_reduce_over,
+    clip_grads_by_total_norm,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from mptrain.precision.scaler import LossScaler
+
+logger = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Outcome of one optimizer step.
+
+    Attributes:
+        update_successful: the params were updated (False on a skipped step).
+        grad_norm: global L2 norm of the unscaled grads before clipping; None on a skipped step.
+        num_zeros: zero grad elements over the grad-stats group (only with ``log_num_zeros``), else None.
+        found_inf: some grad was inf/nan on some rank of the grad-stats group.
+    """
+
+    update_successful: bool
+    grad_norm: Optional[float]
+    num_zeros: Optional[int]
+    found_inf: bool
+
+
+class TooManySkippedStepsError(RuntimeError):
+    """Raised when more than ``max_consecutive_skips`` steps in a row had non-finite grads (one-line message)."""
+
+
+@dataclasses.dataclass
+class MainParamEntry:
+    """One main param the inner optimizer steps and the model param it belongs to.
+
+    Attributes:
+        model_param: the model's parameter (fp16 / bf16 / fp32).
+        spec: its `ShardSpec` (weight decay group; whether its grad counts in the norm).
+        main: the fp32 parameter the inner optimizer steps; ``main is model_param`` when no copy
+            is kept (fp32 params).
+    """
+
+    model_param: torch.nn.Parameter
+    spec: object
+    main: torch.nn.Parameter
+
+    @property
+    def has_copy(self) -> bool:
+        return self.main is not self.model_param
+
+
+class OptimizerWrapper:
+    """Shared logic of `MixedPrecisionOptimizer` and `FP32Optimizer` (see the module docstring).
+
+    Args:
+        build_optimizer: ``param_groups -> torch.optim.Optimizer`` (`mptrain.optim.build_optimizer_factory`).
+        params: the model params this rank holds, in a stable order (all chunks).
+        specs: one `ShardSpec` per param.
+        grad_fn: ``param -> grad tensor | None`` (the accumulated grad, same shape as the param).
+        groups: `ParallelGroups` (``mp_group``, ``tp_rank``, ``device``).
+        scaler: a `LossScaler` or None.
+        clip_grad: max global L2 norm (0 = no clipping; the norm is still computed and returned).
+        max_consecutive_skips: raise `TooManySkippedStepsError` when the number of consecutive
+            skipped steps exceeds this (0 = never raise).
+        log_num_zeros: also count zero grads (one more pass and all-reduce per step).
+    Raises:
+        ValueError: params and specs differ in length.
+    """
+
+    def __init__(
+        self,
+        build_optimizer: Callable[[list], torch.optim.Optimizer],
+        params: list,
+        specs: list,
+        grad_fn: Callable[[torch.nn.Parameter], Optional[torch.Tensor]],
+        groups,
+        *,
+        scaler: Optional[LossScaler],
+        clip_grad: float,
+        max_consecutive_skips: int,
+        log_num_zeros: bool = False,
+    ) -> None:
+        if len(params) != len(specs):
+            raise ValueError(f"{type(self).__name__}: {len(params)} params but {len(specs)} specs")
+        self.groups = groups
+        self.grad_fn = grad_fn
+        self.scaler = scaler
+        self.clip_grad = float(clip_grad)
+        self.max_consecutive_skips = int(max_consecutive_skips)
+        self.log_num_zeros = log_num_zeros
+        self.skipped_iters_total = 0
+        self.nan_iters_total = 0
+        self.consecutive_skips = 0
+        self.entries: list[MainParamEntry] = self._build_entries(list(params), list(specs))
+        self.optimizer = build_optimizer(
+            build_param_groups([e.main for e in self.entries], [e.spec for e in self.entries])
+        )
+
+    # --- hooks (override in the distributed optimizer) ----------------------------------
+    def _make_main_param(self, param: torch.nn.Parameter, spec) -> Optional[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def _build_entries(self, params: list, specs: list) -> list[MainParamEntry]:
+        entries = []
+        for p, s in zip(params, specs):
+            main = self._make_main_param(p, s)
+            if main is not None:
+                entries.append(MainParamEntry(p, s, main))
+        return entries
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for e in self.entries:
+            grad = self.grad_fn(e.model_param)
+            if grad is None:
+                e.main.grad = None
+                continue
+            if grad.shape != e.main.shape:
+                raise ValueError(f"grad_fn returned shape {tuple(grad.shape)} for a param of shape {tuple(e.main.shape)}")
+            # .float() aliases an fp32 grad (the DP buffer with grad_reduce_in_fp32) and copies an fp16/bf16 one.
+            e.main.grad = grad.float()
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        pairs = [(e.model_param, e.main) for e in self.entries if e.has_copy]
+        if pairs:
+            torch._foreach_copy_([m for m, _ in pairs], [w for _, w in pairs])  # fp32 -> fp16/bf16 (round to nearest)
+
+    @torch.no_grad()
+    def _copy_model_params_to_main_params(self) -> None:
+        pairs = [(e.model_param, e.main) for e in self.entries if e.has_copy]
+        if pairs:
+            torch._foreach_copy_([w for _, w in pairs], [m for m, _ in pairs])
+
+    def _grad_stats_groups(self) -> list:
+        return [self.groups.mp_group]
+
+    # --- derived lists ------------------------------------------------------------------
+    def _main_grads(self) -> list:
+        return [e.main.grad for e in self.entries if e.main.grad is not None]
+
+    def _main_grads_for_norm(self) -> list:
+        tp_rank = self.groups.tp_rank
+        return [e.main.grad for e in self.entries if e.main.grad is not None and e.spec.counts_on(tp_rank)]
+
+    # --- public interface ---------------------------------------------------------------
+    @property
+    def param_groups(self) -> list:
+        """The inner optimizer's param groups (the LR scheduler writes ``lr`` here)."""
+        return self.optimizer.param_groups
+
+    def main_params(self) -> list:
+        """The fp32 params the inner optimizer steps, in entry order."""
+        return [e.main for e in self.entries]
+
+    def main_param_map(self) -> dict:
+        """{model param: fp32 main param} (the same tensor for fp32 params)."""
+        return {e.model_param: e.main for e in self.entries}
+
+    def get_loss_scale(self) -> float:
+        """The loss scale S to multiply the loss by before backward (1.0 without a scaler)."""
+        return 1.0 if self.scaler is None else float(self.scaler.scale.item())
+
+    def reload_model_params(self) -> None:
+        """Re-copy the model params into the main params (after loading model weights)."""
+        self._copy_model_params_to_main_params()
+
+    def zero_grad(self) -> None:
+        """Drop the main grads and the model params' ``.grad`` (the DP buffer is zeroed by the DDP wrapper)."""
+        for e in self.entries:
+            e.main.grad = None
+            e.model_param.grad = None
+
+    def _found_non_finite(self, main_grads: list) -> bool:
+        device = main_grads[0].device if main_grads else self.groups.device
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        if main_grads:
+            inv_scale = (torch.ones(1) if self.scaler is None else self.scaler.inv_scale).to(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
+        all_reduce_over(found_inf, self._grad_stats_groups(), dist.ReduceOp.MAX)
+        return bool(found_inf.item() > 0)  # host sync, once per step
+
+    def _skip(self) -> StepResult:
+        self.skipped_iters_total += 1
+        self.consecutive_skips += 1
+        explained = self.scaler is not None and self.scaler.dynamic
+        if not explained:
+            self.nan_iters_total += 1
+        logger.info("skipped_iter: non-finite grads; loss scale now %g (%d skipped in a row, %d total)",
+                    self.get_loss_scale(), self.consecutive_skips, self.skipped_iters_total)
+        for e in self.entries:  # never let a non-finite grad reach a later step
+            e.main.grad = None
+        if 0 < self.max_consecutive_skips < self.consecutive_skips:
+            raise TooManySkippedStepsError(
+                f"loss_scaler: {self.consecutive_skips} consecutive steps had inf/nan grads (loss scale "
+                f"{self.get_loss_scale():g}) > loss_scaler.max_consecutive_skips={self.max_consecutive_skips}; "
+                "lower optim.lr, check the data, or use precision=bf16"
+            )
+        return StepResult(update_successful=False, grad_norm=None, num_zeros=None, found_inf=True)
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One optimizer step (module docstring, steps 1-5). Collective over the grad-stats groups.
+
+        Returns:
+            `StepResult`; ``update_successful`` False (and no param changed) on non-finite grads.
+        Raises:
+            TooManySkippedStepsError: more than ``max_consecutive_skips`` skipped steps in a row.
+        """
+        self._copy_model_grads_to_main_grads()
+        main_grads = self._main_grads()
+        found_inf = self._found_non_finite(main_grads)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            return self._skip()
+        stats_groups = self._grad_stats_groups()
+        norm_grads = self._main_grads_for_norm()
+        total_norm = get_grad_norm_fp32(norm_grads, stats_groups, device=self.groups.device)
+        if self.clip_grad > 0:
+            clip_grads_by_total_norm(main_grads, self.clip_grad, total_norm)
+        num_zeros = None
+        if self.log_num_zeros:
+            num_zeros = int(count_zeros_fp32(norm_grads, stats_groups, device=self.groups.device).item())
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        self.consecutive_skips = 0
+        return StepResult(update_successful=True, grad_norm=float(total_norm.item()), num_zeros=num_zeros, found_inf=False)
+
+    # --- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """{"optimizer": inner state, "main_params": [fp32 copies, entry order], "scaler", "counters"}."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "main_params": [e.main.detach().clone() for e in self.entries if e.has_copy],
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "counters": {
+                "skipped_iters_total": self.skipped_iters_total,
+                "nan_iters_total": self.nan_iters_total,
+                "consecutive_skips": self.consecutive_skips,
+            },
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what `state_dict` saved (model params are loaded separately and not touched).
+
+        Raises:
+            ValueError: the number or shapes of main params differ from this optimizer's.
+        """
+        copies = [e.main for e in self.entries if e.has_copy]
+        saved = state_dict["main_params"]
+        if len(saved) != len(copies):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(saved)} saved main params, expected {len(copies)}")
+        for main, value in zip(copies, saved):
+            if tuple(value.shape) != tuple(main.shape):
+                raise ValueError(f"main param shape {tuple(value.shape)} in the state dict, expected {tuple(main.shape)}")
+            main.copy_(value)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.scaler is not None:
+            if state_dict.get("scaler") is None:
+                logger.warning("optimizer state has no loss scaler state; keeping the scaler's initial state")
+            else:
+                self.scaler.load_state_dict(state_dict["scaler"])
+        counters = state_dict.get("counters", {})
+        self.skipped_iters_total = int(counters.get("skipped_iters_total", 0))
+        self.nan_iters_total = int(counters.get("nan_iters_total", 0))
+        self.consecutive_skips = int(counters.get("consecutive_skips", 0))
+
+
+class MixedPrecisionOptimizer(OptimizerWrapper):
+    """fp32 main copies of fp16/bf16 model params (Megatron `Float16OptimizerWithFloat16Params`).
+
+    fp32 model params (if any) are stepped in place, as Megatron's ``fp32_from_fp32_groups``.
+    Same arguments as `OptimizerWrapper`.
+    """
+
+    def _make_main_param(self, param, spec):
+        if param.dtype in _HALF:
+            return torch.nn.Parameter(param.detach().clone().float())
+        if param.dtype == torch.float32:
+            return param
+        raise ValueError(f"MixedPrecisionOptimizer: unsupported param dtype {param.dtype}")
+
+
+class FP32Optimizer(OptimizerWrapper):
+    """fp32 model params stepped in place (Megatron `FP32Optimizer`); same interface, no main copies.
+
+    Non-finite grads still skip the step (counted in ``nan_iters_total`` when there is no dynamic scaler).
+    Raises:
+        ValueError: a param is not fp32.
+    """
+
+    def _make_main_param(self, param, spec):
+        if param.dtype != torch.float32:
+            raise ValueError(f"FP32Optimizer: param dtype {param.dtype}; use MixedPrecisionOptimizer for fp16/bf16")
+        return param
+
+
+# precision.name -> wrapper class (the distributed optimizer replaces both when use_distributed_optimizer).
+OPTIMIZER_WRAPPERS: dict[str, type] = {"fp32": FP32Optimizer, "bf16": MixedPrecisionOptimizer, "fp16": MixedPrecisionOptimizer}

@@ -1,0 +1,230 @@
+"""Loss scalers for fp16 (and optionally bf16) training: constant and dynamic, plus the config registry.
+
+fp16 has a 5-bit exponent: gradients below ~6e-8 flush to zero. Multiplying the loss by a scale S
+before backward shifts every gradient up by S; the optimizer multiplies the fp32 main grads by
+1/S (`inv_scale`) before clipping and stepping. A too-large S overflows to inf/nan: that step is
+skipped and a dynamic scaler lowers S (Micikevicius et al., "Mixed Precision Training", 2018, §3.2).
+
+Megatron names: `ConstantGradScaler`, `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py).
+The dynamic scaler's state machine follows Megatron's *code* (megatron-core.md §3.2), not the
+prose of some write-ups:
+
+- overflow: growth tracker := 0; hysteresis tracker -= 1; if the hysteresis tracker is <= 0 the
+  scale backs off: S := max(S * backoff_factor, min_scale). The hysteresis tracker is NOT reset by
+  the backoff nor by clean steps, so once exhausted every further overflow backs off again.
+- clean step: growth tracker += 1; when it reaches growth_interval: growth tracker := 0,
+  hysteresis tracker := hysteresis (the only reset), S := S * growth_factor.
+
+The step is skipped on every overflow, whether or not the scale backs off (the optimizer does
+that, not the scaler).
+
+Scales are kept in float32 [1]-tensors on the CPU (`scale`, `inv_scale`); the optimizer moves them
+to the grads' device. Powers of two (the defaults) are exact in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from mptrain.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class LossScaler:
+    """Base class: a scale S (float32 [1] tensor) and its update rule.
+
+    Attributes:
+        dynamic: whether `update` changes the scale (a skipped step is then expected, not a NaN).
+    """
+
+    dynamic: bool = False
+
+    def __init__(self, scale: float) -> None:
+        self._scale = torch.tensor([float(scale)], dtype=torch.float32)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current loss scale S, float32 tensor of shape [1] (CPU)."""
+        return self._scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        """1 / S as a float32 [1] tensor (what `_amp_foreach_non_finite_check_and_unscale_` multiplies by)."""
+        return self._scale.double().reciprocal().float()
+
+    def update(self, found_inf: bool) -> None:
+        """Advance the scaler after a step; ``found_inf``: any grad was inf/nan on any rank."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"scale": float(self._scale.item())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._scale = torch.tensor([float(state_dict["scale"])], dtype=torch.float32)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(scale={self._scale.item():g})"
+
+
+class ConstantLossScaler(LossScaler):
+    """A fixed scale (Megatron `ConstantGradScaler`); overflowing steps are still skipped by the optimizer.
+
+    Raises:
+        ConfigError: scale <= 0.
+    """
+
+    def __init__(self, scale: float) -> None:
+        if not scale > 0:
+            raise ConfigError(f"loss_scaler: scale={scale} must be > 0; set loss_scaler.scale=4096 (a power of two)")
+        super().__init__(scale)
+
+    def update(self, found_inf: bool) -> None:
+        """Nothing to update: the scale is constant."""
+
+
+class DynamicLossScaler(LossScaler):
+    """Megatron's `DynamicGradScaler`: back off after `hysteresis` overflows, grow after `growth_interval` clean steps.
+
+    Args:
+        initial_scale: starting S (Megatron default 2^32).
+        min_scale: floor of the backoff (default 1.0).
+        growth_factor: S *= this after growth_interval consecutive clean steps (> 1; default 2).
+        backoff_factor: S *= this on an overflow once hysteresis is exhausted (0 < f < 1; default 0.5).
+        growth_interval: clean steps (consecutive: an overflow resets the count) before growth (default 1000).
+        hysteresis: overflows tolerated since the last growth before the first backoff (default 2).
+    Raises:
+        ConfigError: a value outside the ranges above (names the `loss_scaler.` key).
+    """
+
+    dynamic = True
+
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        hysteresis: int,
+    ) -> None:
+        checks = (
+            (min_scale > 0, f"loss_scaler: min_scale={min_scale} must be > 0"),
+            (min_scale <= initial_scale, f"loss_scaler: min_scale={min_scale} must be <= initial_scale={initial_scale}"),
+            (growth_factor > 1.0, f"loss_scaler: growth_factor={growth_factor} must be > 1"),
+            (0.0 < backoff_factor < 1.0, f"loss_scaler: backoff_factor={backoff_factor} must be in (0, 1)"),
+            (growth_interval > 0, f"loss_scaler: growth_interval={growth_interval} must be >= 1"),
+            (hysteresis > 0, f"loss_scaler: hysteresis={hysteresis} must be >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message + " (defaults: initial_scale=2^32, min_scale=1, growth_factor=2, "
+                                  "backoff_factor=0.5, growth_interval=1000, hysteresis=2)")
+        super().__init__(initial_scale)
+        self.min_scale = float(min_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self._growth_tracker = 0
+        self._hysteresis_tracker = self.hysteresis
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps since the last overflow or growth."""
+        return self._growth_tracker
+
+    @property
+    def hysteresis_tracker(self) -> int:
+        """Overflows still tolerated before a backoff (<= 0: every overflow backs off until the next growth)."""
+        return self._hysteresis_tracker
+
+    def update(self, found_inf: bool) -> None:
+        """Megatron `DynamicGradScaler.update` (see the module docstring for the state machine)."""
+        if found_inf:
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self._scale = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_tracker = self.hysteresis  # the only place the hysteresis tracker resets
+                self._scale = self._scale * self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": float(self._scale.item()),
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._growth_tracker = int(state_dict["growth_tracker"])
+        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+
+
+def _dynamic(cfg) -> LossScaler:
+    return DynamicLossScaler(
+        initial_scale=cfg.initial_scale,
+        min_scale=cfg.min_scale,
+        growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor,
+        growth_interval=cfg.growth_interval,
+        hysteresis=cfg.hysteresis,
+    )
+
+
+def _constant(cfg) -> LossScaler:
+    return ConstantLossScaler(cfg.scale)
+
+
+def _none(cfg) -> None:
+    return None
+
+
+# name -> builder(cfg); "auto" is resolved by `resolve_loss_scaler_name` before the lookup.
+LOSS_SCALERS: dict[str, Callable] = {"dynamic": _dynamic, "constant": _constant, "none": _none}
+_AUTO = {"fp16": "dynamic", "bf16": "none", "fp32": "none"}
+
+
+def resolve_loss_scaler_name(name: str, precision: str) -> str:
+    """The scaler a (loss_scaler.name, precision.name) pair selects; pure, usable by config validation.
+
+    auto -> dynamic for fp16, none otherwise. Rejected: fp16 without a scaler (grads underflow),
+    dynamic with bf16/fp32 (their exponent range is fp32's, nothing to adapt; use constant).
+    Raises:
+        ConfigError: unknown names or a rejected pair (names `loss_scaler` and `precision`).
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision: unknown precision={precision!r}; pick one of {', '.join(PRECISIONS)}")
+    valid = ("auto",) + tuple(LOSS_SCALERS)
+    if name not in valid:
+        raise ConfigError(f"loss_scaler: unknown loss_scaler={name!r}; pick one of {', '.join(valid)}")
+    resolved = _AUTO[precision] if name == "auto" else name
+    if precision == "fp16" and resolved == "none":
+        raise ConfigError(
+            "loss_scaler: precision=fp16 with loss_scaler=none would underflow small fp16 gradients to zero; "
+            "use loss_scaler=auto (dynamic) or loss_scaler=dynamic or loss_scaler=constant"
+        )
+    if precision != "fp16" and resolved == "dynamic":
+        raise ConfigError(
+            f"loss_scaler: loss_scaler=dynamic is for precision=fp16 (got precision={precision}, whose exponent "
+            "range never needs a dynamic scale); use loss_scaler=auto (none) or loss_scaler=constant"
+        )
+    return resolved
+
+
+def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
+    """Build the scaler selected by a `LossScalerConfig` for ``precision`` (fp32 | bf16 | fp16).
+
+    Returns:
+        a `LossScaler`, or None when no loss scaling is used (auto with bf16/fp32, or none).
+    Raises:
+        ConfigError: see `resolve_loss_scaler_name` and the scalers' constructors.
+    """
+    return LOSS_SCALERS[resolve_loss_scaler_name(cfg.name, precision)](cfg)
