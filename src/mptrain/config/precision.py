@@ -1,4 +1,8 @@
-"""Schemas of the `precision` and `loss_scaler` config groups (DESIGN.md §1)."""
+"""Schemas of the `precision` and `loss_scaler` config groups (DESIGN.md §1).
+
+Built by `mptrain.precision.params_dtype(name)` and `mptrain.precision.build_loss_scaler(cfg, precision)`;
+the pair check (fp16 needs a scaler, dynamic needs fp16) is `mptrain.precision.resolve_loss_scaler_name`.
+"""
 
 from __future__ import annotations
 
@@ -18,16 +22,20 @@ class LossScalerConfig:
     """One schema for every option; `name` picks the scaler (auto: dynamic for fp16, none otherwise)."""
 
     name: str = "auto"
-    """auto | dynamic | constant | none."""
+    """auto | dynamic | constant | none. fp16 + none is rejected; dynamic needs fp16."""
     initial_scale: float = 2.0**32
+    """dynamic: starting loss scale S (a power of two)."""
     min_scale: float = 1.0
+    """dynamic: floor of the backoff (> 0, <= initial_scale)."""
     growth_factor: float = 2.0
+    """dynamic: S *= growth_factor after growth_interval consecutive clean steps (> 1)."""
     backoff_factor: float = 0.5
+    """dynamic: S *= backoff_factor on an overflow once hysteresis is exhausted (in (0, 1))."""
     growth_interval: int = 1000
-    """Clean steps before the scale grows."""
+    """dynamic: consecutive clean steps (iterations) before the scale grows (>= 1)."""
     hysteresis: int = 2
-    """Overflows tolerated (since the last growth) before a backoff."""
+    """dynamic: overflows tolerated since the last growth before a backoff (>= 1; reset only on growth)."""
     scale: float = 4096.0
-    """constant: the fixed scale."""
+    """constant: the fixed scale (> 0)."""
     max_consecutive_skips: int = 100
-    """End the run with an error after this many skipped steps in a row."""
+    """End the run with an error after more than this many skipped steps in a row (0 = never)."""
