@@ -1,0 +1,239 @@
+"""Data-parallel wrapper: grads accumulate into contiguous buffers and are SUM-reduced over DP by bucket.
+
+Megatron ``distributed/distributed_data_parallel.py`` + ``param_and_grad_buffer.py`` (design
+document §4.1 "main_grad"), without the attributes Megatron bolts onto parameters:
+
+* every grad-requiring param gets a slot in the `GradBuffer` of its grad dtype (fp32 under
+  ``grad_reduce_in_fp32``, else the param dtype); ``main_grad(param)`` is a view of it;
+* a ``register_post_accumulate_grad_hook`` adds ``param.grad`` into the view and drops
+  ``param.grad``, so grads accumulate across micro-batches in the buffer;
+* the DP reduction is a SUM (all-reduce, or reduce-scatter under the distributed optimizer); the
+  loss normalisation (max_tokens / global tokens) is applied later by `finalize_model_grads`;
+* ``no_sync()`` suppresses reduction (all but the last micro-batch); with ``overlap_grad_reduce`` a
+  bucket's async collective starts as soon as every param of the bucket has its grad in the synced
+  micro-batch. Buckets are launched strictly in index order on every rank (a ready bucket waits
+  for its predecessors) so that collectives match across DP ranks even when a param gets no grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.distributed.grad_buffer import Bucket, GradBuffer
+from mptrain.layers.sharding import collect_shard_specs
+
+# torch >= 2.10 renamed the tensor collectives (the old names warn); accept both.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _BucketState:
+    """Per-buffer sync state of one iteration (reset by `finish_grad_sync` / `zero_grad_buffer`)."""
+
+    def __init__(self, buffer: GradBuffer) -> None:
+        self.buffer = buffer
+        self.ready: list = [set() for _ in buffer.buckets]
+        self.works: list = [None] * len(buffer.buckets)
+        self.launched: list = [False] * len(buffer.buckets)
+        self.next_to_launch = 0
+
+    def reset(self) -> None:
+        for s in self.ready:
+            s.clear()
+        self.works = [None] * len(self.works)
+        self.launched = [False] * len(self.launched)
+        self.next_to_launch = 0
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap one model chunk for data parallelism over ``groups.dp_group``.
+
+    Args:
+        module: the model chunk (``Float16Module(GPTModel)`` or any nn.Module).
+        groups: `ParallelGroups` of the layout.
+        specs: {param name (as in module.named_parameters()): ShardSpec}; None = collect from the
+            module. Params with ``spec.tied_embedding`` get a bucket of their own.
+        grad_reduce_in_fp32: accumulate and reduce grads in fp32 whatever the param dtype.
+        overlap_grad_reduce: launch bucket collectives from backward hooks (last micro-batch).
+        bucket_size: elements per bucket; None = max(40M, 1M × dp) (Megatron's default).
+        use_distributed_optimizer: reduce-scatter instead of all-reduce; buckets padded to a
+            multiple of dp so each DP rank owns a contiguous 1/dp of every bucket.
+    Raises:
+        ValueError: bucket_size < 1.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups,
+        *,
+        specs: Optional[dict] = None,
+        grad_reduce_in_fp32: bool,
+        overlap_grad_reduce: bool,
+        bucket_size: Optional[int],
+        use_distributed_optimizer: bool,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.groups = groups
+        self.specs = dict(specs) if specs is not None else collect_shard_specs(module)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self._sync_enabled = True
+        by_dtype: dict = {}
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                grad_dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
+                by_dtype.setdefault(grad_dtype, []).append((name, param))
+        tied = frozenset(n for n, s in self.specs.items() if s.tied_embedding)
+        device = next(module.parameters()).device if any(True for _ in module.parameters()) else torch.device("cpu")
+        self._grad_buffers = tuple(
+            GradBuffer(
+                named,
+                dtype=dtype,
+                bucket_size=bucket_size,
+                dp_size=groups.dp_size,
+                pad_for_dp=use_distributed_optimizer,
+                own_bucket=tied,
+                device=device,
+            )
+            for dtype, named in by_dtype.items()
+        )
+        self._states = tuple(_BucketState(b) for b in self._grad_buffers)
+        self._hook_handles = []
+        for state in self._states:
+            for param in state.buffer.params():
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(state)))
+
+    # --- buffers ---------------------------------------------------------------------------
+    @property
+    def buffers(self) -> tuple:  # noqa: D401 - shadows nn.Module.buffers() on purpose (Megatron's name)
+        """The `GradBuffer`s (one per grad dtype). Note: shadows ``nn.Module.buffers()``; use
+        ``self.module.buffers()`` for registered module buffers."""
+        return self._grad_buffers
+
+    def _buffer_of(self, param: torch.Tensor) -> GradBuffer:
+        for buf in self._grad_buffers:
+            if param in buf:
+                return buf
+        raise KeyError("parameter is not managed by this DistributedDataParallel (requires_grad=False?)")
+
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The accumulated grad of ``param``: a view of the contiguous buffer, shaped like ``param``.
+
+        Raises:
+            KeyError: the param does not belong to this wrapper.
+        """
+        return self._buffer_of(param).main_grad(param)
+
+    def named_main_grads(self) -> list:
+        """[(name, param, main_grad view)] over all buffers, in buffer order."""
+        out = []
+        for buf in self._grad_buffers:
+            for p in buf.params():
+                out.append((buf.slot(p).name, p, buf.main_grad(p)))
+        return out
+
+    # --- module passthrough ----------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix), as Megatron's DDP."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    # --- accumulation and sync ---------------------------------------------------------------
+    def _make_hook(self, state: _BucketState):
+        def hook(param: torch.Tensor) -> None:
+            # Grads accumulate in the buffer across micro-batches; param.grad is dropped so that
+            # autograd allocates a fresh (not accumulated-into) grad next backward.
+            state.buffer.main_grad(param).add_(param.grad)
+            param.grad = None
+            if self.overlap_grad_reduce and self._sync_enabled:
+                slot = state.buffer.slot(param)
+                ready = state.ready[slot.bucket]
+                ready.add(slot.name)
+                if len(ready) == len(state.buffer.buckets[slot.bucket].param_names):
+                    self._launch_ready(state)
+
+        return hook
+
+    def _launch_ready(self, state: _BucketState) -> None:
+        """Launch, in index order, every bucket whose params are all ready and whose predecessors launched."""
+        buckets = state.buffer.buckets
+        while state.next_to_launch < len(buckets):
+            b = buckets[state.next_to_launch]
+            if len(state.ready[b.index]) < len(b.param_names):
+                return
+            self._launch(state, b)
+
+    def _launch(self, state: _BucketState, bucket: Bucket) -> None:
+        assert bucket.index == state.next_to_launch and not state.launched[bucket.index]
+        data = state.buffer.bucket_data(bucket)
+        group = self.groups.dp_group
+        if self.groups.dp_size == 1:
+            work = None
+        elif self.use_distributed_optimizer:
+            lo, hi = bucket.shard_range(self.groups.dp_rank, self.groups.dp_size)
+            shard = state.buffer.data[lo:hi]
+            work = _reduce_scatter(shard, data, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        else:
+            work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        state.works[bucket.index] = work
+        state.launched[bucket.index] = True
+        state.next_to_launch += 1
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Reduce nothing inside (grads only accumulate); use for all but the last micro-batch."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def start_grad_sync(self) -> None:
+        """Launch every bucket not launched yet (async), in index order."""
+        for state in self._states:
+            while state.next_to_launch < len(state.buffer.buckets):
+                self._launch(state, state.buffer.buckets[state.next_to_launch])
+
+    def finish_grad_sync(self) -> None:
+        """Complete the DP reduction of every bucket (launching what is left), then reset the sync state.
+
+        After it, under all-reduce every ``main_grad`` holds the DP SUM; under the distributed
+        optimizer only this rank's shard range of each bucket does (the rest is stale).
+        """
+        self.start_grad_sync()
+        for state in self._states:
+            for work in state.works:
+                if work is not None:
+                    work.wait()
+            state.reset()
+
+    def launched_buckets(self) -> list:
+        """[(buffer index, bucket index)] whose collective has been launched this iteration (tests, debugging)."""
+        return [(i, b) for i, s in enumerate(self._states) for b, done in enumerate(s.launched) if done]
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every grad buffer (padding included) and drop any stray ``param.grad``; reset sync state."""
+        for state in self._states:
+            state.buffer.data.zero_()
+            state.reset()
+            for p in state.buffer.params():
+                p.grad = None
+
+    def scale_gradients(self, factor) -> None:
+        """Multiply every main grad by ``factor`` (a Python number or a 0-d tensor; no host sync)."""
+        for buf in self._grad_buffers:
+            buf.data.mul_(factor)
