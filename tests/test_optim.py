@@ -1,0 +1,171 @@
+"""Optimizer builders (registry, param groups, kernels) and the LR schedule (values per style, state_dict)."""
+
+import math
+import types
+
+import pytest
+import torch
+
+from mptrain.config.optim import OptimConfig
+from mptrain.errors import ConfigError
+from mptrain.layers.sharding import ShardSpec
+from mptrain.optim import OptimizerParamScheduler, build_optimizer_factory, param_groups
+
+# lr 1.0, min_lr 0.1, warmup 2, decay reaches min_lr at step 6. Entry n = LR after n scheduler steps,
+# i.e. the LR of iteration n + 1 (iteration 1 runs at 0 during warmup, as Megatron).
+COS_3 = 0.1 + 0.9 * (1 + math.cos(math.pi * 0.25)) / 2  # 0.8681980515...
+COS_5 = 0.1 + 0.9 * (1 + math.cos(math.pi * 0.75)) / 2  # 0.2318019484...
+LR_TABLE = {
+    "constant": [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    "linear": [0.0, 0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1],
+    "cosine": [0.0, 0.5, 1.0, COS_3, 0.55, COS_5, 0.1, 0.1, 0.1],
+}
+
+
+def _opt(lr=0.123):
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(3))]}]
+    return torch.optim.SGD(groups, lr=lr)
+
+
+@pytest.mark.parametrize("style", list(LR_TABLE))
+def test_lr_schedule_values(style):
+    opt = _opt()
+    sched = OptimizerParamScheduler(opt, lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style=style)
+    got = [opt.param_groups[0]["lr"]]
+    for _ in range(8):
+        sched.step()
+        got.append(opt.param_groups[0]["lr"])
+        assert opt.param_groups[1]["lr"] == got[-1]  # every group gets the LR
+    # 1e-12: the formulas are evaluated in float64 in the same order as the table; only rounding differs
+    assert got == pytest.approx(LR_TABLE[style], rel=1e-12, abs=1e-12)
+    assert sched.get_lr() == got[-1]
+
+
+def test_lr_schedule_without_warmup_and_decay_is_constant():
+    opt = _opt()
+    sched = OptimizerParamScheduler(opt, lr=3e-4, min_lr=0.0, lr_warmup_iters=0, lr_decay_iters=None, lr_decay_style="constant")
+    assert [opt.param_groups[0]["lr"]] + [sched.step() for _ in range(5)] == [3e-4] * 6
+
+
+def test_lr_schedule_increment_and_state_dict_round_trip():
+    opt = _opt()
+    kwargs = dict(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine")
+    sched = OptimizerParamScheduler(opt, **kwargs)
+    assert sched.step(increment=3) == pytest.approx(COS_3, rel=1e-12)  # same formula, rounding only
+    saved = sched.state_dict()
+    assert saved["num_steps"] == 3
+    opt2 = _opt()
+    resumed = OptimizerParamScheduler(opt2, **kwargs)
+    assert opt2.param_groups[0]["lr"] == 0.0
+    resumed.load_state_dict(saved)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for _ in range(4):
+        assert resumed.step() == sched.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr_decay_style="cosine", lr_decay_iters=None), "lr_decay_style=cosine needs optim.lr_decay_iters"),
+        (dict(lr_decay_style="linear", lr_decay_iters=2), "lr_decay_iters=2 must be > lr_warmup_iters=2"),
+        (dict(lr_decay_style="step"), "unknown optim.lr_decay_style='step'; pick one of constant, linear, cosine"),
+        (dict(min_lr=2.0), "min_lr=2.0 must be <= lr=1.0"),
+        (dict(lr_warmup_iters=-1), "must be >= 0"),
+    ],
+)
+def test_lr_schedule_rejects(kwargs, match):
+    base = dict(lr=1.0, min_lr=0.0, lr_warmup_iters=2, lr_decay_iters=10, lr_decay_style="constant")
+    with pytest.raises(ConfigError, match=match):
+        OptimizerParamScheduler(_opt(), **{**base, **kwargs})
+
+
+def _params_and_specs():
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    b = torch.nn.Parameter(torch.randn(4))
+    ln = torch.nn.Parameter(torch.ones(3))
+    specs = [ShardSpec((4, 3)), ShardSpec((4,), no_weight_decay=True), ShardSpec((3,), no_weight_decay=True)]
+    return [w, b, ln], specs
+
+
+def test_param_groups_split_by_no_weight_decay():
+    params, specs = _params_and_specs()
+    groups = param_groups(params, specs)
+    assert [len(g["params"]) for g in groups] == [1, 2]
+    assert groups[0]["params"][0] is params[0] and "weight_decay" not in groups[0]
+    assert groups[1]["weight_decay"] == 0.0
+    assert param_groups(params, specs, 0.1)[0]["weight_decay"] == 0.1
+    with pytest.raises(ValueError, match="3 params but 2 specs"):
+        param_groups(params, specs[:2])
+
+
+@pytest.mark.parametrize("name, cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)])
+def test_factory_builds_each_optimizer_with_foreach_on_cpu(name, cls):
+    params, specs = _params_and_specs()
+    cfg = OptimConfig(name=name, lr=0.5, weight_decay=0.01, sgd_momentum=0.9)
+    opt = build_optimizer_factory(cfg)(param_groups(params, specs))
+    assert type(opt) is cls
+    assert opt.defaults["foreach"] is True  # CPU params: multi-tensor kernels
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert all(g["lr"] == 0.5 for g in opt.param_groups)
+    if name != "sgd":
+        assert opt.defaults["betas"] == (0.9, 0.999) and opt.defaults["eps"] == 1e-8
+    else:
+        assert opt.defaults["momentum"] == 0.9
+
+
+def test_factory_matches_a_plain_torch_optimizer():
+    torch.manual_seed(0)
+    params, specs = _params_and_specs()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    cfg = OptimConfig(name="adamw", lr=0.1, weight_decay=0.1)
+    ours = build_optimizer_factory(cfg)(param_groups(params, specs))
+    theirs = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": ref[1:], "weight_decay": 0.0}],
+                               lr=0.1, foreach=False)
+    for _ in range(3):
+        for p, r in zip(params, ref):
+            g = torch.randn_like(p)
+            p.grad, r.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):
+        # foreach vs for-loop kernels: same math, different op order; 1e-6 covers a few fp32 ulps
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"name": "lion"}, "unknown optimizer optim.name='lion'; pick one of adam, adamw, sgd"),
+        ({"impl": "cuda"}, "unknown optim.impl='cuda'; pick one of auto, torch, apex"),
+        ({"lr": 1e-3, "min_lr": 1e-2}, "min_lr"),
+    ],
+)
+def test_factory_rejects(override, match):
+    with pytest.raises(ConfigError, match=match):
+        build_optimizer_factory(OptimConfig(**override))
+
+
+def test_apex_requested_but_missing_is_a_config_error():
+    try:
+        import apex.optimizers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="optim.impl=apex but apex.optimizers is not importable"):
+            build_optimizer_factory(OptimConfig(impl="apex"))
+    else:  # pragma: no cover - apex present (GPU machine)
+        opt = build_optimizer_factory(OptimConfig(impl="apex"))(param_groups(*_params_and_specs()))
+        assert type(opt).__name__ == "FusedAdam"
+
+
+def test_factory_uses_fused_when_all_params_on_cuda(monkeypatch):
+    from mptrain.optim import builders
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, groups, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setitem(builders.OPTIMIZERS, "adam", (Recorder, builders._adam_kwargs, None))
+    fake_cuda = types.SimpleNamespace(is_cuda=True)
+    build_optimizer_factory(OptimConfig())([{"params": [fake_cuda]}])
+    assert seen.get("fused") is True and "foreach" not in seen
