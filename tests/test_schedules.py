@@ -1,0 +1,228 @@
+"""Pipeline schedules on a toy chunk model: every schedule equals a single-process reference.
+
+Toy model (same contract as GPTModel chunks): the first virtual stage embeds token ids
+``[b, s] -> [s, b, h]``, every stage applies its global layers ``x = tanh(W_i x + c_i)``, the last
+stage projects to the vocabulary and returns the per-token cross entropy ``[b, s]``. Each weight
+is generated from a generator seeded by its global identity, so the full model is the same for
+every pipeline split. The reference runs the full model on the whole global batch in one process
+with the global-token-mean loss; the schedule's grads are rescaled by ``max_tokens / num_tokens``
+as finalize_model_grads does.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_distributed
+from mptrain.errors import ConfigError
+from mptrain.groups import build_groups
+from mptrain.schedules import ScheduleStats, get_forward_backward_func, resolve_schedule_name
+
+VOCAB, HIDDEN, SEQ, MBS = 37, 16, 8, 2
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class ToyChunk(torch.nn.Module):
+    """One virtual stage: optional embedding, global layers ``layer_ids``, optional head + per-token loss."""
+
+    def __init__(self, layer_ids, *, pre_process: bool, post_process: bool):
+        super().__init__()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.input_tensor = None
+        if pre_process:
+            self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+            self.embed.weight.data = torch.randn(VOCAB, HIDDEN, generator=_gen(1))
+        self.layers = torch.nn.ModuleDict()
+        for i in layer_ids:
+            lin = torch.nn.Linear(HIDDEN, HIDDEN)
+            lin.weight.data = torch.randn(HIDDEN, HIDDEN, generator=_gen(100 + i)) / HIDDEN**0.5
+            lin.bias.data = torch.randn(HIDDEN, generator=_gen(200 + i)) * 0.1
+            self.layers[str(i)] = lin
+        if post_process:
+            self.head = torch.nn.Linear(HIDDEN, VOCAB)
+            self.head.weight.data = torch.randn(VOCAB, HIDDEN, generator=_gen(2)) / HIDDEN**0.5
+            self.head.bias.data = torch.zeros(VOCAB)
+
+    def set_input_tensor(self, t):
+        self.input_tensor = t
+
+    def forward(self, tokens, labels):
+        # x: [s, b, h]
+        x = self.embed(tokens).transpose(0, 1) if self.pre_process else self.input_tensor
+        for lin in self.layers.values():
+            x = torch.tanh(lin(x))
+        if not self.post_process:
+            return x
+        logits = self.head(x)  # [s, b, V]
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.t().reshape(-1), reduction="none")
+        return loss.view(SEQ, -1).t()  # per-token loss [b, s]
+
+
+def stage_sizes(num_layers, num_stages, first=None, last=None):
+    """Layers per virtual stage: even, or with the first / last stage given (the rest split evenly)."""
+    sizes = [None] * num_stages
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    rest = num_layers - sum(s for s in sizes if s is not None)
+    free = [i for i, s in enumerate(sizes) if s is None]
+    assert rest % len(free) == 0
+    for i in free:
+        sizes[i] = rest // len(free)
+    return sizes
+
+
+def build_chunks(rank_pp, pp, vpp, sizes):
+    chunks = []
+    starts = [sum(sizes[:v]) for v in range(len(sizes))]
+    for c in range(vpp):
+        v = c * pp + rank_pp  # virtual stage of chunk c on this rank
+        ids = list(range(starts[v], starts[v] + sizes[v]))
+        chunks.append(ToyChunk(ids, pre_process=v == 0, post_process=v == pp * vpp - 1))
+    return chunks
+
+
+def make_batches(m, seed=7):
+    g = _gen(seed)
+    out = []
+    for _ in range(m):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+        loss_mask = (torch.rand(MBS, SEQ, generator=g) < 0.7).float()  # ~30 % masked: token mean != mb mean
+        out.append({"tokens": tokens, "labels": labels, "loss_mask": loss_mask})
+    return out
+
+
+def forward_step(data_iterator, chunk):
+    batch = next(data_iterator)  # every chunk consumes its own iterator in micro-batch order
+    out = chunk(batch["tokens"], batch["labels"])
+
+    def loss_func(per_token):
+        loss_sum = (per_token * batch["loss_mask"]).sum()
+        num_tokens = batch["loss_mask"].sum()
+        return loss_sum, num_tokens, {"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach()}
+
+    return out, loss_func
+
+
+def reference(batches, num_layers):
+    """Full model, whole global batch, one process: loss and grads of the global token-mean loss."""
+    model = ToyChunk(range(num_layers), pre_process=True, post_process=True)
+    tokens = torch.cat([b["tokens"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    mask = torch.cat([b["loss_mask"] for b in batches])
+    model_out = model(tokens, labels)
+    loss = (model_out * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, mask.sum()
+
+
+def assert_grads_match(chunks, ref_grads, scale):
+    seen = 0
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            ref = ref_grads[name]
+            # fp32, different summation order (per micro-batch accumulation vs one batch):
+            # rel 1e-5 of the tensor's largest entry (acceptance: rel 1e-5)
+            torch.testing.assert_close(p.grad * scale, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            seen += 1
+    return seen
+
+
+def _run_schedule(rank, world, schedule, pp, vpp, m, sizes_kw, stats_out=True):
+    groups = build_groups(1, pp, vpp)
+    try:
+        nstages = pp * (vpp or 1)
+        sizes = stage_sizes(**sizes_kw, num_stages=nstages)
+        num_layers = sum(sizes)
+        chunks = build_chunks(groups.pp_rank, pp, vpp or 1, sizes)
+        batches = make_batches(m)
+        iters = [iter(batches) for _ in chunks]
+        fn = get_forward_backward_func(schedule, groups)
+        stats = ScheduleStats()
+        max_tokens = m * MBS * SEQ
+        reports, num_tokens = fn(
+            forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
+            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
+            dtype=torch.float32, sequence_parallel=False, max_tokens=max_tokens, stats=stats,
+        )
+        ref_loss, ref_grads, ref_tokens = reference(batches, num_layers)
+        # finalize_model_grads' rescale: grads were of Σ loss_sum / max_tokens
+        seen = assert_grads_match(chunks, ref_grads, max_tokens / ref_tokens.item())
+        loss = None
+        if groups.is_last_stage:
+            assert len(reports) == m
+            assert int(num_tokens) == int(ref_tokens.item())
+            loss = sum(r["loss_sum"] for r in reports) / sum(r["num_tokens"] for r in reports)
+            # fp32 sums in a different order: rel 1e-5 (acceptance)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        else:
+            assert reports == [] and int(num_tokens) == 0
+        return {"params": seen, "inflight": stats.max_inflight_microbatches, "bytes": stats.bytes_sent["pp"],
+                "loss": loss}
+    finally:
+        groups.destroy()
+
+
+EVEN = {"num_layers": 8}
+
+
+@pytest.mark.parametrize("schedule", ["no_pipelining", "gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_pp1(schedule, m):
+    out = run_distributed(_run_schedule, 1, schedule, 1, None, m, EVEN)
+    assert out[0]["params"] == 1 + 16 + 2 and out[0]["bytes"] == 0
+    assert out[0]["inflight"] == (m if schedule == "gpipe" else 1)  # GPipe holds every micro-batch even at pp 1
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_pp2(schedule, m):
+    out = run_distributed(_run_schedule, 2, schedule, 2, None, m, EVEN)
+    assert sum(o["params"] for o in out) == 19  # every parameter was compared once
+    expected = [m, m] if schedule == "gpipe" else [min(2 - r, m) for r in range(2)]
+    assert [o["inflight"] for o in out] == expected
+    act = SEQ * MBS * HIDDEN * 4  # bytes of one [s, b, h] fp32 activation
+    assert [o["bytes"] for o in out] == [m * act, m * act]  # stage 0 sends activations, stage 1 grads
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_pp4(schedule, m):
+    out = run_distributed(_run_schedule, 4, schedule, 4, None, m, EVEN)
+    assert sum(o["params"] for o in out) == 19
+    expected = [m] * 4 if schedule == "gpipe" else [min(4 - r, m) for r in range(4)]
+    assert [o["inflight"] for o in out] == expected
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_interleaved_pp2_vpp2(m):
+    out = run_distributed(_run_schedule, 2, "interleaved_1f1b", 2, 2, m, EVEN)
+    assert sum(o["params"] for o in out) == 19
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_interleaved_pp4_vpp2(m):
+    out = run_distributed(_run_schedule, 4, "interleaved_1f1b", 4, 2, m, EVEN)
+    assert sum(o["params"] for o in out) == 19
+
+
+def test_interleaved_pp2_vpp3():
+    out = run_distributed(_run_schedule, 2, "interleaved_1f1b", 2, 3, 4, {"num_layers": 6})
+    assert sum(o["params"] for o in out) == 6 * 2 + 3
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uneven_split_pp4(schedule):
+    # decoder_first/last_pipeline_num_layers = 1 / 1 with 8 layers: stages hold 1, 3, 3, 1 layers
+    out = run_distributed(_run_schedule, 4, schedule, 4, None, 3, {"num_layers": 8, "first": 1, "last": 1})
+    assert sum(o["params"] for o in out) == 19
+
+
+def test_interleaved_uneven_split():
+    out = run_distributed(_run_schedule, 2, "interleaved_1f1b", 2, 2, 4, {"num_layers": 8, "first": 1, "last": 3})
+    assert sum(o["params"] for o in out) == 19
