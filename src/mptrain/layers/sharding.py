@@ -36,7 +36,10 @@ class ShardSpec:
             (at the end) are vocab padding. Equals the local size where nothing is padded.
         interleave: for fused projections whose columns are laid out per head/group (QKV), the
             number of equal parts the global tensor is split into before sharding (1 = plain
-            contiguous split). A local shard then holds part-local slices; see `global_index`.
+            contiguous split). A local shard then holds part-local slices: its ``partition_dim`` is
+            ``interleave`` equal pieces, piece j being rows ``[offset, offset + n)`` of global part j
+            (``offset`` is then measured inside a part). Used for SwiGLU's fused [gate; up] fc1.
+            See `shard_slices`.
         sequence_parallel_grad: the grad must be all-reduced over TP (norms / row-parallel biases
             under sequence parallelism).
         tied_embedding: this param is the (tied) word embedding or its output-layer copy.
@@ -95,6 +98,86 @@ def collect_shard_specs(model: torch.nn.Module) -> dict:
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             specs[full] = own.get(p_name) or replicated_spec(param, no_weight_decay=param.dim() == 1)
     return specs
+
+
+def shard_slices(spec: ShardSpec, local_len: int) -> list:
+    """Where the real entries of a local shard live, along ``spec.partition_dim``.
+
+    Args:
+        spec: the parameter's spec (``partition_dim`` not None).
+        local_len: local size along ``partition_dim`` (padded size for the vocabulary).
+    Returns:
+        [(local_start, global_start, length), ...]: one triple per interleaved piece (one for a
+        plain split). Padded rows (``valid`` < local_len) are not covered.
+    """
+    k = spec.interleave
+    if k == 1:
+        valid = local_len if spec.valid is None else spec.valid
+        return [(0, spec.offset, valid)] if valid > 0 else []
+    n = local_len // k
+    part = spec.global_shape[spec.partition_dim] // k
+    return [(j * n, j * part + spec.offset, n) for j in range(k)]
+
+
+def take_shard(full: torch.Tensor, spec: ShardSpec, local_len: Optional[int] = None) -> torch.Tensor:
+    """This rank's shard of a full (unpadded) tensor; padded rows are zeros.
+
+    Args:
+        full: tensor of ``spec.global_shape``.
+        local_len: local size along ``partition_dim`` (default: the valid size, i.e. no padding).
+    Returns:
+        the local tensor (a new tensor, contiguous).
+    """
+    if spec.partition_dim is None:
+        return full.clone()
+    dim = spec.partition_dim
+    if local_len is None:
+        if spec.valid is None or spec.interleave != 1:
+            raise ValueError("take_shard: local_len is required for specs without `valid` or with interleave > 1")
+        local_len = spec.valid
+    shape = list(full.shape)
+    shape[dim] = local_len
+    out = torch.zeros(shape, dtype=full.dtype, device=full.device)
+    for local_start, global_start, n in shard_slices(spec, local_len):
+        out.narrow(dim, local_start, n).copy_(full.narrow(dim, global_start, n))
+    return out
+
+
+def place_shard(full: torch.Tensor, local: torch.Tensor, spec: ShardSpec) -> None:
+    """Write a local shard's real entries into ``full`` (inverse of `take_shard`; padding dropped)."""
+    if spec.partition_dim is None:
+        full.copy_(local)
+        return
+    dim = spec.partition_dim
+    for local_start, global_start, n in shard_slices(spec, local.shape[dim]):
+        full.narrow(dim, global_start, n).copy_(local.narrow(dim, local_start, n))
+
+
+def gather_full_tensor(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    """The full unpadded tensor of ``spec.global_shape`` from the TP shards (collective over ``group``).
+
+    Every rank passes its local shard and spec; ranks exchange (offset, valid) and the shards with
+    all-gathers (works on gloo and NCCL). Replicated params are returned as a copy.
+    """
+    import torch.distributed as dist
+
+    if spec.partition_dim is None or group is None or dist.get_world_size(group) == 1:
+        full = torch.empty(spec.global_shape, dtype=local.dtype, device=local.device)
+        place_shard(full, local, spec)
+        return full
+    p = dist.get_world_size(group)
+    dim = spec.partition_dim
+    meta = torch.tensor([spec.offset, -1 if spec.valid is None else spec.valid], dtype=torch.int64, device=local.device)
+    metas = [torch.empty_like(meta) for _ in range(p)]
+    dist.all_gather(metas, meta, group=group)
+    shards = [torch.empty_like(local.contiguous()) for _ in range(p)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    full = torch.zeros(spec.global_shape, dtype=local.dtype, device=local.device)
+    for m, shard in zip(metas, shards):
+        offset, valid = int(m[0]), int(m[1])
+        other = dataclasses.replace(spec, offset=offset, valid=None if valid < 0 else valid)
+        place_shard(full, shard, other)
+    return full
 
 
 def iter_params_with_specs(model: torch.nn.Module) -> Iterator[tuple]:

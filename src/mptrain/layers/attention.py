@@ -1,0 +1,134 @@
+"""Causal self-attention with heads split over TP, grouped-query attention and RoPE.
+
+Legend: ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``np`` query heads, ``ng`` query groups
+(K/V heads; ng = np for multi-head attention), ``hn`` head dim (kv_channels), ``tp`` TP size.
+Activations ``[s, b, h]`` (``[s/tp, b, h]`` in/out under sequence parallelism).
+
+Fused QKV layout (the layout-independent global weight, Megatron's ``linear_qkv``): rows
+``[(np + 2 ng) · hn, h]`` ordered by query group g = 0..ng-1, each group one block
+``[q_{g,0}, ..., q_{g,np/ng-1}, k_g, v_g]`` of ``hn`` rows per head. TP rank r holds the
+contiguous groups ``[r·ng/tp, (r+1)·ng/tp)``, i.e. a plain contiguous split of dim 0
+(``ShardSpec.interleave = 1``), so a checkpoint maps shards by offset alone. Query head i
+attends with K/V group ``i // (np/ng)`` (``repeat_interleave``).
+
+Softmax precision: the core runs ``torch.nn.functional.scaled_dot_product_attention`` (causal,
+scale 1/sqrt(hn)); its fused kernels (flash / memory-efficient on CUDA, flash on CPU) accumulate
+the softmax in fp32 for fp16/bf16 inputs. The one case where SDPA falls back to a half-precision
+math softmax is attention dropout off CUDA; there, with ``attention_softmax_in_fp32``, we compute
+scores, mask, softmax and dropout explicitly in fp32 and cast the probabilities back before P·V
+(Megatron's unfused ``DotProductAttention`` path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mptrain.layers.random import ParamInit, checkpoint
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[s, 1, 1, hn]`` fp32 for positions 0..s-1 (Su et al. 2021, RoFormer §3.4; Megatron's
+    non-interleaved layout: frequencies repeated as [f, f] over the two halves)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)  # [s, hn/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, hn]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[s, b, heads, hn]`` rotated: x·cos + rotate_half(x)·sin, computed in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class SelfAttention(torch.nn.Module):
+    """Column-parallel QKV -> (RoPE) -> causal core attention on np/tp heads -> row-parallel projection.
+
+    Args:
+        config: ModelConfig. groups: ParallelGroups. layer_number: global 0-based layer index.
+        init: ParamInit. sequence_parallel: effective SP (tp > 1). rng_tracker: RNGStatesTracker.
+    forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, or None for
+    causal) -> ``[s(/tp), b, h]`` (projection bias added).
+    """
+
+    def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, rng_tracker,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        tp = groups.tp_size
+        self.np = config.num_attention_heads
+        self.ng = config.num_query_groups or self.np
+        self.hn = config.kv_channels or config.hidden_size // self.np
+        self.np_local, self.ng_local = self.np // tp, self.ng // tp
+        self.groups, self.sequence_parallel, self.rng_tracker = groups, sequence_parallel, rng_tracker
+        self.attention_dropout = config.attention_dropout
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        self.rope = config.position_embedding_type == "rope"
+        self.rotary_base = config.rotary_base
+        self.recompute_core = config.recompute_granularity == "selective"
+        prefix = f"decoder.layers.{layer_number}.self_attention"
+        common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
+                      params_dtype=params_dtype, device=device)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, (self.np + 2 * self.ng) * self.hn,
+                                               name=f"{prefix}.linear_qkv", **common)
+        self.linear_proj = RowParallelLinear(self.np * self.hn, config.hidden_size, name=f"{prefix}.linear_proj",
+                                             input_is_parallel=True, scaled_init=True, **common)
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp · (np/ng + 2) · hn]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.ng_local, self.np // self.ng + 2, self.hn)  # per local group: q..q, k, v
+        q = qkv[:, :, :, :-2].reshape(s, b, self.np_local, self.hn)  # [s, b, np/tp, hn]
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng/tp, hn]
+        if self.rope:
+            cos, sin = rope_cos_sin(s, self.hn, self.rotary_base, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute_core and torch.is_grad_enabled():
+            context = checkpoint(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        out, _ = self.linear_proj(context)
+        return out
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """q ``[s, b, np/tp, hn]``, k, v ``[s, b, ng/tp, hn]`` -> context ``[s, b, np/tp · hn]``.
+
+        Attention-probability dropout is inside a TP region (each rank holds other heads): it runs
+        in the model-parallel RNG fork, unless sequence parallelism already put the whole block in
+        that fork (megatron-core.md §3.9).
+        """
+        s, b = q.shape[:2]
+        rep = self.np_local // self.ng_local
+        q = q.permute(1, 2, 0, 3)  # [b, np/tp, s, hn]
+        k = k.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)  # [b, np/tp, s, hn]
+        v = v.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        fork = dropout_p > 0 and not self.sequence_parallel
+        with self.rng_tracker.fork() if fork else contextlib.nullcontext():
+            half = q.dtype in (torch.float16, torch.bfloat16)
+            if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
+                out = self._fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                    dropout_p=dropout_p, is_causal=attention_mask is None)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.np_local * self.hn)  # [s, b, np/tp · hn]
+
+    @staticmethod
+    def _fp32_softmax_attention(q, k, v, attention_mask, dropout_p):
+        """Unfused core with scores, softmax and dropout in fp32; inputs/outputs ``[b, heads, s, hn]``."""
+        s = q.shape[2]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, heads, s, s]
+        if attention_mask is None:
+            attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1)
+        probs = F.dropout(probs, dropout_p, training=True)
+        return torch.matmul(probs.to(v.dtype), v)

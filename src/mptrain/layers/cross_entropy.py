@@ -1,0 +1,99 @@
+"""Cross entropy over vocabulary-sharded logits (Megatron ``tensor_parallel/cross_entropy.py``).
+
+Rank r holds logits for padded vocab ids ``[r V_pad/tp, (r+1) V_pad/tp)``. Per token, with x the
+full logit row over the V real entries and t the target:
+
+    loss = log Σ_j exp(x_j) − x_t                                      (label_smoothing = 0)
+    loss = log Σ_j exp(x_j) − (1−α) x_t − (α/V) Σ_j x_j,  α = ε V/(V−1)  (label smoothing ε, Megatron's α)
+
+Computed with: the global max (all-reduce MAX) for stability; then ONE all-reduce SUM of the
+stacked per-token triple (target logit, Σ exp, Σ logits) over TP. Padded vocab entries (ids ≥ V)
+are set to −inf before the max, so they get probability 0 and no gradient (DESIGN.md §3).
+Backward is local: ∂loss/∂x_j = softmax_j − (1−α)·1[j=t] − α/V·1[j<V].
+The Σ logits term is a sum over the *global* vocabulary, so label smoothing is the same at any tp
+(unlike Megatron issue #737, which used the local partition).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _tp(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size, label_smoothing):
+        tp, rank = _tp(group)
+        n_local = logits.shape[-1]
+        start = rank * n_local
+        x = logits.float()  # fp32 whatever the model dtype (a copy for fp32 input too, below)
+        col = torch.arange(start, start + n_local, device=x.device)
+        padded = col >= vocab_size  # [V_pad/tp]
+        x = x.masked_fill(padded, float("-inf")) if start + n_local > vocab_size else x.clone()  # no host sync
+        x_max = x.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(x_max.unsqueeze(-1))  # x ≤ 0; padded stay −inf
+
+        in_range = (target >= start) & (target < start + n_local)
+        local_t = (target - start).masked_fill(~in_range, 0)
+        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        exp_x = x.exp()  # padded -> 0
+        stats = [target_logit, exp_x.sum(dim=-1)]
+        if label_smoothing > 0:
+            stats.append(x.masked_fill(padded, 0.0).sum(dim=-1))
+        stacked = torch.stack(stats, dim=-1)
+        if tp > 1:
+            dist.all_reduce(stacked, group=group)  # the one SUM all-reduce
+        target_logit, sum_exp = stacked[..., 0], stacked[..., 1]
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        alpha = 0.0
+        if label_smoothing > 0:
+            alpha = label_smoothing * vocab_size / (vocab_size - 1)
+            mean_logit = stacked[..., 2] / vocab_size
+            loss = log_z - (1.0 - alpha) * target_logit - alpha * mean_logit
+        softmax = exp_x.div_(sum_exp.unsqueeze(-1))
+        ctx.alpha, ctx.vocab_size, ctx.in_dtype = alpha, vocab_size, logits.dtype
+        ctx.save_for_backward(softmax, in_range, local_t, padded)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, in_range, local_t, padded = ctx.saved_tensors
+        grad = softmax  # reused in place: backward runs once
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - ctx.alpha) * in_range.to(grad.dtype).unsqueeze(-1))
+        if ctx.alpha > 0:
+            grad.sub_((ctx.alpha / ctx.vocab_size) * (~padded).to(grad.dtype))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *, group=None,
+                                 vocab_size: Optional[int] = None, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token cross entropy of TP-sharded logits (fp32).
+
+    Args:
+        vocab_parallel_logits: ``[s, b, V_pad/tp]`` or ``[b, s, V_pad/tp]`` (any leading dims), any
+            float dtype; this rank's contiguous slice of the padded vocabulary.
+        target: int64 ids with the leading dims of the logits, each in [0, V).
+        group: the TP process group (None: single rank).
+        vocab_size: V, the real vocabulary; entries ≥ V are padding (default: no padding).
+        label_smoothing: ε in [0, 1).
+    Returns:
+        fp32 loss with the shape of ``target``.
+    """
+    tp, _ = _tp(group)
+    if vocab_size is None:
+        vocab_size = vocab_parallel_logits.shape[-1] * tp
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, vocab_size, label_smoothing)

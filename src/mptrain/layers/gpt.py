@@ -1,0 +1,297 @@
+"""The GPT model chunk, the pipeline layer split, and model construction (ARCHITECTURE.md "Model chunk").
+
+Legend: token tensors ``[b, s]``; activations ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
+parallelism); ``V`` unpadded vocabulary, ``V_pad`` padded to ``make_vocab_size_divisible_by × tp``.
+
+A chunk is: [embedding (first stage)] -> its layers (global indices) -> [final norm + output
+layer (last stage)]. Parameter names are global (``embedding.word_embeddings.weight``,
+``decoder.layers.<n>.…``, ``decoder.final_layernorm.…``, ``output_layer.weight``) and each
+parameter's initial value depends only on (seed, name), so the full model is the same in every
+TP/PP/VPP layout. The output layer reuses the word embedding unless
+``untie_embeddings_and_output_weights``; with pp > 1 the last stage holds a copy
+(``output_layer.weight``, spec ``is_shared_copy``) that `build_model_chunks` syncs from the first
+stage (zeros + all-reduce over ``groups.embedding_group``, megatron-core.md §3.8); keeping the two
+equal afterwards (all-reduce of their grads) is ``finalize_model_grads``' job.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.errors import ConfigError
+from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
+from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
+from mptrain.layers.linear import column_parallel_input
+from mptrain.layers.mlp import activation
+from mptrain.layers.norms import norm_class
+from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
+from mptrain.layers.sharding import take_shard
+from mptrain.layers.transformer import TransformerBlock
+
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+# --- validation ---------------------------------------------------------------------------------
+def check_model_config(model, parallel) -> None:
+    """Every model × layout constraint, before any collective (DESIGN.md §5).
+
+    Raises:
+        ConfigError: one line naming the keys, the values and the fix.
+    """
+    tp = parallel.tensor_model_parallel_size
+    np_, h = model.num_attention_heads, model.hidden_size
+    ng = model.num_query_groups or np_
+    if np_ % tp:
+        raise ConfigError(f"model: num_attention_heads={np_} is not divisible by tensor_model_parallel_size={tp}; "
+                          f"pick heads that are a multiple of {tp} or another parallel=")
+    if model.kv_channels is None and h % np_:
+        raise ConfigError(f"model: hidden_size={h} is not divisible by num_attention_heads={np_}; change one of them "
+                          "or set kv_channels")
+    if np_ % ng:
+        raise ConfigError(f"model: num_attention_heads={np_} is not divisible by num_query_groups={ng}; pick a divisor")
+    if ng % tp:
+        raise ConfigError(f"model: num_query_groups={ng} is not divisible by tensor_model_parallel_size={tp}; "
+                          f"K/V heads are split over TP, pick a multiple of {tp}")
+    ffn = model.ffn_hidden_size or 4 * h
+    if ffn % tp:
+        raise ConfigError(f"model: ffn_hidden_size={ffn} is not divisible by tensor_model_parallel_size={tp}")
+    norm_class(model.normalization)
+    activation(model.activation)
+    if model.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ConfigError(f"model: position_embedding_type={model.position_embedding_type!r} is not one of "
+                          f"{list(POSITION_EMBEDDINGS)}")
+    hn = model.kv_channels or h // np_
+    if model.position_embedding_type == "rope" and hn % 2:
+        raise ConfigError(f"model: position_embedding_type=rope needs an even head dim (kv_channels={hn})")
+    max_pos = model.max_position_embeddings or model.seq_length
+    if model.position_embedding_type == "learned_absolute" and max_pos < model.seq_length:
+        raise ConfigError(f"model: max_position_embeddings={max_pos} < seq_length={model.seq_length}; raise it")
+    if parallel.sequence_parallel and tp > 1 and model.seq_length % tp:
+        raise ConfigError(f"parallel: sequence_parallel needs seq_length={model.seq_length} divisible by "
+                          f"tensor_model_parallel_size={tp}")
+    for key in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(model, key) < 1.0:
+            raise ConfigError(f"model: {key}={getattr(model, key)} must be in [0, 1)")
+    if model.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError(f"model: recompute_granularity={model.recompute_granularity!r} is not one of "
+                          "null, full, selective")
+    if model.recompute_granularity == "full":
+        if (model.recompute_method or "uniform") not in RECOMPUTE_METHODS:
+            raise ConfigError(f"model: recompute_method={model.recompute_method!r} is not one of uniform, block")
+        if model.recompute_num_layers is not None and model.recompute_num_layers < 1:
+            raise ConfigError(f"model: recompute_num_layers={model.recompute_num_layers} must be >= 1")
+    pipeline_layer_ranges(model.num_layers, parallel.pipeline_model_parallel_size,
+                          parallel.virtual_pipeline_model_parallel_size, parallel.decoder_first_pipeline_num_layers,
+                          parallel.decoder_last_pipeline_num_layers)
+
+
+# --- pipeline split -----------------------------------------------------------------------------
+def pipeline_layer_ranges(num_layers: int, pp: int, vpp: Optional[int] = None,
+                          decoder_first_pipeline_num_layers: Optional[int] = None,
+                          decoder_last_pipeline_num_layers: Optional[int] = None) -> list:
+    """Global layer indices per pp rank and virtual chunk: ``result[pp_rank][chunk] = [indices]``.
+
+    Megatron's interleaved assignment: the layers are cut into pp × vpp consecutive blocks in the
+    order (chunk 0: ranks 0..pp-1), (chunk 1: ranks 0..pp-1), ...; chunk c of rank r holds block
+    c·pp + r. Example: 8 layers, pp 2, vpp 2 -> rank 0: [[0, 1], [4, 5]], rank 1: [[2, 3], [6, 7]].
+    Uneven split (only when asked for): the first / last stage hold the given number of layers
+    (split evenly over their vpp chunks), the other stages share the rest evenly.
+
+    Raises:
+        ConfigError: num_layers not divisible by pp × vpp (even split), or an uneven split that
+            does not add up / divide evenly.
+    """
+    vpp = vpp or 1
+    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        if num_layers % (pp * vpp):
+            raise ConfigError(
+                f"model: num_layers={num_layers} is not divisible by pipeline_model_parallel_size × "
+                f"virtual_pipeline_model_parallel_size = {pp} × {vpp}; change num_layers or the layout, or set "
+                "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers")
+        per_chunk = [num_layers // (pp * vpp)] * pp
+    else:
+        if pp == 1:
+            raise ConfigError("parallel: decoder_first/last_pipeline_num_layers need pipeline_model_parallel_size > 1")
+        keys = "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"
+        per_chunk = [None] * pp
+        rest, middle = num_layers, pp
+        for idx, n in ((0, first), (pp - 1, last)):
+            if n is not None:
+                if n < 0 or n % vpp:
+                    raise ConfigError(f"{keys}: {n} layers must be >= 0 and divisible by "
+                                      f"virtual_pipeline_model_parallel_size={vpp}")
+                per_chunk[idx] = n // vpp
+                rest, middle = rest - n, middle - 1
+        if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % (middle * vpp)):
+            raise ConfigError(f"{keys} (first={first}, last={last}): the remaining {rest} of num_layers={num_layers} "
+                              f"cannot be split evenly over {middle} middle stage(s) × {vpp} chunk(s)")
+        per_chunk = [n if n is not None else rest // (middle * vpp) for n in per_chunk]
+    out = [[None] * vpp for _ in range(pp)]
+    start = 0
+    for c in range(vpp):
+        for r in range(pp):
+            out[r][c] = list(range(start, start + per_chunk[r]))
+            start += per_chunk[r]
+    return out
+
+
+# --- the model chunk ----------------------------------------------------------------------------
+class OutputLayer(torch.nn.Module):
+    """Logits ``[s, b, V_pad/tp]`` = X Wᵀ with W the vocab-parallel ``[V_pad/tp, h]`` weight (column-parallel).
+
+    Holds its own ``weight`` when untied, or as the last stage's copy of a tied embedding
+    (pp > 1); otherwise (tied, same chunk as the embedding) the caller passes the embedding weight.
+    """
+
+    def __init__(self, config, groups, *, vocab_size: int, init: ParamInit, own_weight: str, sequence_parallel: bool,
+                 params_dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.groups, self.sequence_parallel = groups, sequence_parallel
+        h = config.hidden_size
+        v_pad = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, groups.tp_size)
+        start, end = vocab_range(v_pad, groups.tp_rank, groups.tp_size)
+        self._spec = None
+        if own_weight == "none":
+            self.register_parameter("weight", None)
+            return
+        shared = own_weight == "shared_copy"
+        self._spec = vocab_shard_spec(vocab_size, h, v_pad, groups, tied_embedding=shared, is_shared_copy=shared)
+        if shared:  # zeros; build_model_chunks all-reduces the first stage's embedding into it
+            w = torch.zeros(end - start, h)
+        else:
+            w = take_shard(init.normal("output_layer.weight", (vocab_size, h)), self._spec, end - start)
+        self.weight = torch.nn.Parameter(w.to(device=device, dtype=params_dtype))
+
+    def local_shard_specs(self) -> dict:
+        return {} if self._spec is None else {"weight": self._spec}
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = column_parallel_input(x, self.groups, self.sequence_parallel)  # [s, b, h]
+        return torch.nn.functional.linear(x, self.weight if weight is None else weight)  # [s, b, V_pad/tp]
+
+
+class GPTModel(torch.nn.Module):
+    """One pipeline model chunk of the GPT (ARCHITECTURE.md contract).
+
+    Args:
+        config: ModelConfig. groups: ParallelGroups.
+        parallel: ParallelConfig (sequence_parallel).
+        pre_process: holds the embedding (first stage, chunk 0). post_process: holds the final
+            norm and output layer (last stage, last chunk).
+        layer_numbers: global 0-based layer indices of this chunk.
+        vp_stage: virtual chunk index (None without interleaving).
+        vocab_size: V, unpadded.
+        params_dtype: dtype of params and activations. device: default ``groups.device``.
+        seed: ``train.seed`` (init; and the RNG streams when ``rng_tracker`` is None).
+        rng_tracker: the rank's shared RNGStatesTracker; None builds one (seeding torch's generators).
+    Raises:
+        ConfigError: see `check_model_config`.
+    """
+
+    def __init__(self, config, groups, *, parallel, pre_process: bool, post_process: bool, layer_numbers: list,
+                 vp_stage: Optional[int] = None, vocab_size: int, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None, seed: int = 1234,
+                 rng_tracker: Optional[RNGStatesTracker] = None) -> None:
+        super().__init__()
+        from hydra.utils import instantiate
+
+        device = torch.device(device if device is not None else groups.device)
+        self.config, self.groups, self.vocab_size = config, groups, vocab_size
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.layer_numbers = list(layer_numbers)
+        self.sequence_parallel = bool(parallel.sequence_parallel) and groups.tp_size > 1
+        self.tied = not config.untie_embeddings_and_output_weights
+        self.rng_tracker = rng_tracker if rng_tracker is not None else init_rng_tracker(seed, groups, device)
+        self.input_tensor = None
+        init = ParamInit(seed=seed, std=config.init_method_std, num_layers=config.num_layers, device=device)
+        kw = dict(params_dtype=params_dtype, device=device)
+        if pre_process:
+            self.embedding = GPTEmbedding(config, groups, vocab_size=vocab_size, init=init,
+                                          sequence_parallel=self.sequence_parallel, rng_tracker=self.rng_tracker, **kw)
+        layer_factory = instantiate(config.transformer_layer)
+        self.decoder = TransformerBlock(config, groups, parallel=parallel, layer_factory=layer_factory,
+                                        layer_numbers=self.layer_numbers, init=init, rng_tracker=self.rng_tracker,
+                                        final_norm=post_process, **kw)
+        if post_process:
+            own = "untied" if not self.tied else ("none" if pre_process else "shared_copy")
+            self.output_layer = OutputLayer(config, groups, vocab_size=vocab_size, init=init, own_weight=own,
+                                            sequence_parallel=self.sequence_parallel, **kw)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Activations ``[s(/tp), b, h]`` from the previous stage (a tensor or a one-element list)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The tied word-embedding weight this chunk holds (first stage: the embedding; last stage: its copy)."""
+        if not self.tied:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """See the class docstring; returns per-token loss ``[b, s]`` fp32 (last stage, labels),
+        logits ``[b, s, V_pad/tp]`` (last stage, no labels) or hidden ``[s(/tp), b, h]``."""
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
+        else:
+            hidden = self.input_tensor
+        hidden = self.decoder(hidden, attention_mask)
+        if not self.post_process:
+            return hidden
+        weight = self.embedding.word_embeddings.weight if (self.tied and self.pre_process) else None
+        logits = self.output_layer(hidden, weight)  # [s, b, V_pad/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b, s, V_pad/tp]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), group=self.groups.tp_group, vocab_size=self.vocab_size,
+                                            label_smoothing=self.config.label_smoothing)  # [s, b] fp32
+        return loss.t().contiguous()  # [b, s]
+
+
+# --- construction -------------------------------------------------------------------------------
+def build_model_chunks(model_cfg, parallel_cfg, groups, *, vocab_size: int, seed: int = 1234,
+                       params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                       rng_tracker: Optional[RNGStatesTracker] = None) -> list:
+    """This rank's model chunks (one per virtual stage), with the tied embedding synced.
+
+    Builds one RNG tracker for the rank (`init_rng_tracker`, which seeds torch's generators)
+    unless given; every chunk's ``rng_tracker`` is that object (checkpoint its state once).
+    Collective over ``groups.embedding_group`` on the first and last stage when the embedding is
+    tied and pp > 1: the last stage's zero copy becomes the first stage's weight (SUM all-reduce).
+
+    Raises:
+        ConfigError: see `check_model_config`.
+    """
+    check_model_config(model_cfg, parallel_cfg)
+    device = torch.device(device if device is not None else groups.device)
+    ranges = pipeline_layer_ranges(model_cfg.num_layers, groups.pp_size, groups.vpp_size,
+                                   parallel_cfg.decoder_first_pipeline_num_layers,
+                                   parallel_cfg.decoder_last_pipeline_num_layers)[groups.pp_rank]
+    tracker = rng_tracker if rng_tracker is not None else init_rng_tracker(seed, groups, device)
+    vpp = groups.vpp_size
+    chunks = []
+    for c, layer_numbers in enumerate(ranges):
+        vp_stage = c if vpp else None
+        chunks.append(GPTModel(model_cfg, groups, parallel=parallel_cfg,
+                               pre_process=groups.is_pipeline_first_stage(vp_stage),
+                               post_process=groups.is_pipeline_last_stage(vp_stage), layer_numbers=layer_numbers,
+                               vp_stage=vp_stage, vocab_size=vocab_size, params_dtype=params_dtype, device=device,
+                               seed=seed, rng_tracker=tracker))
+    if groups.pp_size > 1 and not model_cfg.untie_embeddings_and_output_weights and groups.is_in_embedding_group:
+        for chunk in chunks:
+            weight = chunk.shared_embedding_or_output_weight()
+            if weight is not None:
+                with torch.no_grad():
+                    dist.all_reduce(weight.data, group=groups.embedding_group)
+    return chunks

@@ -1,0 +1,164 @@
+"""Tensor-parallel linear layers (Megatron ``tensor_parallel/layers.py``; Shoeybi et al. 2019, §3).
+
+Legend: activations ``[s, b, h]`` (``[s/tp, b, h]`` in sequence-parallel regions); weights are
+stored as torch does, ``[out, in]``; ``tp`` = tensor-parallel size, ``r`` = tp rank.
+
+Both layers return ``(output, bias)``: ``bias`` is None unless ``skip_bias_add`` (then the caller
+adds it, e.g. to fuse it with dropout).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mptrain.errors import ConfigError
+from mptrain.layers.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+from mptrain.layers.random import ParamInit
+from mptrain.layers.sharding import ShardSpec, take_shard
+
+
+def column_parallel_input(x: torch.Tensor, groups, sequence_parallel: bool) -> torch.Tensor:
+    """Enter a TP region: f (copy) or, under SP, all-gather ``[s/tp, b, h] -> [s, b, h]`` (bwd reduce-scatter)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, groups.tp_group)
+    return copy_to_tp_region(x, groups.tp_group)
+
+
+def _divide(n: int, tp: int, what: str, key: str) -> int:
+    if n % tp != 0:
+        raise ConfigError(f"model: {what} {n} is not divisible by tensor_model_parallel_size={tp}; change {key} or the TP size")
+    return n // tp
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = X A + b with A split along its output columns: A = [A_1 ... A_tp], rank r holds A_r.
+
+    Shapes: input ``[s, b, in]`` (or ``[s/tp, b, in]`` under SP: all-gathered on the sequence
+    first), output ``[s, b, out/tp]`` (``[s, b, out]`` with ``gather_output``). Weight
+    ``[out/tp, in]``, bias ``[out/tp]`` (both TP-sharded on dim 0).
+
+    ``parts`` > 1 (SwiGLU's fused [gate; up]) splits the global output dim into ``parts`` equal
+    blocks first and shards each block, so the layout-independent weight stays ``[gate; up]``
+    (`ShardSpec.interleave`).
+
+    Args:
+        input_size, output_size: global sizes (elements).
+        groups: ParallelGroups.
+        init: ParamInit; ``name`` is the global parameter prefix (e.g. ``layers.3.mlp.linear_fc1``).
+        bias: add a bias. gather_output: all-gather the output on the last dim.
+        skip_bias_add: return the bias instead of adding it. sequence_parallel: input is
+            sequence-sharded. scaled_init: use std / sqrt(2 L).
+    Raises:
+        ConfigError: output_size not divisible by tp × parts.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, groups, init: ParamInit, name: str, bias: bool = True,
+                 gather_output: bool = False, skip_bias_add: bool = False, sequence_parallel: bool = False,
+                 scaled_init: bool = False, parts: int = 1, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output with sequence_parallel is not supported")
+        tp = groups.tp_size
+        self.groups, self.gather_output, self.skip_bias_add = groups, gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        self.input_size, self.output_size, self.parts = input_size, output_size, parts
+        part_local = _divide(output_size // parts, tp, f"{name} output size / {parts} =", "hidden sizes")
+        self.output_size_per_partition = part_local * parts
+        device = device if device is not None else init.device
+        self._weight_spec = ShardSpec(global_shape=(output_size, input_size), partition_dim=0,
+                                      offset=groups.tp_rank * part_local,
+                                      valid=None if parts > 1 else part_local, interleave=parts)
+        full = init.normal(f"{name}.weight", (output_size, input_size), scaled=scaled_init)
+        w = take_shard(full, self._weight_spec, self.output_size_per_partition)
+        self.weight = torch.nn.Parameter(w.to(device=device, dtype=params_dtype))
+        if bias:
+            self._bias_spec = ShardSpec(global_shape=(output_size,), partition_dim=0, offset=groups.tp_rank * part_local,
+                                        valid=None if parts > 1 else part_local, interleave=parts, no_weight_decay=True)
+            self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=params_dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def local_shard_specs(self) -> dict:
+        specs = {"weight": self._weight_spec}
+        if self.bias is not None:
+            specs["bias"] = self._bias_spec
+        return specs
+
+    def forward(self, x: torch.Tensor):
+        x = column_parallel_input(x, self.groups, self.sequence_parallel)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)  # [s, b, out/tp]
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.groups.tp_group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = X A + b with A split along its input rows: A = [A_1; ...; A_tp], X = [X_1 ... X_tp].
+
+    Y = sum_r X_r A_r: each rank computes a partial ``[s, b, out]``, then g all-reduces it (or,
+    under SP, reduce-scatters it to ``[s/tp, b, out]``). The bias is added after the reduction, so
+    it is replicated over TP (under SP its grad must be all-reduced over TP:
+    ``sequence_parallel_grad``). Weight ``[out, in/tp]`` (TP-sharded on dim 1).
+
+    Args:
+        input_is_parallel: the input is already ``[s, b, in/tp]`` (from a column-parallel
+            layer); otherwise it is scattered on the last dim first. Must be True under SP.
+        others: as `ColumnParallelLinear`.
+    Raises:
+        ConfigError: input_size not divisible by tp.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, groups, init: ParamInit, name: str, bias: bool = True,
+                 input_is_parallel: bool = True, skip_bias_add: bool = False, sequence_parallel: bool = False,
+                 scaled_init: bool = True, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        tp = groups.tp_size
+        self.groups, self.input_is_parallel, self.skip_bias_add = groups, input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        self.input_size_per_partition = _divide(input_size, tp, f"{name} input size", "hidden sizes")
+        device = device if device is not None else init.device
+        self._weight_spec = ShardSpec(global_shape=(output_size, input_size), partition_dim=1,
+                                      offset=groups.tp_rank * self.input_size_per_partition,
+                                      valid=self.input_size_per_partition)
+        full = init.normal(f"{name}.weight", (output_size, input_size), scaled=scaled_init)
+        w = full.narrow(1, groups.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
+        self.weight = torch.nn.Parameter(w.contiguous().to(device=device, dtype=params_dtype))
+        if bias:
+            self._bias_spec = ShardSpec(global_shape=(output_size,), no_weight_decay=True,
+                                        sequence_parallel_grad=sequence_parallel)
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def local_shard_specs(self) -> dict:
+        specs = {"weight": self._weight_spec}
+        if self.bias is not None:
+            specs["bias"] = self._bias_spec
+        return specs
+
+    def forward(self, x: torch.Tensor):
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.groups.tp_group)
+        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum over TP ranks
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
+        else:
+            y = reduce_from_tp_region(partial, self.groups.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return y, self.bias
+        return y + self.bias, None

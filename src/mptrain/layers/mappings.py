@@ -1,0 +1,213 @@
+"""Conjugate communication operators of tensor and sequence parallelism (autograd Functions).
+
+Legend: activations are ``[s, b, h]``; "TP region" = the ranks of ``groups.tp_group``.
+Megatron-LM paper (Shoeybi et al. 2019, §3, Fig. 3) names the pair f / g:
+
+=================================  ===============================  ==============================
+function                           forward                          backward
+=================================  ===============================  ==============================
+copy_to_tp_region        (f)       identity                         all-reduce
+reduce_from_tp_region    (g)       all-reduce                       identity
+scatter_to_tp_region               keep own slice of the last dim   all-gather on the last dim
+gather_from_tp_region              all-gather on the last dim       keep own slice of the last dim
+scatter_to_sequence_parallel       keep own slice of dim 0 (s)      all-gather on dim 0
+gather_from_sequence_parallel      all-gather on dim 0              reduce-scatter on dim 0
+reduce_scatter_to_sequence_par.    reduce-scatter on dim 0          all-gather on dim 0
+=================================  ===============================  ==============================
+
+(Sequence-parallel pair: Korthikanti et al. 2022, §4.2.2, operators g / ḡ.) Every function takes
+the process group explicitly and returns its input unchanged when the group has one rank.
+On NCCL the tensor collectives are used; gloo (CPU tests) lacks reduce-scatter, so there it is an
+all-reduce followed by keeping this rank's slice (same result, more traffic).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _is_nccl(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+# --- raw collectives (no autograd) -------------------------------------------------------------
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """[n, ...] on each of p ranks -> [p*n, ...] (rank order)."""
+    x = x.contiguous()
+    p = _size(group)
+    if _is_nccl(group):
+        out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(p)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """[p*n, ...] on each of p ranks -> sum over ranks of this rank's [n, ...] slice."""
+    p = _size(group)
+    if x.shape[0] % p != 0:
+        raise RuntimeError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not divisible by the group size {p}")
+    x = x.contiguous()
+    n = x.shape[0] // p
+    if _is_nccl(group):
+        out = torch.empty((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=group)
+        return out
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    r = _rank(group)
+    return x[r * n:(r + 1) * n].contiguous()
+
+
+def _split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's equal slice of ``dim``."""
+    p = _size(group)
+    if x.shape[dim] % p != 0:
+        raise RuntimeError(f"split: dim {dim} of size {x.shape[dim]} is not divisible by the group size {p}")
+    return x.chunk(p, dim=dim)[_rank(group)].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    p = _size(group)
+    stacked = _all_gather_dim0(x.unsqueeze(0), group)  # [p, ...]
+    return torch.cat(stacked.unbind(0), dim=-1) if p > 1 else x
+
+
+# --- autograd Functions ----------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_dim(grad, -1, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_grad_is_partial):
+        ctx.group, ctx.partial = group, output_grad_is_partial
+        return _all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial:
+            return _reduce_scatter_dim0(grad, ctx.group), None, None
+        return _split_dim(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+# --- public API --------------------------------------------------------------------------------
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """f (Megatron ``copy_to_tensor_model_parallel_region``): identity fwd, all-reduce of the grad bwd."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """g (``reduce_from_tensor_model_parallel_region``): all-reduce SUM fwd, identity bwd."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., n] -> [..., n/tp] (own slice) fwd; all-gather on the last dim bwd."""
+    return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., n/tp] -> [..., n] (all-gather, rank order) fwd; own slice of the grad bwd."""
+    return x if _size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """[s, b, h] -> [s/tp, b, h] (own slice) fwd; all-gather on dim 0 bwd."""
+    return x if _size(group) == 1 else _ScatterToSP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, *, output_grad_is_partial: bool = True) -> torch.Tensor:
+    """[s/tp, b, h] -> [s, b, h] (all-gather) fwd.
+
+    Backward: reduce-scatter on dim 0 when each rank's grad is a partial sum (the output feeds a
+    column-parallel matmul, the usual case), or just the own slice when the grad is replicated.
+    """
+    return x if _size(group) == 1 else _GatherFromSP.apply(x, group, output_grad_is_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """[s, b, h] partial sums -> [s/tp, b, h] summed (reduce-scatter) fwd; all-gather on dim 0 bwd."""
+    return x if _size(group) == 1 else _ReduceScatterToSP.apply(x, group)

@@ -1,0 +1,114 @@
+"""Pre-LayerNorm transformer layer and the block of layers one model chunk holds.
+
+Legend: ``[s, b, h]`` activations, ``[s/tp, b, h]`` under sequence parallelism (SP).
+
+    x = x + dropout(attention(norm1(x)))          (GPT-2 pre-LN; Radford et al. 2019, §2.3)
+    x = x + dropout(mlp(norm2(x)))
+
+Hidden dropout draws from torch's current generator: the default stream (same on all TP ranks:
+the activation is replicated) or, under SP, the model-parallel stream, because
+`TransformerBlock` runs all its layers inside ``rng_tracker.fork()`` (megatron-core.md §3.9).
+
+Recomputation (DESIGN.md §1 keys, Megatron ``transformer_block.py::_checkpointed_forward``):
+``recompute_granularity=full`` with ``recompute_method=uniform`` checkpoints consecutive groups of
+``recompute_num_layers`` layers; ``block`` checkpoints the first ``recompute_num_layers`` layers
+of each chunk one by one; ``selective`` recomputes only the attention core (`SelfAttention`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mptrain.layers.attention import SelfAttention
+from mptrain.layers.mlp import MLP
+from mptrain.layers.norms import build_norm
+from mptrain.layers.random import ParamInit, checkpoint
+
+
+class TransformerLayer(torch.nn.Module):
+    """One pre-LN layer; the registered component ``model.transformer_layer``.
+
+    Args:
+        config: ModelConfig. groups: ParallelGroups. parallel: ParallelConfig.
+        layer_number: global 0-based index (names its params ``decoder.layers.<n>.*`` and seeds their init).
+        init: ParamInit. rng_tracker: RNGStatesTracker.
+    forward(x ``[s(/tp), b, h]``, attention_mask) -> same shape.
+    """
+
+    def __init__(self, config, groups, *, parallel, layer_number: int, init: ParamInit, rng_tracker,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        sp = bool(parallel.sequence_parallel) and groups.tp_size > 1
+        self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
+        kw = dict(params_dtype=params_dtype, device=device)
+        self.input_layernorm = build_norm(config, sequence_parallel=sp, **kw)
+        self.self_attention = SelfAttention(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
+                                            rng_tracker=rng_tracker, **kw)
+        self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp, **kw)
+        self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp, **kw)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), attention_mask))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class TransformerBlock(torch.nn.Module):
+    """The layers of one model chunk (+ the final norm on the last stage).
+
+    ``layers`` is a ModuleDict keyed by the *global* layer index, so parameter names
+    (``decoder.layers.5.mlp.linear_fc1.weight``) are the same in every layout.
+
+    Args:
+        layer_factory: ``partial`` of the registered layer class (called with the runtime objects).
+        layer_numbers: global indices of this chunk's layers. final_norm: add ``final_layernorm``.
+    """
+
+    def __init__(self, config, groups, *, parallel, layer_factory: Callable, layer_numbers: list, init: ParamInit,
+                 rng_tracker, final_norm: bool, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.sequence_parallel = bool(parallel.sequence_parallel) and groups.tp_size > 1
+        self.rng_tracker = rng_tracker
+        self.recompute = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method or "uniform"
+        self.recompute_num_layers = config.recompute_num_layers or 1
+        self.layers = torch.nn.ModuleDict({
+            str(n): layer_factory(config, groups, parallel=parallel, layer_number=n, init=init, rng_tracker=rng_tracker,
+                                  params_dtype=params_dtype, device=device)
+            for n in layer_numbers
+        })
+        self.final_layernorm = (build_norm(config, sequence_parallel=self.sequence_parallel,
+                                           params_dtype=params_dtype, device=device) if final_norm else None)
+
+    def _run(self, layers: list, x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x, attention_mask)
+        return x
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (normalised by the final norm on the last stage)."""
+        layers = list(self.layers.values())
+        with self.rng_tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
+            if self.recompute and self.training and torch.is_grad_enabled():
+                if not x.requires_grad:  # checkpoint's output needs a grad-requiring input to carry param grads
+                    x = x.detach().requires_grad_(True)
+                n = self.recompute_num_layers
+                if self.recompute_method == "uniform":
+                    for i in range(0, len(layers), n):
+                        x = checkpoint(lambda t, m, ls=layers[i:i + n]: self._run(ls, t, m), self.rng_tracker,
+                                       x, attention_mask)
+                else:  # block: the first n layers of this chunk, one checkpoint each
+                    for i, layer in enumerate(layers):
+                        x = checkpoint(layer, self.rng_tracker, x, attention_mask) if i < n else layer(x, attention_mask)
+            else:
+                x = self._run(layers, x, attention_mask)
+            if self.final_layernorm is not None:
+                x = self.final_layernorm(x)
+        return x
