@@ -1,4 +1,4 @@
-"""Schema of the `data` config group (DESIGN.md §1)."""
+"""Schema of the `data` config group (DESIGN.md §1; implementation in `mptrain/data/`)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,28 @@ from typing import Any, List, Optional
 @dataclasses.dataclass
 class DataConfig:
     name: str = "mock"
-    """mock | indexed | shakespeare."""
+    """mock | indexed | shakespeare (a registry in `mptrain.data.provider.SOURCES`)."""
     seed: int = 1234
-    """Sample order (separate from train.seed)."""
+    """Sample order (separate from train.seed): the per-epoch shuffles and the mock starts."""
     split: str = "969,30,1"
-    """train,valid,test weights over document ranges."""
+    """train,valid,test weights over document ranges (Megatron's rounding); a split may be empty."""
     prefixes: List[Any] = dataclasses.field(default_factory=list)
-    """indexed: [prefix, ...] or [weight, prefix, weight, prefix, ...] for a blend."""
-    tokenizer: Any = dataclasses.field(
-        default_factory=lambda: {"_target_": "mptrain.data.tokenizers.NullTokenizer", "vocab_size": 1000}
-    )
-    """A registered tokenizer (`_target_`)."""
+    """indexed: [prefix, ...] (equal weights) or [weight, prefix, weight, prefix, ...] for a blend;
+    a prefix is the preprocessing --output-prefix (files PREFIX.bin + PREFIX.idx)."""
+    tokenizer: Optional[Any] = None
+    """A registered tokenizer: {_target_: mptrain.data.tokenizers.<ByteTokenizer | HFTokenizer |
+    TiktokenTokenizer | NullTokenizer>, **args}; null = the option's default (mock: NullTokenizer
+    of data.vocab_size; shakespeare: ByteTokenizer; indexed: required)."""
     vocab_size: int = 1000
-    """mock: ids are below this."""
+    """mock: ids are below this (and the default NullTokenizer has this size)."""
+    corpus: Optional[str] = None
+    """shakespeare: the JSONL(.gz) to preprocess; null = the shipped data/shakespeare.jsonl.gz."""
     cache_dir: Optional[str] = None
-    """Where index caches go; null = beside the data."""
+    """Preprocessed data (shakespeare) and index caches; null = beside the data (indexed:
+    <prefix dir>/mptrain_index_cache/; shakespeare: <repo>/data/cache/)."""
     reset_position_ids: bool = False
+    """Position ids restart at 0 after each EOD."""
     reset_attention_mask: bool = False
+    """Tokens after an EOD do not attend across it (the batch then carries a [b,1,s,s] mask)."""
     eod_mask_loss: bool = False
-    num_workers: int = 0
+    """No loss where the input token is EOD (Megatron's rule)."""

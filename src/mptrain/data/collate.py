@@ -1,0 +1,64 @@
+"""Samples → the micro-batch dict of docs/ARCHITECTURE.md "Batch".
+
+Megatron's `get_ltor_masks_and_position_ids` (`megatron/core/datasets/gpt_dataset.py`):
+- `loss_mask` is 1 where the label is a real token (0 on padding past an epoch's end); with
+  `eod_mask_loss` also 0 where the *input* token is EOD (Megatron masks on the inputs: the
+  first token of the next document is not predicted from the previous one).
+- `reset_position_ids`: positions restart at 0 after each EOD in the inputs.
+- `reset_attention_mask`: tokens after an EOD cannot attend to tokens at or before it; the mask
+  is [b, 1, s, s] bool, True = masked (causal included). Otherwise `attention_mask` is None and
+  the model applies its causal mask.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def collate(
+    samples: Sequence[tuple[np.ndarray, np.ndarray]],
+    *,
+    eod: int,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+) -> dict[str, Optional[torch.Tensor]]:
+    """Stack samples of s + 1 tokens into a micro-batch.
+
+    Args:
+        samples: b pairs (tokens int64 [s + 1], valid bool [s + 1]).
+        eod: the tokenizer's end-of-document id.
+    Returns:
+        tokens [b, s] int64 (= sample[:-1]), labels [b, s] int64 (= sample[1:]), loss_mask [b, s]
+        float32, position_ids [b, s] int64, attention_mask None or [b, 1, s, s] bool (True = masked).
+    """
+    data = np.stack([t for t, _ in samples]).astype(np.int64)  # [b, s+1]
+    valid = np.stack([v for _, v in samples])  # [b, s+1]
+    tokens, labels = data[:, :-1], data[:, 1:]
+    b, s = tokens.shape
+    loss_mask = valid[:, 1:].astype(np.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    position_ids = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
+    allowed = None
+    if reset_attention_mask:
+        allowed = np.broadcast_to(np.tril(np.ones((s, s), dtype=bool)), (b, s, s)).copy()  # [b, s(query), s(key)]
+    if reset_position_ids or reset_attention_mask:
+        for row in range(b):
+            prev = 0
+            for i in np.flatnonzero(tokens[row] == eod):
+                if reset_attention_mask:
+                    allowed[row, i + 1 :, : i + 1] = False
+                if reset_position_ids:
+                    position_ids[row, i + 1 :] -= i + 1 - prev
+                    prev = i + 1
+    return {
+        "tokens": torch.from_numpy(np.ascontiguousarray(tokens)),
+        "labels": torch.from_numpy(np.ascontiguousarray(labels)),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "position_ids": torch.from_numpy(position_ids),
+        "attention_mask": None if allowed is None else torch.from_numpy(~allowed[:, None]),
+    }
