@@ -48,8 +48,17 @@ GROUP_SCHEMAS: dict[str, Any] = {
 
 
 def register() -> None:
-    """Register the schemas: `base_config` (primary) and `<group>/base_<group>` for option files."""
+    """Register the schemas: `base_config` (primary) and `<group>/base_<group>` for option files.
+
+    Also registers the `mptrain_sweep_root` resolver used by conf/config.yaml's `hydra.sweep.dir`
+    (`run.dir`, or `outputs/multirun` when null; see `mptrain.training.sweep`).
+    """
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from mptrain.training.sweep import sweep_root
+
+    OmegaConf.register_new_resolver("mptrain_sweep_root", sweep_root, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)

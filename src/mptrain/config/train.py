@@ -30,6 +30,9 @@ class TrainConfig:
     """Collective timeout for start-up."""
     step_timeout_s: Optional[float] = None
     """Shorter collective timeout after the first step (catches a stalled rank); null = timeout_s."""
+    timing_log_level: int = 1
+    """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
+    optimizer, batch-generator; 2 = + pipeline-p2p. Timers above this level cost nothing."""
 
 
 @dataclasses.dataclass
@@ -46,7 +49,13 @@ class CheckpointConfig:
 @dataclasses.dataclass
 class RunConfig:
     dir: Optional[str] = None
-    """Run folder; null = outputs/<model>-<parallel>-<precision>."""
+    """Run folder; null = outputs/<model>-<parallel>-<precision> (a sweep: the sweep root,
+    null = outputs/multirun, each job in a subfolder named by its swept keys)."""
+    progress_bar: Optional[bool] = None
+    """Console: a progress bar (true), a plain line per train.log_interval (false); null = a bar on
+    interactive terminals only."""
+    peak_tflops_per_gpu: Optional[float] = None
+    """Peak dense TFLOP/s per accelerator for MFU; null = 989 on H100/H200, MFU null when unknown (CPU)."""
 
 
 @dataclasses.dataclass
@@ -56,6 +65,12 @@ class LoggerConfig:
     project: str = "mptrain"
     mode: str = "offline"
     """wandb: online | offline | disabled."""
+    entity: Optional[str] = None
+    """wandb: team or user; null = the wandb default."""
+    run_name: Optional[str] = None
+    """wandb / tensorboard run name; null = the run folder's name."""
+    group: Optional[str] = None
+    """wandb: run group (e.g. one per sweep); null = none."""
 
 
 @dataclasses.dataclass
