@@ -5,7 +5,7 @@ Wrapping order: ``DistributedDataParallel(Float16Module(GPTModel))``; after the 
 """
 
 from mptrain.distributed.ddp import DistributedDataParallel
-from mptrain.distributed.distrib_optimizer import DistributedOptimizer, StepResult
+from mptrain.distributed.distrib_optimizer import DistributedOptimizer, ShardEntry
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer, ParamSlot, default_bucket_size
 
@@ -15,7 +15,7 @@ __all__ = [
     "DistributedOptimizer",
     "GradBuffer",
     "ParamSlot",
-    "StepResult",
+    "ShardEntry",
     "default_bucket_size",
     "finalize_model_grads",
 ]
