@@ -226,3 +226,194 @@ def test_uneven_split_pp4(schedule):
 def test_interleaved_uneven_split():
     out = run_distributed(_run_schedule, 2, "interleaved_1f1b", 2, 2, 4, {"num_layers": 8, "first": 1, "last": 3})
     assert sum(o["params"] for o in out) == 19
+
+
+# --- selection and rejection ----------------------------------------------------------------------------------
+
+def test_auto_and_registry():
+    table = [((1, None), "no_pipelining"), ((2, None), "1f1b"), ((4, None), "1f1b"), ((2, 2), "interleaved_1f1b")]
+    for (pp, vpp), name in table:
+        assert resolve_schedule_name("auto", pp_size=pp, vpp_size=vpp) == name
+    assert resolve_schedule_name("gpipe", pp_size=2, vpp_size=None) == "gpipe"
+    bad = [
+        ("zero_bubble", 2, None, "unknown schedule 'zero_bubble'; valid: auto, no_pipelining, gpipe, 1f1b, interleaved_1f1b"),
+        ("no_pipelining", 2, None, "needs pipeline_model_parallel_size=1 (got 2)"),
+        ("interleaved_1f1b", 2, None, "needs virtual_pipeline_model_parallel_size > 1 (got None)"),
+        ("1f1b", 2, 2, "virtual_pipeline_model_parallel_size=2; use schedule=interleaved_1f1b"),
+        ("gpipe", 4, 2, "virtual_pipeline_model_parallel_size=2; use schedule=interleaved_1f1b"),
+    ]
+    for name, pp, vpp, msg in bad:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")) as e:
+            resolve_schedule_name(name, pp_size=pp, vpp_size=vpp)
+        assert "\n" not in str(e.value)
+
+
+def _rejected(rank, world, schedule, pp, vpp, m):
+    groups = build_groups(1, pp, vpp)
+    try:
+        chunks = build_chunks(groups.pp_rank, pp, vpp or 1, stage_sizes(8, pp * (vpp or 1)))
+        fn = get_forward_backward_func(schedule, groups)
+        iters = [iter(make_batches(max(m, 1))) for _ in chunks]
+        try:
+            fn(forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
+               num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
+               dtype=torch.float32, sequence_parallel=False, max_tokens=max(m, 1) * MBS * SEQ)
+        except ConfigError as e:
+            return str(e)
+        return None
+    finally:
+        groups.destroy()
+
+
+@pytest.mark.parametrize("world, pp, m", [(2, 2, 1), (2, 2, 3), (4, 4, 1), (4, 4, 2), (4, 4, 3), (4, 4, 6)])
+def test_interleaved_rejects_microbatch_counts(world, pp, m):
+    msgs = run_distributed(_rejected, world, "interleaved_1f1b", pp, 2, m, timeout_s=60)
+    expected = (f"schedule=interleaved_1f1b: num_microbatches={m} (global_batch_size / (micro_batch_size × dp)) must "
+                f"be a multiple of pipeline_model_parallel_size={pp}; change train.global_batch_size or use schedule=1f1b")
+    assert msgs == [expected] * world  # every rank, before any communication: no hang
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1f1b", None), ("gpipe", None), ("interleaved_1f1b", 2)])
+def test_zero_microbatches_rejected(schedule, vpp):
+    msgs = run_distributed(_rejected, 2, schedule, 2, vpp, 0, timeout_s=60)
+    assert all(msg is not None and "num_microbatches=0 must be an int >= 1" in msg for msg in msgs), msgs
+
+
+# --- forward only (evaluation) ----------------------------------------------------------------------------------
+
+def _forward_only(rank, world, schedule, pp, vpp, m):
+    groups = build_groups(1, pp, vpp)
+    try:
+        sizes = stage_sizes(8, pp * (vpp or 1))
+        chunks = build_chunks(groups.pp_rank, pp, vpp or 1, sizes)
+        batches = make_batches(m)
+        iters = [iter(batches) for _ in chunks]
+        stats = ScheduleStats()
+        reports, num_tokens = get_forward_backward_func(schedule, groups)(
+            forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
+            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
+            dtype=torch.float32, sequence_parallel=False, forward_only=True, max_tokens=None, stats=stats)
+        assert all(p.grad is None for c in chunks for p in c.parameters())
+        if not groups.is_last_stage:
+            return None
+        ref_loss, _, ref_tokens = reference(batches, 8)
+        assert int(num_tokens) == int(ref_tokens.item())
+        loss = sum(r["loss_sum"] for r in reports) / sum(r["num_tokens"] for r in reports)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)  # fp32, other summation order
+        return float(loss)
+    finally:
+        groups.destroy()
+
+
+@pytest.mark.parametrize("schedule, world, vpp, m", [("no_pipelining", 1, None, 3), ("gpipe", 2, None, 3),
+                                                     ("1f1b", 4, None, 3), ("interleaved_1f1b", 2, 2, 4)])
+def test_forward_only(schedule, world, vpp, m):
+    out = run_distributed(_forward_only, world, schedule, world, vpp, m)
+    assert out[-1] is not None
+
+
+# --- DP grad sync only on the last backward of each chunk -------------------------------------------------------
+
+class _SyncFlag:
+    """A stand-in for DDP.no_sync: while entered, grad sync is off."""
+
+    def __init__(self):
+        self.enabled = True
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.enabled = False
+            try:
+                yield
+            finally:
+                self.enabled = True
+
+        return ctx()
+
+
+def _no_sync(rank, world, schedule, pp, vpp, m):
+    groups = build_groups(1, pp, vpp)
+    try:
+        chunks = build_chunks(groups.pp_rank, pp, vpp or 1, stage_sizes(8, pp * (vpp or 1)))
+        flags = [_SyncFlag() for _ in chunks]
+        log = []
+        for c, chunk in enumerate(chunks):
+            p = next(iter(chunk.layers.values())).weight  # one param per chunk: its grad hook fires once per backward
+            p.register_hook(lambda g, c=c: log.append((c, flags[c].enabled)))
+        iters = [iter(make_batches(m)) for _ in chunks]
+        no_sync_func = [f.no_sync for f in flags] if vpp else flags[0].no_sync
+        get_forward_backward_func(schedule, groups)(
+            forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
+            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
+            dtype=torch.float32, sequence_parallel=False, max_tokens=m * MBS * SEQ, no_sync_func=no_sync_func)
+        return [[enabled for cc, enabled in log if cc == c] for c in range(len(chunks))]
+    finally:
+        groups.destroy()
+
+
+@pytest.mark.parametrize("schedule, world, vpp, m", [("no_pipelining", 1, None, 3), ("gpipe", 2, None, 3),
+                                                     ("1f1b", 4, None, 3), ("1f1b", 2, None, 1),
+                                                     ("interleaved_1f1b", 2, 2, 4)])
+def test_grad_sync_only_on_last_backward(schedule, world, vpp, m):
+    for per_chunk in run_distributed(_no_sync, world, schedule, world, vpp, m):
+        assert per_chunk == [[False] * (m - 1) + [True]] * (vpp or 1)
+
+
+# --- stored activations: 1F1B's bound vs GPipe's -----------------------------------------------------------------
+
+class _SavedBytes:
+    """saved_tensors_hooks that track the bytes autograd currently holds for backward, and their peak."""
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def pack(self, t):
+        meter = self
+
+        class Holder:
+            def __init__(self):
+                self.t = t
+                meter.current += t.numel() * t.element_size()
+                meter.peak = max(meter.peak, meter.current)
+
+            def __del__(self):
+                meter.current -= self.t.numel() * self.t.element_size()
+
+        return Holder()
+
+    @staticmethod
+    def unpack(holder):
+        return holder.t
+
+
+def _saved_activations(rank, world, m):
+    groups = build_groups(1, world)
+    try:
+        out = {}
+        for schedule, mb in (("1f1b", 1), ("1f1b", m), ("gpipe", m)):
+            chunks = build_chunks(groups.pp_rank, world, 1, stage_sizes(8, world))
+            meter, stats = _SavedBytes(), ScheduleStats()
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                get_forward_backward_func(schedule, groups)(
+                    forward_step_func=forward_step, data_iterator=iter(make_batches(mb)), model=chunks,
+                    num_microbatches=mb, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
+                    dtype=torch.float32, sequence_parallel=False, max_tokens=mb * MBS * SEQ, stats=stats)
+            assert meter.current == 0  # everything saved was freed by the backwards
+            out[(schedule, mb)] = (meter.peak, stats.max_inflight_microbatches)
+        return out
+    finally:
+        groups.destroy()
+
+
+def test_stored_activations_1f1b_vs_gpipe_pp4():
+    m, pp = 8, 4
+    for stage, out in enumerate(run_distributed(_saved_activations, pp, m)):
+        one_mb = out[("1f1b", 1)][0]  # bytes autograd saves for one micro-batch on this stage
+        assert one_mb > 0
+        bound = min(pp - stage, m)
+        assert out[("1f1b", m)] == (bound * one_mb, bound), (stage, out)  # exact: shapes are static
+        assert out[("gpipe", m)] == (m * one_mb, m), (stage, out)
