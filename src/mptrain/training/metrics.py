@@ -1,0 +1,239 @@
+"""metrics.jsonl, train.log and the console line, written by rank 0 only (DESIGN.md §2).
+
+metrics.jsonl gets one `train` row per iteration with exactly the keys of `TrainRow` (the
+DESIGN.md §2 list, in that order) and `valid` / `test` rows (`EvalRow`: lm_loss and ppl); each row
+is flushed as soon as it is written, so a crash keeps every finished iteration. Non-finite floats
+are written as null (strict JSON has no NaN / Infinity); `nan_iters_total` counts them.
+
+`train.log` (same folder) gets the paced console lines, every message, and the records of the
+`mptrain` Python logger while the writer is open. The console shows a line (or moves a progress
+bar) every `train.log_interval` iterations and on the last one.
+
+On a resume, `start_iteration` drops rows after the checkpoint's iteration, so the file holds each
+iteration once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from mptrain.training.console import Console
+
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
+PPL_MAX_LOSS = 20.0  # Megatron's training.py: ppl = exp(min(20, loss)), keeps ppl finite for a diverged run
+
+
+@dataclasses.dataclass
+class TrainRow:
+    """One training iteration (DESIGN.md §2). Units: samples, tokens/s, TFLOP/s per GPU, GiB.
+
+    `iteration` counts completed optimizer steps from 1 (skipped ones included); `grad_norm` is
+    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU.
+    """
+
+    iteration: int
+    consumed_samples: int
+    lm_loss: float
+    lr: float
+    grad_norm: Optional[float]
+    loss_scale: float
+    skipped_iter: bool
+    skipped_iters_total: int
+    nan_iters_total: int
+    num_microbatches: int
+    tokens_per_s: float
+    tflops_per_gpu: Optional[float]
+    mfu: Optional[float]
+    mem_allocated_gib: Optional[float]
+
+    def as_dict(self) -> dict:
+        return {"split": "train", **dataclasses.asdict(self)}
+
+
+TRAIN_KEYS = ("split",) + tuple(f.name for f in dataclasses.fields(TrainRow))
+
+
+@dataclasses.dataclass
+class EvalRow:
+    """One evaluation (`split` valid | test); ppl = exp(min(lm_loss, 20)) as Megatron."""
+
+    split: str
+    iteration: int
+    lm_loss: float
+
+    def as_dict(self) -> dict:
+        if self.split not in ("valid", "test"):
+            raise ValueError(f"EvalRow.split must be 'valid' or 'test', got {self.split!r}")
+        loss = float(self.lm_loss)
+        ppl = math.exp(min(loss, PPL_MAX_LOSS)) if math.isfinite(loss) else None
+        return {"split": self.split, "iteration": self.iteration, "lm_loss": loss, "ppl": ppl}
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_train_line(row: TrainRow, train_iters: Optional[int] = None) -> str:
+    """The console / log line of a train row."""
+    total = f"/{train_iters}" if train_iters is not None else ""
+    parts = [
+        f"iter {row.iteration}{total}",
+        f"samples {row.consumed_samples}",
+        f"lm_loss {_fmt(row.lm_loss, '.6f')}",
+        f"lr {_fmt(row.lr, '.3e')}",
+        f"grad_norm {_fmt(row.grad_norm, '.4f')}",
+        f"loss_scale {_fmt(row.loss_scale, 'g')}",
+        f"skipped {row.skipped_iters_total}",
+        f"nan {row.nan_iters_total}",
+        f"mb {row.num_microbatches}",
+        f"tokens/s {_fmt(row.tokens_per_s, '.1f')}",
+        f"TFLOP/s/GPU {_fmt(row.tflops_per_gpu, '.2f')}",
+        f"MFU {_fmt(row.mfu, '.3f')}",
+    ]
+    if row.mem_allocated_gib is not None:
+        parts.append(f"mem {row.mem_allocated_gib:.2f} GiB")
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """All rows of `<run_dir>/metrics.jsonl` (for tests and the sweep summary)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(path: Path, last_iteration: int) -> None:
+    """Drop rows with iteration > last_iteration (rows of iterations redone after a resume)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= last_iteration]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Rank 0's metrics.jsonl + train.log + console; every method is a no-op on other ranks.
+
+    Args:
+        run_dir: the run folder (exists).
+        rank: global rank; only rank 0 writes.
+        log_interval: console pacing (`train.log_interval`, >= 1).
+        train_iters: the last iteration (console total; also always printed).
+        start_iteration: iterations already done (0, or the checkpoint's iteration on resume).
+        progress_bar: True / False / None (= on interactive terminals), see `Console`.
+        stream: console stream (default sys.stdout).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        rank: int,
+        *,
+        log_interval: int = 1,
+        train_iters: Optional[int] = None,
+        start_iteration: int = 0,
+        progress_bar: Optional[bool] = None,
+        stream: Optional[IO] = None,
+    ) -> None:
+        if log_interval < 1:
+            raise ValueError(f"log_interval must be >= 1, got {log_interval}")
+        self.active = rank == 0
+        self.log_interval = log_interval
+        self.train_iters = train_iters
+        self.run_dir = Path(run_dir)
+        self._metrics = self._log = self.console = None
+        self._handler: Optional[logging.Handler] = None
+        if not self.active:
+            return
+        metrics_path = self.run_dir / METRICS_FILE
+        if start_iteration > 0:
+            truncate_metrics(metrics_path, start_iteration)
+        else:
+            metrics_path.unlink(missing_ok=True)  # an empty or appended-to run folder starts a fresh table
+        self._metrics = open(metrics_path, "a", encoding="utf-8")
+        self._log = open(self.run_dir / LOG_FILE, "a", encoding="utf-8")
+        self.console = Console(stream, progress_bar=progress_bar, total_iters=train_iters, start_iteration=start_iteration)
+        self._attach_logging()
+
+    # --- the mptrain Python logger goes to train.log while the writer is open ------------------
+    def _attach_logging(self) -> None:
+        logger = logging.getLogger("mptrain")
+        self._handler = logging.StreamHandler(self._log)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(self._handler)
+        self._old_level = logger.level
+        if logger.level == logging.NOTSET or logger.level > logging.INFO:
+            logger.setLevel(logging.INFO)
+
+    def _write_row(self, row: dict) -> None:
+        clean = {k: _finite_or_none(v) for k, v in row.items()}
+        self._metrics.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._metrics.flush()
+
+    def _log_line(self, text: str) -> None:
+        self._log.write(text + "\n")
+        self._log.flush()
+
+    def write_train(self, row: TrainRow) -> None:
+        """Append a train row; print / log the step line every `log_interval` iterations and on the last."""
+        if not self.active:
+            return
+        self._write_row(row.as_dict())
+        if row.iteration % self.log_interval == 0 or row.iteration == self.train_iters:
+            line = format_train_line(row, self.train_iters)
+            self._log_line(line)
+            self.console.step(row.iteration, line)
+
+    def write_eval(self, row: EvalRow) -> None:
+        """Append a valid / test row and print its line."""
+        if not self.active:
+            return
+        data = row.as_dict()
+        self._write_row(data)
+        self.message(
+            f"{row.split} at iteration {row.iteration} | lm_loss {data['lm_loss']:.6f} | ppl {_fmt(data['ppl'], '.3f')}"
+        )
+
+    def message(self, text: str) -> None:
+        """A line on the console and in train.log (rank 0)."""
+        if not self.active:
+            return
+        self._log_line(text)
+        self.console.message(text)
+
+    def close(self) -> None:
+        """Close the files, the bar, and detach from the `mptrain` logger (idempotent)."""
+        if not self.active:
+            return
+        if self._handler is not None:
+            logger = logging.getLogger("mptrain")
+            logger.removeHandler(self._handler)
+            logger.setLevel(self._old_level)
+            self._handler = None
+        if self.console is not None:
+            self.console.close()
+        for f in (self._metrics, self._log):
+            if f is not None and not f.closed:
+                f.close()
+        self.active = False
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

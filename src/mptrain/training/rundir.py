@@ -1,0 +1,182 @@
+"""The run folder (DESIGN.md §2): resolved on rank 0 and broadcast, config agreement, existing-folder policy.
+
+Order (every rank runs `resolve_run_dir`; it is collective over the default group):
+1. Config agreement: every rank hashes its resolved config without `run.dir` and all-gathers the
+   hashes; any mismatch raises `ConfigError` on every rank, naming the first differing key and
+   the two values (catches per-rank resolvers such as `${oc.env:...}`, hydra#2070).
+2. Rank 0 picks the folder — `run.dir`, else `outputs/<model>-<parallel>-<precision>`; in a sweep
+   `<root>/<swept keys>` — applies the policy below, creates it, and broadcasts either the absolute
+   path or the one-line refusal; every rank then returns the same path or raises the same error.
+3. Rank 0 writes `config.yaml` (resolved, with the resolved `run.dir`).
+
+Existing-folder policy: a missing folder is created; an existing empty folder is used; a folder
+that already holds a run (config.yaml, metrics.jsonl, layout.json or train.log) is appended to only
+when the run resumes from a checkpoint; anything else is refused with one line naming `run.dir`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import OmegaConf
+
+from mptrain.config.validate import as_config
+from mptrain.errors import ConfigError
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
+
+
+def default_run_dir(cfg: Any) -> str:
+    """`outputs/<model.name>-<parallel.name>-<precision.name>` (deterministic: same on every rank and rerun)."""
+    return f"outputs/{cfg.model.name}-{cfg.parallel.name}-{cfg.precision.name}"
+
+
+def config_container(cfg: Any) -> dict:
+    """The resolved config as plain containers (`Config` schema applied)."""
+    return OmegaConf.to_container(OmegaConf.structured(as_config(cfg)), resolve=True)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out: dict = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def config_fingerprint(cfg: Any) -> tuple[str, dict]:
+    """(sha256 hex of the resolved config without run.dir, its flattened {dotted key: value})."""
+    container = config_container(cfg)
+    container.get("run", {}).pop("dir", None)
+    flat = _flatten(container)
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+    return digest, flat
+
+
+def check_config_agreement(fingerprints: list) -> None:
+    """Raise on every rank when any rank's config hash differs from rank 0's.
+
+    Args:
+        fingerprints: `config_fingerprint` of every rank, indexed by rank.
+    Raises:
+        ConfigError: naming the first differing rank, key and values.
+    """
+    ref_hash, ref_flat = fingerprints[0]
+    for rank, (digest, flat) in enumerate(fingerprints):
+        if digest == ref_hash:
+            continue
+        keys = sorted(k for k in set(ref_flat) | set(flat) if ref_flat.get(k, "<missing>") != flat.get(k, "<missing>"))
+        key = keys[0] if keys else "?"
+        raise ConfigError(
+            f"config: rank {rank}'s resolved config differs from rank 0's at {key} "
+            f"(rank 0: {ref_flat.get(key, '<missing>')!r}, rank {rank}: {flat.get(key, '<missing>')!r}"
+            f"{f'; {len(keys)} keys differ' if len(keys) > 1 else ''}); give every rank the same overrides and "
+            f"environment (no per-rank ${{oc.env:...}})"
+        )
+
+
+def run_dir_decision(path: str | os.PathLike, *, resuming: bool) -> Optional[str]:
+    """Apply the existing-folder policy to `path` (no side effects). Returns None if usable, else the refusal."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        return f"run.dir={p} exists and is not a folder; pick another run.dir="
+    entries = sorted(e.name for e in p.iterdir())
+    if not entries:
+        return None
+    run_files = [f for f in RUN_FILES if f in entries]
+    if run_files and resuming:
+        return None
+    if run_files:
+        return (
+            f"run.dir={p} already holds a run ({', '.join(run_files)}) and this run does not resume from a "
+            f"checkpoint; pick a new run.dir=, delete the folder, or resume with checkpoint.load="
+        )
+    return f"run.dir={p} exists, is not empty ({entries[0]}, ...) and is not a run folder; pick an empty or new run.dir="
+
+
+def _torch_broadcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _torch_all_gather(obj: Any) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def resolve_run_dir(
+    cfg: Any,
+    *,
+    rank: int,
+    world_size: int,
+    resuming: bool,
+    broadcast_object: Optional[Callable[[Any], Any]] = None,
+    all_gather_object: Optional[Callable[[Any], list]] = None,
+    sweep_job: Any = None,
+) -> Path:
+    """Agree on the config and the run folder on every rank; rank 0 creates it and writes config.yaml.
+
+    Collective: every rank of the default group must call it (after `validate_config`).
+
+    Args:
+        cfg: the composed config (`DictConfig` or `Config`).
+        rank, world_size: this process in the default group.
+        resuming: this run resumes from a checkpoint (an existing run folder may be appended to).
+        broadcast_object: `f(obj) -> rank 0's obj` on every rank; None = torch.distributed's
+            `broadcast_object_list` (identity for a world of 1).
+        all_gather_object: `f(obj) -> [obj of rank 0, 1, ...]`; None = `all_gather_object`.
+        sweep_job: the `SweepJob` in a multirun (folder `<root>/<subdir>`), else None.
+    Returns:
+        the absolute run folder, the same on every rank.
+    Raises:
+        ConfigError (on every rank): config mismatch between ranks; the folder refused by the policy.
+    """
+    if world_size == 1:
+        broadcast_object = broadcast_object or (lambda obj: obj)
+        all_gather_object = all_gather_object or (lambda obj: [obj])
+    broadcast_object = broadcast_object or _torch_broadcast
+    all_gather_object = all_gather_object or _torch_all_gather
+
+    check_config_agreement(all_gather_object(config_fingerprint(cfg)))
+
+    decision: Optional[tuple] = None
+    if rank == 0:
+        if sweep_job is not None:
+            path = Path(sweep_job.root) / sweep_job.subdir
+        else:
+            path = Path(cfg.run.dir if cfg.run.dir else default_run_dir(cfg))
+        refusal = run_dir_decision(path, resuming=resuming)
+        if refusal is None:
+            path.mkdir(parents=True, exist_ok=True)
+        decision = (str(path.resolve()), refusal)
+    path_str, refusal = broadcast_object(decision)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    run_dir = Path(path_str)
+    if rank == 0:
+        write_config(run_dir, cfg)
+    return run_dir
+
+
+def write_config(run_dir: Path, cfg: Any) -> Path:
+    """Write `<run_dir>/config.yaml`: the resolved config with `run.dir` set to the folder (atomic rename)."""
+    container = config_container(cfg)
+    container.setdefault("run", {})["dir"] = str(run_dir)
+    path = Path(run_dir) / "config.yaml"
+    tmp = path.with_name("config.yaml.tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
+    os.replace(tmp, path)
+    return path
