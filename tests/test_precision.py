@@ -1,0 +1,281 @@
+"""Optimizer wrappers (skips, counters, main params, state_dict) and Float16Module, single process and gloo."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from harness import run_distributed
+from mptrain.config.optim import OptimConfig
+from mptrain.groups import build_groups
+from mptrain.layers.sharding import ShardSpec
+from mptrain.optim import build_optimizer_factory
+from mptrain.precision import (
+    ConstantLossScaler,
+    DynamicLossScaler,
+    Float16Module,
+    FP32Optimizer,
+    MixedPrecisionOptimizer,
+    TooManySkippedStepsError,
+)
+
+# A world of one without torch.distributed: no group to reduce over.
+SOLO = types.SimpleNamespace(mp_group=None, tp_rank=0, device=torch.device("cpu"))
+
+
+def _model(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.Parameter((torch.randn(4, 3, generator=gen) * 0.5).to(dtype))
+    b = torch.nn.Parameter(torch.randn(4, generator=gen).to(dtype))
+    return [w, b], [ShardSpec((4, 3)), ShardSpec((4,), no_weight_decay=True)]
+
+
+def _wrap(params, specs, *, scaler=None, clip=0.0, max_skips=0, name="adamw", groups=SOLO, wd=0.1):
+    cls = FP32Optimizer if params[0].dtype == torch.float32 else MixedPrecisionOptimizer
+    factory = build_optimizer_factory(OptimConfig(name=name, lr=0.01, weight_decay=wd))
+    return cls(factory, params, specs, lambda p: p.grad, groups, scaler=scaler, clip_grad=clip,
+               max_consecutive_skips=max_skips)
+
+
+def _set_grads(params, seed, scale=1.0, poison=False):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+    if poison:
+        params[0].grad.view(-1)[1] = float("inf")
+
+
+def _snapshot(opt):
+    return (
+        [e.model_param.detach().clone() for e in opt.entries],
+        [e.main.detach().clone() for e in opt.entries],
+        copy.deepcopy(opt.optimizer.state_dict()["state"]),
+    )
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert torch.equal(x, y)
+    assert a[2].keys() == b[2].keys()
+    for k in a[2]:
+        for key, v in a[2][k].items():
+            assert torch.equal(v, b[2][k][key])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_main_params_are_fp32_copies_and_round_trip(dtype):
+    params, specs = _model(dtype)
+    opt = _wrap(params, specs, scaler=ConstantLossScaler(1.0))
+    mains = opt.main_params()
+    assert [m.dtype for m in mains] == [torch.float32, torch.float32]
+    assert all(m is not p for m, p in zip(mains, params))
+    assert opt.main_param_map()[params[0]] is mains[0]
+    for p, m in zip(params, mains):
+        assert torch.equal(m.to(dtype), p)  # fp16/bf16 -> fp32 is exact, so the round trip is the identity
+    # the inner optimizer steps the main params, with no weight decay on the bias
+    assert [g["params"] for g in opt.param_groups] == [[mains[0]], [mains[1]]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    for step in range(3):
+        _set_grads(params, step)
+        result = opt.step()
+        assert result.update_successful and not result.found_inf
+        for p, m in zip(params, mains):
+            assert p.dtype == dtype
+            assert torch.equal(p, m.detach().to(dtype))  # model params = main params rounded to nearest
+        opt.zero_grad()
+        assert all(p.grad is None for p in params) and all(m.grad is None for m in mains)
+    # the fp32 main params kept what the low-precision model params cannot hold
+    assert any(not torch.equal(m.detach(), p.float()) for p, m in zip(params, mains))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_precision_step_equals_fp32_step_on_the_main_params(dtype):
+    params, specs = _model(dtype)
+    ref_params = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = _wrap(params, specs, scaler=ConstantLossScaler(1024.0) if dtype == torch.float16 else None, clip=1.0)
+    ref = _wrap(ref_params, specs, clip=1.0)
+    for step in range(3):
+        _set_grads(params, step, scale=1024.0 if dtype == torch.float16 else 1.0)
+        _set_grads(ref_params, step)
+        for p, r in zip(params, ref_params):  # the reference sees the same (rounded) unscaled grads
+            r.grad = p.grad.float() / (1024.0 if dtype == torch.float16 else 1.0)
+        a, b = opt.step(), ref.step()
+        # 1e-6: the fp16 grads times 1024 are exact; unscaling by 2^-10 is exact; same fp32 math after that
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
+        for m, r in zip(opt.main_params(), ref_params):
+            torch.testing.assert_close(m.detach(), r.detach(), rtol=1e-6, atol=1e-7)  # same fp32 ops, same order
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_skipped_step_changes_no_weight_and_no_optimizer_state(dtype):
+    params, specs = _model(dtype)
+    scaler = DynamicLossScaler(2.0**16, 1.0, 2.0, 0.5, 1000, 1) if dtype == torch.float16 else None
+    opt = _wrap(params, specs, scaler=scaler)
+    _set_grads(params, 0)
+    assert opt.step().update_successful  # one real step so that Adam has state to protect
+    opt.zero_grad()
+    before = _snapshot(opt)
+    _set_grads(params, 1, poison=True)
+    result = opt.step()
+    assert (result.update_successful, result.grad_norm, result.num_zeros, result.found_inf) == (False, None, None, True)
+    _assert_same(before, _snapshot(opt))
+    assert all(m.grad is None for m in opt.main_params())  # the poisoned grads are dropped
+    assert opt.skipped_iters_total == 1 and opt.consecutive_skips == 1
+    if dtype == torch.float16:
+        assert opt.nan_iters_total == 0  # an expected overflow of the dynamic scaler
+        assert opt.get_loss_scale() == 2.0**15  # hysteresis 1: backed off at once
+    else:
+        assert opt.nan_iters_total == 1  # no scaler to explain it: a NaN iteration
+        assert opt.get_loss_scale() == 1.0
+    opt.zero_grad()
+    _set_grads(params, 2)
+    assert opt.step().update_successful
+    assert opt.consecutive_skips == 0 and opt.skipped_iters_total == 1
+
+
+def test_max_consecutive_skips_raises_with_the_key():
+    params, specs = _model(torch.float16)
+    opt = _wrap(params, specs, scaler=DynamicLossScaler(4.0, 1.0, 2.0, 0.5, 1000, 1), max_skips=3)
+    for _ in range(3):
+        _set_grads(params, 0, poison=True)
+        assert not opt.step().update_successful
+    _set_grads(params, 0, poison=True)
+    with pytest.raises(TooManySkippedStepsError, match=r"4 consecutive steps .*loss scale 1\).*max_consecutive_skips=3"):
+        opt.step()
+
+
+def test_fp32_optimizer_rejects_half_params_and_has_no_copies():
+    params, specs = _model(torch.float32)
+    opt = _wrap(params, specs)
+    assert opt.main_params() == params and opt.main_params()[0] is params[0]
+    assert opt.state_dict()["main_params"] == []
+    half, hspecs = _model(torch.float16)
+    with pytest.raises(ValueError, match="FP32Optimizer: param dtype torch.float16"):
+        FP32Optimizer(build_optimizer_factory(OptimConfig()), half, hspecs, lambda p: p.grad, SOLO,
+                      scaler=None, clip_grad=0.0, max_consecutive_skips=0)
+
+
+def test_grad_fn_with_an_fp32_buffer_for_bf16_params():
+    params, specs = _model(torch.bfloat16)
+    buffers = {id(p): torch.zeros(p.shape, dtype=torch.float32) for p in params}  # grad_reduce_in_fp32 main_grad
+    opt = MixedPrecisionOptimizer(build_optimizer_factory(OptimConfig(name="sgd", lr=1.0)), params, specs,
+                                  lambda p: buffers[id(p)], SOLO, scaler=None, clip_grad=0.0, max_consecutive_skips=0)
+    before = [m.detach().clone() for m in opt.main_params()]
+    for b in buffers.values():
+        b.fill_(0.25)
+    assert opt.step().update_successful
+    for m, b0 in zip(opt.main_params(), before):
+        assert torch.equal(m.detach(), b0 - 0.25)  # fp32 main grads used as they are (no bf16 rounding)
+
+
+@pytest.mark.parametrize("dtype, scaler", [(torch.float16, "dynamic"), (torch.bfloat16, None), (torch.float32, None)])
+def test_optimizer_state_dict_round_trip(dtype, scaler):
+    def make():
+        params, specs = _model(dtype)
+        s = DynamicLossScaler(2.0**8, 1.0, 2.0, 0.5, 2, 1) if scaler else None
+        return params, _wrap(params, specs, scaler=s, clip=1.0)
+
+    params, opt = make()
+    for step in range(4):
+        _set_grads(params, step, poison=(step == 1))
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["counters"] == {"skipped_iters_total": 1, "nan_iters_total": 0 if scaler else 1, "consecutive_skips": 0}
+    params2, opt2 = make()
+    with torch.no_grad():  # the model weights come from the model checkpoint, not from the optimizer's
+        for p2, p in zip(params2, params):
+            p2.copy_(p)
+    opt2.load_state_dict(saved)
+    assert opt2.get_loss_scale() == opt.get_loss_scale()
+    assert (opt2.skipped_iters_total, opt2.nan_iters_total) == (opt.skipped_iters_total, opt.nan_iters_total)
+    _assert_same(_snapshot(opt), _snapshot(opt2))
+    for step in range(4, 7):  # continuing gives bitwise the same trajectory
+        _set_grads(params, step)
+        _set_grads(params2, step)
+        assert opt.step() == opt2.step()
+        for a, b in zip(params + opt.main_params(), params2 + opt2.main_params()):
+            assert torch.equal(a, b)
+    bad = copy.deepcopy(saved)
+    if bad["main_params"]:
+        bad["main_params"] = bad["main_params"][:1]
+        with pytest.raises(ValueError, match="1 saved main params, expected 2"):
+            opt2.load_state_dict(bad)
+
+
+def test_lr_scheduler_drives_the_wrapper():
+    from mptrain.optim import OptimizerParamScheduler
+
+    params, specs = _model(torch.bfloat16)
+    opt = _wrap(params, specs)
+    sched = OptimizerParamScheduler(opt, lr=1.0, min_lr=0.0, lr_warmup_iters=4, lr_decay_iters=None, lr_decay_style="constant")
+    sched.step()
+    assert [g["lr"] for g in opt.optimizer.param_groups] == [0.25, 0.25]
+
+
+# --- gloo: found_inf is reduced with MAX over the model-parallel group ---------------------------------------------
+def _poison_one_rank(rank, world, poisoned_rank):
+    groups = build_groups(world, 1)  # tp = world: the mp group holds both ranks
+    try:
+        params, specs = _model(torch.float16, seed=rank)
+        scaler = DynamicLossScaler(2.0**10, 1.0, 2.0, 0.5, 1000, 1)
+        opt = _wrap(params, specs, scaler=scaler, groups=groups)
+        before = [p.detach().clone() for p in params + opt.main_params()]
+        _set_grads(params, rank, poison=(rank == poisoned_rank))
+        skipped = opt.step()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, params + opt.main_params()))
+        opt.zero_grad()
+        _set_grads(params, 10 + rank)
+        clean = opt.step()
+        return skipped.update_successful, skipped.found_inf, unchanged, clean.update_successful, opt.get_loss_scale(), \
+            opt.skipped_iters_total
+    finally:
+        groups.destroy()
+
+
+@pytest.mark.parametrize("poisoned_rank", [0, 1])
+def test_found_inf_on_one_rank_skips_on_both(poisoned_rank):
+    out = run_distributed(_poison_one_rank, 2, poisoned_rank)
+    assert out == [(False, True, True, True, 2.0**9, 1)] * 2
+
+
+# --- Float16Module ----------------------------------------------------------------------------------------------
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.received = None
+
+    def set_input_tensor(self, t):
+        self.received = t
+
+    def forward(self, x, ids, mask=None):
+        assert ids.dtype == torch.int64 and (mask is None or mask.dtype == torch.bool)
+        return self.lin(x), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float16_module_casts(dtype):
+    toy = _Toy()
+    ref_w = toy.lin.weight.detach().clone()
+    m = Float16Module(toy, dtype, is_first_stage=True, is_last_stage=True)
+    assert {p.dtype for p in m.parameters()} == {dtype}
+    assert torch.equal(m.module.lin.weight, ref_w.to(dtype))
+    x = torch.randn(5, 3)
+    out, ids = m(x, torch.arange(5), mask=torch.zeros(5, dtype=torch.bool))
+    assert out.dtype == torch.float32 and ids.dtype == torch.int64
+    expected = torch.nn.functional.linear(x.to(dtype), toy.lin.weight, toy.lin.bias).float()
+    assert torch.equal(out, expected)  # the computation ran in `dtype`; only the output was upcast
+    m.set_input_tensor(torch.ones(2, dtype=dtype))
+    assert torch.equal(toy.received, torch.ones(2, dtype=dtype))
+
+
+def test_float16_module_middle_stage_keeps_dtypes():
+    m = Float16Module(_Toy(), torch.float16, is_first_stage=False, is_last_stage=False)
+    with pytest.raises(RuntimeError):  # not first stage: an fp32 input is not cast, so the fp16 linear rejects it
+        m(torch.randn(5, 3), torch.arange(5))
+    out, _ = m(torch.randn(5, 3, dtype=torch.float16), torch.arange(5))
+    assert out.dtype == torch.float16  # not last stage: activations stay fp16 for the next stage
+    with pytest.raises(ValueError, match="must be torch.float16 or torch.bfloat16"):
+        Float16Module(_Toy(), torch.float32, is_first_stage=True, is_last_stage=True)
