@@ -287,18 +287,19 @@ def test_data_shakespeare_from_hydra(tmp_path):
 
 
 # --- collective construction on 2 gloo ranks -----------------------------------------------------------
-def _dist_provider(rank, world_size, prefix, cache, fail):
+def _dist_provider(rank, world_size, prefix, cache, fail, split="6,1,1", rank1_needs_data=True):
     from mptrain.groups import build_groups
 
     groups = build_groups(1, 1, None)
     try:
         cfg = _cfg([prefix + "-missing" if fail else prefix])
+        cfg.split = split
         try:
-            p = _provider(cfg, cache, dp=groups.dp_size, r=groups.dp_rank, mbs=2)
+            p = _provider(cfg, cache, dp=groups.dp_size, r=groups.dp_rank, mbs=2, needs_data=rank == 0 or rank1_needs_data)
         except DataError as exc:
             return f"DataError: {exc}"
         it = p.train_iterator(0)
-        return [next(it)["tokens"] for _ in range(4)]
+        return {"tokens": [next(it) for _ in range(4)], "has_valid": p.has_split("valid"), "read": p.samples_read}
     finally:
         groups.destroy()
 
@@ -308,8 +309,12 @@ def test_collective_build_on_two_ranks(corpus, tmp_path):
     cfg = _cfg([corpus["a"]])
     for r in (0, 1):  # each rank reads what an in-process provider with its dp rank reads
         it = _provider(cfg, tmp_path / "local", dp=2, r=r, mbs=2).train_iterator(0)
-        assert all(torch.equal(out[r][i], next(it)["tokens"]) for i in range(4))
+        assert all(torch.equal(out[r]["tokens"][i]["tokens"], next(it)["tokens"]) for i in range(4))
+        assert out[r]["has_valid"] is True and out[r]["read"] == 8
     assert (tmp_path / "dist" / "index").is_dir()
+    # A rank that needs no data reads nothing but agrees with rank 0 about which splits exist.
+    idle = run_distributed(_dist_provider, 2, corpus["a"], str(tmp_path / "dist"), False, "1,0,0", False)
+    assert idle[1] == {"tokens": [None] * 4, "has_valid": False, "read": 0} and idle[0]["has_valid"] is False
     failed = run_distributed(_dist_provider, 2, corpus["a"], str(tmp_path / "dist"), True)
     assert failed[0].startswith("DataError: ") and "a-missing.idx: no such file" in failed[0]
     assert failed[1].startswith("DataError: rank 0 could not build the data: ") and "a-missing.idx: no such file" in failed[1]

@@ -20,6 +20,7 @@ Cache folder: `cache_root` argument, else `data.cache_dir`, else beside the data
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -132,7 +133,7 @@ class DataProvider:
     def _collective_build(self) -> dict[str, Any]:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         rank = dist.get_rank() if distributed else 0
-        splits, error, original = None, None, None
+        splits, error, original, available = None, None, None, None
         if rank == 0:
             try:
                 splits = SOURCES[self.name](self)
@@ -140,16 +141,18 @@ class DataProvider:
                     for part in getattr(ds, "datasets", [ds]):
                         if isinstance(part, GPTDataset):
                             part.epoch_indices(0)
+                available = {s: splits.get(s) is not None for s in SPLITS}
             except Exception as exc:  # noqa: BLE001 - every rank must learn that rank 0 failed
                 error, original = f"{exc}" if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}", exc
         if distributed:
-            box = [error]
+            box = [error, available]  # every rank learns rank 0's outcome (and which splits exist)
             dist.broadcast_object_list(box, src=0)
-            error = box[0]
+            error, available = box
         if error is not None:
             if original is not None:
                 raise original
             raise DataError(f"rank 0 could not build the data: {error}")
+        self.available: dict[str, bool] = available
         if splits is None and self.needs_data:
             splits = SOURCES[self.name](self)
         return splits or {}
@@ -160,21 +163,20 @@ class DataProvider:
     # --- iteration ---------------------------------------------------------------------------
     def has_split(self, split: str) -> bool:
         """Whether `split` has data (a small corpus can leave valid / test without documents)."""
-        return self.splits.get(split) is not None if self.needs_data else True
+        return self.available[split]
 
     def _dataset(self, split: str):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        ds = self.splits.get(split)
-        if ds is None:
+        if not self.available[split]:
             raise DataError(
                 f"data.split={_get(self.cfg, 'split')!r} leaves the {split} split no documents "
                 f"(data={self.name}); give it a larger share, e.g. data.split=90,5,5"
             )
-        return ds
+        return self.splits.get(split)
 
     def _iterate(self, split: str, sampler: PretrainingSampler) -> Iterator[Optional[dict]]:
-        ds = self._dataset(split) if self.needs_data else None
+        ds = self._dataset(split) if self.needs_data else None  # None: this rank reads nothing
         eod = self.tokenizer.eod
         flags = {k: bool(_get(self.cfg, k, False)) for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")}
         for indices in sampler:
@@ -201,16 +203,14 @@ class DataProvider:
             micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
             consumed_samples=consumed_samples,
         )
-        if self.needs_data:
-            self._dataset("train")
+        self._dataset("train")  # raises on every rank alike when the split is empty
         return self._iterate("train", self.sampler)
 
     def eval_iterator(self, split: str) -> Iterator[Optional[dict]]:
         """Micro-batches of `split` ("valid" | "test") from its beginning (same rank slicing as train)."""
         if split not in ("valid", "test"):
             raise ValueError(f"eval split must be 'valid' or 'test', got {split!r}")
-        if self.needs_data:
-            self._dataset(split)
+        self._dataset(split)
         sampler = PretrainingSampler(micro_batch_size=self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size)
         return self._iterate(split, sampler)
 
@@ -267,6 +267,7 @@ def _build_shakespeare(p: DataProvider) -> dict[str, Any]:
     stat = corpus.stat()
     prefix = root / f"{corpus.name.split('.')[0]}-{tag}-{stat.st_size}"
     if not Path(f"{prefix}.idx").is_file():
+        print(f"data: preprocessing {corpus} into {prefix}.bin/.idx (first use)", file=sys.stderr)
         preprocess([str(corpus)], output_prefix=str(prefix), tokenizer=p.tokenizer, workers=1, overwrite=True, progress=False)
     return _build_from_prefixes(p, [(1.0, str(prefix))], index_cache=root / "index")
 
