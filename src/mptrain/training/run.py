@@ -1,0 +1,317 @@
+"""`run(cfg)`: the pretrain flow of the design document, as one importable function.
+
+init distributed → groups → model chunks per stage → Float16Module / DDP wrappers → optimizer +
+LR scheduler → (checkpoint load) → data iterators → validation at iteration 0 → the loop
+(forward_backward_func, finalize_model_grads, optimizer step, LR step, metrics) with periodic
+validation and checkpoints → final test evaluation → layout.json → teardown in `finally`.
+
+Every user error (`ConfigError`) is raised on every rank before the first collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from mptrain.config.schema import Config
+from mptrain.config.validate import as_config, check_vocab_size, validate_config
+from mptrain.data.provider import DataProvider
+from mptrain.data.tokenizers import build_tokenizer
+from mptrain.distributed.ddp import DistributedDataParallel
+from mptrain.distributed.distrib_optimizer import DistributedOptimizer
+from mptrain.distributed.finalize import finalize_model_grads
+from mptrain.errors import ConfigError
+from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
+from mptrain.layers.gpt import build_model_chunks
+from mptrain.layers.sharding import collect_shard_specs
+from mptrain.optim.builders import build_optimizer_factory
+from mptrain.optim.lr_scheduler import OptimizerParamScheduler
+from mptrain.precision.module import Float16Module
+from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+from mptrain.precision.scaler import build_loss_scaler
+from mptrain.schedules import ScheduleStats, get_forward_backward_func
+from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
+
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class Built:
+    """The runtime objects of one job (what checkpointing and the loop share)."""
+
+    cfg: Config
+    groups: ParallelGroups
+    trainer: Trainer
+    provider: DataProvider
+    chunks: list
+    rng_tracker: Any
+    scaler: Any
+
+
+def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, vocab_size: int):
+    """Model chunks wrapped as DDP(Float16Module(GPTModel)), the optimizer wrapper and the LR scheduler."""
+    params_dtype = PARAMS_DTYPES[cfg.precision.name]
+    raw_chunks = build_model_chunks(
+        cfg.model, cfg.parallel, groups, vocab_size=vocab_size, seed=cfg.train.seed, params_dtype=torch.float32,
+        device=groups.device,
+    )
+    rng_tracker = raw_chunks[0].rng_tracker
+    chunks = []
+    for chunk in raw_chunks:
+        specs = collect_shard_specs(chunk)
+        module = chunk
+        if params_dtype != torch.float32:
+            module = Float16Module(chunk, params_dtype, is_first_stage=chunk.pre_process, is_last_stage=chunk.post_process)
+            specs = {f"module.{k}": v for k, v in specs.items()}
+        chunks.append(
+            DistributedDataParallel(
+                module,
+                groups,
+                specs=specs,
+                grad_reduce_in_fp32=cfg.parallel.grad_reduce_in_fp32 or params_dtype != torch.float32,
+                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                bucket_size=cfg.parallel.bucket_size,
+                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            )
+        )
+    scaler = build_loss_scaler(cfg.loss_scaler, cfg.precision.name)
+    factory = build_optimizer_factory(cfg.optim)
+    common = dict(scaler=scaler, clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
+    if cfg.parallel.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(factory, chunks, groups, **common)
+    else:
+        params, specs, owner = [], [], {}
+        for chunk in chunks:
+            for name, param in chunk.module.named_parameters():
+                params.append(param)
+                specs.append(chunk.specs[name])
+                owner[param] = chunk
+        wrapper = FP32Optimizer if params_dtype == torch.float32 else MixedPrecisionOptimizer
+        optimizer = wrapper(factory, params, specs, lambda p: owner[p].main_grad(p), groups, **common)
+    lr_scheduler = OptimizerParamScheduler(
+        optimizer,
+        lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr,
+        lr_warmup_iters=cfg.optim.lr_warmup_iters,
+        lr_decay_iters=cfg.optim.lr_decay_iters,
+        lr_decay_style=cfg.optim.lr_decay_style,
+    )
+    return chunks, optimizer, lr_scheduler, rng_tracker, scaler
+
+
+def _data_iterators(provider: DataProvider, chunks: list, groups: ParallelGroups, make, with_mask: bool) -> list:
+    """One iterator per chunk: real on the TP-rank-0 reader of a chunk that needs data, None elsewhere."""
+    return [make() if (groups.tp_rank == 0 and chunk_needs_data(c, with_mask)) else None for c in chunks]
+
+
+def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: int) -> Built:
+    """Everything a job needs, built collectively on every rank."""
+    chunks, optimizer, lr_scheduler, rng_tracker, scaler = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
+    with_mask = bool(cfg.data.reset_attention_mask)
+    needs = groups.tp_rank == 0 and (groups.is_first_stage or groups.is_last_stage or with_mask)
+    provider = DataProvider(
+        cfg.data,
+        tokenizer=tokenizer,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size,
+        global_batch_size=cfg.train.global_batch_size,
+        dp_rank=groups.dp_rank,
+        dp_size=groups.dp_size,
+        needs_data=needs,
+    )
+    faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
+                           fail_where=cfg.debug.fail_where)
+    trainer = Trainer(
+        groups=groups,
+        chunks=chunks,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        forward_backward_func=get_forward_backward_func(derived.schedule, groups),
+        forward_step=make_forward_step(
+            groups,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seq_length=cfg.model.seq_length,
+            with_attention_mask=with_mask,
+            device=groups.device,
+            faults=faults,
+        ),
+        finalize_model_grads=finalize_model_grads,
+        num_microbatches=derived.num_microbatches,
+        micro_batch_size=cfg.train.micro_batch_size,
+        global_batch_size=cfg.train.global_batch_size,
+        seq_length=cfg.model.seq_length,
+        hidden_size=cfg.model.hidden_size,
+        dtype=PARAMS_DTYPES[cfg.precision.name],
+        sequence_parallel=derived.sequence_parallel,
+        device=groups.device,
+        stats=ScheduleStats(),
+        faults=faults,
+    )
+    return Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,
+                 scaler=scaler)
+
+
+def _poison_grads_fn(built: Built, iteration_ref: list):
+    """debug.nonfinite_grad_*: make this rank's grads non-finite at the given iteration."""
+    dbg = built.cfg.debug
+    if dbg.nonfinite_grad_rank != built.groups.rank:
+        return None
+
+    def poison():
+        if iteration_ref[0] == dbg.nonfinite_grad_iteration:
+            for chunk in built.chunks:
+                for _, _, grad in chunk.named_main_grads()[:1]:
+                    grad.fill_(float("nan"))
+
+    return poison
+
+
+class _StopSignal:
+    """SIGTERM / SIGINT: finish the current step, save, exit 0 (DESIGN.md §4)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a test pool worker): no signal handling
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _any_rank_flag(flag: bool, device) -> bool:
+    """Whether any rank set `flag` (one tiny all-reduce; used for the stop signal)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def run(cfg: Any) -> dict:
+    """Train one job described by `cfg` (a Hydra DictConfig or a `Config`); returns the job's summary.
+
+    Raises:
+        ConfigError: invalid config (on every rank, before any collective).
+    """
+    from mptrain.training.recorder import Recorder
+
+    t_start = time.time()
+    cfg = as_config(cfg)
+    env = read_dist_env()
+    derived = validate_config(cfg, env.world_size)
+    tokenizer = build_tokenizer(cfg.data)
+    vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size)
+    if cfg.precision.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    device = init_distributed(env, timeout_s=cfg.train.timeout_s)
+    groups = build_groups(
+        derived.tensor_model_parallel_size,
+        derived.pipeline_model_parallel_size,
+        derived.virtual_pipeline_model_parallel_size,
+        device=device,
+    )
+    recorder = None
+    stop = _StopSignal()
+    try:
+        recorder = Recorder.open(cfg, groups, derived, vocab_size=vocab_size, t_start=t_start)
+        built = build(cfg, groups, derived, tokenizer, vocab_size)
+        trainer, provider = built.trainer, built.provider
+        state = {"iteration": 0, "consumed_samples": 0}
+        if cfg.checkpoint.load or cfg.checkpoint.save:
+            from mptrain.checkpoint import maybe_load_checkpoint, save_checkpoint
+
+            state = maybe_load_checkpoint(built, recorder)  # {"iteration", "consumed_samples"} (zeros when fresh)
+        iteration, consumed = state["iteration"], state["consumed_samples"]
+        recorder.start(iteration)
+        iteration_ref = [iteration]
+        trainer.poison_grads = _poison_grads_fn(built, iteration_ref)
+        with_mask = bool(cfg.data.reset_attention_mask)
+        train_iters = _data_iterators(provider, built.chunks, groups, lambda: provider.train_iterator(consumed), with_mask)
+        eval_on = cfg.train.eval_interval is not None and cfg.train.eval_iters > 0
+
+        def evaluate(split: str) -> float:
+            if not provider.has_split(split):
+                return float("nan")
+            make = lambda: _data_iterators(provider, built.chunks, groups, lambda: provider.eval_iterator(split), with_mask)
+            return trainer.evaluate(make, cfg.train.eval_iters)
+
+        if eval_on and iteration == 0:
+            recorder.eval_row("valid", 0, evaluate("valid"))
+        stop.install()
+        exit_code_reason = None
+        while iteration < cfg.train.train_iters:
+            iteration_ref[0] = iteration + 1
+            trainer.faults.iteration = iteration + 1
+            if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
+                time.sleep(cfg.debug.sleep_seconds)
+            t0 = time.time()
+            metrics = trainer.train_step(train_iters)
+            iteration += 1
+            consumed += cfg.train.global_batch_size
+            recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=time.time() - t0)
+            if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
+                recorder.eval_row("valid", iteration, evaluate("valid"))
+            stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
+            exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval
+            periodic = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
+            last = iteration == cfg.train.train_iters
+            if cfg.checkpoint.save and (periodic or exiting or stop_now or last):
+                trainer.faults.maybe_fail("save")
+                save_checkpoint(built, iteration=iteration, consumed_samples=consumed, recorder=recorder)
+            if exiting or stop_now:
+                exit_code_reason = "exit_interval" if exiting else "signal"
+                break
+        if exit_code_reason is None and eval_on:
+            recorder.eval_row("valid", iteration, evaluate("valid"))
+            recorder.eval_row("test", iteration, evaluate("test"))
+        return recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
+    finally:
+        stop.uninstall()
+        if recorder is not None:
+            recorder.close()
+        groups.destroy()
+
+
+def hydra_main(cfg) -> Any:
+    """The task function of train.py.
+
+    Single run: a `ConfigError` prints one line to stderr and exits 1 (no traceback); any other
+    failure prints the traceback with the rank and exits 1 at once, without a collective teardown
+    (torchrun then stops the other ranks; a hang is never the answer). In a multirun the
+    exception propagates to the sweep callback, which records it (`mptrain.training.sweep`).
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun:
+        return run(cfg)  # the sweep callback records and applies the policy
+    try:
+        return run(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except BaseException as err:  # noqa: BLE001
+        if isinstance(err, SystemExit) and not err.code:
+            raise
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print(f"[rank {rank}] job failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        import os
+
+        os._exit(1)

@@ -1,0 +1,210 @@
+"""One training iteration and one evaluation pass (Megatron's train_step / evaluate).
+
+A training iteration (DESIGN.md §3, loss normalisation in docs/ARCHITECTURE.md):
+    zero grads → forward_backward_func over num_microbatches (loss_sum·loss_scale/max_tokens
+    backpropagated per micro-batch) → finalize_model_grads (DP sync, SP / tied-embedding grads over
+    TP / embedding group, × max_tokens / global token count) → optimizer.step (unscale, inf check,
+    clip, update or skip) → LR step.
+The reported lm_loss is Σ loss_sum / Σ num_tokens over all micro-batches and DP ranks; it lives on
+the last pipeline stage and is broadcast over each PP group so that rank 0 logs the real value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.groups import ParallelGroups
+from mptrain.training.batch import get_batch
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under DDP / Float16Module wrappers (the GPTModel chunk)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def chunk_needs_data(chunk: torch.nn.Module, with_attention_mask: bool) -> bool:
+    """First-stage chunks need tokens, last-stage chunks labels; every chunk needs a reset attention mask."""
+    inner = unwrap(chunk)
+    return inner.pre_process or inner.post_process or with_attention_mask
+
+
+@dataclasses.dataclass
+class FaultInjector:
+    """The debug.* fault injection of DESIGN.md §1 for this rank (all None = off)."""
+
+    rank: int
+    fail_rank: Optional[int] = None
+    fail_iteration: Optional[int] = None
+    fail_where: str = "forward"
+    iteration: int = 0
+
+    def maybe_fail(self, where: str) -> None:
+        if self.fail_rank == self.rank and self.fail_iteration == self.iteration and self.fail_where == where:
+            raise RuntimeError(f"debug: injected failure on rank {self.rank} at iteration {self.iteration} in {where}")
+
+
+def make_forward_step(
+    groups: ParallelGroups,
+    *,
+    micro_batch_size: int,
+    seq_length: int,
+    with_attention_mask: bool,
+    device: torch.device,
+    faults: Optional[FaultInjector] = None,
+) -> Callable:
+    """The forward_step_func of the schedules: (data_iterator, model_chunk) -> (output, loss_func)."""
+
+    def forward_step(data_iterator: Optional[Iterator], model: torch.nn.Module):
+        inner = unwrap(model)
+        batch = None
+        if chunk_needs_data(model, with_attention_mask):
+            if faults is not None:
+                faults.maybe_fail("data")
+            batch = get_batch(
+                data_iterator,
+                groups,
+                micro_batch_size=micro_batch_size,
+                seq_length=seq_length,
+                with_attention_mask=with_attention_mask,
+                device=device,
+            )
+        if faults is not None:
+            faults.maybe_fail("forward")
+        output = model(
+            batch["tokens"] if inner.pre_process else None,
+            batch["position_ids"] if inner.pre_process else None,
+            batch["attention_mask"] if batch is not None else None,
+            labels=batch["labels"] if inner.post_process else None,
+        )
+
+        def loss_func(output_tensor: torch.Tensor):
+            # per-token losses [b, s] (fp32); masked sum and count: normalised once, by the schedule/finalize
+            mask = batch["loss_mask"]
+            loss_sum = (output_tensor.float() * mask).sum()
+            num_tokens = mask.sum()
+            return loss_sum, num_tokens, {"lm_loss": torch.stack([loss_sum.detach(), num_tokens.detach()])}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def reduce_loss(reports: list, groups: ParallelGroups, device: torch.device) -> tuple[float, float]:
+    """(Σ loss_sum, Σ num_tokens) over micro-batches and DP ranks, known on every rank of the PP group.
+
+    One DP all-reduce on the last stage and one PP broadcast: a host sync once per iteration.
+    """
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if groups.is_last_stage:
+        for report in reports:
+            totals += report["lm_loss"].to(torch.float64)
+        if groups.dp_size > 1:
+            dist.all_reduce(totals, group=groups.dp_group)
+    if groups.pp_size > 1:
+        dist.broadcast(totals, src=groups.last_pp_rank, group=groups.pp_group)
+    loss_sum, tokens = totals.tolist()  # host sync (once per iteration, for the metrics row)
+    return loss_sum, tokens
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What a step needs; built once by `run` (no hidden state elsewhere)."""
+
+    groups: ParallelGroups
+    chunks: list  # DDP-wrapped model chunks (one per virtual stage)
+    optimizer: Any
+    lr_scheduler: Any
+    forward_backward_func: Callable
+    forward_step: Callable
+    finalize_model_grads: Callable
+    num_microbatches: int
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    hidden_size: int
+    dtype: torch.dtype
+    sequence_parallel: bool
+    device: torch.device
+    stats: Any = None
+    timers: Any = None
+    poison_grads: Optional[Callable[[], None]] = None
+    faults: Optional[FaultInjector] = None
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens of a full global batch: the constant the per-micro-batch backward divides by."""
+        return self.global_batch_size * self.seq_length
+
+    def _schedule_kwargs(self, data_iterators: list, forward_only: bool) -> dict:
+        return dict(
+            forward_step_func=self.forward_step,
+            data_iterator=data_iterators if len(self.chunks) > 1 else data_iterators[0],
+            model=self.chunks,
+            num_microbatches=self.num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            hidden_size=self.hidden_size,
+            groups=self.groups,
+            dtype=self.dtype,
+            sequence_parallel=self.sequence_parallel,
+            forward_only=forward_only,
+            max_tokens=self.max_tokens,
+            stats=self.stats,
+        )
+
+    def train_step(self, data_iterators: list) -> dict:
+        """One iteration; returns the metrics known on every rank (loss from the last stage)."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        kwargs = self._schedule_kwargs(data_iterators, forward_only=False)
+        kwargs["loss_scale"] = self.optimizer.get_loss_scale()
+        kwargs["no_sync_func"] = self._no_sync_func()
+        reports, num_tokens = self.forward_backward_func(**kwargs)
+        self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens, max_tokens=self.max_tokens)
+        if self.poison_grads is not None:
+            self.poison_grads()
+        lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
+        result = self.optimizer.step()
+        self.lr_scheduler.step()
+        loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
+        return {
+            "lm_loss": loss_sum / max(tokens, 1.0),
+            "lr": lr,
+            "grad_norm": result.grad_norm if result.update_successful else None,
+            "skipped_iter": not result.update_successful,
+        }
+
+    def _no_sync_func(self):
+        if len(self.chunks) == 1:
+            return self.chunks[0].no_sync
+        from contextlib import ExitStack
+
+        def no_sync_all():
+            stack = ExitStack()
+            for chunk in self.chunks:
+                stack.enter_context(chunk.no_sync())
+            return stack
+
+        return no_sync_all
+
+    @torch.no_grad()
+    def evaluate(self, make_iterators: Callable[[], list], eval_iters: int) -> float:
+        """Mean loss over `eval_iters` global batches (forward only); known on every rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        iterators = make_iterators()
+        total_loss, total_tokens = 0.0, 0.0
+        for _ in range(eval_iters):
+            reports, _ = self.forward_backward_func(**self._schedule_kwargs(iterators, forward_only=True))
+            loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
+            total_loss, total_tokens = total_loss + loss_sum, total_tokens + tokens
+        for chunk in self.chunks:
+            chunk.train()
+        return total_loss / max(total_tokens, 1.0)

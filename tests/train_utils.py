@@ -1,0 +1,32 @@
+"""Helpers for end-to-end tests: compose a config like train.py does and run it in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose(overrides: list):
+    """The composed config for `overrides` (as `python train.py <overrides>` would see it)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from mptrain.config.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def run_job(rank: int, world: int, overrides: list) -> dict:
+    """Pool task: run one training job with `overrides` on every rank; rank 0 returns the summary."""
+    from mptrain.training.run import run
+
+    return run(compose(overrides))
+
+
+def read_rows(run_dir, split: str = "train") -> list:
+    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
