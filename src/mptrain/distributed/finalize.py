@@ -71,7 +71,7 @@ def finalize_model_grads(
     Args:
         model_chunks: this rank's `DistributedDataParallel` chunks, in virtual-stage order.
         groups: `ParallelGroups`.
-        num_tokens: loss-masked tokens this rank's schedule counted (0-d tensor; only the last
+        num_tokens: loss-masked tokens this rank's schedule counted (0-d tensor or int; only the last
             pipeline stage's value is used, other stages may pass None or anything).
         max_tokens: the factor the schedule divided the loss by (global_batch_size × seq_length);
             None = 1 (grads are then divided by the global token count alone).
@@ -95,7 +95,8 @@ def finalize_model_grads(
     if num_tokens is None:
         total = torch.zeros((), dtype=torch.float64, device=groups.device)  # overwritten by the broadcast
     else:
-        total = num_tokens.detach().to(dtype=torch.float64, device=groups.device).clone().reshape(())
+        # the schedules return an int 0 on non-last stages: accept any number or tensor
+        total = torch.as_tensor(num_tokens).detach().to(dtype=torch.float64, device=groups.device).clone().reshape(())
     if groups.pp_size > 1:
         dist.broadcast(total, src=groups.last_pp_rank, group=groups.pp_group)
     if groups.dp_size > 1:
