@@ -24,7 +24,7 @@ bytes per rank instead of 12·N (`optimizer_state_bytes`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
