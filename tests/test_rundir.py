@@ -1,0 +1,132 @@
+"""Run folder: default name, existing-folder policy, config agreement, rank-0 resolution broadcast (gloo)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from harness import run_distributed
+from mptrain.config.schema import Config
+from mptrain.errors import ConfigError
+from mptrain.training.rundir import (
+    check_config_agreement,
+    config_fingerprint,
+    default_run_dir,
+    resolve_run_dir,
+    run_dir_decision,
+)
+from mptrain.training.sweep import SweepJob
+
+
+def _cfg(**dotted):
+    cfg = OmegaConf.structured(Config)
+    for key, value in dotted.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value)
+    return cfg
+
+
+def _single(cfg, resuming=False, **kw):
+    return resolve_run_dir(cfg, rank=0, world_size=1, resuming=resuming, **kw)
+
+
+def test_default_run_dir_is_model_parallel_precision():
+    cfg = _cfg(model__name="gpt_1.3b", parallel__name="tp2pp4", precision__name="bf16")
+    assert default_run_dir(cfg) == "outputs/gpt_1.3b-tp2pp4-bf16"
+
+
+def test_default_run_dir_created_relative_to_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = _single(_cfg())
+    assert run_dir == tmp_path / "outputs" / "tiny-tp1pp1-fp32"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # nothing else written
+
+
+def test_config_yaml_is_resolved_with_the_run_dir(tmp_path):
+    run_dir = _single(_cfg(run__dir=str(tmp_path / "r"), train__train_iters=7))
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["run"]["dir"] == str(tmp_path / "r")
+    assert saved["train"]["train_iters"] == 7
+    assert saved["parallel"]["tensor_model_parallel_size"] == 1
+
+
+def test_existing_empty_folder_is_used(tmp_path):
+    (tmp_path / "r").mkdir()
+    assert _single(_cfg(run__dir=str(tmp_path / "r"))) == tmp_path / "r"
+
+
+def test_existing_run_folder_refused_unless_resuming(tmp_path):
+    d = tmp_path / "r"
+    cfg = _cfg(run__dir=str(d))
+    _single(cfg)
+    (d / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+    with pytest.raises(ConfigError, match=r"run.dir=.*already holds a run \(config.yaml, metrics.jsonl\)") as err:
+        _single(cfg)
+    assert "\n" not in str(err.value)
+    assert _single(cfg, resuming=True) == d  # appended to when resuming
+    assert (d / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
+
+
+def test_non_run_folder_and_file_refused_even_when_resuming(tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    (tmp_path / "afile").write_text("x")
+    for name, text in (("junk", "is not empty (notes.txt, ...) and is not a run folder"), ("afile", "is not a folder")):
+        for resuming in (False, True):
+            with pytest.raises(ConfigError, match=r"run.dir=") as err:
+                _single(_cfg(run__dir=str(tmp_path / name)), resuming=resuming)
+            assert text in str(err.value)
+    assert run_dir_decision(tmp_path / "missing", resuming=False) is None
+
+
+def test_sweep_job_folder_under_the_root(tmp_path):
+    job = SweepJob(root=str(tmp_path / "S"), subdir="parallel=tp2pp1", num=1, overrides=("parallel=tp2pp1",), swept=("parallel",))
+    run_dir = _single(_cfg(run__dir=str(tmp_path / "S")), sweep_job=job)
+    assert run_dir == tmp_path / "S" / "parallel=tp2pp1"
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_fingerprint_ignores_run_dir_only():
+    a, _ = config_fingerprint(_cfg(run__dir="/a"))
+    b, _ = config_fingerprint(_cfg(run__dir="/b"))
+    c, _ = config_fingerprint(_cfg(run__dir="/a", optim__lr=0.5))
+    assert a == b and a != c
+
+
+def test_config_mismatch_names_key_and_values():
+    fps = [config_fingerprint(_cfg()), config_fingerprint(_cfg()), config_fingerprint(_cfg(train__seed=7))]
+    with pytest.raises(ConfigError, match=r"rank 2's resolved config differs from rank 0's at train.seed \(rank 0: 1234, rank 2: 7\)"):
+        check_config_agreement(fps)
+    check_config_agreement(fps[:2])
+
+
+def _resolve_on_world(rank, world_size, root, seed_on_rank1, existing):
+    """Every rank resolves; returns the path or the ConfigError text (so the test sees every rank's outcome)."""
+    seed = seed_on_rank1 if rank == 1 else 1234
+    cfg = _cfg(run__dir=str(Path(root) / "run"), train__seed=seed)
+    if existing and rank == 0:  # only rank 0 looks at the disk; the others must learn the verdict from it
+        (Path(root) / "run").mkdir(exist_ok=True)
+        (Path(root) / "run" / "train.log").write_text("old\n")
+    try:
+        return str(resolve_run_dir(cfg, rank=rank, world_size=world_size, resuming=False))
+    except ConfigError as e:
+        return "ConfigError: " + str(e)
+
+
+def test_world2_rank0_resolves_and_broadcasts(tmp_path):
+    out = run_distributed(_resolve_on_world, 2, str(tmp_path), 1234, False)
+    assert out == [str(tmp_path / "run")] * 2
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]  # written once, by rank 0
+
+
+def test_world2_refusal_raised_on_every_rank(tmp_path):
+    out = run_distributed(_resolve_on_world, 2, str(tmp_path), 1234, True)
+    assert out[0] == out[1] and out[0].startswith("ConfigError: run.dir=") and "already holds a run (train.log)" in out[0]
+
+
+def test_world2_config_mismatch_raised_on_every_rank_before_the_folder(tmp_path):
+    out = run_distributed(_resolve_on_world, 2, str(tmp_path), 99, False)
+    assert out[0] == out[1]
+    assert "rank 1's resolved config differs from rank 0's at train.seed (rank 0: 1234, rank 1: 99)" in out[0]
+    assert not (tmp_path / "run").exists()
