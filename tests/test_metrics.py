@@ -1,0 +1,110 @@
+"""metrics.jsonl rows (exact DESIGN.md §2 keys), train.log, console pacing, resume truncation."""
+
+import io
+import json
+import logging
+import math
+
+import pytest
+
+from mptrain.training.console import Console
+from mptrain.training.metrics import TRAIN_KEYS, EvalRow, MetricsWriter, TrainRow, read_metrics
+
+DESIGN_TRAIN_ROW = (
+    '{"split": "train", "iteration": 7, "consumed_samples": 56, "lm_loss": 6.93, "lr": 3e-4, '
+    '"grad_norm": 1.2, "loss_scale": 65536.0, "skipped_iter": false, "skipped_iters_total": 3, '
+    '"nan_iters_total": 0, "num_microbatches": 4, "tokens_per_s": 1234.5, '
+    '"tflops_per_gpu": 1.2, "mfu": null, "mem_allocated_gib": null}'
+)
+
+
+def _row(iteration, **kw):
+    base = dict(iteration=iteration, consumed_samples=8 * iteration, lm_loss=7.0 - 0.1 * iteration, lr=1e-3,
+                grad_norm=1.5, loss_scale=1.0, skipped_iter=False, skipped_iters_total=0, nan_iters_total=0,
+                num_microbatches=4, tokens_per_s=100.0, tflops_per_gpu=0.01, mfu=None, mem_allocated_gib=None)
+    base.update(kw)
+    return TrainRow(**base)
+
+
+def test_train_keys_are_exactly_the_design_row_in_order():
+    assert list(TRAIN_KEYS) == list(json.loads(DESIGN_TRAIN_ROW).keys())
+    design = json.loads(DESIGN_TRAIN_ROW)
+    row = TrainRow(**{k: v for k, v in design.items() if k != "split"})
+    assert row.as_dict() == design
+
+
+def test_writer_rows_flushed_per_row_and_eval_ppl(tmp_path):
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, rank=0, log_interval=2, train_iters=3, progress_bar=False, stream=out)
+    w.write_eval(EvalRow("valid", 0, 2.0))
+    w.write_train(_row(1))
+    # flushed: readable before close
+    assert [r["split"] for r in read_metrics(tmp_path)] == ["valid", "train"]
+    w.write_train(_row(2, grad_norm=None, skipped_iter=True, skipped_iters_total=1))
+    w.write_train(_row(3, lm_loss=float("nan"), nan_iters_total=1))
+    w.write_eval(EvalRow("test", 3, 1.5))
+    w.close()
+    rows = read_metrics(tmp_path)
+    assert [(r["split"], r["iteration"]) for r in rows] == [("valid", 0), ("train", 1), ("train", 2), ("train", 3), ("test", 3)]
+    for r in rows:
+        if r["split"] == "train":
+            assert list(r) == list(TRAIN_KEYS)
+        else:
+            assert list(r) == ["split", "iteration", "lm_loss", "ppl"]
+    assert rows[0]["ppl"] == pytest.approx(math.exp(2.0), rel=1e-12)  # float64 exp; only rounding
+    assert rows[2]["grad_norm"] is None and rows[2]["skipped_iter"] is True
+    assert rows[3]["lm_loss"] is None  # non-finite written as null (strict JSON)
+    # log_interval=2 paces the console: iterations 2 and 3 (the last), not 1
+    lines = out.getvalue().splitlines()
+    step_lines = [line for line in lines if line.startswith("iter ")]
+    assert [line.split(" |")[0] for line in step_lines] == ["iter 2/3", "iter 3/3"]
+    assert any(line.startswith("valid at iteration 0 | lm_loss 2.000000 | ppl 7.389") for line in lines)
+    log = (tmp_path / "train.log").read_text().splitlines()
+    assert [line for line in log if line.startswith("iter ")] == step_lines
+
+
+def test_non_zero_rank_writes_nothing(tmp_path):
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, rank=1, progress_bar=False, stream=out)
+    w.write_train(_row(1))
+    w.message("hello")
+    w.close()
+    assert list(tmp_path.iterdir()) == [] and out.getvalue() == ""
+
+
+def test_resume_drops_rows_after_the_checkpoint(tmp_path):
+    with MetricsWriter(tmp_path, rank=0, progress_bar=False, stream=io.StringIO()) as w:
+        w.write_eval(EvalRow("valid", 0, 3.0))
+        for i in range(1, 7):  # checkpoint saved after iteration 4 (after its evaluation), crash after 6
+            w.write_train(_row(i))
+            if i == 4:
+                w.write_eval(EvalRow("valid", 4, 3.0))
+    with MetricsWriter(tmp_path, rank=0, start_iteration=4, progress_bar=False, stream=io.StringIO()) as w:
+        w.write_train(_row(5))
+    its = [(r["split"], r["iteration"]) for r in read_metrics(tmp_path)]
+    assert its == [("valid", 0), ("train", 1), ("train", 2), ("train", 3), ("train", 4), ("valid", 4), ("train", 5)]
+
+
+def test_mptrain_logger_goes_to_train_log_while_open(tmp_path):
+    w = MetricsWriter(tmp_path, rank=0, progress_bar=False, stream=io.StringIO())
+    logging.getLogger("mptrain.checkpoint").info("RNG states re-derived")
+    w.close()
+    logging.getLogger("mptrain.checkpoint").info("after close")
+    text = (tmp_path / "train.log").read_text()
+    assert "RNG states re-derived" in text and "after close" not in text
+
+
+def test_console_progress_bar_and_plain_lines():
+    out = io.StringIO()
+    c = Console(out, progress_bar=True, total_iters=10)
+    c.step(3, "lm_loss 1.0")
+    c.message("valid line")
+    assert c.bar.n == 3
+    c.close()
+    text = out.getvalue()
+    assert "valid line" in text and "3/10" in text
+    plain = io.StringIO()
+    c = Console(plain, progress_bar=None, total_iters=10)  # StringIO is not a terminal: plain lines
+    assert c.bar is None
+    c.step(1, "iter 1")
+    assert plain.getvalue() == "iter 1\n"
