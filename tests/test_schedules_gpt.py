@@ -63,14 +63,15 @@ def _run(rank, world, tp, pp, vpp, schedule, m, sequence_parallel=False):
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel)
         chunks = build_model_chunks(model_cfg(), parallel, groups, vocab_size=VOCAB, seed=5)
-        batches = make_batches(m)
+        max_tokens = m * MBS * SEQ  # of the global batch
+        m_local = m // groups.dp_size  # each DP rank runs its contiguous share of the global batch
+        batches = make_batches(m)[groups.dp_rank * m_local:(groups.dp_rank + 1) * m_local]
         iters = [iter(batches) for _ in chunks]
         stats = ScheduleStats()
-        max_tokens = m * MBS * SEQ
         try:
             reports, num_tokens = get_forward_backward_func(schedule, groups)(
                 forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
-                num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
+                num_microbatches=m_local, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
                 dtype=torch.float32, sequence_parallel=sequence_parallel, max_tokens=max_tokens, stats=stats)
         except ConfigError as e:
             return {"error": str(e)}
@@ -83,14 +84,14 @@ def _run(rank, world, tp, pp, vpp, schedule, m, sequence_parallel=False):
         if groups.is_last_stage:
             loss = (float(sum(r["loss_sum"] for r in reports)), float(sum(r["num_tokens"] for r in reports)))
             assert int(num_tokens) == int(sum(b["loss_mask"].sum() for b in batches))
-        return {"tp": groups.tp_rank, "pp": groups.pp_rank, "grads": grads, "loss": loss, "max_tokens": max_tokens,
+        return {"tp": groups.tp_rank, "pp": groups.pp_rank, "dp": groups.dp_rank, "grads": grads, "loss": loss, "max_tokens": max_tokens,
                 "inflight": stats.max_inflight_microbatches}
     finally:
         groups.destroy()
 
 
 def full_grads(results, sequence_parallel=False):
-    """Rebuild full unpadded grads from every rank's shards (dp = 1): TP shards placed, the shared copy added."""
+    """Rebuild full unpadded grads from every rank's shards: TP shards placed, the shared copy and DP ranks added."""
     full = {}
     for res in results:
         for name, (spec, grad) in res["grads"].items():
@@ -99,10 +100,10 @@ def full_grads(results, sequence_parallel=False):
             place_shard(piece, grad, spec)
             if spec.partition_dim is None and res["tp"] != 0 and not (sequence_parallel and spec.sequence_parallel_grad):
                 # TP-replicated, no SP: every TP rank holds the same complete grad; count it once
-                torch.testing.assert_close(piece, full[target + f"@pp{res['pp']}"], rtol=0, atol=0)
+                torch.testing.assert_close(piece, full[target + f"@pp{res['pp']}dp{res.get('dp', 0)}"], rtol=0, atol=0)
                 continue
             if spec.partition_dim is None and res["tp"] == 0:
-                full[target + f"@pp{res['pp']}"] = piece.clone()
+                full[target + f"@pp{res['pp']}dp{res.get('dp', 0)}"] = piece.clone()
             full[target] = full.get(target, 0) + piece
     return {k: v for k, v in full.items() if "@" not in k}
 
@@ -124,7 +125,10 @@ def check_against_reference(results, m, sequence_parallel=False):
         # tensor's largest entry (acceptance: rel 1e-5)
         torch.testing.assert_close(got[name] * scale, ref * scale, rtol=1e-5, atol=1e-5 * ref.abs().max().item(),
                                    msg=lambda s, n=name: f"{n}: {s}")
-    loss_sum, tokens = next(r["loss"] for r in results if r["loss"] is not None)
+    last = [r for r in results if r["loss"] is not None]  # last stage: every (tp, dp) rank reports
+    per_dp = {r["dp"]: r["loss"] for r in last if r["tp"] == 0}
+    assert all(r["loss"] == per_dp[r["dp"]] for r in last)  # TP ranks agree exactly (vocab-parallel CE)
+    loss_sum, tokens = sum(v[0] for v in per_dp.values()), sum(v[1] for v in per_dp.values())
     assert tokens == ref_tokens
     assert loss_sum / tokens == pytest.approx(ref_sum / ref_tokens, rel=1e-5)  # fp32, other summation order
 
@@ -163,3 +167,10 @@ def test_gpt_tp2_pp2(schedule, vpp, sequence_parallel):
     # sequence parallelism changes the exchanged shape to [s/tp, b, h]
     results = run_distributed(_run, 4, 2, 2, vpp, schedule, 4, sequence_parallel)
     check_against_reference(results, 4, sequence_parallel)
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1f1b", None), ("gpipe", None), ("interleaved_1f1b", 2)])
+def test_gpt_tp2_pp2_dp2_world8(schedule, vpp):
+    # the full layout of the acceptance item (8 gloo processes); DP's grad all-reduce is done here by summing
+    results = run_distributed(_run, 8, 2, 2, vpp, schedule, 4, True)
+    check_against_reference(results, 4, sequence_parallel=True)
