@@ -1,0 +1,258 @@
+"""`save_checkpoint` / `maybe_load_checkpoint`: what the training loop calls (DESIGN.md §4, issue 9).
+
+Everything comes from the loop's ``built`` (`mptrain.training.run.Built`): ``cfg``, ``groups``,
+``chunks`` (DDP wrappers), ``trainer.optimizer`` (any optimizer wrapper), ``trainer.lr_scheduler``,
+``scaler``, ``rng_tracker``. Keys and what they hold: `mptrain.checkpoint.state`; addressing by
+global unpadded shape + offsets: `mptrain.checkpoint.reshard`; the DCP planners:
+`mptrain.checkpoint.dcp_io`; folders / ``latest`` / pruning: `mptrain.checkpoint.atomic`; RNG:
+`mptrain.checkpoint.rng`. Megatron's counterparts: ``training/checkpointing.py::save_checkpoint``
+/ ``load_checkpoint`` with the ``torch_dist`` format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.checkpoint import atomic, dcp_io, rng
+from mptrain.checkpoint.reshard import check_coverage
+from mptrain.checkpoint.state import (
+    install_optimizer_state,
+    model_chunks,
+    optimizer_load_items,
+    optimizer_save_items,
+    param_records,
+    unwrap,
+)
+from mptrain.errors import ConfigError
+
+FORMAT = "mptrain-dcp-1"
+# Model-config keys that decide parameter shapes (listed in the mismatch error when they differ).
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+              "vocab_size", "max_position_embeddings", "seq_length", "normalization", "activation",
+              "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear")
+
+
+def _log(recorder, msg: str) -> None:
+    if recorder is not None:
+        recorder.log(msg)
+
+
+def config_dict(cfg: Any) -> dict:
+    """The resolved config as plain data (a `Config` dataclass or a DictConfig)."""
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _optimizer(built):
+    return built.trainer.optimizer
+
+
+def _vocab_size(built) -> int:
+    return int(unwrap(built.chunks[0]).vocab_size)
+
+
+def _param_dtype(built) -> str:
+    for p in unwrap(built.chunks[0]).parameters():
+        return str(p.dtype).replace("torch.", "")
+    return "float32"
+
+
+def _common_state(built, iteration: int, consumed_samples: int) -> dict:
+    opt = _optimizer(built)
+    return {
+        "format": FORMAT,
+        "iteration": int(iteration),
+        "consumed_samples": int(consumed_samples),
+        "scaler": built.scaler.state_dict() if built.scaler is not None else None,
+        "lr_scheduler": built.trainer.lr_scheduler.state_dict(),
+        "counters": {
+            "skipped_iters_total": int(opt.skipped_iters_total),
+            "nan_iters_total": int(opt.nan_iters_total),
+            "consecutive_skips": int(getattr(opt, "consecutive_skips", 0)),
+        },
+        "layout": rng.layout_of(built.groups),
+        "vocab_size": _vocab_size(built),
+        "param_dtype": _param_dtype(built),
+        "config": config_dict(built.cfg),
+        "torch_version": torch.__version__,
+    }
+
+
+def _all_ok(ok: bool, device) -> bool:
+    """MIN over all ranks of a success flag (so a failure on rank 0 raises everywhere, never hangs)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=None) -> Optional[Path]:
+    """Save iteration ``iteration`` to ``cfg.checkpoint.save`` (collective on all ranks).
+
+    Writes ``iter_<N>.tmp`` (DCP: model, main params, optimizer state; objects: common state and
+    this rank's RNG), then rank 0 renames it to ``iter_<N>``, rewrites ``latest`` and prunes
+    beyond ``checkpoint.keep_last_n`` (`mptrain.checkpoint.atomic`).
+
+    Returns:
+        the published folder (None when ``checkpoint.save`` is null).
+    Raises:
+        RuntimeError: publishing failed on rank 0 (raised on every rank).
+    """
+    cfg, groups = built.cfg, built.groups
+    root = cfg.checkpoint.save
+    if not root:
+        return None
+    tmp = atomic.tmp_dir(root, iteration)
+    ok, error = True, None
+    if groups.rank == 0:
+        try:
+            atomic.prepare_tmp(root, iteration)
+        except OSError as err:
+            ok, error = False, err
+    if not _all_ok(ok, groups.device):
+        raise RuntimeError(f"checkpoint: could not create {tmp} on rank 0: {error}")
+    records = param_records(built.chunks)
+    chunks = model_chunks(records)
+    opt_chunks, objects = optimizer_save_items(_optimizer(built), records)
+    common = _common_state(built, iteration, consumed_samples)
+    objects["common"] = common
+    objects[rng.rng_key(groups)] = rng.capture(built.rng_tracker)
+    dcp_io.save_chunks(str(tmp), chunks + opt_chunks, objects)
+    removed = []
+    if groups.rank == 0:
+        try:
+            meta = {k: common[k] for k in ("format", "iteration", "consumed_samples", "layout", "vocab_size",
+                                            "param_dtype", "torch_version")}
+            meta["config"] = common["config"]
+            atomic.write_json(tmp / atomic.META_FILE, meta)
+            removed = atomic.publish(root, iteration, cfg.checkpoint.keep_last_n)
+        except OSError as err:
+            ok, error = False, err
+    if not _all_ok(ok, groups.device):
+        raise RuntimeError(f"checkpoint: publishing iteration {iteration} in {root} failed on rank 0: {error}")
+    folder = Path(root) / atomic.iter_dir_name(iteration)
+    _log(recorder, f"checkpoint: saved iteration {iteration} to {folder}"
+         + (f" (removed iterations {removed}: keep_last_n={cfg.checkpoint.keep_last_n})" if removed else ""))
+    return folder
+
+
+def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved_cfg: dict, cfg) -> None:
+    """ConfigError (on every rank) listing missing / unexpected / mismatched ``model/`` keys.
+
+    Collective: the parameter names every rank needs are all-gathered, so a checkpoint with more
+    layers than the model is caught too.
+    """
+    needed = {f"model/{r.ckpt_name}": tuple(r.spec.global_shape) for r in records}
+    gathered: list = [None] * groups.world_size
+    dist.all_gather_object(gathered, needed)
+    wanted: dict = {}
+    for part in gathered:
+        wanted.update(part)
+    saved = {k: v for k, v in tkeys.items() if k.startswith("model/")}
+    missing = sorted(k for k in wanted if k not in saved)
+    unexpected = sorted(k for k in saved if k not in wanted)
+    mismatched = sorted(f"{k} (checkpoint {list(saved[k][0])}, model {list(wanted[k])})"
+                        for k in wanted if k in saved and tuple(saved[k][0]) != tuple(wanted[k]))
+    incomplete = [m for k in wanted if k in saved for m in [check_coverage(k, *saved[k])] if m]
+    if not (missing or unexpected or mismatched or incomplete):
+        return
+    parts = []
+    for title, keys in (("shape mismatch", mismatched), ("missing from the checkpoint", missing),
+                        ("not in the model", unexpected), ("incomplete", incomplete)):
+        if keys:
+            shown = ", ".join(k.removeprefix("model/") for k in keys[:8])
+            parts.append(f"{title}: {shown}" + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""))
+    saved_model, now = saved_cfg.get("model", {}), config_dict(cfg).get("model", {})
+    diffs = [f"model.{k}={saved_model.get(k)!r} in the checkpoint vs {now.get(k)!r}" for k in SHAPE_KEYS
+             if k in saved_model and saved_model.get(k) != now.get(k)]
+    raise ConfigError(
+        f"checkpoint.load: {folder} holds a different model; " + "; ".join(parts)
+        + (f"; config differs: {', '.join(diffs)}" if diffs else "")
+        + "; load it with the model it was saved with, or set checkpoint.load=null to start fresh"
+    )
+
+
+def maybe_load_checkpoint(built, recorder=None) -> dict:
+    """Load ``cfg.checkpoint.load`` (its ``latest``, or ``checkpoint.load_iteration``) into ``built``.
+
+    Restores model chunks, fp32 main params, optimizer state, loss scaler, LR scheduler, skip
+    counters, and this rank's RNG states (or re-derives them when the layout changed; the log
+    says so). Any TP / PP / DP / distributed-optimizer / precision layout loads (resharding).
+    Collective on all ranks.
+
+    Returns:
+        {"iteration": int, "consumed_samples": int} (zeros when ``checkpoint.load`` is null or
+        holds no checkpoint).
+    Raises:
+        ConfigError: the checkpoint holds a different model (keys and shapes listed), or
+            ``checkpoint.load_iteration`` names no complete checkpoint.
+    """
+    cfg, groups = built.cfg, built.groups
+    fresh = {"iteration": 0, "consumed_samples": 0}
+    root = cfg.checkpoint.load
+    if not root:
+        return fresh
+    try:
+        folder, note = atomic.resolve_load_dir(root, cfg.checkpoint.load_iteration)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    if note:
+        _log(recorder, note)
+    if folder is None:
+        _log(recorder, f"checkpoint: nothing to load in {root}; starting from iteration 0")
+        return fresh
+    metadata = dcp_io.read_metadata(str(folder))
+    tkeys = dcp_io.tensor_keys(metadata)
+    okeys = set(dcp_io.object_keys(metadata))
+    meta = atomic_meta(folder)
+    records = param_records(built.chunks)
+    _check_model_matches(folder, records, tkeys, groups, meta.get("config", {}), cfg)
+    optimizer = _optimizer(built)
+    chunks = model_chunks(records, tensor_keys=set(tkeys))
+    opt_chunks, opt_objects, pending = optimizer_load_items(optimizer, records, set(tkeys), okeys)
+    my_rng = rng.rng_key(groups)
+    want = ["common"] + opt_objects + ([my_rng] if my_rng in okeys else [])
+    with torch.no_grad():
+        objects = dcp_io.load_chunks(str(folder), chunks + opt_chunks, want)
+    install_optimizer_state(optimizer, pending, objects)
+    common = objects["common"]
+    if built.scaler is not None:
+        if common.get("scaler") is not None:
+            built.scaler.load_state_dict(common["scaler"])
+        else:
+            _log(recorder, "checkpoint: no loss-scaler state saved (fp32/bf16 checkpoint); keeping the initial scale")
+    built.trainer.lr_scheduler.load_state_dict(common["lr_scheduler"])
+    counters = common.get("counters", {})
+    for key in ("skipped_iters_total", "nan_iters_total", "consecutive_skips"):
+        if hasattr(optimizer, key):
+            setattr(optimizer, key, int(counters.get(key, 0)))
+    iteration = int(common["iteration"])
+    reason = rng.restore_or_rederive(objects.get(my_rng), common.get("layout", {}), seed=cfg.train.seed,
+                                     iteration=iteration, groups=groups, rng_tracker=built.rng_tracker)
+    if reason is not None:
+        _log(recorder, f"checkpoint: RNG states re-derived from train.seed={cfg.train.seed}, iteration {iteration} "
+                       f"and each rank's (tp, pp, dp) coordinates: {reason}")
+    saved_layout = common.get("layout", {})
+    _log(recorder, f"checkpoint: loaded iteration {iteration} (consumed_samples {common['consumed_samples']}) "
+                   f"from {folder}, saved at tp{saved_layout.get('tp')} pp{saved_layout.get('pp')} "
+                   f"dp{saved_layout.get('dp')}")
+    return {"iteration": iteration, "consumed_samples": int(common["consumed_samples"])}
+
+
+def atomic_meta(folder: Path) -> dict:
+    """meta.json of a checkpoint folder ({} if unreadable)."""
+    try:
+        return json.loads((Path(folder) / atomic.META_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+__all__ = ["save_checkpoint", "maybe_load_checkpoint", "FORMAT", "config_dict"]

@@ -1,0 +1,159 @@
+"""Checkpoint folders on disk: names, atomic publication, ``latest``, pruning (DESIGN.md §4).
+
+Layout of ``checkpoint.save``::
+
+    iter_0000004/          .metadata, __<rank>_0.distcp (DCP), meta.json (rank 0)
+    iter_0000008/
+    latest                 "8\\n" — written last
+
+Publication order (a save killed at any moment leaves the previous checkpoint loadable):
+1. every rank writes into ``iter_0000008.tmp/`` (a stale one from a killed save is removed first);
+2. rank 0 fsyncs and renames it to ``iter_0000008/`` (an existing folder of that iteration is first
+   renamed to ``iter_0000008.old`` and removed after);
+3. rank 0 writes ``latest.tmp``, fsyncs, and ``os.replace``s it onto ``latest`` (atomic on POSIX);
+4. rank 0 removes folders beyond ``checkpoint.keep_last_n`` (oldest first; never the newest).
+A reader trusts a folder only when it has DCP's ``.metadata`` and ``meta.json`` (written before
+the rename); if ``latest`` names a folder that is not complete it falls back to the newest
+complete one (`resolve_load_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+META_FILE = "meta.json"
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def tmp_dir(root: str, iteration: int) -> Path:
+    return Path(root) / f"{iter_dir_name(iteration)}.tmp"
+
+
+def is_complete(folder: Path) -> bool:
+    """A published checkpoint folder: DCP metadata and our meta.json are both there."""
+    return (folder / ".metadata").is_file() and (folder / META_FILE).is_file()
+
+
+def list_iterations(root: str) -> list:
+    """Iterations of the complete checkpoint folders under ``root``, ascending."""
+    out = []
+    path = Path(root)
+    if not path.is_dir():
+        return out
+    for child in path.iterdir():
+        m = _ITER_RE.match(child.name)
+        if m and child.is_dir() and is_complete(child):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def read_latest(root: str) -> Optional[int]:
+    """The iteration in ``root/latest`` (None when missing or unreadable)."""
+    try:
+        return int(Path(root, "latest").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_load_dir(root: str, iteration: Optional[int] = None) -> tuple[Optional[Path], Optional[str]]:
+    """The folder to load from ``root``: ``iteration`` if given, else ``latest``.
+
+    Returns:
+        (folder or None when ``root`` holds no checkpoint, a note for the log or None).
+    Raises:
+        FileNotFoundError: ``iteration`` was asked for and is not a complete checkpoint.
+    """
+    if iteration is not None:
+        folder = Path(root) / iter_dir_name(iteration)
+        if not is_complete(folder):
+            have = list_iterations(root)
+            raise FileNotFoundError(
+                f"checkpoint.load_iteration={iteration}: {folder} is not a complete checkpoint "
+                f"(complete iterations in {root}: {have or 'none'})"
+            )
+        return folder, None
+    latest = read_latest(root)
+    if latest is not None and is_complete(Path(root) / iter_dir_name(latest)):
+        return Path(root) / iter_dir_name(latest), None
+    have = list_iterations(root)
+    if not have:
+        return None, None
+    note = f"checkpoint: {root}/latest names iteration {latest}, which is not complete; loading iteration {have[-1]}"
+    return Path(root) / iter_dir_name(have[-1]), note
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON and fsync it (the file is part of what the rename publishes)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def prepare_tmp(root: str, iteration: int) -> Path:
+    """Rank 0: create ``root`` and an empty ``iter_N.tmp`` (removing a stale one)."""
+    tmp = tmp_dir(root, iteration)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(root: str, iteration: int, keep_last_n: Optional[int]) -> list:
+    """Rank 0, after every rank wrote ``iter_N.tmp``: rename, update ``latest``, prune.
+
+    Returns:
+        the iterations removed by ``keep_last_n``.
+    """
+    root_path = Path(root)
+    tmp = tmp_dir(root, iteration)
+    final = root_path / iter_dir_name(iteration)
+    for child in tmp.iterdir():  # FileSystemWriter fsyncs its files; make sure of ours too
+        if child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = root_path / f"{final.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root_path)
+    latest_tmp = root_path / "latest.tmp"
+    with open(latest_tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, root_path / "latest")
+    _fsync_dir(root_path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    removed = []
+    if keep_last_n is not None and keep_last_n > 0:
+        have = list_iterations(root)
+        for it in have[: max(0, len(have) - keep_last_n)]:
+            if it == iteration:
+                continue
+            shutil.rmtree(root_path / iter_dir_name(it), ignore_errors=True)
+            removed.append(it)
+    return removed
