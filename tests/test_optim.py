@@ -169,3 +169,26 @@ def test_factory_uses_fused_when_all_params_on_cuda(monkeypatch):
     fake_cuda = types.SimpleNamespace(is_cuda=True)
     build_optimizer_factory(OptimConfig())([{"params": [fake_cuda]}])
     assert seen.get("fused") is True and "foreach" not in seen
+
+
+def test_hydra_composes_every_optim_option():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from mptrain.config import schema
+
+    schema.register()
+    GlobalHydra.instance().clear()
+    conf_dir = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf")
+    built = {}
+    with initialize_config_dir(config_dir=conf_dir, version_base=None):
+        for name in ("adam", "adamw", "sgd"):
+            cfg = OmegaConf.to_object(compose("config", overrides=[f"optim={name}"]).optim)
+            opt = build_optimizer_factory(cfg)(param_groups(*_params_and_specs()))
+            built[name] = (type(opt).__name__, cfg.lr, [g["weight_decay"] for g in opt.param_groups])
+            OptimizerParamScheduler(opt, lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_iters=cfg.lr_warmup_iters,
+                                    lr_decay_iters=cfg.lr_decay_iters, lr_decay_style=cfg.lr_decay_style)
+    GlobalHydra.instance().clear()
+    assert built == {"adam": ("Adam", 1e-3, [0.0, 0.0]), "adamw": ("AdamW", 1e-3, [0.01, 0.0]),
+                     "sgd": ("SGD", 0.01, [0.0, 0.0])}
