@@ -133,7 +133,7 @@ def assert_grads_match(chunks, ref_grads, scale):
     return seen
 
 
-def _run_schedule(rank, world, schedule, pp, vpp, m, sizes_kw, stats_out=True):
+def _run_schedule(rank, world, schedule, pp, vpp, m, sizes_kw, loss_scale=1.0):
     groups = build_groups(1, pp, vpp)
     try:
         nstages = pp * (vpp or 1)
@@ -148,11 +148,11 @@ def _run_schedule(rank, world, schedule, pp, vpp, m, sizes_kw, stats_out=True):
         reports, num_tokens = fn(
             forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-            dtype=torch.float32, sequence_parallel=False, max_tokens=max_tokens, stats=stats,
+            dtype=torch.float32, sequence_parallel=False, max_tokens=max_tokens, stats=stats, loss_scale=loss_scale,
         )
         ref_loss, ref_grads, ref_tokens = reference(batches, num_layers)
         # finalize_model_grads' rescale: grads were of Σ loss_sum / max_tokens
-        seen = assert_grads_match(chunks, ref_grads, max_tokens / ref_tokens.item())
+        seen = assert_grads_match(chunks, ref_grads, max_tokens / ref_tokens.item() / loss_scale)
         loss = None
         if groups.is_last_stage:
             assert len(reports) == m
@@ -208,6 +208,13 @@ def test_interleaved_pp2_vpp2(m):
 @pytest.mark.parametrize("m", [4, 8])
 def test_interleaved_pp4_vpp2(m):
     out = run_distributed(_run_schedule, 4, "interleaved_1f1b", 4, 2, m, EVEN)
+    assert sum(o["params"] for o in out) == 19
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1f1b", None), ("interleaved_1f1b", 2)])
+def test_loss_scale_scales_grads_only(schedule, vpp):
+    # fp16 loss scaling: grads are of loss_scale · Σ loss_sum / max_tokens; the reported loss is unscaled
+    out = run_distributed(_run_schedule, 2, schedule, 2, vpp, 4, EVEN, 1024.0)
     assert sum(o["params"] for o in out) == 19
 
 
@@ -294,6 +301,7 @@ def _forward_only(rank, world, schedule, pp, vpp, m):
             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
             dtype=torch.float32, sequence_parallel=False, forward_only=True, max_tokens=None, stats=stats)
         assert all(p.grad is None for c in chunks for p in c.parameters())
+        assert stats == ScheduleStats()  # evaluation does not count toward per-iteration stats
         if not groups.is_last_stage:
             return None
         ref_loss, _, ref_tokens = reference(batches, 8)

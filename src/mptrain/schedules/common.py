@@ -26,7 +26,9 @@ from mptrain.errors import ConfigError
 
 @dataclasses.dataclass
 class ScheduleStats:
-    """Observations of the schedules on this rank, accumulated over calls (the caller owns and resets it).
+    """Observations of the schedules on this rank, accumulated over training calls (the caller owns and resets it).
+
+    Forward-only (evaluation) calls leave it untouched, so ``bytes_sent / calls`` is per training iteration.
 
     Attributes:
         max_inflight_microbatches: the largest number of micro-batches (forward passes, summed over

@@ -48,6 +48,7 @@ def forward_backward_gpipe(
     """
     validate_common(name="gpipe", model=model, num_microbatches=num_microbatches, max_tokens=max_tokens,
                     expected_chunks=1, forward_only=forward_only)
+    stats = None if forward_only else stats  # stats describe training iterations only
     chunk = model[0]
     if isinstance(data_iterator, (list, tuple)):
         data_iterator = data_iterator[0]

@@ -82,6 +82,7 @@ def forward_backward_interleaved_1f1b(
     validate_interleaved(pp_size=pp, vpp_size=vpp, num_microbatches=num_microbatches)
     validate_common(name="interleaved_1f1b", model=model, num_microbatches=num_microbatches, max_tokens=max_tokens,
                     expected_chunks=vpp, forward_only=forward_only)
+    stats = None if forward_only else stats  # stats describe training iterations only
     if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != vpp:
         raise ConfigError(f"schedule=interleaved_1f1b: data_iterator must be a list of {vpp} iterators (one per chunk)")
     shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp_size=groups.tp_size,

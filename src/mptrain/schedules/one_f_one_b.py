@@ -52,6 +52,7 @@ def forward_backward_1f1b(
     """
     validate_common(name="1f1b", model=model, num_microbatches=num_microbatches, max_tokens=max_tokens,
                     expected_chunks=1, forward_only=forward_only)
+    stats = None if forward_only else stats  # stats describe training iterations only
     chunk = model[0]
     if isinstance(data_iterator, (list, tuple)):
         data_iterator = data_iterator[0]
