@@ -9,7 +9,6 @@ runs the ``warmup`` outstanding backwards (cooldown). Stage r thus holds at most
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import torch
