@@ -1,0 +1,304 @@
+"""layout.json gather (world 4), FLOP formula (gpt_1.3b worked example), timers, loggers, sweep policy."""
+
+import importlib.machinery
+import io
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness import run_distributed
+from mptrain.errors import ConfigError
+from mptrain.groups import build_groups
+from mptrain.training.layout import (
+    IterationCounters,
+    RankFacts,
+    gather_and_write_layout,
+    optimizer_state_bytes,
+)
+from mptrain.training.loggers import LOGGERS, NullLogger, WandbLogger, build_logger, logger_class
+from mptrain.training.sweep import (
+    SweepJob,
+    JobResult,
+    command_line_overrides,
+    job_subdir,
+    read_summary,
+    record_job,
+    sweep_root,
+    swept_keys,
+)
+from mptrain.training.throughput import (
+    StartupClock,
+    flops_num_params,
+    flops_per_iteration,
+    peak_tflops_per_gpu,
+    throughput,
+)
+from mptrain.training.timers import Timers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- layout.json --------------------------------------------------------------------------------
+def _layout_world4(rank, world_size, run_dir):
+    groups = build_groups(2, 2)
+    try:
+        counters = IterationCounters()
+        for it in range(2):  # two iterations with different counts: layout.json holds their average
+            counters.add_bytes_sent("pp", 100 * (rank + 1) * (1 + 2 * it))  # 1×, 3× → average 2×
+            counters.add_bytes_sent("tp", 10)
+            if groups.tp_rank == 0 and (groups.is_first_stage or groups.is_last_stage):
+                counters.add_samples_read(8)
+            counters.note_inflight(2 - groups.pp_rank)
+            counters.end_iteration()
+        facts = RankFacts.build(
+            groups,
+            layers=[0, 1] if groups.pp_rank == 0 else [3, 2],
+            num_params=1000 + rank,
+            param_dtype=torch.float16,
+            main_param_dtype=torch.float32,
+            optimizer_state_bytes=8 * (1000 + rank),
+            schedule="1f1b",
+            counters=counters,
+        )
+        return gather_and_write_layout(run_dir, facts, rank=rank, world_size=world_size)
+    finally:
+        groups.destroy()
+
+
+def test_layout_gathered_to_rank0_world4_tp2pp2(tmp_path):
+    out = run_distributed(_layout_world4, 4, str(tmp_path))
+    assert out[1:] == [None, None, None]
+    layout = json.loads((tmp_path / "layout.json").read_text())
+    assert layout == out[0]
+    assert layout["world_size"] == 4
+    # rank = tp + 2·pp (dp = 1): rank 0 (tp0,pp0), 1 (tp1,pp0), 2 (tp0,pp1), 3 (tp1,pp1)
+    expected = []
+    for r in range(4):
+        expected.append({
+            "rank": r, "tp": r % 2, "pp": r // 2, "dp": 0, "vpp": None,
+            "layers": [0, 1] if r < 2 else [2, 3], "num_params": 1000 + r,
+            "param_dtype": "float16", "main_param_dtype": "float32", "optimizer_state_bytes": 8 * (1000 + r),
+            "schedule": "1f1b", "max_inflight_microbatches": 2 - r // 2,
+            "bytes_sent": {"tp": 10, "pp": 200 * (r + 1), "dp": 0, "embedding": 0},
+            "samples_read": 8 if r % 2 == 0 else 0,
+        })
+    assert layout["ranks"] == expected
+    assert list(layout["ranks"][0]) == list(expected[0])  # key order of DESIGN.md §2
+
+
+def test_optimizer_state_bytes_adam():
+    p = torch.nn.Parameter(torch.zeros(10, 3))
+    opt = torch.optim.Adam([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    # exp_avg + exp_avg_sq: 2 × 30 fp32 elements; `step` is a 0-dim fp32 tensor (4 bytes)
+    assert optimizer_state_bytes(opt) == 2 * 30 * 4 + 4
+
+
+# --- throughput ---------------------------------------------------------------------------------
+def test_flop_formula_gpt_1p3b_worked_example():
+    # gpt_1.3b: L=24, h=2048, V=50257 padded to 50304 (multiple of 128 × tp 1), s=2048, global batch 8.
+    L, h, s, v_pad, T = 24, 2048, 2048, 50304, 8 * 2048
+    assert flops_num_params(L, h, v_pad) == 1_310_982_144  # 12·24·2048² + 50304·2048
+    F = flops_per_iteration(num_layers=L, hidden_size=h, seq_length=s, padded_vocab_size=v_pad, tokens_per_iteration=T)
+    assert F == 148_665_997_983_744  # 6·N·T + 12·L·h·s·T, exact integers
+    # Same as Megatron's closed form 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)); rel 1e-12: float64 rounding only
+    assert F == pytest.approx(72 * 8 * s * L * h**2 * (1 + s / (6 * h) + v_pad / (12 * L * h)), rel=1e-12)
+    r = throughput(flops=F, tokens=T, elapsed_s=2.0, num_gpus=8, peak_tflops=989.0)
+    assert r.tokens_per_s == 8192.0 and r.tokens_per_s_per_gpu == 1024.0
+    assert r.tflops_per_gpu == pytest.approx(F / 2.0 / 8 / 1e12, rel=1e-15)  # same float ops, reordered at most
+    assert r.mfu == pytest.approx(9.291624873984 / 989.0, rel=1e-12)
+    assert throughput(flops=F, tokens=T, elapsed_s=2.0, num_gpus=8, peak_tflops=None).mfu is None
+
+
+def test_peak_and_memory_on_cpu():
+    assert peak_tflops_per_gpu(torch.device("cpu")) is None
+    assert peak_tflops_per_gpu(torch.device("cpu"), override=100.0) == 100.0
+    clock = StartupClock(t0=time.time() - 5.0)
+    assert clock.mark("init") >= 5.0
+    assert list(clock.as_dict()) == ["init_s"]
+    with pytest.raises(ValueError):
+        throughput(flops=1.0, tokens=1, elapsed_s=0.0, num_gpus=1, peak_tflops=None)
+
+
+# --- timers -------------------------------------------------------------------------------------
+def test_timers_levels_accumulate_and_reset():
+    timers = Timers(log_level=1)
+    for _ in range(2):
+        with timers("optimizer"):
+            time.sleep(0.01)
+    timers("pipeline-p2p").start()  # level 2 > 1: a no-op
+    timers("pipeline-p2p").stop()
+    elapsed = timers.elapsed_s(reset=False)
+    assert list(elapsed) == ["optimizer"]
+    assert elapsed["optimizer"] >= 0.02  # lower bound from the sleeps (not a speed assertion)
+    line = timers.report(normalizer=2)
+    assert line.startswith("times (ms): optimizer ") and "pipeline-p2p" not in line
+    assert float(line.split()[-1]) >= 10.0  # ms per iteration, ≥ the 10 ms sleep
+    assert timers.elapsed_s()["optimizer"] == 0.0  # report reset it
+    t = timers("forward-backward")
+    t.start()
+    with pytest.raises(RuntimeError, match="started twice"):
+        t.start()
+
+
+# --- loggers ------------------------------------------------------------------------------------
+def _logger_cfg(name, **kw):
+    return OmegaConf.create({"name": name, "project": "p", "mode": "offline", "entity": None, "run_name": None, "group": None, **kw})
+
+
+def test_logger_registry_is_exhaustive():
+    assert set(LOGGERS) == {"none", "tensorboard", "wandb"}
+    with pytest.raises(ConfigError, match="logger.name: unknown option 'mlflow'; valid: none, tensorboard, wandb"):
+        logger_class("mlflow")
+    assert isinstance(build_logger(_logger_cfg("none"), run_dir=Path("."), rank=0), NullLogger)
+
+
+def test_missing_package_is_a_config_error_on_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed (find_spec raises on None → patch it)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    for rank in (0, 1):
+        with pytest.raises(ConfigError, match="logger=wandb needs the 'wandb' package"):
+            build_logger(_logger_cfg("wandb"), run_dir=tmp_path, rank=rank)
+
+
+def test_wandb_logger_offline_one_run_per_job(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert isinstance(build_logger(_logger_cfg("wandb"), run_dir=tmp_path, rank=1), NullLogger)  # only rank 0
+    lg = build_logger(_logger_cfg("wandb"), run_dir=tmp_path / "job", rank=0, config={"a": 1})
+    assert isinstance(lg, WandbLogger)
+    lg.log_metrics({"split": "train", "iteration": 3, "lm_loss": 2.5, "grad_norm": None, "skipped_iter": False}, step=3)
+    lg.finish()
+    init = calls[0][1]
+    assert (init["mode"], init["name"], init["dir"], init["config"]) == ("offline", "job", str(tmp_path / "job"), {"a": 1})
+    assert calls[1:] == [("log", {"train/lm_loss": 2.5}, 3), ("finish",)]
+
+
+# --- sweeps -------------------------------------------------------------------------------------
+def test_swept_keys_from_the_command_line():
+    argv = ["-m", "--config-name", "config", "model=tiny", "parallel=tp1pp1,tp2pp1", "precision=choice(fp32,bf16)",
+            "train.train_iters=3", "run.dir=S"]
+    over = command_line_overrides(argv)
+    assert over == ["model=tiny", "parallel=tp1pp1,tp2pp1", "precision=choice(fp32,bf16)", "train.train_iters=3", "run.dir=S"]
+    assert swept_keys(over) == ["parallel", "precision"]
+    assert swept_keys(["model=tiny"], {"optim.lr": "1e-3,3e-4"}) == ["optim.lr"]
+    with pytest.raises(ConfigError, match="run.dir cannot be swept"):
+        swept_keys(["run.dir=a,b"])
+    job = ["model=tiny", "precision=bf16", "parallel=tp2pp1", "train.train_iters=3", "run.dir=S"]
+    assert job_subdir(job, ["parallel", "precision"]) == "parallel=tp2pp1,precision=bf16"
+    assert job_subdir(["data.cache_dir=a/b"], ["data.cache_dir"]) == "data.cache_dir=a_b"
+    assert sweep_root(None) == "outputs/multirun" and sweep_root("S") == "S"
+
+
+def test_record_job_writes_summary_json_and_md(tmp_path):
+    def job(num, value):
+        return SweepJob(root=str(tmp_path), subdir=f"parallel={value}", num=num,
+                        overrides=(f"parallel={value}", "train.train_iters=3"), swept=("parallel",))
+
+    layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+              "virtual_pipeline_model_parallel_size": None, "num_microbatches": 4, "schedule": "no_pipelining"}
+    record_job(job(0, "tp2pp1"), status="completed",
+               result=JobResult(layout=layout, tokens_per_s_per_gpu=123.4, final_loss=6.5))
+    record_job(job(1, "tp8pp1"), status="rejected", message="parallel: world size 2 is not divisible by ... = 8")
+    summary = read_summary(tmp_path)
+    assert [(j["job"], j["dir"], j["status"]) for j in summary["jobs"]] == [(0, "parallel=tp2pp1", "completed"),
+                                                                            (1, "parallel=tp8pp1", "rejected")]
+    assert summary["jobs"][0]["swept"] == {"parallel": "tp2pp1"}
+    assert summary["jobs"][0]["overrides"] == ["parallel=tp2pp1", "train.train_iters=3"]
+    assert (summary["completed"], summary["rejected"], summary["failed"]) == (1, 1, 0)
+    md = (tmp_path / "summary.md").read_text().splitlines()
+    assert md[4] == "| 0 | `parallel=tp2pp1` | tp2 pp1 dp1, 4 mb, no_pipelining | 123.4 | - | - | 6.5000 | completed |"
+    assert md[5].startswith("| 1 | `parallel=tp8pp1` | - |") and "rejected: parallel: world size 2" in md[5]
+    assert md[-1] == "2 jobs: 1 completed, 1 rejected, 0 failed."
+
+
+# A stand-in task using this module's pieces the way `run(cfg)` does (world size fixed at 2 for validation).
+APP = textwrap.dedent('''
+    import dataclasses, hydra, torch
+    from mptrain.config.schema import register
+    register()
+
+    @hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
+    def main(cfg):
+        from mptrain.config.validate import validate_config
+        from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout
+        from mptrain.training.metrics import MetricsWriter, TrainRow
+        from mptrain.training.rundir import resolve_run_dir
+        from mptrain.training.sweep import JobResult, current_sweep_job
+        derived = validate_config(cfg, 2)
+        if cfg.train.seed == 99:
+            raise RuntimeError("injected runtime failure")
+        run_dir = resolve_run_dir(cfg, rank=0, world_size=1, resuming=False, sweep_job=current_sweep_job())
+        with MetricsWriter(run_dir, 0, progress_bar=False) as w:
+            w.write_train(TrainRow(1, 8, 5.0, 1e-3, 1.0, 1.0, False, 0, 0, derived.num_microbatches, 10.0, None, None, None))
+        facts = RankFacts(0, 0, 0, 0, None, [0, 1, 2, 3], 10, "float32", None, 0, derived.schedule, 1, {{}}, 8)
+        gather_and_write_layout(run_dir, facts, rank=0, world_size=1)
+        return JobResult(layout=dataclasses.asdict(derived), final_loss=5.0, run_dir=str(run_dir))
+
+    main()
+''')
+
+
+def _run_app(tmp_path, *args):
+    app = tmp_path / "app.py"
+    app.write_text(APP.format(conf=str(REPO / "conf")))
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, str(app), *args], cwd=work, capture_output=True, text=True, timeout=300,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    return proc, work
+
+
+def _tree(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_single_run_writes_nothing_outside_run_dir(tmp_path):
+    proc, work = _run_app(tmp_path, "run.dir=R")
+    assert proc.returncode == 0, proc.stderr
+    assert _tree(work) == ["R", "R/config.yaml", "R/layout.json", "R/metrics.jsonl", "R/train.log"]
+
+
+def test_sweep_rejected_job_recorded_sweep_goes_on_and_ends_non_zero(tmp_path):
+    proc, work = _run_app(tmp_path, "-m", "parallel=tp1pp1,tp8pp1,tp2pp1", "train.train_iters=3", "run.dir=S")
+    assert proc.returncode == 1, proc.stderr
+    tree = _tree(work)
+    assert [p for p in tree if "/" not in p[2:]] == ["S", "S/multirun.yaml", "S/parallel=tp1pp1", "S/parallel=tp2pp1",
+                                                     "S/summary.json", "S/summary.md"]
+    assert "S/parallel=tp2pp1/metrics.jsonl" in tree and "S/parallel=tp8pp1" not in tree
+    summary = json.loads((work / "S" / "summary.json").read_text())
+    assert [(j["dir"], j["status"]) for j in summary["jobs"]] == [
+        ("parallel=tp1pp1", "completed"), ("parallel=tp8pp1", "rejected"), ("parallel=tp2pp1", "completed")]
+    assert summary["jobs"][2]["layout"]["tensor_model_parallel_size"] == 2 and summary["jobs"][2]["final_loss"] == 5.0
+    assert "world size 2 is not divisible by tensor_model_parallel_size × pipeline_model_parallel_size" in summary["jobs"][1]["message"]
+    assert "sweep: 1 of 3 jobs rejected by validation" in proc.stderr
+
+
+def test_sweep_runtime_failure_aborts(tmp_path):
+    proc, work = _run_app(tmp_path, "-m", "train.seed=1,99,2", "run.dir=S")
+    assert proc.returncode == 1
+    summary = json.loads((work / "S" / "summary.json").read_text())
+    assert [(j["dir"], j["status"]) for j in summary["jobs"]] == [("train.seed=1", "completed"), ("train.seed=99", "failed")]
+    assert summary["jobs"][1]["message"] == "RuntimeError: injected runtime failure"
+    assert not (work / "S" / "train.seed=2").exists()  # the sweep stopped
+    assert "injected runtime failure" in proc.stderr
