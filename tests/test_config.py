@@ -2,9 +2,12 @@
 
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -14,7 +17,7 @@ from mptrain.config.validate import DerivedLayout, as_config, check_vocab_size, 
 from mptrain.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("model", "parallel", "schedule", "precision", "loss_scaler", "optim", "data", "logger")
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")  # every shipped group
 
 register()
 
@@ -51,7 +54,17 @@ def _context(group, option):
         return [f"parallel={layout}"], _tp_pp(layout)[0] * _tp_pp(layout)[1]
     if group == "loss_scaler":
         return (["precision=fp32"] if option == "none" else ["precision=fp16"]), 1
-    return [], 1
+    return [], None  # the world its own layout needs (experiment files pick a parallel=)
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path):
+    proc = subprocess.run([sys.executable, str(CONF.parent / "train.py"), "--cfg", "job", "parallel=tp2pp4", "precision=bf16"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["parallel"]["tensor_model_parallel_size"] == 2 and printed["parallel"]["pipeline_model_parallel_size"] == 4
+    assert printed["precision"]["name"] == "bf16"
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_every_group_has_its_design_options():
@@ -74,7 +87,10 @@ def test_every_group_has_its_design_options():
 def test_dry_run_every_option_composes_and_validates(group, option):
     extra, world = _context(group, option)
     cfg = _compose([f"{group}={option}", *extra])
-    assert cfg[group].name == option  # each option file names itself (used in run.dir and summaries)
+    if group != "experiment":  # experiment files are global overlays, not a node
+        assert cfg[group].name == option  # each option file names itself (used in run.dir and summaries)
+    if world is None:
+        world = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
     derived = validate_config(cfg, world)
     assert isinstance(derived, DerivedLayout)
     assert derived.world_size == world

@@ -302,3 +302,33 @@ def test_sweep_runtime_failure_aborts(tmp_path):
     assert summary["jobs"][1]["message"] == "RuntimeError: injected runtime failure"
     assert not (work / "S" / "train.seed=2").exists()  # the sweep stopped
     assert "injected runtime failure" in proc.stderr
+
+
+def test_tensorboard_logger_writes_scalars_under_run_dir(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            calls.append(("init", log_dir))
+
+        def add_text(self, tag, text, step):
+            calls.append(("text", tag))
+
+        def add_scalar(self, tag, value, step):
+            calls.append(("scalar", tag, value, step))
+
+        def flush(self):
+            calls.append(("flush",))
+
+        def close(self):
+            calls.append(("close",))
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)  # no tensorboard package needed
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
+    lg = build_logger(_logger_cfg("tensorboard"), run_dir=tmp_path, rank=0, config={"a": 1})
+    lg.log_metrics({"split": "valid", "iteration": 2, "lm_loss": 3.0, "ppl": 20.0}, step=2)
+    lg.finish()
+    assert calls == [("init", str(tmp_path / "tensorboard")), ("text", "config"), ("scalar", "valid/lm_loss", 3.0, 2),
+                     ("scalar", "valid/ppl", 20.0, 2), ("flush",), ("close",)]

@@ -279,7 +279,10 @@ def summary_markdown(summary: dict) -> str:
 def _rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    # No process group (yet / any more): torchrun's RANK is the launcher's contract, not an internal switch.
+    return int(os.environ.get("RANK", "0"))
 
 
 try:  # Hydra is a hard dependency of the project; the guard only keeps imports cheap in odd environments.
