@@ -168,7 +168,7 @@ def _write_layout(run_dir, built, *, iteration):  # TEMPORARY until training/lay
     for chunk in built.chunks:
         for name, p in chunk.module.named_parameters():
             spec = chunk.specs[name]
-            if spec.is_shared_copy:
+            if not spec.counts_on(g.tp_rank):
                 continue
             if spec.valid is not None and spec.partition_dim is not None:
                 num += p.numel() // p.shape[spec.partition_dim] * spec.valid
