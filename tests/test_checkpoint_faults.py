@@ -1,0 +1,125 @@
+"""Issue 9 acceptance with real subprocesses: SIGKILL in the middle of a save, and an injected
+exception on rank 2 of a 4-process torchrun job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import run_distributed
+from train_utils import read_rows, run_job
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
+         "train.global_batch_size=8", "train.micro_batch_size=2"]
+
+# Runs a world-1 job that saves at 4 and 8; the save of iteration 8 stops at the chosen point (after
+# DCP wrote the shard files into iter_0000008.tmp, or after the folder was renamed but before `latest`
+# was replaced), drops a KILL_ME marker and sleeps: the test SIGKILLs it there.
+SAVER = r'''
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from train_utils import compose
+import torch.distributed.checkpoint.filesystem as fs
+mode, root, run_dir = sys.argv[1:4]
+
+def stall():
+    Path(root, "KILL_ME").write_text(mode)
+    time.sleep(300)
+
+if mode == "dcp_write":
+    original = fs.FileSystemWriter.write_data
+    def write_data(self, plan, planner):
+        future = original(self, plan, planner)
+        if "iter_0000008" in str(self.path):
+            stall()
+        return future
+    fs.FileSystemWriter.write_data = write_data
+elif mode == "before_latest":
+    original_replace = os.replace
+    def replace(src, dst, *a, **k):
+        if str(dst).endswith("latest") and Path(root, "iter_0000008").exists():
+            stall()
+        return original_replace(src, dst, *a, **k)
+    os.replace = replace
+from mptrain.training.run import run
+run(compose(sys.argv[4:]))
+'''
+
+
+def _clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("mode", ["dcp_write", "before_latest"])
+def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path, mode):
+    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(tests=str(Path(__file__).parent)))
+    overrides = SMALL + ["train.train_iters=8", "checkpoint.save_interval=4", f"checkpoint.save={root}", f"run.dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(root), str(run_dir), *overrides], env=_clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120  # hang guard only (start-up + 8 tiny iterations take a few seconds)
+        while not (root / "KILL_ME").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the saver never reached the kill point"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (root / "latest").read_text().strip() == "4"
+    assert (root / "iter_0000004" / ".metadata").is_file()
+    if mode == "dcp_write":
+        assert (root / "iter_0000008.tmp").is_dir() and not (root / "iter_0000008").exists()
+        assert list((root / "iter_0000008.tmp").glob("*.distcp"))  # killed with shard data half-published
+    else:
+        assert (root / "iter_0000008" / ".metadata").is_file()  # renamed, but latest still names 4
+    # resume from what `latest` names: iteration 4; the next save replaces the debris and moves latest to 8
+    (root / "KILL_ME").unlink()
+    resumed = tmp_path / "resumed"
+    run_distributed(run_job, 1, SMALL + ["train.train_iters=8", f"checkpoint.load={root}", f"checkpoint.save={root}",
+                                         f"run.dir={resumed}"])
+    rows = read_rows(resumed)
+    assert [r["iteration"] for r in rows] == [5, 6, 7, 8]
+    assert "loaded iteration 4 " in (resumed / "train.log").read_text()
+    assert (root / "latest").read_text().strip() == "8"
+    assert not (root / "iter_0000008.tmp").exists() and (root / "iter_0000008" / ".metadata").is_file()
+
+
+def test_injected_exception_on_rank_2_of_4_ends_the_job(tmp_path):
+    """torchrun with 4 gloo processes; rank 2 raises in forward at iteration 3: every process exits, non-zero."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=4", "train.py",
+           "parallel=tp2pp2", *SMALL, "train.train_iters=6", f"run.dir={tmp_path / 'run'}",
+           f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=2",
+           "debug.fail_rank=2", "debug.fail_iteration=3"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=170)  # hang guard: a hung job would sit in gloo for train.timeout_s
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    elapsed_s = time.monotonic() - t0
+    text = err.decode()
+    assert proc.returncode != 0, text[-3000:]
+    assert "injected failure on rank 2 at iteration 3 in forward" in text, text[-3000:]
+    with pytest.raises(ProcessLookupError):  # no process of the job survives torchrun
+        os.killpg(proc.pid, 0)
+    # The issue's bound is 60 s from the failure; on this 2-core box start-up of 4 processes (~10-20 s) is
+    # included here, so the bound checked is 60 s + start-up allowance (a hang would last train.timeout_s=600 s).
+    assert elapsed_s < 100, elapsed_s
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "2"  # the save before the failure survives
