@@ -144,6 +144,12 @@ def resolve_run_dir(
     Raises:
         ConfigError (on every rank): config mismatch between ranks; the folder refused by the policy.
     """
+    import torch.distributed as dist
+
+    if broadcast_object is dist.broadcast_object_list:  # accept torch's list-based function as well
+        broadcast_object = _torch_broadcast
+    if all_gather_object is dist.all_gather_object:
+        all_gather_object = _torch_all_gather
     if world_size == 1:
         broadcast_object = broadcast_object or (lambda obj: obj)
         all_gather_object = all_gather_object or (lambda obj: [obj])

@@ -353,6 +353,12 @@ class SweepCallback(_HydraCallback):
         raise SystemExit(1)  # BaseException: Hydra's callback wrapper and launcher let it through
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # Every rank ran the same jobs; wait for rank 0's last summary write before any rank
+            # exits (torchrun stops the others as soon as one exits non-zero).
+            dist.barrier()
         if self.rejected:
             where = f"; see {Path(self.root or '.') / SUMMARY_MD}"
             self._say(f"sweep: {self.rejected} of {self.jobs} jobs rejected by validation{where}")
