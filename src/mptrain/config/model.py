@@ -59,6 +59,10 @@ class ModelConfig:
     """uniform | block (with recompute_granularity=full)."""
     recompute_num_layers: Optional[int] = None
     """uniform: layers per recompute chunk; block: layers recomputed per stage."""
+    compile_layers: bool = False
+    """Speed option: run each TransformerLayer's forward through `torch.compile` (fuses bias-GeLU,
+    bias-dropout-add, LayerNorm epilogues). TP collectives stay eager (graph breaks). Off by default:
+    the first steps pay the compile time, and with dropout > 0 the masks come from Inductor's RNG."""
     transformer_layer: Any = dataclasses.field(
         default_factory=lambda: {"_target_": "mptrain.layers.transformer.TransformerLayer", "_partial_": True}
     )

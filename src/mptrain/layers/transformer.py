@@ -50,13 +50,21 @@ class TransformerLayer(torch.nn.Module):
                                             rng_tracker=rng_tracker, **kw)
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp, **kw)
         self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp, **kw)
+        # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
+        # every layer reuses the graphs traced for the first one (parameters are graph inputs).
+        self._compiled_body = torch.compile(self._body) if getattr(config, "compile_layers", False) else None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _body(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), attention_mask))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self._compiled_body is not None:
+            return self._compiled_body(x, attention_mask)
+        return self._body(x, attention_mask)
 
 
 class TransformerBlock(torch.nn.Module):
