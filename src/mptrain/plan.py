@@ -1,0 +1,96 @@
+"""`python -m mptrain.plan [training overrides] world_size=N [hardware.gpu_memory_gib=80] [format=table|json]`
+
+Plan before you launch (issue 12): for every layout `train.py` would accept at `world_size`
+(tp, pp, vpp, dp, distributed optimizer, recomputation none/selective/full, sequence parallelism),
+the per-GPU memory of the busiest pipeline stage (weights, grads, fp32 main params, optimizer
+state, activations of the schedule's in-flight micro-batches, logits), whether it fits
+`hardware.gpu_memory_gib`, the bytes each rank sends per step by group, the pipeline bubble and an
+assumed-hardware step time; fitting layouts first, then the fastest. Formulas and measured
+constants: `mptrain.planner.memory` / docs/PLANNER.md.
+
+`format=json` prints a JSON list (every layout, ranked) with the keys `tp`, `pp`, `vpp`, `dp`,
+`use_distributed_optimizer`, `recompute`, `memory_gib` (weights, grads, main_params,
+optimizer_state, activations, logits, optimizer_workspace, total), `fits`, `bubble_fraction`,
+`comm_bytes` (tp, pp, dp, embedding), and also `sequence_parallel`, `schedule`,
+`num_microbatches`, `peak_stage`, `stage_total_gib`, `step_time_s`.
+A ConfigError prints one line and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import OmegaConf
+
+from mptrain.config.validate import check_vocab_size
+from mptrain.errors import ConfigError
+from mptrain.planner.config import FORMATS, register_plan
+from mptrain.planner.layouts import Hardware, plan
+
+register_plan()
+
+
+def plan_from_config(cfg: Any) -> tuple:
+    """(PlanConfig object, ranked records) for a composed `plan` config (DictConfig or PlanConfig).
+
+    Raises:
+        ConfigError: unknown format, world_size < 1, the tokenizer's vocab larger than the model's,
+            or no valid layout.
+    """
+    from mptrain.data.tokenizers import build_tokenizer
+
+    c = OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else cfg
+    if c.format not in FORMATS:
+        raise ConfigError(f"format={c.format!r} is not one of {list(FORMATS)}; use format=table or format=json")
+    if c.world_size < 1:
+        raise ConfigError(f"world_size={c.world_size} must be >= 1")
+    vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
+    hw = Hardware(**{k: getattr(c.hardware, k) for k in Hardware.__dataclass_fields__})
+    return c, plan(c, c.world_size, hw, vocab_size=vocab_size)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_table(records: list, *, top=None, gpu_memory_gib: float) -> str:
+    """A fixed-width table of the ranked records (GiB; comm in GB sent per rank per step)."""
+    head = (f"{'#':>3} {'tp':>2} {'pp':>2} {'vpp':>3} {'dp':>3} {'zero1':>5} {'recomp':>9} {'sp':>3} {'sched':>16} "
+            f"{'m':>4} | {'weights':>7} {'grads':>6} {'main':>6} {'optim':>6} {'acts':>7} {'logits':>6} "
+            f"{'total':>7} {'fits':>4} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} {'step s':>7}")
+    lines = [f"per-GPU memory of the busiest stage (GiB) vs {gpu_memory_gib:g} GiB; comm = GB sent per rank per step",
+             head, "-" * len(head)]
+    for i, r in enumerate(records[:top] if top else records, 1):
+        mem, comm = r["memory_gib"], r["comm_bytes"]
+        lines.append(
+            f"{i:>3} {r['tp']:>2} {r['pp']:>2} {r['vpp'] or '-':>3} {r['dp']:>3} {_yes(r['use_distributed_optimizer']):>5} "
+            f"{r['recompute']:>9} {_yes(r['sequence_parallel'])[:3]:>3} {r['schedule']:>16} {r['num_microbatches']:>4} | "
+            f"{mem['weights']:>7.2f} {mem['grads']:>6.2f} {mem['main_params']:>6.2f} {mem['optimizer_state']:>6.2f} "
+            f"{mem['activations']:>7.2f} {mem['logits']:>6.2f} {mem['total']:>7.2f} {_yes(r['fits']):>4} | "
+            f"{r['bubble_fraction']:>6.3f} {comm['tp'] / 1e9:>7.2f} {comm['pp'] / 1e9:>6.2f} {comm['dp'] / 1e9:>6.2f} "
+            f"{r['step_time_s']:>7.3f}")
+    shown = min(len(records), top or len(records))
+    lines.append(f"{shown} of {len(records)} layouts shown ({sum(r['fits'] for r in records)} fit); "
+                 "weights/grads/main/optim: formulas; acts: Korthikanti et al. 2022 with measured constants; "
+                 "step s: assumed hardware")
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="plan")
+def main(cfg) -> None:
+    try:
+        c, records = plan_from_config(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if c.format == "json":
+        print(json.dumps(records, indent=1))
+    else:
+        print(format_table(records, top=c.top, gpu_memory_gib=c.hardware.gpu_memory_gib))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The `plan` / `check` primary config: the training config plus `world_size`, `hardware`, `format`.
+
+Registered as `base_plan` in Hydra's ConfigStore (beside `schema.register()`'s `base_config`), so
+`conf/plan.yaml` composes the same config groups as `conf/config.yaml` and the planner sees exactly
+what `train.py` would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+from mptrain.config.schema import Config
+
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+FORMATS = ("table", "json")
+
+
+@dataclasses.dataclass
+class HardwareConfig:
+    """ASSUMED accelerator numbers (only `gpu_memory_gib` decides `fits`; the rest rank layouts)."""
+
+    gpu_memory_gib: float = 80.0
+    """Memory per GPU in GiB (2**30 bytes)."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
+    assumed_mfu: float = 0.45
+    """Share of the peak the model math is assumed to reach (step-time estimate only)."""
+    gpus_per_node: int = 8
+    intra_node_gb_per_s: float = 400.0
+    """Bus bandwidth inside a node (NVLink), GB/s."""
+    inter_node_gb_per_s: float = 50.0
+    """Bus bandwidth between nodes, GB/s."""
+
+
+@dataclasses.dataclass
+class PlanConfig(Config):
+    world_size: int = 8
+    """GPUs (processes) to plan for."""
+    hardware: HardwareConfig = dataclasses.field(default_factory=HardwareConfig)
+    format: str = "table"
+    """table | json."""
+    top: Optional[int] = 25
+    """Rows of the table (null = all); json prints every layout."""
+
+
+def register_plan() -> None:
+    """Register `base_config`, the groups (schema.register) and `base_plan`."""
+    from hydra.core.config_store import ConfigStore
+
+    from mptrain.config.schema import register
+
+    register()
+    ConfigStore.instance().store(name="base_plan", node=PlanConfig)
+
+
+def compose_plan(overrides: list) -> object:
+    """Compose `conf/plan.yaml` with ``overrides`` (tests and scripts; the CLI uses hydra.main)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_plan()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="plan", overrides=list(overrides))

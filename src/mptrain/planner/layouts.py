@@ -1,0 +1,214 @@
+"""Enumerate valid layouts, estimate communication, bubble and step time, rank them (issue 12).
+
+Validity is the trainer's own: every candidate goes through `validate_config` and
+`check_model_config` (a layout the planner lists is one `train.py` accepts).
+
+Communication (FORMULAS): bytes SENT per rank per optimizer step (one global batch), by group,
+for ring collectives (an all-reduce of n bytes sends 2(k−1)/k·n per rank, a reduce-scatter or an
+all-gather (k−1)/k·n). Reported for the busiest pipeline stage of each group.
+    tp   per micro-batch and layer: 2 all-reduces forward + 2 backward of s·b·h activations (with SP
+         the same volume as 4 all-gathers + 4 reduce-scatters; Korthikanti et al. 2022 §4.2.2);
+         full recompute re-runs the 2 forward ones; + the embedding's forward all-reduce (first
+         stage) and the output layer's backward all-reduce (last stage).
+    pp   per micro-batch: one activation forward (not the last virtual stage) and one grad backward
+         (not the first virtual stage) of s·b·h (/t under SP) in the activation dtype, per chunk.
+    dp   all-reduce of the grad buffer; ZeRO-1: reduce-scatter of it + all-gather of the updated
+         params in the buffer dtype (distrib_optimizer.py gathers a buffer-dtype scratch).
+    embedding  tied embedding with pp > 1: all-reduce of its grad over the 2 stages.
+Bubble (Narayanan et al. 2021 §2.2): (pp − 1) / (vpp·m + pp − 1) of the step.
+Step time (ASSUMED hardware, `hardware.*`): FLOPs of DESIGN.md §2 (× 4/3 for full recompute's extra
+forward, + the attention-core forward for selective) / (GPUs × peak × assumed_mfu) / (1 − bubble)
++ TP time (never overlapped) + DP time (unless overlap_grad_reduce) + PP time, each at the
+bandwidth of its link (intra-node when the group fits in one node of gpus_per_node).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Optional
+
+from mptrain.config.validate import as_config, validate_config
+from mptrain.errors import ConfigError
+from mptrain.layers.embedding import padded_vocab_size
+from mptrain.layers.gpt import check_model_config
+from mptrain.planner.memory import GIB, PARAM_BYTES, PlanLayout, grad_bytes_per_element, stage_memory
+from mptrain.planner.params import all_rank_params
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Assumed accelerator (defaults: H100/H200 SXM nodes of 8)."""
+
+    gpu_memory_gib: float = 80.0
+    peak_tflops: float = 989.0
+    assumed_mfu: float = 0.45
+    gpus_per_node: int = 8
+    intra_node_gb_per_s: float = 400.0
+    inter_node_gb_per_s: float = 50.0
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_config(cfg, layout: PlanLayout):
+    """A copy of ``cfg`` (a `Config`) with the layout's parallel / recompute / schedule keys set."""
+    c = copy.deepcopy(cfg)
+    p = c.parallel
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
+    p.virtual_pipeline_model_parallel_size = layout.vpp
+    p.use_distributed_optimizer, p.sequence_parallel = layout.use_distributed_optimizer, layout.sequence_parallel
+    p.name = f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp else "")
+    m = c.model
+    m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
+    m.recompute_method = "uniform" if layout.recompute == "full" else None
+    m.recompute_num_layers = (m.recompute_num_layers or 1) if layout.recompute == "full" else None
+    c.schedule.name = "auto"
+    return c
+
+
+def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_parallel=(False, True)) -> list:
+    """Every (tp, pp, vpp, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``."""
+    cfg = as_config(cfg)
+    out = []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            for vpp in (None, *(v for v in vpp_options if pp > 1)):
+                for distopt in (False, True):
+                    for recompute in RECOMPUTE:
+                        for sp in sequence_parallel:
+                            if (sp and tp == 1) or (distopt and world_size // (tp * pp) == 1):
+                                continue
+                            probe = PlanLayout(tp, pp, vpp, world_size // (tp * pp), distopt, recompute, sp, "auto", 0)
+                            c = layout_config(cfg, probe)
+                            try:
+                                derived = validate_config(c, world_size)
+                                check_model_config(c.model, c.parallel)
+                            except ConfigError:
+                                continue
+                            out.append(dataclasses.replace(probe, schedule=derived.schedule,
+                                                           num_microbatches=derived.num_microbatches))
+    return out
+
+
+def bubble_fraction(layout: PlanLayout) -> float:
+    """(pp − 1) / (vpp·m + pp − 1): idle share of a step (0 without pipelining)."""
+    if layout.pp == 1:
+        return 0.0
+    if layout.schedule == "gpipe" or layout.schedule == "1f1b":
+        return (layout.pp - 1) / (layout.num_microbatches + layout.pp - 1)
+    return (layout.pp - 1) / ((layout.vpp or 1) * layout.num_microbatches + layout.pp - 1)
+
+
+def _ring(k: int) -> float:
+    return (k - 1) / k if k > 1 else 0.0
+
+
+def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict:
+    """Bytes sent per rank per step by group (module docstring); max over pipeline stages."""
+    m = cfg.model
+    s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
+    act = PARAM_BYTES[cfg.precision.name]
+    mb, t, v = layout.num_microbatches, layout.tp, layout.vpp or 1
+    sbh_bytes = s * b * h * act
+    per_layer = (4 + (2 if layout.recompute == "full" else 0)) * 2 * _ring(t) * sbh_bytes
+    p2p = sbh_bytes / (t if layout.sequence_parallel else 1)
+    grad_b = grad_bytes_per_element(cfg)
+    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0}
+    for r, rp in enumerate(ranks):
+        tp_bytes = mb * (len(rp.layers) * per_layer + 2 * _ring(t) * sbh_bytes * (rp.has_embedding + rp.has_output))
+        chunks_fwd = layout.pp * v - 1  # virtual stages that send forward: all but the last
+        sends = 0
+        for c in range(v):
+            virtual = c * layout.pp + r
+            sends += (virtual < chunks_fwd) + (virtual > 0)
+        pp_bytes = mb * sends * p2p if layout.pp > 1 else 0.0
+        grad_buf = rp.numel * grad_b
+        # all-reduce: 2(d-1)/d; ZeRO-1: reduce-scatter (d-1)/d + all-gather (d-1)/d, both in the buffer dtype
+        dp_bytes = 2 * _ring(layout.dp) * grad_buf
+        emb = 0.0
+        if layout.pp > 1 and not m.untie_embeddings_and_output_weights and (rp.has_embedding or rp.has_output):
+            emb = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, t) // t * h * grad_b
+        for key, val in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes), ("embedding", emb)):
+            out[key] = max(out[key], float(val))
+    return out
+
+
+def step_flops(cfg, layout: PlanLayout, *, vocab_size: int) -> float:
+    """DESIGN.md §2 FLOPs per iteration, plus recomputation's extra forward work."""
+    m = cfg.model
+    L, h, s = m.num_layers, m.hidden_size, m.seq_length
+    T = cfg.train.global_batch_size * s
+    n = 12 * L * h * h + padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, layout.tp) * h
+    f = 6 * n * T + 12 * L * h * s * T
+    if layout.recompute == "full":
+        f += (2 * n * T + 4 * L * h * s * T)  # one more forward
+    elif layout.recompute == "selective":
+        f += 4 * L * h * s * T  # the attention core's forward
+    return f
+
+
+def _bandwidth(hw: Hardware, group_span: int) -> float:
+    return (hw.intra_node_gb_per_s if group_span <= hw.gpus_per_node else hw.inter_node_gb_per_s) * 1e9
+
+
+def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: Hardware, *, vocab_size: int) -> float:
+    """Assumed-hardware step time (module docstring); for ranking, not a measurement."""
+    world = layout.tp * layout.pp * layout.dp
+    compute = step_flops(cfg, layout, vocab_size=vocab_size) / (world * hw.peak_tflops * 1e12 * hw.assumed_mfu)
+    compute /= 1.0 - bubble_fraction(layout)
+    # TP ranks are adjacent, DP ranks stride tp, PP ranks stride tp·dp (groups.py rank order).
+    tp_time = comm["tp"] / _bandwidth(hw, layout.tp)
+    dp_time = 0.0 if cfg.parallel.overlap_grad_reduce else comm["dp"] / _bandwidth(hw, layout.tp * layout.dp)
+    pp_time = comm["pp"] / _bandwidth(hw, world)
+    return compute + tp_time + dp_time + pp_time
+
+
+def plan_layout(cfg, layout: PlanLayout, hw: Hardware, *, vocab_size: int) -> dict:
+    """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits, bubble, comm."""
+    c = layout_config(cfg, layout)
+    ranks = all_rank_params(c.model, c.parallel, vocab_size=vocab_size)
+    stages = [stage_memory(c, layout, rp, pp_rank=r, vocab_size=vocab_size) for r, rp in enumerate(ranks)]
+    peak_stage = max(range(len(stages)), key=lambda r: stages[r].total)
+    comm = comm_bytes(c, layout, vocab_size=vocab_size, ranks=ranks)
+    total_gib = stages[peak_stage].total / GIB
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "vpp": layout.vpp,
+        "dp": layout.dp,
+        "use_distributed_optimizer": layout.use_distributed_optimizer,
+        "recompute": layout.recompute,
+        "sequence_parallel": layout.sequence_parallel,
+        "schedule": layout.schedule,
+        "num_microbatches": layout.num_microbatches,
+        "memory_gib": stages[peak_stage].gib(),
+        "peak_stage": peak_stage,
+        "stage_total_gib": [st.total / GIB for st in stages],
+        "fits": total_gib <= hw.gpu_memory_gib,
+        "bubble_fraction": bubble_fraction(layout),
+        "comm_bytes": comm,
+        "step_time_s": step_time_s(c, layout, comm, hw, vocab_size=vocab_size),
+    }
+
+
+def plan(cfg, world_size: int, hw: Hardware, *, vocab_size: int, layouts: Optional[list] = None) -> list:
+    """Records for every valid layout, ranked: fitting first, then estimated step time, then bubble.
+
+    Raises:
+        ConfigError: no layout of ``world_size`` passes validation (the message names the keys).
+    """
+    cfg = as_config(cfg)
+    layouts = candidate_layouts(cfg, world_size) if layouts is None else layouts
+    if not layouts:
+        validate_config(cfg, world_size)  # raises the trainer's own message for the given layout
+        raise ConfigError(
+            f"plan: no tp × pp × vpp layout of world_size={world_size} passes validation for model={cfg.model.name} "
+            f"(train.global_batch_size={cfg.train.global_batch_size}, micro_batch_size={cfg.train.micro_batch_size}); "
+            f"change world_size or the batch sizes"
+        )
+    records = [plan_layout(cfg, lay, hw, vocab_size=vocab_size) for lay in layouts]
+    return sorted(records, key=lambda r: (not r["fits"], r["step_time_s"], r["bubble_fraction"], r["memory_gib"]["total"]))

@@ -1,0 +1,217 @@
+"""Per-GPU memory of one layout: model states (formulas) + activations (formula with measured constants).
+
+Units: bytes everywhere in this module (the report converts to GiB = 2**30 bytes).
+Legend: s = seq_length, b = micro_batch_size, h = hidden_size, a = num_attention_heads,
+t = tensor_model_parallel_size, V = padded vocab, N_r = parameter elements of rank r (`params.py`).
+
+Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimizer` allocates):
+    weights         N_r × bytes(precision)                    (Float16Module casts to bf16/fp16)
+    grads           N_r × bytes(grad dtype)                   fp32 when grad_reduce_in_fp32 or the
+                                                              params are bf16/fp16 (run.py), else fp32
+    main params     N_r × 4 (bf16/fp16: MixedPrecisionOptimizer copies; fp32: none, stepped in place)
+                    N_r × 4 / dp with the distributed optimizer (ZeRO-1 pieces, fp32 for every precision)
+    optimizer state Adam/AdamW: 2 fp32 per main element (exp_avg, exp_avg_sq) = 8 × (N_r or N_r/dp);
+                    SGD: 4 × ... with momentum, 0 without. (Rajbhandari et al. 2020, ZeRO §3: 2+2+12 bytes.)
+    Bucket padding (< dp elements per bucket) and Adam's scalar `step` tensors are ignored (< 0.01 %).
+
+Activations per micro-batch per transformer layer (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and Table 2):
+    paper, 16-bit, no parallelism:   s·b·h·(34 + 5·a·s/h)
+      with TP:                       s·b·h·(10 + 24/t + 5·a·s/(h·t))
+      with TP + SP:                  s·b·h·(34 + 5·a·s/h) / t
+      selective recompute (TP+SP):   s·b·h·34 / t               full recompute: 2·s·b·h (layer input)
+    OUR layer (MEASURED on CPU, `MEASURED` below; test_plan_activations.py re-measures them): it
+    uses fused SDPA attention (no a·s² term: only a fp32 logsumexp, 4·a·s·b/t bytes) and keeps no
+    dropout masks at dropout 0, so in units of s·b·h × bytes(activation)/2:
+        replicated over TP (unless SP): R = 8   (2 norm inputs 4, QKV input 2, fc1 input 2)
+        split over TP:                  S = 28  (q copy, k/v, context, proj out, fc1 out, GELU out)
+        selective recompute:            S = 24  (the attention core's saved q/k/v/out dropped)
+        hidden dropout > 0:             +2 bytes × s·b·h (two bool masks), replicated unless SP
+        full recompute:                 2 per checkpointed group (its input; /t under SP), plus one
+                                        group's full activations while it is recomputed (transient)
+Logits (last stage; read from layers/cross_entropy.py): the fp32 softmax saved for backward,
+4·s·b·V/t per in-flight micro-batch, plus a transient (bytes(activation) + 4)·s·b·V/t during the
+cross-entropy forward (the logits and one fp32 temporary alive at once); the final norm's input and
+output, 2 × bytes(activation)·s·b·h.
+
+In-flight micro-batches (schedules/): no_pipelining 1; GPipe m; 1F1B stage r: min(pp − r, m)
+(Narayanan et al. 2021 §2.2.1); interleaved stage r: min(2·(pp − r − 1) + (vpp − 1)·pp + 1, m·vpp)
+chunk-micro-batches of L/(pp·vpp) layers each (Megatron's warmup count; §2.2.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from mptrain.layers.embedding import padded_vocab_size
+from mptrain.planner.params import RankParams
+
+GIB = 2**30
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# MEASURED on CPU (torch 2.13, saved-tensor hooks, unique storages) for our TransformerLayer: bytes
+# saved for backward per layer per s·b·h element in 16-bit (bf16); fp32 measures exactly 2× these.
+# Source of the numbers: tests/test_plan_activations.py::measure_saved_bytes (tiny, h 64, a 4, s 32).
+MEASURED = {
+    "replicated_16bit": 8.0,  # norm inputs, QKV input, fc1 input: not split over TP without SP
+    "split_16bit": 28.0,  # QKV products, context, projections, fc1 out, GELU out
+    "split_selective_16bit": 24.0,  # selective recompute: the core attention's saved tensors dropped
+    "hidden_dropout_masks": 2.0,  # two bool masks (1 byte per element) when hidden_dropout > 0
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """One candidate layout (what the planner varies)."""
+
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    dp: int
+    use_distributed_optimizer: bool
+    recompute: str  # none | selective | full
+    sequence_parallel: bool
+    schedule: str
+    num_microbatches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryParts:
+    """Bytes on one rank. `total` = model states + max(activations + logits, optimizer_workspace)."""
+
+    weights: float
+    grads: float
+    main_params: float
+    optimizer_state: float
+    activations: float
+    logits: float
+    optimizer_workspace: float
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.main_params + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.model_states + max(self.activations + self.logits, self.optimizer_workspace)
+
+    def gib(self) -> dict:
+        parts = {k: v / GIB for k, v in dataclasses.asdict(self).items()}
+        parts["total"] = self.total / GIB
+        return parts
+
+
+def grad_bytes_per_element(cfg) -> int:
+    """Grad buffer dtype as run.py picks it: fp32 under grad_reduce_in_fp32 or for bf16/fp16 params."""
+    if cfg.parallel.grad_reduce_in_fp32 or cfg.precision.name != "fp32":
+        return 4
+    return PARAM_BYTES[cfg.precision.name]
+
+
+def optimizer_state_bytes_per_element(cfg) -> int:
+    """Inner optimizer state per main element: Adam/AdamW 8 (exp_avg + exp_avg_sq fp32); SGD 4 or 0."""
+    if cfg.optim.name in ("adam", "adamw"):
+        return 8
+    return 4 if cfg.optim.sgd_momentum else 0
+
+
+def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
+    """weights, grads, main_params, optimizer_state (bytes) of one rank (module docstring)."""
+    n = rp.numel
+    half = cfg.precision.name != "fp32"
+    owned = n / layout.dp if layout.use_distributed_optimizer else n
+    main = owned * 4 if (half or layout.use_distributed_optimizer) else 0.0
+    return {
+        "weights": n * PARAM_BYTES[cfg.precision.name],
+        "grads": n * grad_bytes_per_element(cfg),
+        "main_params": main,
+        "optimizer_state": owned * optimizer_state_bytes_per_element(cfg),
+    }
+
+
+def inflight_microbatches(schedule: str, *, pp: int, vpp: Optional[int], m: int, pp_rank: int) -> int:
+    """Micro-batches (interleaved: chunk-micro-batches) whose activations stage ``pp_rank`` holds at once."""
+    if schedule == "no_pipelining":
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(pp - pp_rank, m)
+    if schedule == "interleaved_1f1b":
+        v = vpp or 1
+        if m == pp:  # Megatron: all forwards first when m == pp
+            return m * v
+        return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v)
+    raise ValueError(f"unknown schedule {schedule!r}; expected no_pipelining, gpipe, 1f1b, interleaved_1f1b")
+
+
+def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] = None) -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch (no full recompute), module docstring."""
+    m = cfg.model
+    recompute = layout.recompute if recompute is None else recompute
+    s, b, h, a, t = m.seq_length, cfg.train.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
+    sbh = s * b * h
+    scale = PARAM_BYTES[cfg.precision.name] / 2  # constants are in 16-bit bytes
+    split = MEASURED["split_selective_16bit" if recompute == "selective" else "split_16bit"]
+    repl = MEASURED["replicated_16bit"] * scale
+    if m.hidden_dropout > 0:
+        repl += MEASURED["hidden_dropout_masks"]
+    lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp
+    if layout.sequence_parallel:
+        return sbh * (repl + split * scale) / t + lse
+    return sbh * (repl + split * scale / t) + lse
+
+
+def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int) -> float:
+    """Activations stage ``pp_rank`` holds at its peak: in-flight micro-batches × its layers (+ recompute)."""
+    m = cfg.model
+    v = layout.vpp or 1
+    n_layers = len(rp.layers)
+    inflight = inflight_microbatches(layout.schedule, pp=layout.pp, vpp=layout.vpp, m=layout.num_microbatches,
+                                     pp_rank=pp_rank)
+    layers_per_unit = n_layers / v  # one in-flight unit = one micro-batch through one chunk
+    if layout.recompute != "full":
+        return inflight * layers_per_unit * layer_activation_bytes(cfg, layout)
+    group = max(1, m.recompute_num_layers or 1)
+    sbh = m.seq_length * cfg.train.micro_batch_size * m.hidden_size
+    checkpoint_input = PARAM_BYTES[cfg.precision.name] * sbh / (layout.tp if layout.sequence_parallel else 1)
+    saved = inflight * (layers_per_unit / group) * checkpoint_input
+    recomputing = min(group, layers_per_unit) * layer_activation_bytes(cfg, layout, recompute="none")
+    return saved + recomputing
+
+
+def logits_bytes(cfg, layout: PlanLayout, *, vocab_size: int, inflight_last: int) -> float:
+    """Last stage: saved fp32 softmax per in-flight micro-batch + the cross-entropy transient + final norm."""
+    m = cfg.model
+    s, b = m.seq_length, cfg.train.micro_batch_size
+    v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, layout.tp)
+    sbv = s * b * v_pad / layout.tp
+    act = PARAM_BYTES[cfg.precision.name]
+    return inflight_last * 4 * sbv + (act + 4) * sbv + 2 * act * s * b * m.hidden_size
+
+
+def optimizer_workspace_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
+    """Distributed optimizer step: one bucket-sized fp32 scratch + this rank's shard of it (distrib_optimizer.py)."""
+    if not layout.use_distributed_optimizer:
+        return 0.0  # fused Adam on CUDA allocates no temporaries; MixedPrecision's .float() aliases fp32 grads
+    bucket = cfg.parallel.bucket_size or max(40_000_000, 1_000_000 * layout.dp)
+    elements = min(bucket, rp.numel)
+    return 4 * elements * (1 + 1 / layout.dp)
+
+
+def stage_memory(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int, vocab_size: int) -> MemoryParts:
+    """All memory parts of pipeline rank ``pp_rank`` (tp_rank 0) for one layout."""
+    states = model_state_bytes(cfg, layout, rp)
+    logits = 0.0
+    if rp.has_output:
+        inflight = inflight_microbatches(layout.schedule, pp=layout.pp, vpp=layout.vpp, m=layout.num_microbatches,
+                                         pp_rank=pp_rank)
+        inflight_last = inflight if layout.schedule != "interleaved_1f1b" else -(-inflight // (layout.vpp or 1))
+        logits = logits_bytes(cfg, layout, vocab_size=vocab_size, inflight_last=max(1, inflight_last))
+    return MemoryParts(
+        activations=stage_activation_bytes(cfg, layout, rp, pp_rank=pp_rank),
+        logits=logits,
+        optimizer_workspace=optimizer_workspace_bytes(cfg, layout, rp),
+        **states,
+    )

@@ -1,0 +1,116 @@
+"""Parameter elements one rank holds for a layout, by formula (no model built).
+
+Mirrors what `mptrain.layers.gpt.build_model_chunks` allocates on the rank with coordinates
+(tp_rank, pp_rank): its transformer layers (all virtual chunks), the word + position embedding on
+the first stage, the final norm and the output layer on the last stage. Unlike
+`mptrain.layers.params.count_parameters` (a whole-model count), this is a *per-rank* count that
+includes what the rank really allocates: the padded vocabulary rows (V_pad/tp, V_pad a multiple
+of make_vocab_size_divisible_by × tp) and, with a tied embedding and pp > 1, the last stage's copy
+of the word embedding (megatron-core.md §3.8).
+
+Per-layer split (Megatron ``ColumnParallelLinear`` / ``RowParallelLinear``; Shoeybi et al. 2019, §3):
+    QKV weight h·(np + 2·ng)·hn / tp, bias (np + 2·ng)·hn / tp       (column-parallel)
+    proj weight np·hn·h / tp, bias h (replicated)                   (row-parallel)
+    fc1 weight h·k·ffn / tp, bias k·ffn / tp  (k = 2 for SwiGLU)    (column-parallel)
+    fc2 weight ffn·h / tp, bias h (replicated)                      (row-parallel)
+    two norms, replicated: 2h each (LayerNorm) or h (RMSNorm)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from mptrain.layers.embedding import padded_vocab_size, vocab_range
+from mptrain.layers.gpt import pipeline_layer_ranges
+
+
+@dataclasses.dataclass(frozen=True)
+class RankParams:
+    """Parameter elements of one rank.
+
+    Attributes:
+        numel: elements allocated (padding and the tied copy included): weights, grad buffer and,
+            without ZeRO-1, main params / optimizer state are this many elements.
+        num_params: layout.json's `num_params` convention (padding rows and the tied copy excluded).
+        layers: global layer indices held (all virtual chunks), sorted.
+        has_embedding: first stage (word embedding lives here).
+        has_output: last stage (final norm, output layer / tied copy, cross entropy).
+    """
+
+    numel: int
+    num_params: int
+    layers: tuple
+    has_embedding: bool
+    has_output: bool
+
+
+def _norm(m) -> int:
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+def layer_numel(m, tp: int) -> int:
+    """Elements of one transformer layer on one TP rank (module docstring)."""
+    h, np_ = m.hidden_size, m.num_attention_heads
+    ng = m.num_query_groups or np_
+    hn = m.kv_channels or h // np_
+    ffn = m.ffn_hidden_size or 4 * h
+    k = 2 if m.activation == "swiglu" else 1
+    weights = (h * (np_ + 2 * ng) * hn + np_ * hn * h + h * k * ffn + ffn * h) // tp
+    biases = ((np_ + 2 * ng) * hn + k * ffn) // tp + 2 * h if m.add_bias_linear else 0
+    return weights + biases + 2 * _norm(m)
+
+
+def stage_layers(m, parallel, *, pp_rank: int) -> tuple:
+    """Global layer indices of pipeline rank ``pp_rank`` (all its virtual chunks), sorted."""
+    ranges = pipeline_layer_ranges(
+        m.num_layers,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+        parallel.decoder_first_pipeline_num_layers,
+        parallel.decoder_last_pipeline_num_layers,
+    )[pp_rank]
+    return tuple(sorted(i for chunk in ranges for i in chunk))
+
+
+def rank_params(m, parallel, *, vocab_size: int, pp_rank: int, tp_rank: int = 0) -> RankParams:
+    """Parameter elements of the rank at (tp_rank, pp_rank) of the layout ``parallel``.
+
+    Args:
+        m: ModelConfig. parallel: ParallelConfig (tp, pp, vpp, uneven split keys).
+        vocab_size: V, unpadded (``model.vocab_size`` or the tokenizer's).
+        pp_rank, tp_rank: the rank's coordinates (tp_rank only matters for the valid vocab rows).
+    Raises:
+        ConfigError: the layer split is invalid (`pipeline_layer_ranges`).
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    h = m.hidden_size
+    layers = stage_layers(m, parallel, pp_rank=pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
+    start, end = vocab_range(v_pad, tp_rank, tp)
+    rows_alloc, rows_valid = end - start, max(0, min(end, vocab_size) - start)
+    numel = counted = len(layers) * layer_numel(m, tp)
+    if first:
+        pos = (m.max_position_embeddings or m.seq_length) * h if m.position_embedding_type == "learned_absolute" else 0
+        numel += rows_alloc * h + pos
+        counted += rows_valid * h + pos
+    if last:
+        numel += _norm(m)
+        counted += _norm(m)
+        if m.untie_embeddings_and_output_weights:
+            numel += rows_alloc * h
+            counted += rows_valid * h
+        elif pp > 1:  # the tied embedding's copy on the last stage: allocated, not counted (a replica)
+            numel += rows_alloc * h
+    return RankParams(numel=numel, num_params=counted, layers=layers, has_embedding=first, has_output=last)
+
+
+def all_rank_params(m, parallel, *, vocab_size: int, tp_rank: int = 0) -> list:
+    """`rank_params` for every pipeline rank, index = pp_rank."""
+    return [rank_params(m, parallel, vocab_size=vocab_size, pp_rank=r, tp_rank=tp_rank)
+            for r in range(parallel.pipeline_model_parallel_size)]
+
+
+def vpp_or_one(vpp: Optional[int]) -> int:
+    return vpp if vpp and vpp > 1 else 1
