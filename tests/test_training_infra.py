@@ -1,7 +1,6 @@
 """layout.json gather (world 4), FLOP formula (gpt_1.3b worked example), timers, loggers, sweep policy."""
 
 import importlib.machinery
-import io
 import json
 import subprocess
 import sys
