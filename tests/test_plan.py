@@ -1,0 +1,188 @@
+"""The planner (issue 12): model-state bytes equal what the trainer allocates; gpt_6.7b verdicts; JSON schema.
+
+Model states are measured from the trainer's own objects (`training.run.build_model_and_optimizer`
+on gloo processes, after one optimizer step so Adam's state exists) and compared with the
+planner's formulas per rank, part by part.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import run_distributed
+from mptrain.planner.config import compose_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 0.02  # acceptance: within 2 % (the formulas ignore bucket padding and Adam's scalar `step` tensors)
+
+
+def _cfg(overrides):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(compose_plan(overrides))
+
+
+def _measure_rank(rank, world, cfg, vocab_size):
+    import torch
+
+    from mptrain.config.validate import validate_config
+    from mptrain.groups import build_groups
+    from mptrain.planner.layouts import layout_config
+    from mptrain.planner.measure import layers_of, measured_rank_bytes
+    from mptrain.planner.memory import PlanLayout, model_state_bytes
+    from mptrain.planner.params import rank_params
+    from mptrain.training.layout import optimizer_state_bytes
+    from mptrain.training.run import build_model_and_optimizer
+
+    derived = validate_config(cfg, world)
+    groups = build_groups(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
+                          derived.virtual_pipeline_model_parallel_size)
+    try:
+        torch.manual_seed(0)
+        chunks, optimizer, *_ = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
+        result = optimizer.step()  # zero grads: a real step that creates Adam's state
+        assert result.update_successful
+        measured = measured_rank_bytes(chunks, optimizer)
+        layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
+                            cfg.parallel.use_distributed_optimizer, "none", derived.sequence_parallel,
+                            derived.schedule, derived.num_microbatches)
+        rp = rank_params(cfg.model, layout_config(cfg, layout).parallel, vocab_size=vocab_size,
+                         pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
+        zero1_state = optimizer.optimizer_state_bytes() if cfg.parallel.use_distributed_optimizer else None
+        return {"measured": measured, "planned": model_state_bytes(cfg, layout, rp), "numel": rp.numel,
+                "num_params": rp.num_params, "layers": layers_of(chunks), "planned_layers": list(rp.layers),
+                "inner_state": optimizer_state_bytes(optimizer.optimizer), "zero1_state": zero1_state}
+    finally:
+        groups.destroy()
+
+
+CASES = [  # (model overrides, world, layout overrides)
+    (["model=tiny"], 1, ["parallel=tp1pp1", "precision=fp32"]),
+    (["model=tiny"], 2, ["parallel=tp2pp1", "precision=bf16"]),
+    (["model=tiny"], 2, ["parallel=tp1pp2", "precision=fp32"]),
+    (["model=tiny"], 2, ["parallel=tp1pp1", "precision=bf16", "parallel.use_distributed_optimizer=true"]),
+    (["model=gpt_125m"], 2, ["parallel=tp2pp1", "precision=bf16"]),
+    (["model=gpt_125m"], 2, ["parallel=tp1pp2", "precision=fp32"]),
+    (["model=gpt_125m"], 2, ["parallel=tp1pp1", "precision=bf16", "parallel.use_distributed_optimizer=true",
+                             "parallel.bucket_size=10000000"]),
+]
+
+
+@pytest.mark.parametrize("model, world, layout", CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
+def test_model_states_equal_what_the_trainer_allocates(model, world, layout):
+    from mptrain.config.validate import check_vocab_size
+    from mptrain.data.tokenizers import build_tokenizer
+
+    cfg = _cfg([*model, *layout, f"world_size={world}", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    vocab = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)
+    out = run_distributed(_measure_rank, world, cfg, vocab)
+    for r, o in enumerate(out):
+        m, p = o["measured"], o["planned"]
+        assert o["numel"] == m["numel"], (r, o["numel"], m["numel"])  # exact: same shapes
+        assert o["num_params"] == m["num_params"]  # layout.json's num_params convention, exact
+        assert o["layers"] == o["planned_layers"]
+        for key in ("weights", "grads", "main_params", "optimizer_state"):
+            assert m[key] == pytest.approx(p[key], rel=TOL, abs=64), (r, key, m[key], p[key])
+        assert sum(m[k] for k in p) == pytest.approx(sum(p.values()), rel=TOL)
+        assert o["inner_state"] == pytest.approx(p["optimizer_state"], rel=TOL)
+        if o["zero1_state"] is not None:  # DistributedOptimizer.optimizer_state_bytes: main pieces + state
+            assert o["zero1_state"] == pytest.approx(p["main_params"] + p["optimizer_state"], rel=TOL)
+    if "precision=bf16" in layout and "parallel.use_distributed_optimizer=true" not in layout:
+        # bf16: 2 (weights) + 4 (fp32 grads) + 4 (main) + 8 (Adam) bytes per element, exactly
+        m = out[0]["measured"]
+        assert (m["weights"], m["grads"], m["main_params"]) == (2 * m["numel"], 4 * m["numel"], 4 * m["numel"])
+
+
+def _plan(overrides):
+    from mptrain.plan import plan_from_config
+
+    return plan_from_config(compose_plan(overrides))[1]
+
+
+def test_gpt_6_7b_tp1pp1_without_zero1_does_not_fit_80gib_and_an_8_gpu_layout_does():
+    records = _plan(["model=gpt_6.7b", "precision=bf16", "world_size=8", "train.micro_batch_size=1",
+                     "train.global_batch_size=64"])
+    base = [r for r in records if (r["tp"], r["pp"], r["use_distributed_optimizer"]) == (1, 1, False)]
+    assert {r["recompute"] for r in base} == {"none", "selective", "full"}
+    for r in base:
+        mem = r["memory_gib"]
+        states = mem["weights"] + mem["grads"] + mem["main_params"] + mem["optimizer_state"]
+        # 18 bytes × 6,658,596,864 params (padded vocab 50304) = 111.6 GiB; 0.5 GiB slack for rounding the "≈ 112"
+        assert states == pytest.approx(111.6, abs=0.5)
+        assert r["fits"] is False and mem["total"] > 80
+    fitting = [r for r in records if r["fits"]]
+    assert fitting and records[0]["fits"]  # ranked: fitting layouts first
+    assert all(r["memory_gib"]["total"] <= 80 for r in fitting)
+    one_gpu = _plan(["model=gpt_6.7b", "precision=bf16", "world_size=1", "train.micro_batch_size=1",
+                     "train.global_batch_size=8"])
+    assert one_gpu and not any(r["fits"] for r in one_gpu)
+
+
+def test_bubble_and_inflight_formulas():
+    from mptrain.planner.layouts import bubble_fraction
+    from mptrain.planner.memory import PlanLayout, inflight_microbatches
+
+    assert bubble_fraction(PlanLayout(1, 4, None, 2, False, "none", False, "1f1b", 8)) == 3 / 11
+    assert bubble_fraction(PlanLayout(1, 4, 2, 2, False, "none", False, "interleaved_1f1b", 8)) == 3 / 19
+    assert bubble_fraction(PlanLayout(8, 1, None, 1, False, "none", False, "no_pipelining", 8)) == 0.0
+    assert [inflight_microbatches("1f1b", pp=4, vpp=None, m=8, pp_rank=r) for r in range(4)] == [4, 3, 2, 1]
+    assert [inflight_microbatches("1f1b", pp=4, vpp=None, m=2, pp_rank=r) for r in range(4)] == [2, 2, 2, 1]
+    assert [inflight_microbatches("gpipe", pp=4, vpp=None, m=3, pp_rank=r) for r in range(4)] == [3, 3, 3, 3]
+    # interleaved (Megatron warmup 2(pp-r-1) + (vpp-1)pp, +1 steady): pp 4 vpp 2 m 8 -> 11, 9, 7, 5 chunk-micro-batches
+    assert [inflight_microbatches("interleaved_1f1b", pp=4, vpp=2, m=8, pp_rank=r) for r in range(4)] == [11, 9, 7, 5]
+
+
+def _interleaved_inflight(rank, world, m):
+    from test_schedules import EVEN, _run_schedule
+
+    return _run_schedule(rank, world, "interleaved_1f1b", world, 2, m, EVEN)["inflight"]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8)])
+def test_interleaved_inflight_matches_the_schedule(pp, m):
+    from mptrain.planner.memory import inflight_microbatches
+
+    measured = run_distributed(_interleaved_inflight, pp, m)
+    assert measured == [inflight_microbatches("interleaved_1f1b", pp=pp, vpp=2, m=m, pp_rank=r) for r in range(pp)]
+
+
+def test_json_output_schema_and_table():
+    args = [sys.executable, "-m", "mptrain.plan", "model=gpt_1.3b", "precision=bf16", "world_size=4",
+            "train.micro_batch_size=1", "train.global_batch_size=16"]
+    out = subprocess.run([*args, "format=json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    records = json.loads(out.stdout)
+    assert isinstance(records, list) and records
+    parts = {"weights", "grads", "main_params", "optimizer_state", "activations", "logits", "optimizer_workspace",
+             "total"}
+    for r in records:
+        assert {"tp", "pp", "vpp", "dp", "use_distributed_optimizer", "recompute", "memory_gib", "fits",
+                "bubble_fraction", "comm_bytes"} <= set(r)
+        assert r["tp"] * r["pp"] * r["dp"] == 4 and r["recompute"] in ("none", "selective", "full")
+        assert r["vpp"] is None or r["vpp"] > 1
+        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding"}
+        assert isinstance(r["fits"], bool) and 0.0 <= r["bubble_fraction"] < 1.0
+        assert r["fits"] == (r["memory_gib"]["total"] <= 80)
+    assert [r["fits"] for r in records] == sorted((r["fits"] for r in records), reverse=True)
+    table = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert table.returncode == 0 and "layouts shown" in table.stdout
+    bad = subprocess.run([*args, "format=xml"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "format" in bad.stderr
+
+
+def test_check_dry_run_on_meta_matches_planner():
+    from mptrain.check import format_report, run_check
+
+    cfg = _cfg(["model=tiny", "parallel=tp1pp2", "precision=bf16", "world_size=2"])
+    facts = run_check(cfg, 2)
+    assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
+    assert [f["pp"] for f in facts] == [0, 1]
+    text, worst = format_report(cfg, facts)
+    assert worst < 1e-9 and "worst" in text  # no DP padding at dp 1: exact
+    for f in facts:
+        assert f["measured"]["num_params"] == f["planned_num_params"]
