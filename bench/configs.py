@@ -1,0 +1,217 @@
+"""The benchmark configs of issue 10 and the commands that run them (mptrain and the megatron-core peer).
+
+A `BenchConfig` is one model shape × layout × precision × batch, run by both trainers with the same
+micro-batch size, number of micro-batches, warm-up and timed iterations. Global batch
+= micro_batch_size × num_microbatches × dp, dp = gpus / (tp × pp). Tokens per iteration T = global
+batch × seq_length.
+
+FLOPs per iteration (DESIGN.md §2, the peer's formula): F = 6·N·T + 12·L·h·s·T with
+N = 12·L·h² + V_pad·h and V_pad the vocab padded to a multiple of 128 × tp.
+
+Suites (`suite(name, gpus)`): ``quick`` (a harness smoke test: 2 timed iterations of small and
+real shapes), ``full`` (issue 10's configs a-d, ordered by priority so that a time budget cuts the
+least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+PEAK_TFLOPS_BF16_DENSE = 989.0  # H100 / H200 SXM dense bf16 (DESIGN.md §2), used for every precision
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A `conf/model/<name>.yaml` preset's sizes (tests check they match the YAML)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+
+
+MODEL_SHAPES = {
+    "seed_2.8b": ModelShape(12, 4096, 8, 1024, 50257),
+    "gpt_1.3b": ModelShape(24, 2048, 16, 2048, 50257),
+    "gpt_125m": ModelShape(12, 768, 12, 2048, 50257),
+    "tiny": ModelShape(4, 64, 4, 64, 1000),  # CPU tests only (vocab = data=mock's default)
+}
+
+# mptrain variants: name -> extra Hydra overrides (each measured change is a variant).
+VARIANTS = {
+    "base": (),
+    "compile": ("model.compile_layers=true",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark config. ``name`` is the row's ``config``; sizes are counts; times in seconds."""
+
+    name: str
+    model: str
+    gpus: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    num_microbatches: int
+    precision: str  # bf16 | fp32
+    tf32: bool = False
+    warmup: int = 3
+    iters: int = 10
+    timeout_s: int = 150
+    variants: tuple = ("base",)
+    peer: bool = True
+
+    @property
+    def shape(self) -> ModelShape:
+        return MODEL_SHAPES[self.model]
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.dp
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.global_batch_size * self.shape.seq_length
+
+    @property
+    def layout(self) -> str:
+        return f"tp{self.tp}pp{self.pp}dp{self.dp}"
+
+    @property
+    def precision_label(self) -> str:
+        if self.precision == "fp32":
+            return "fp32+tf32" if self.tf32 else "fp32 (tf32 off)"
+        return self.precision
+
+
+def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: the next multiple of divisible_by × tp."""
+    m = divisible_by * tp
+    return int(math.ceil(vocab_size / m) * m)
+
+
+def flops_per_iteration(cfg: BenchConfig) -> int:
+    """F = 6·N·T + 12·L·h·s·T (DESIGN.md §2) for `cfg` (exact integer)."""
+    s = cfg.shape
+    n = 12 * s.num_layers * s.hidden_size**2 + padded_vocab(s.vocab_size, cfg.tp) * s.hidden_size
+    t = cfg.tokens_per_iteration
+    return 6 * n * t + 12 * s.num_layers * s.hidden_size * s.seq_length * t
+
+
+def _validate(cfg: BenchConfig) -> BenchConfig:
+    if cfg.gpus % (cfg.tp * cfg.pp) != 0:
+        raise ValueError(f"bench config {cfg.name}: gpus={cfg.gpus} is not a multiple of tp×pp={cfg.tp * cfg.pp}")
+    if cfg.precision not in ("bf16", "fp32") or (cfg.tf32 and cfg.precision != "fp32"):
+        raise ValueError(f"bench config {cfg.name}: precision={cfg.precision} tf32={cfg.tf32}; use bf16, or fp32 with/without tf32")
+    unknown = set(cfg.variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"bench config {cfg.name}: unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
+    return cfg
+
+
+def _full(gpus: int) -> list:
+    seed = dict(model="seed_2.8b", gpus=2, tp=2, pp=1, micro_batch_size=8, num_microbatches=1)
+    configs = [
+        # (b) the MFU target: gpt_1.3b bf16 on one GPU, eager and compiled layers
+        BenchConfig("b_gpt1.3b_bf16_tp1", "gpt_1.3b", 1, 1, 1, 4, 4, "bf16", warmup=3, iters=8, timeout_s=200,
+                    variants=("base", "compile")),
+        # (a) the seed model at tp 2: bf16, fp32 with TF32 allowed, fp32 TF32 off (report-only)
+        BenchConfig("a_seed_bf16_tp2", precision="bf16", warmup=3, iters=10, timeout_s=150,
+                    variants=("base", "compile"), **seed),
+        BenchConfig("c_gpt1.3b_bf16_tp1pp2", "gpt_1.3b", 2, 1, 2, 2, 8, "bf16", warmup=3, iters=8, timeout_s=180),
+        BenchConfig("a_seed_fp32tf32_tp2", precision="fp32", tf32=True, warmup=2, iters=6, timeout_s=150, **seed),
+        BenchConfig("a_seed_fp32_tp2", precision="fp32", tf32=False, warmup=2, iters=4, timeout_s=170, **seed),
+        # (d) only when 4 GPUs are lent
+        BenchConfig("d_gpt1.3b_bf16_tp2pp2", "gpt_1.3b", 4, 2, 2, 2, 8, "bf16", warmup=3, iters=8, timeout_s=180),
+    ]
+    return [c for c in configs if c.gpus <= gpus]
+
+
+def _quick(gpus: int) -> list:
+    configs = [
+        BenchConfig("q_gpt125m_bf16_tp1", "gpt_125m", 1, 1, 1, 4, 2, "bf16", warmup=1, iters=2, timeout_s=120,
+                    variants=("base", "compile")),
+        BenchConfig("q_gpt1.3b_bf16_tp1", "gpt_1.3b", 1, 1, 1, 4, 4, "bf16", warmup=2, iters=2, timeout_s=150),
+        BenchConfig("q_gpt125m_bf16_tp2", "gpt_125m", 2, 2, 1, 4, 2, "bf16", warmup=1, iters=2, timeout_s=120),
+        BenchConfig("q_gpt125m_bf16_tp1pp2", "gpt_125m", 2, 1, 2, 2, 4, "bf16", warmup=1, iters=2, timeout_s=120),
+    ]
+    return [c for c in configs if c.gpus <= gpus]
+
+
+SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: []}
+
+
+def suite(name: str, gpus: int, only: Optional[list] = None) -> list:
+    """The configs of suite `name` that fit on `gpus` GPUs (optionally only those named in `only`).
+
+    Raises:
+        ValueError: unknown suite, or a name in `only` that the suite does not have.
+    """
+    try:
+        configs = [_validate(c) for c in SUITES[name](gpus)]
+    except KeyError:
+        raise ValueError(f"--suite {name!r} is not one of {sorted(SUITES)}") from None
+    if only:
+        known = {c.name for c in SUITES[name](8)}
+        missing = set(only) - known
+        if missing:
+            raise ValueError(f"--only {sorted(missing)}: not in suite {name!r} ({sorted(known)})")
+        configs = [c for c in configs if c.name in only]
+    return configs
+
+
+def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
+    """Hydra overrides that make `train.py` run `cfg` like the peer: mock data with the model's vocab,
+    AdamW(lr 1e-4, wd 0.01), clip 1.0, dropout 0, no evaluation, no checkpoints."""
+    s = cfg.shape
+    o = [
+        f"model={cfg.model}",
+        f"parallel=tp{cfg.tp}pp{cfg.pp}",
+        f"precision={cfg.precision}",
+        "data=mock",
+        f"data.vocab_size={s.vocab_size}",
+        "optim=adamw",
+        "optim.lr=1e-4",
+        "optim.weight_decay=0.01",
+        "train.clip_grad=1.0",
+        f"train.micro_batch_size={cfg.micro_batch_size}",
+        f"train.global_batch_size={cfg.global_batch_size}",
+        f"train.train_iters={cfg.warmup + cfg.iters}",
+        "train.eval_interval=null",
+        "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0",
+        "run.progress_bar=false",
+        f"run.dir={run_dir}",
+    ]
+    if cfg.precision == "fp32":
+        o.append(f"precision.allow_tf32={'true' if cfg.tf32 else 'false'}")
+    if cfg.pp > 1:
+        o.append("schedule=1f1b")
+    return o + list(VARIANTS[variant])
+
+
+def peer_args(cfg: BenchConfig, out_file: str) -> list:
+    """Arguments of `bench/peer/peer_megatron.py` for `cfg` (its defaults: tied embeddings, fusions on,
+    dropout 0, Megatron Adam with weight decay 0.01, clip 1.0)."""
+    s = cfg.shape
+    a = [
+        "--name", cfg.name, "--tp", str(cfg.tp), "--pp", str(cfg.pp),
+        "--num-layers", str(s.num_layers), "--hidden-size", str(s.hidden_size),
+        "--num-heads", str(s.num_attention_heads), "--seq-length", str(s.seq_length),
+        "--vocab-size", str(s.vocab_size),
+        "--micro-batch-size", str(cfg.micro_batch_size), "--num-microbatches", str(cfg.num_microbatches),
+        "--dtype", cfg.precision, "--warmup", str(cfg.warmup), "--iters", str(cfg.iters),
+        "--out", out_file,
+    ]
+    if cfg.tf32:
+        a.append("--tf32")
+    return a

@@ -1,0 +1,81 @@
+"""train.py for benchmarks: the same Hydra entry, plus a per-rank record of peak memory.
+
+    torchrun --standalone --nproc_per_node=N bench/mptrain_entry.py [--bench-profile FILE] <overrides>
+
+Runs exactly what `train.py` runs (`mptrain.training.run.hydra_main`), then every rank writes
+``<run.dir>/bench_rank<R>.json``: {"rank", "peak_alloc_gib", "peak_reserved_gib"} from
+`torch.cuda.max_memory_allocated` / `max_memory_reserved` (GiB = 2^30 bytes; null on CPU) — the
+metrics rows carry rank 0's current allocation only, and the benchmark reports the max over ranks,
+as the peer does. No collective is needed after the run (each rank writes its own file).
+
+``--bench-profile FILE`` (stripped before Hydra sees the command line): run the job under
+`torch.profiler` and write rank 0's top kernels by device time to FILE (a text table). Timings
+of a profiled run are not benchmark numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import hydra
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def _pop_flag(argv: list, flag: str):
+    """Remove ``flag VALUE`` from argv; return VALUE or None."""
+    if flag in argv:
+        i = argv.index(flag)
+        value = argv[i + 1]
+        del argv[i:i + 2]
+        return value
+    return None
+
+
+PROFILE_FILE = _pop_flag(sys.argv, "--bench-profile")
+
+from mptrain.config.schema import register  # noqa: E402  (after sys.path is final)
+
+register()
+
+
+def _write_peak(run_dir: str) -> None:
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    rec = {
+        "rank": rank,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None,
+    }
+    Path(run_dir, f"bench_rank{rank}.json").write_text(json.dumps(rec) + "\n")
+
+
+def _run_profiled(cfg, hydra_main):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        summary = hydra_main(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        Path(PROFILE_FILE).write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=str(ROOT / "conf"), config_name="config")
+def main(cfg) -> None:
+    from mptrain.training.run import hydra_main
+
+    summary = _run_profiled(cfg, hydra_main) if PROFILE_FILE else hydra_main(cfg)
+    _write_peak((summary or {}).get("run_dir") or cfg.run.dir)
+
+
+if __name__ == "__main__":
+    main()

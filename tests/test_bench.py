@@ -1,0 +1,167 @@
+"""Issue 10 harness (CPU): configs vs conf/model, the FLOP formula, result rows, the report table,
+`run_bench.py --dry-run`, and one real CPU run of bench/mptrain_entry.py turned into a row."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import configs as bc  # noqa: E402
+import report  # noqa: E402
+import run_bench  # noqa: E402
+
+ENV = {"gpu_name": "NVIDIA H200", "torch": "2.11.0", "time_utc": "2026-11-30T00:00:00Z"}
+
+
+def test_model_shapes_match_conf():
+    for name, shape in bc.MODEL_SHAPES.items():
+        y = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+        assert (y.num_layers, y.hidden_size, y.num_attention_heads, y.seq_length) == (
+            shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.seq_length), name
+        assert y.get("vocab_size") in (shape.vocab_size, None), name  # tiny: null = the mock tokenizer's 1000
+
+
+def test_flops_reproduce_the_peer_readme():
+    # ../shared/bench/README.md, measured rows: tokens/s/GPU -> TFLOP/s/GPU with the same formula;
+    # the README rounds to 0.1 TFLOP/s, hence 0.05.
+    b = bc.suite("full", 2, ["b_gpt1.3b_bf16_tp1"])[0]
+    assert bc.padded_vocab(50257, 1) == 50304 and bc.padded_vocab(50257, 2) == 50432
+    assert bc.flops_per_iteration(b) == 9073852416 * 16 * 2048  # (6·N + 12·L·h·s) per token × T
+    per_token = bc.flops_per_iteration(b) / b.tokens_per_iteration
+    assert abs(26214 * per_token / 1e12 - 237.9) < 0.05
+    a = bc.suite("full", 2, ["a_seed_bf16_tp2"])[0]
+    assert abs(22046 * bc.flops_per_iteration(a) / a.tokens_per_iteration / 1e12 - 360.2) < 0.05
+
+
+def test_suites_by_gpu_count():
+    assert [c.name for c in bc.suite("full", 1)] == ["b_gpt1.3b_bf16_tp1"]
+    names2 = [c.name for c in bc.suite("full", 2)]
+    assert names2 == ["b_gpt1.3b_bf16_tp1", "a_seed_bf16_tp2", "c_gpt1.3b_bf16_tp1pp2", "a_seed_fp32tf32_tp2", "a_seed_fp32_tp2"]
+    assert [c.name for c in bc.suite("full", 4)] == names2 + ["d_gpt1.3b_bf16_tp2pp2"]
+    c = bc.suite("full", 2, ["c_gpt1.3b_bf16_tp1pp2"])[0]
+    assert (c.dp, c.global_batch_size, c.tokens_per_iteration) == (1, 16, 16 * 2048)
+    with pytest.raises(ValueError, match="nope"):
+        bc.suite("full", 2, ["nope"])
+    with pytest.raises(ValueError, match="suite"):
+        bc.suite("slow", 2)
+
+
+def _cfg(**kw):
+    base = dict(name="x", model="gpt_1.3b", gpus=1, tp=1, pp=1, micro_batch_size=4, num_microbatches=4,
+                precision="bf16", warmup=2, iters=3)
+    return bc.BenchConfig(**{**base, **kw})
+
+
+def test_mptrain_row_drops_warmup_and_takes_max_peak():
+    cfg = _cfg()
+    T = cfg.tokens_per_iteration  # 32768
+    # iteration times 9, 9 (warm-up), then 0.5, 0.6, 0.7 s; an eval row and an extra 6th row are ignored
+    rows = [{"split": "train", "iteration": i + 1, "tokens_per_s": T / t, "lm_loss": 10.0 - i}
+            for i, t in enumerate([9.0, 9.0, 0.5, 0.6, 0.7, 5.0])]
+    rows.insert(2, {"split": "valid", "iteration": 2, "lm_loss": 1.0})
+    peaks = [{"rank": 1, "peak_alloc_gib": 40.5}, {"rank": 0, "peak_alloc_gib": 41.25}]
+    row = run_bench.mptrain_row(cfg, "base", rows, peaks, env=ENV, call_id="c1")
+    assert row["iter_s_mean"] == 0.6  # (0.5 + 0.6 + 0.7) / 3
+    assert row["tokens_per_s_per_gpu"] == round(T / 0.6, 1)
+    assert row["tflops_per_gpu"] == round(bc.flops_per_iteration(cfg) / 0.6 / 1e12, 2)
+    assert row["mfu"] == round(bc.flops_per_iteration(cfg) / 0.6 / 1e12 / 989.0, 4)
+    assert row["peak_mem_gib"] == 41.25 and row["peak_alloc_gib_per_rank"] == [41.25, 40.5]
+    assert (row["trainer"], row["config"], row["gpus"], row["gpu_name"], row["call_id"]) == ("mptrain", "x", 1, "NVIDIA H200", "c1")
+    assert row["loss_first_last"] == [10.0, 5.0]
+    with pytest.raises(ValueError, match="timed train rows"):
+        run_bench.mptrain_row(cfg, "base", rows[:4], peaks, env=ENV, call_id="c1")
+    assert run_bench.mptrain_row(cfg, "base", rows, peaks, env={"gpu_name": "cpu"}, call_id="c")["mfu"] is None
+
+
+def test_peer_and_ceiling_rows():
+    cfg = _cfg(gpus=2, tp=1, pp=2, micro_batch_size=2, num_microbatches=8)
+    result = {"iter_s_mean": 0.8, "iter_s_median": 0.79, "peak_alloc_gib_max": 37.456, "torch": "2.11.0+cu130",
+              "megatron_core": "0.19.2", "tokens_per_s_per_gpu": 20480.0}
+    row = run_bench.peer_row(cfg, result, env=ENV, call_id="c1")
+    assert row["trainer"] == "megatron-core" and row["tokens_per_s_per_gpu"] == round(32768 / 0.8 / 2, 1)
+    assert row["peak_mem_gib"] == 37.46 and row["megatron_core"] == "0.19.2" and row["torch"] == "2.11.0+cu130"
+    c = run_bench.ceiling_row({"name": "compile_amp", "tokens_per_s": 59239.4, "tflops": 538.04, "mfu": 0.5440,
+                               "peak_gib": 36.71, "iter_s": 0.553}, env=ENV, call_id="c1")
+    assert (c["trainer"], c["config"], c["variant"], c["tokens_per_s_per_gpu"], c["mfu"]) == (
+        "torch-ceiling", run_bench.CEILING_CONFIG, "compile_amp", 59239.4, 0.544)
+
+
+def _row(trainer, config, variant, tps, **kw):
+    r = {"trainer": trainer, "config": config, "variant": variant, "gpus": 2, "gpu_name": "NVIDIA H200", "call_id": "c1",
+         "tokens_per_s_per_gpu": tps, "tflops_per_gpu": 100.0, "mfu": 0.1011, "peak_mem_gib": 30.0, "status": "ok",
+         "layout": "tp2pp1dp1", "precision": "bf16", "tf32": False, "torch": "2.11.0", "command": f"cmd {trainer} {variant}"}
+    r.update(kw)
+    return r
+
+
+def test_report_table_exact():
+    rows = [_row("mptrain", "a", "base", 30000.0), _row("mptrain", "a", "compile", 33000.0),
+            _row("megatron-core", "a", "base", 20000.0, peak_mem_gib=33.25),
+            _row("mptrain", "f", "base", None, status="timeout", precision="fp32", tf32=True),
+            _row("megatron-core", "f", "base", 9000.0, precision="fp32", tf32=True)]
+    lines = report.call_table(rows)
+    assert lines[0] == report.HEADER and lines[1].count("---") == 14
+    assert lines[2:] == [
+        "| a | 2 | tp2pp1dp1 | bf16 | base | 30,000 | 20,000 | 1.50× | 100.0 | 100.0 | 10.1 % | 10.1 % | 30.0 | 33.2 |",
+        "| a | 2 | tp2pp1dp1 | bf16 | compile | 33,000 | 20,000 | 1.65× | 100.0 | 100.0 | 10.1 % | 10.1 % | 30.0 | 33.2 |",
+        "| f | 2 | tp2pp1dp1 | fp32 + TF32 | base | timeout | 9,000 | – | timeout | 100.0 | timeout | 10.1 % | timeout | 30.0 |",
+    ]
+
+
+def test_report_markdown_and_merge(tmp_path):
+    md = tmp_path / "B.md"
+    md.write_text("# Benchmarks\n\nhand-written intro\n\n" + report.BEGIN + "\nold\n" + report.END + "\n\n## Notes\nkeep me\n")
+    res, new = tmp_path / "results.jsonl", tmp_path / "new.jsonl"
+    rows = [_row("mptrain", "a", "base", 30000.0), _row("megatron-core", "a", "base", 20000.0)]
+    res.write_text(json.dumps(rows[0]) + "\n")
+    new.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main(["--results", str(res), "--merge", str(new), "--md", str(md)]) == 0
+    assert len(report.read_rows(res)) == 2  # the duplicate first row was not appended again
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written intro\n\n" + report.BEGIN)
+    assert text.endswith(report.END + "\n\n## Notes\nkeep me\n") and "\nold\n" not in text
+    assert "### call `c1`" in text and "| 1.50× |" in text and "cmd mptrain base" in text
+
+
+def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    assert run_bench.main(["--suite", "full", "--gpus", "2", "--dry-run", "--call-id", "t", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    cmds = [l for l in text.splitlines() if not l.startswith("#")]
+    # probe + b(base, compile, peer, ceiling) + a bf16 (base, compile, peer) + c, tf32, fp32 (ours + peer each)
+    assert len(cmds) == 1 + 4 + 3 + 2 + 2 + 2
+    b_ours = [c for c in cmds if "mptrain_entry.py" in c and "b_gpt1.3b_bf16_tp1-base" in c][0]
+    for part in ("--nproc_per_node=1", "model=gpt_1.3b", "parallel=tp1pp1", "precision=bf16", "train.global_batch_size=16",
+                 "train.micro_batch_size=4", "train.train_iters=11", "train.eval_interval=null", "data=mock"):
+        assert part in b_ours.split(), part
+    c_peer = [c for c in cmds if "peer_megatron.py" in c and "c_gpt1.3b" in c][0].split()
+    assert c_peer[c_peer.index("--pp") + 1] == "2" and c_peer[c_peer.index("--num-microbatches") + 1] == "8"
+    tf32_ours = [c for c in cmds if "a_seed_fp32tf32_tp2-base" in c][0]
+    assert "precision.allow_tf32=true" in tf32_ours.split() and "parallel=tp2pp1" in tf32_ours.split()
+    assert "model.compile_layers=true" in [c for c in cmds if "a_seed_bf16_tp2-compile" in c][0].split()
+    assert "d_gpt1.3b" not in text and not out.exists()
+    run_bench.main(["--suite", "full", "--gpus", "4", "--dry-run", "--call-id", "t", "--out", str(out)])
+    assert "d_gpt1.3b_bf16_tp2pp2" in capsys.readouterr().out
+
+
+def test_cpu_run_of_the_entry_becomes_a_row(tmp_path):
+    """One real job through torchrun + bench/mptrain_entry.py (tiny model, 1 gloo process)."""
+    cfg = bc.BenchConfig("t", "tiny", 1, 1, 1, 2, 2, "fp32", warmup=1, iters=2)
+    job = dict(kind="mptrain", cfg=cfg, trainer="mptrain", variant="base", run_dir=tmp_path / "run",
+               log=tmp_path / "log.txt",
+               argv=run_bench.torchrun(sys.executable, 1, ROOT / "bench" / "mptrain_entry.py",
+                                       bc.mptrain_overrides(cfg, "base", str(tmp_path / "run"))))
+    rc, _ = run_bench.run_process(job["argv"], job["log"], timeout_s=300)
+    assert rc == 0, job["log"].read_text()[-3000:]
+    assert json.loads((tmp_path / "run" / "bench_rank0.json").read_text()) == {
+        "rank": 0, "peak_alloc_gib": None, "peak_reserved_gib": None}  # CPU: no CUDA peak
+    (row,) = run_bench.collect(job, env={"gpu_name": None}, call_id="cpu")
+    assert row["status"] == "ok" and row["tokens_per_s_per_gpu"] > 0 and row["mfu"] is None
+    assert row["tokens_per_iter"] == 2 * 2 * 64 and len(row["loss_first_last"]) == 2
