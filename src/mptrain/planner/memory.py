@@ -23,10 +23,15 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
     OUR layer (MEASURED on CPU, `MEASURED` below; test_plan_activations.py re-measures them): it
     uses fused SDPA attention (no a·s² term: only a fp32 logsumexp, 4·a·s·b/t bytes) and keeps no
     dropout masks at dropout 0, so in units of s·b·h × bytes(activation)/2:
-        replicated over TP (unless SP): R = 8   (2 norm inputs 4, QKV input 2, fc1 input 2)
+        norm inputs, replicated over TP (split under SP):       4
+        QKV / fc1 inputs, replicated over TP, also under SP:    4   (our column-parallel linear saves
+                                                                     the all-gathered input; Megatron
+                                                                     saves the shard and re-gathers)
         split over TP:                  S = 28  (q copy, k/v, context, proj out, fc1 out, GELU out)
         selective recompute:            S = 24  (the attention core's saved q/k/v/out dropped)
-        hidden dropout > 0:             +2 bytes × s·b·h (two bool masks), replicated unless SP
+        hidden dropout > 0:             two masks of s·b·h (/t under SP): 1 byte each on CUDA
+                                        (native_dropout's bool mask, as the paper); CPU's dropout
+                                        saves the mask in the activation dtype (measured)
         full recompute:                 2 per checkpointed group (its input; /t under SP), plus one
                                         group's full activations while it is recomputed (transient)
 Logits (last stage; read from layers/cross_entropy.py): the fp32 softmax saved for backward,
@@ -54,11 +59,13 @@ PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # saved for backward per layer per s·b·h element in 16-bit (bf16); fp32 measures exactly 2× these.
 # Source of the numbers: tests/test_plan_activations.py::measure_saved_bytes (tiny, h 64, a 4, s 32).
 MEASURED = {
-    "replicated_16bit": 8.0,  # norm inputs, QKV input, fc1 input: not split over TP without SP
+    "norm_inputs_16bit": 4.0,  # the two norms' inputs: replicated over TP, split under SP
+    "linear_inputs_16bit": 4.0,  # QKV and fc1 inputs: replicated over TP, full size (gathered) under SP too
     "split_16bit": 28.0,  # QKV products, context, projections, fc1 out, GELU out
     "split_selective_16bit": 24.0,  # selective recompute: the core attention's saved tensors dropped
-    "hidden_dropout_masks": 2.0,  # two bool masks (1 byte per element) when hidden_dropout > 0
+    "hidden_dropout_masks": 2.0,  # masks per layer when hidden_dropout > 0 (× mask bytes per element)
 }
+CUDA_DROPOUT_MASK_BYTES = 1  # FORMULA: torch's CUDA native_dropout saves a bool mask (Korthikanti et al. §4.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,21 +153,26 @@ def inflight_microbatches(schedule: str, *, pp: int, vpp: Optional[int], m: int,
     raise ValueError(f"unknown schedule {schedule!r}; expected no_pipelining, gpipe, 1f1b, interleaved_1f1b")
 
 
-def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] = None) -> float:
-    """Bytes one transformer layer keeps for backward per micro-batch (no full recompute), module docstring."""
+def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] = None,
+                           dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES) -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch (no full recompute), module docstring.
+
+    Args:
+        dropout_mask_bytes: bytes per dropout-mask element (1 on CUDA; the activation size on CPU).
+    """
     m = cfg.model
     recompute = layout.recompute if recompute is None else recompute
     s, b, h, a, t = m.seq_length, cfg.train.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
     sbh = s * b * h
     scale = PARAM_BYTES[cfg.precision.name] / 2  # constants are in 16-bit bytes
-    split = MEASURED["split_selective_16bit" if recompute == "selective" else "split_16bit"]
-    repl = MEASURED["replicated_16bit"] * scale
-    if m.hidden_dropout > 0:
-        repl += MEASURED["hidden_dropout_masks"]
-    lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp
+    split = MEASURED["split_selective_16bit" if recompute == "selective" else "split_16bit"] * scale
+    norms = MEASURED["norm_inputs_16bit"] * scale
+    linear_inputs = MEASURED["linear_inputs_16bit"] * scale
+    masks = MEASURED["hidden_dropout_masks"] * dropout_mask_bytes if m.hidden_dropout > 0 else 0.0
+    lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp [b, a/t, s]
     if layout.sequence_parallel:
-        return sbh * (repl + split * scale) / t + lse
-    return sbh * (repl + split * scale / t) + lse
+        return sbh * ((norms + split + masks) / t + linear_inputs) + lse
+    return sbh * (norms + linear_inputs + masks + split / t) + lse
 
 
 def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int) -> float:
