@@ -15,9 +15,14 @@ from typing import Any, Optional
 
 import torch
 
+from mptrain.layers.embedding import padded_vocab_size
+from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, optimizer_state_bytes
+from mptrain.training.loggers import build_logger
 from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow
-from mptrain.training.rundir import resolve_run_dir
+from mptrain.training.rundir import config_container, resolve_run_dir
+from mptrain.training.step import unwrap
 from mptrain.training.sweep import JobResult, current_sweep_job
+from mptrain.training.throughput import flops_per_iteration, memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 
 log = logging.getLogger("mptrain")
 
@@ -33,8 +38,11 @@ class Recorder:
     groups: Any
     derived: Any
     run_dir: Path
-    throughput: Throughput
+    flops_per_iteration: int
+    peak_tflops: Optional[float]
     t_start: float
+    logger: Any = None
+    counters: IterationCounters = dataclasses.field(default_factory=IterationCounters)
     writer: Optional[MetricsWriter] = None
     pending: list = dataclasses.field(default_factory=list)
     last_loss: Optional[float] = None
@@ -51,8 +59,23 @@ class Recorder:
             resuming=checkpoint_exists(cfg.checkpoint.load),
             sweep_job=current_sweep_job(),
         )
-        throughput = _Throughput(cfg, vocab_size=vocab_size, world_size=groups.world_size)
-        return cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, throughput=throughput, t_start=t_start)
+        m = cfg.model
+        flops = flops_per_iteration(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            seq_length=m.seq_length,
+            padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, derived.tensor_model_parallel_size),
+            tokens_per_iteration=cfg.train.global_batch_size * m.seq_length,
+        )
+        logger = build_logger(cfg.logger, run_dir=run_dir, rank=groups.rank, config=config_container(cfg))
+        return cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, flops_per_iteration=flops,
+                   peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start,
+                   logger=logger)
+
+    def rates(self, elapsed_s: float):
+        """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula)."""
+        return throughput(flops=self.flops_per_iteration, tokens=self.cfg.train.global_batch_size * self.cfg.model.seq_length,
+                          elapsed_s=elapsed_s, num_gpus=self.groups.world_size, peak_tflops=self.peak_tflops)
 
     @property
     def is_writer(self) -> bool:
@@ -75,6 +98,7 @@ class Recorder:
             log_interval=self.cfg.train.log_interval,
             train_iters=self.cfg.train.train_iters,
             start_iteration=start_iteration,
+            progress_bar=self.cfg.run.progress_bar,
         )
         for text in self.pending:
             self.writer.message(text)
@@ -88,15 +112,18 @@ class Recorder:
         self.log(f"startup: {time.time() - self.t_start:.1f} s to first iteration's setup")
 
     def eval_row(self, split: str, iteration: int, loss: float) -> None:
-        self.writer.write_eval(EvalRow(split=split, iteration=iteration, lm_loss=loss))
+        row = EvalRow(split=split, iteration=iteration, lm_loss=loss)
+        self.writer.write_eval(row)
+        self.logger.log_metrics({f"{split}/lm_loss": loss}, step=iteration)
 
     def train_row(self, iteration: int, consumed: int, metrics: dict, trainer, *, step_time_s: float) -> None:
         if self.t_first_step is None:
             self.t_first_step = time.time()
             self.log(f"startup: {self.t_first_step - self.t_start:.1f} s to the end of the first step")
-        rates = self.throughput.rates(step_time_s)
+        rates = self.rates(step_time_s)
+        self.counters.end_iteration()
         if iteration > 1:  # the first step carries warm-up costs
-            self.tokens_per_s.append(rates["tokens_per_s"])
+            self.tokens_per_s.append(rates.tokens_per_s)
         optimizer = trainer.optimizer
         self.last_loss = metrics["lm_loss"]
         row = TrainRow(
@@ -110,76 +137,116 @@ class Recorder:
             skipped_iters_total=optimizer.skipped_iters_total,
             nan_iters_total=optimizer.nan_iters_total,
             num_microbatches=trainer.num_microbatches,
-            tokens_per_s=rates["tokens_per_s"],
-            tflops_per_gpu=rates["tflops_per_gpu"],
-            mfu=rates["mfu"],
-            mem_allocated_gib=rates["mem_allocated_gib"],
+            tokens_per_s=rates.tokens_per_s,
+            tflops_per_gpu=rates.tflops_per_gpu,
+            mfu=rates.mfu,
+            mem_allocated_gib=memory_allocated_gib(self.groups.device),
         )
         self.writer.write_train(row)
+        self.logger.log_metrics({f"train/{k}": v for k, v in row.as_dict().items() if k != "split"}, step=iteration)
+        if trainer.timers is not None and iteration % self.cfg.train.log_interval == 0:
+            self.log(trainer.timers.report(normalizer=self.cfg.train.log_interval))
 
     def finish(self, built, *, iteration: int, stopped: Optional[str]) -> dict:
         """Write layout.json (collective gather) and return the job summary (JobResult fields)."""
-        _write_layout(self.run_dir, built, iteration=iteration)
+        gather_and_write_layout(self.run_dir, self.rank_facts(built), rank=self.groups.rank,
+                                world_size=self.groups.world_size)  # collective
         if stopped is not None:
             self.log(f"stopped after iteration {iteration} ({stopped}); checkpoint saved" if built.cfg.checkpoint.save
                      else f"stopped after iteration {iteration} ({stopped})")
         mean_tps = sum(self.tokens_per_s) / len(self.tokens_per_s) if self.tokens_per_s else None
-        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        peak = _max_over_ranks(peak_memory_gib(self.groups.device), self.groups.device)  # collective
+        if peak is not None:
+            self.log(f"peak memory allocated: {peak:.2f} GiB (max over ranks)")
+        mfu = None
+        if mean_tps is not None:
+            mfu = self.rates(self.cfg.train.global_batch_size * self.cfg.model.seq_length / mean_tps).mfu
         result = JobResult(
             layout=dataclasses.asdict(self.derived),
             tokens_per_s_per_gpu=None if mean_tps is None else mean_tps / self.groups.world_size,
-            mfu=self.throughput.mfu_of(mean_tps),
+            mfu=mfu,
             peak_memory_gib=peak,
             final_loss=self.last_loss,
             run_dir=str(self.run_dir),
         )
         return dataclasses.asdict(result)
 
+    def rank_facts(self, built) -> RankFacts:
+        """This rank's layout.json entry from the objects that ran (DESIGN.md §2)."""
+        g, counters = self.groups, self.counters
+        num_params = 0
+        for chunk in built.chunks:
+            for name, param in chunk.module.named_parameters():
+                spec = chunk.specs[name]
+                if spec.counts_on(g.tp_rank):  # TP-replicated params once per TP group, the tied copy never
+                    rows = spec.valid if spec.valid is not None and spec.partition_dim is not None else None
+                    num_params += param.numel() if rows is None else param.numel() // param.shape[spec.partition_dim] * rows
+        stats = built.trainer.stats
+        counters.note_inflight(stats.max_inflight_microbatches)
+        if stats.calls:
+            counters.bytes_sent["pp"] = stats.bytes_sent.get("pp", 0) * counters.iterations // stats.calls
+        for kind, nbytes in _collective_bytes_per_iteration(built).items():
+            counters.bytes_sent[kind] = nbytes * counters.iterations
+        counters.samples_read = built.provider.samples_read
+        optimizer = built.trainer.optimizer
+        entries = getattr(optimizer, "entries", [])
+        has_copy = any(e.main is not e.model_param for e in entries)
+        state_bytes = optimizer_state_bytes(optimizer.optimizer) + sum(
+            e.main.numel() * e.main.element_size() for e in entries if e.main is not e.model_param
+        )
+        return RankFacts.build(
+            g,
+            layers=[n for c in built.chunks for n in unwrap(c).layer_numbers],
+            num_params=num_params,
+            param_dtype=next(built.chunks[0].module.parameters()).dtype,
+            main_param_dtype=torch.float32 if has_copy else None,
+            optimizer_state_bytes=state_bytes,
+            schedule=self.derived.schedule,
+            counters=counters,
+        )
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.logger is not None:
+            self.logger.finish()
 
 
-class _Throughput:  # TEMPORARY until training/throughput.py lands
-    def __init__(self, cfg, *, vocab_size, world_size):
-        m = cfg.model
-        div = m.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
-        v_pad = -(-vocab_size // div) * div
-        L, h, s = m.num_layers, m.hidden_size, m.seq_length
-        self.tokens = cfg.train.global_batch_size * s
-        n = 12 * L * h * h + v_pad * h
-        self.flops = 6 * n * self.tokens + 12 * L * h * s * self.tokens
-        self.world_size = world_size
-
-    def rates(self, step_time_s):
-        tps = self.tokens / step_time_s
-        return {"tokens_per_s": tps, "tflops_per_gpu": self.flops / step_time_s / self.world_size / 1e12,
-                "mfu": None, "mem_allocated_gib": None}
-
-    def mfu_of(self, tps):
+def _max_over_ranks(value: Optional[float], device) -> Optional[float]:
+    """Max of a per-rank number over the default group (None everywhere when None on rank 0's device kind)."""
+    if value is None:
         return None
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
 
 
-def _write_layout(run_dir, built, *, iteration):  # TEMPORARY until training/layout.py lands
-    import json
-    import torch.distributed as dist
-    g = built.groups
-    num = 0
+def _ring_bytes(nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `nbytes` over `group_size` ranks: 2·(n−1)/n·size."""
+    return 0 if group_size <= 1 else 2 * (group_size - 1) * nbytes // group_size
+
+
+def _collective_bytes_per_iteration(built) -> dict:
+    """Bytes this rank sends per iteration over TP, DP and the embedding group.
+
+    Derived from the sizes of the collectives an iteration issues (ring algorithm, as NCCL's), not
+    counted on the wire: DP = the grad buffers (all-reduce, or reduce-scatter + all-gather with
+    ZeRO-1: the same volume); embedding = the tied word-embedding grad; TP = per layer and
+    micro-batch two all-reduces of [s, b, h] forward and two backward (Megatron §3; with sequence
+    parallelism all-gather + reduce-scatter, the same volume), plus the embedding's forward one.
+    """
+    g, cfg = built.groups, built.cfg
+    out = {"tp": 0, "dp": 0, "embedding": 0}
     for chunk in built.chunks:
-        for name, p in chunk.module.named_parameters():
-            spec = chunk.specs[name]
-            if not spec.counts_on(g.tp_rank):
-                continue
-            if spec.valid is not None and spec.partition_dim is not None:
-                num += p.numel() // p.shape[spec.partition_dim] * spec.valid
-            else:
-                num += p.numel()
-    from mptrain.training.step import unwrap
-    layers = [n for c in built.chunks for n in unwrap(c).layer_numbers]
-    entry = {**g.coordinates(), "layers": layers, "num_params": num,
-             "param_dtype": str(next(built.chunks[0].module.parameters()).dtype).replace("torch.", ""),
-             "schedule": built.cfg.schedule.name}
-    out = [None] * g.world_size
-    dist.all_gather_object(out, entry)
-    if g.rank == 0:
-        (Path(run_dir) / "layout.json").write_text(json.dumps({"world_size": g.world_size, "ranks": out}, indent=1))
+        for buf in chunk.buffers:
+            out["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
+        for name, spec in chunk.specs.items():
+            if spec.tied_embedding and g.pp_size > 1:
+                param = dict(chunk.module.named_parameters())[name]
+                out["embedding"] += _ring_bytes(param.numel() * 4, 2)
+    act_bytes = cfg.model.seq_length * cfg.train.micro_batch_size * cfg.model.hidden_size * built.trainer.dtype.itemsize
+    layers = sum(len(unwrap(c).layer_numbers) for c in built.chunks)
+    per_mb = 4 * layers + (1 if g.is_first_stage else 0)
+    out["tp"] = _ring_bytes(act_bytes, g.tp_size) * per_mb * built.trainer.num_microbatches
+    return out
+

@@ -36,6 +36,7 @@ from mptrain.precision.module import Float16Module
 from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleStats, get_forward_backward_func
+from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
 
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,6 +152,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         sequence_parallel=derived.sequence_parallel,
         device=groups.device,
         stats=ScheduleStats(),
+        timers=Timers(cfg.train.timing_log_level, groups.device),
         faults=faults,
     )
     return Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,

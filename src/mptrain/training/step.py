@@ -131,8 +131,8 @@ class Trainer:
     dtype: torch.dtype
     sequence_parallel: bool
     device: torch.device
+    timers: Any  # mptrain.training.timers.Timers
     stats: Any = None
-    timers: Any = None
     poison_grads: Optional[Callable[[], None]] = None
     faults: Optional[FaultInjector] = None
 
@@ -166,12 +166,15 @@ class Trainer:
         kwargs = self._schedule_kwargs(data_iterators, forward_only=False)
         kwargs["loss_scale"] = self.optimizer.get_loss_scale()
         kwargs["no_sync_func"] = self._no_sync_func()
-        reports, num_tokens = self.forward_backward_func(**kwargs)
-        self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens, max_tokens=self.max_tokens)
+        with self.timers("forward-backward", 1):
+            reports, num_tokens = self.forward_backward_func(**kwargs)
+        with self.timers("grads-reduce", 1):  # DP sync, SP / tied-embedding grads, token normalisation
+            self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens, max_tokens=self.max_tokens)
         if self.poison_grads is not None:
             self.poison_grads()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
-        result = self.optimizer.step()
+        with self.timers("optimizer", 1):
+            result = self.optimizer.step()
         self.lr_scheduler.step()
         loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
         return {
