@@ -136,7 +136,7 @@ INVALID = [
      "the other 3 pipeline stage(s) get 4 of model.num_layers=5"),
     (["parallel=tp1pp1", "parallel.decoder_last_pipeline_num_layers=2"], 1, "decoder_last_pipeline_num_layers need pipeline_model_parallel_size > 1"),
     (["train.global_batch_size=10"], 4, "train.global_batch_size=10 is not divisible by train.micro_batch_size × data-parallel size = 2 × 4 = 8"),
-    (["precision=fp16", "loss_scaler=none"], 1, "loss_scaler=none with precision=fp16"),
+    (["precision=fp16", "loss_scaler=none"], 1, "precision=fp16 with loss_scaler=none"),
     (["parallel=tp1pp2", "schedule=interleaved_1f1b"], 2, "virtual_pipeline_model_parallel_size is null but schedule=interleaved_1f1b"),
     (["parallel.virtual_pipeline_model_parallel_size=2"], 1, "virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"),
     (["parallel=tp1pp2vpp2", "schedule=1f1b"], 2, "virtual_pipeline_model_parallel_size=2 needs schedule=interleaved_1f1b"),

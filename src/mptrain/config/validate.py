@@ -316,20 +316,14 @@ def check_batch(cfg: Config, dp: int) -> int:
 
 
 def resolve_loss_scaler(cfg: Config) -> str:
-    """The scaler that runs (auto → dynamic for fp16, none otherwise).
+    """The scaler that runs (auto → dynamic for fp16, none otherwise); the rule lives in `mptrain.precision.scaler`.
 
     Raises:
-        ConfigError: fp16 with loss_scaler=none.
+        ConfigError: fp16 with loss_scaler=none; dynamic with bf16/fp32; unknown names.
     """
-    name, precision = cfg.loss_scaler.name, cfg.precision.name
-    if name == "auto":
-        return "dynamic" if precision == "fp16" else "none"
-    if name == "none" and precision == "fp16":
-        raise ConfigError(
-            "loss_scaler=none with precision=fp16: fp16 gradients underflow without loss scaling; "
-            "pick loss_scaler=auto, dynamic or constant"
-        )
-    return name
+    from mptrain.precision.scaler import resolve_loss_scaler_name
+
+    return resolve_loss_scaler_name(cfg.loss_scaler.name, cfg.precision.name)
 
 
 def check_training_keys(cfg: Config) -> None:
