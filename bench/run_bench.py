@@ -105,6 +105,9 @@ def mptrain_row(cfg: BenchConfig, variant: str, metrics_rows: list, peaks: list,
         peak_alloc_gib_per_rank=[_round(p.get("peak_alloc_gib"), 2) for p in sorted(peaks, key=lambda p: p["rank"])],
         loss_first_last=[train[0].get("lm_loss"), train[-1].get("lm_loss")] if train else None,
     )
+    theirs = [r["tflops_per_gpu"] for r in timed if r.get("tflops_per_gpu")]
+    # the trainer's own TFLOP/s (same formula): a cross-check of the recomputed number, not used in it
+    row["metrics_tflops_per_gpu_mean"] = _round(sum(theirs) / len(theirs), 2) if theirs else None
     return row
 
 
