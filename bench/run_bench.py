@@ -154,10 +154,12 @@ def torchrun(python: str, nproc: int, script: Path, args: list) -> list:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
 
 
-def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers: tuple, profile: bool) -> list:
-    """The jobs in run order: dicts {kind, cfg, trainer, variant, argv, run_dir, result_file, log, timeout_s}."""
+def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers: tuple, profile: bool,
+         probe: bool = True) -> list:
+    """The jobs in run order: dicts {kind, cfg, trainer, variant, argv, run_dir, result_file, log, timeout_s}.
+    ``probe``: start the full suite with the SDPA probe (off for a partial ``--only`` call)."""
     jobs = []
-    if suite_name == "full":
+    if suite_name == "full" and probe:
         jobs.append(dict(kind="probe", cfg=None, trainer="sdpa-probe", variant="-", timeout_s=90,
                          argv=[python, str(HERE / "run_bench.py"), "--probe-sdpa", str(log_dir / "sdpa_probe.jsonl")]))
     if suite_name == "ceiling":
@@ -375,7 +377,8 @@ def main(argv: Optional[list] = None) -> int:
     configs = suite(args.suite, gpus, args.only.split(",") if args.only else None)
     out = Path(args.out).resolve()
     log_dir = out.parent / "bench_logs" / call_id
-    jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers, profile=args.profile)
+    jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers, profile=args.profile,
+                probe=not args.only)
     if args.dry_run:
         print(f"# suite={args.suite} gpus={gpus} call_id={call_id} out={out} ({len(jobs)} runs)")
         for job in jobs:
