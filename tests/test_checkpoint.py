@@ -81,7 +81,7 @@ def _fill_synthetic(built) -> None:
         built.scaler.load_state_dict({"scale": 1024.0, "growth_tracker": 7, "hysteresis_tracker": 1})
 
 
-def _check_synthetic(built) -> dict:
+def _check_synthetic(built, expect_scale) -> dict:
     """Compare everything loaded with the synthetic expectation; returns counts for the caller."""
     from mptrain.checkpoint.state import optimizer_entries, param_records
 
@@ -99,8 +99,8 @@ def _check_synthetic(built) -> dict:
         assert torch.equal(st["exp_avg"], _local_of(e, _expected(r, "exp_avg", r.param))), f"exp_avg {r.name}"
         assert torch.equal(st["exp_avg_sq"], _local_of(e, _expected(r, "exp_avg_sq", r.param)).abs()), r.name
     assert built.trainer.lr_scheduler.num_steps == 5
-    if built.scaler is not None:
-        assert float(built.scaler.scale.item()) == 1024.0
+    if built.scaler is not None:  # the saved scale, or the initial one when the checkpoint had no scaler
+        assert float(built.scaler.scale.item()) == expect_scale
     return {"params": n, "entries": len(list(optimizer_entries(opt, records)))}
 
 
@@ -123,14 +123,14 @@ class _Log:
         self.lines.append(msg)
 
 
-def _load_task(rank, world, root, overrides, tp, pp, vpp=None):
+def _load_task(rank, world, root, overrides, tp, pp, vpp=None, *, expect_scale=1024.0):
     from mptrain.checkpoint import maybe_load_checkpoint
 
     built, groups = _build(rank, world, overrides + [f"checkpoint.load={root}"], tp, pp, vpp)
     try:
         log = _Log()
         state = maybe_load_checkpoint(built, log)
-        counts = _check_synthetic(built)
+        counts = _check_synthetic(built, expect_scale)
         return state, counts, log.lines
     finally:
         groups.destroy()
@@ -188,7 +188,8 @@ def test_reshard_exact(tmp_path, src, dst):
     run_distributed(_save_task, world, str(tmp_path), overrides, tp, pp, *vpp)
     assert (tmp_path / "latest").read_text().strip() == "6"
     world, overrides, tp, pp, *vpp = LOAD_LAYOUTS[dst]
-    results = run_distributed(_load_task, world, str(tmp_path), overrides, tp, pp, *vpp)
+    expect_scale = 1024.0 if "precision=fp16" in SAVE_LAYOUTS[src][1] else 2.0**32  # fp32 saves no scaler
+    results = run_distributed(_load_task, world, str(tmp_path), overrides, tp, pp, *vpp, expect_scale=expect_scale)
     for state, counts, lines in results:
         assert state == {"iteration": 6, "consumed_samples": 48}
         assert counts["params"] > 0 and counts["entries"] > 0

@@ -19,6 +19,7 @@ Only public classes of ``torch.distributed.checkpoint.{planner, metadata}`` and
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
@@ -43,13 +44,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-
-def _group_by_key(chunks: list) -> dict:
-    by_key: dict = {}
-    for c in chunks:
-        by_key.setdefault(c.key, []).append(c)
-    return by_key
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
@@ -95,7 +89,7 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, chunks: list, object_keys: list) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._by_key = _group_by_key(chunks)
+        self._chunks = list(chunks)
         self._object_keys = list(object_keys)
         self.objects: dict = {}
 
@@ -106,19 +100,20 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
             items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
                                   dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
                                   storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
-        for key, chunks in self._by_key.items():
-            boxes = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in chunks]
-            items += create_read_items_for_chunk_list(key, md[key], boxes)
+        # One call per chunk, and the destination index hint set to the chunk's position in our list:
+        # two chunks may share (key, offsets) (a half param and its fp32 main param both read from
+        # ``model/<name>`` of an fp32 checkpoint), so (key, offsets) alone cannot name the destination.
+        for i, c in enumerate(self._chunks):
+            box = ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+            dest = MetadataIndex(c.key, torch.Size(c.offsets), i)
+            items += [dataclasses.replace(r, dest_index=dest) for r in create_read_items_for_chunk_list(c.key, md[c.key], [box])]
         return LoadPlan(items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        index = read_item.dest_index
-        chunk = self._by_key[index.fqn][index.index]
-        assert tuple(chunk.offsets) == tuple(index.offset), (index, chunk.offsets)  # the index hint is ours
-        view = chunk.view
+        view = self._chunks[read_item.dest_index.index].view
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, start, length)
         return view

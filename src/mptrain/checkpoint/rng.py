@@ -50,8 +50,9 @@ def restore(state: dict, rng_tracker) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
     if rng_tracker is not None and state.get("tracker") is not None:
         rng_tracker.load_state_dict(state["tracker"])
 

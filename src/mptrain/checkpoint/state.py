@@ -121,7 +121,8 @@ def optimizer_save_items(optimizer, records: list) -> tuple[list, dict]:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.main.shape:
                 chunks += _entry_chunks(full, record, entry, value.detach())
             else:
-                objects[full] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                # scalars (Adam's step) go to CPU: a fused/capturable optimizer keeps them on the device
+                objects[full] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
     return chunks, objects
 
 
@@ -155,11 +156,24 @@ def optimizer_load_items(optimizer, records: list, tensor_keys: set, object_keys
 
 
 def install_optimizer_state(optimizer, pending: list, objects: dict) -> None:
-    """Put the loaded state into the inner torch optimizer (objects resolved by key)."""
+    """Put the loaded state into the inner torch optimizer (objects resolved by key).
+
+    Goes through ``torch.optim.Optimizer.load_state_dict`` so that torch applies its own placement
+    rules (``step`` on the param's device for fused / capturable Adam, moments cast to the param's
+    dtype and device). Params are numbered as torch's ``state_dict()`` numbers them: in
+    ``param_groups`` order.
+    """
     inner = optimizer.optimizer
-    for entry, state in pending:
-        resolved = {k: (objects[v] if isinstance(v, str) else v.to(entry.main.device)) for k, v in state.items()}
+    index, n = {}, 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            index[id(p)] = n
+            n += 1
+    state = {}
+    for entry, saved in pending:
+        resolved = {k: (objects[v] if isinstance(v, str) else v) for k, v in saved.items()}
         if resolved:
-            inner.state[entry.main] = resolved
-        else:
-            inner.state.pop(entry.main, None)
+            state[index[id(entry.main)]] = resolved
+    sd = inner.state_dict()
+    sd["state"] = state
+    inner.load_state_dict(sd)
