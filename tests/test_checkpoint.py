@@ -218,3 +218,44 @@ def test_different_model_is_a_config_error(tmp_path):
     assert "decoder.layers.0.self_attention" in msg or "decoder.layers.0." in msg
     assert "not in the model: decoder.layers.2." in msg  # layers 2, 3 exist only in the checkpoint
     assert "model.num_layers=4 in the checkpoint vs 2" in msg and "model.hidden_size=32 in the checkpoint vs 16" in msg
+
+
+# --- folders, latest, keep_last_n (pure file logic) --------------------------------------------------
+def _fake_save(root, iteration, keep_last_n=None):
+    """What save_checkpoint does on disk, with stand-in files for DCP's output."""
+    from mptrain.checkpoint import atomic
+
+    tmp = atomic.prepare_tmp(str(root), iteration)
+    (tmp / ".metadata").write_bytes(b"x")
+    atomic.write_json(tmp / atomic.META_FILE, {"iteration": iteration})
+    return atomic.publish(str(root), iteration, keep_last_n)
+
+
+def test_keep_last_n_and_latest(tmp_path):
+    from mptrain.checkpoint import atomic
+
+    assert [_fake_save(tmp_path, it, keep_last_n=2) for it in (2, 4, 6, 8)] == [[], [], [2], [4]]
+    assert atomic.list_iterations(str(tmp_path)) == [6, 8]
+    assert (tmp_path / "latest").read_text() == "8\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000006", "iter_0000008", "latest"]
+    _fake_save(tmp_path, 6, keep_last_n=2)  # re-saving an existing iteration (a resumed run) replaces it
+    assert (tmp_path / "latest").read_text() == "6\n" and atomic.list_iterations(str(tmp_path)) == [6, 8]
+    assert not (tmp_path / "iter_0000006.old").exists()
+
+
+def test_resolve_load_dir(tmp_path):
+    from mptrain.checkpoint import atomic
+
+    assert atomic.resolve_load_dir(str(tmp_path / "none")) == (None, None)
+    _fake_save(tmp_path, 4)
+    _fake_save(tmp_path, 8)
+    assert atomic.resolve_load_dir(str(tmp_path)) == (tmp_path / "iter_0000008", None)
+    assert atomic.resolve_load_dir(str(tmp_path), 4) == (tmp_path / "iter_0000004", None)
+    with pytest.raises(FileNotFoundError) as info:
+        atomic.resolve_load_dir(str(tmp_path), 5)
+    assert str(info.value) == (f"checkpoint.load_iteration=5: {tmp_path}/iter_0000005 is not a complete checkpoint "
+                               f"(complete iterations in {tmp_path}: [4, 8])")
+    (tmp_path / "iter_0000008" / ".metadata").unlink()  # latest names a broken folder: fall back, and say so
+    folder, note = atomic.resolve_load_dir(str(tmp_path))
+    assert folder == tmp_path / "iter_0000004"
+    assert note == f"checkpoint: {tmp_path}/latest names iteration 8, which is not complete; loading iteration 4"
