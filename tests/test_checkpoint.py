@@ -164,9 +164,13 @@ def test_flat_range_boxes_tile_every_range():
 
 
 # --- resharding -----------------------------------------------------------------------------------
+OTHER_ARCH = ["model.activation=swiglu", "model.normalization=RMSNorm", "model.num_query_groups=2",
+              "model.untie_embeddings_and_output_weights=true"]
 SAVE_LAYOUTS = {
     "tp2pp2-fp16": (4, ["parallel=tp2pp2", "precision=fp16"], 2, 2),
     "tp2pp1-dp2-zero1-fp32": (4, ["parallel=tp2pp1", "parallel.use_distributed_optimizer=true"], 2, 1),
+    # SwiGLU fc1 is [gate; up] with ShardSpec.interleave=2 (two boxes per shard); GQA; untied output layer
+    "tp2pp1-dp2-zero1-swiglu": (4, ["parallel=tp2pp1", "parallel.use_distributed_optimizer=true", *OTHER_ARCH], 2, 1),
 }
 LOAD_LAYOUTS = {
     "tp1pp1-fp32": (1, ["parallel=tp1pp1"], 1, 1),
@@ -175,10 +179,11 @@ LOAD_LAYOUTS = {
     "tp2pp1-dp2-zero1-fp16": (4, ["parallel=tp2pp1", "parallel.use_distributed_optimizer=true", "precision=fp16"], 2, 1),
     "tp1pp2vpp2-dp2-zero1": (4, ["parallel=tp1pp2vpp2", "parallel.use_distributed_optimizer=true"], 1, 2, 2),
     "tp2pp2-fp16-same": (4, ["parallel=tp2pp2", "precision=fp16"], 2, 2),
+    "tp1pp2-swiglu-bf16": (2, ["parallel=tp1pp2", "precision=bf16", *OTHER_ARCH], 1, 2),
 }
 PAIRS = [("tp2pp2-fp16", "tp1pp1-fp32"), ("tp2pp2-fp16", "tp1pp2-fp16"), ("tp2pp2-fp16", "tp2pp1-dp2-zero1-fp16"),
          ("tp2pp2-fp16", "tp2pp2-fp16-same"), ("tp2pp1-dp2-zero1-fp32", "tp1pp1-fp16"),
-         ("tp2pp1-dp2-zero1-fp32", "tp1pp2vpp2-dp2-zero1")]
+         ("tp2pp1-dp2-zero1-fp32", "tp1pp2vpp2-dp2-zero1"), ("tp2pp1-dp2-zero1-swiglu", "tp1pp2-swiglu-bf16")]
 
 
 @pytest.mark.parametrize("src,dst", PAIRS)
