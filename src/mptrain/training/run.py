@@ -36,6 +36,7 @@ from mptrain.precision.module import Float16Module
 from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleStats, get_forward_backward_func
+from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
 
@@ -256,28 +257,31 @@ def run(cfg: Any) -> dict:
             recorder.eval_row("valid", 0, evaluate("valid"))
         stop.install()
         exit_code_reason = None
-        while iteration < cfg.train.train_iters:
-            iteration_ref[0] = iteration + 1
-            trainer.faults.iteration = iteration + 1
-            if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
-                time.sleep(cfg.debug.sleep_seconds)
-            t0 = time.time()
-            metrics = trainer.train_step(train_iters)
-            iteration += 1
-            consumed += cfg.train.global_batch_size
-            recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=time.time() - t0)
-            if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
-                recorder.eval_row("valid", iteration, evaluate("valid"))
-            stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
-            exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval
-            periodic = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
-            last = iteration == cfg.train.train_iters
-            if cfg.checkpoint.save and (periodic or exiting or stop_now or last):
-                trainer.faults.maybe_fail("save")
-                save_checkpoint(built, iteration=iteration, consumed_samples=consumed, recorder=recorder)
-            if exiting or stop_now:
-                exit_code_reason = "exit_interval" if exiting else "signal"
-                break
+        # debug.memory_snapshot: CUDA allocator history over the loop, dumped on rank 0 (training/memory.py)
+        with memory_snapshot(cfg.debug.memory_snapshot, device=device, run_dir=recorder.run_dir, rank=groups.rank,
+                             log=recorder.log):
+            while iteration < cfg.train.train_iters:
+                iteration_ref[0] = iteration + 1
+                trainer.faults.iteration = iteration + 1
+                if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
+                    time.sleep(cfg.debug.sleep_seconds)
+                t0 = time.time()
+                metrics = trainer.train_step(train_iters)
+                iteration += 1
+                consumed += cfg.train.global_batch_size
+                recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=time.time() - t0)
+                if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
+                    recorder.eval_row("valid", iteration, evaluate("valid"))
+                stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
+                exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval
+                periodic = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
+                last = iteration == cfg.train.train_iters
+                if cfg.checkpoint.save and (periodic or exiting or stop_now or last):
+                    trainer.faults.maybe_fail("save")
+                    save_checkpoint(built, iteration=iteration, consumed_samples=consumed, recorder=recorder)
+                if exiting or stop_now:
+                    exit_code_reason = "exit_interval" if exiting else "signal"
+                    break
         if exit_code_reason is None and eval_on:
             recorder.eval_row("valid", iteration, evaluate("valid"))
             recorder.eval_row("test", iteration, evaluate("test"))
