@@ -11,10 +11,10 @@ register()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg) -> None:
+def main(cfg):
     from mptrain.training.run import hydra_main
 
-    hydra_main(cfg)
+    return hydra_main(cfg)  # the JobResult: the sweep summary records it
 
 
 if __name__ == "__main__":

@@ -38,25 +38,107 @@ GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding")
 
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
-    """What torchrun tells a process (read once from the environment by `read_dist_env`)."""
+    """What the launcher tells a process (read once from the environment by `read_dist_env`).
+
+    `launcher` is "torchrun" (RANK set: torchrun / torch.distributed.run, one or many nodes),
+    "slurm" (no RANK, but SLURM_PROCID: one srun task per GPU, e.g. Hydra's submitit launcher)
+    or "none" (a single process).
+    """
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+    launcher: str = "none"
+
+    @property
+    def init_method(self) -> Optional[str]:
+        """``tcp://ADDR:PORT`` under SLURM (rank 0 hosts the store); None = ``env://`` (torchrun's agent store)."""
+        if self.launcher == "slurm" and self.world_size > 1:
+            return f"tcp://{self.master_addr}:{self.master_port}"
+        return None
 
 
-def read_dist_env(environ: Optional[dict] = None) -> DistEnv:
-    """Read torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (defaults: world of 1)."""
+SLURM_DEFAULT_PORT = 29500  # torch's default; only used when SLURM_JOB_ID is missing too
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """The first hostname of a SLURM node list (``gpu[003-004,010]`` -> ``gpu003``).
+
+    Uses submitit's parser when submitit is importable (the `slurm` extra), else
+    ``scontrol show hostnames`` (present on every SLURM node).
+
+    Raises:
+        ConfigError: neither is available or the list cannot be parsed (set MASTER_ADDR instead).
+    """
+    try:
+        from submitit.slurm.slurm import _parse_node_list  # the `slurm` extra; private but stable since submitit 1.1
+
+        return _parse_node_list(nodelist)[0]
+    except ImportError:
+        pass
+    except Exception as err:  # noqa: BLE001 - a parse error becomes the user-facing one-liner below
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} could not be parsed ({err}); export MASTER_ADDR=<first host>")
+    import shutil
+    import subprocess
+
+    if shutil.which("scontrol") is None:
+        raise ConfigError(
+            f"SLURM_JOB_NODELIST={nodelist!r}: neither submitit nor scontrol is available to find the first host; "
+            "export MASTER_ADDR=<first host> or pip install 'mptrain[slurm]'"
+        )
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    hosts = out.stdout.split()
+    if out.returncode != 0 or not hosts:
+        raise ConfigError(f"scontrol show hostnames {nodelist!r} failed ({out.stderr.strip()}); export MASTER_ADDR=<first host>")
+    return hosts[0]
+
+
+def read_dist_env(environ: Optional[dict] = None, *, first_host=slurm_first_host) -> DistEnv:
+    """Read the launcher's variables: torchrun's, else SLURM's (defaults: a world of 1).
+
+    torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+    SLURM (when RANK is absent and SLURM_PROCID is set; one task per GPU under srun / submitit):
+    rank = SLURM_PROCID, world = SLURM_NTASKS, local rank = SLURM_LOCALID; MASTER_ADDR if set,
+    else the first host of SLURM_JOB_NODELIST (`first_host`); MASTER_PORT if set, else
+    20000 + SLURM_JOB_ID mod 40000 (every task of a job derives the same port, and two jobs sharing
+    a node rarely collide), else 29500. A one-task SLURM job needs no address.
+
+    Args:
+        environ: the variables to read (default `os.environ`; tests pass a dict).
+        first_host: nodelist -> first hostname (tests inject a fake).
+    Raises:
+        ConfigError: SLURM without MASTER_ADDR and no way to resolve the node list.
+    """
     env = os.environ if environ is None else environ
     port = env.get("MASTER_PORT")
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return DistEnv(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(port) if port else None,
+            launcher="torchrun" if "RANK" in env else "none",
+        )
+    world_size = int(env.get("SLURM_NTASKS", 1))
+    addr = env.get("MASTER_ADDR")
+    if addr is None and world_size > 1:
+        addr = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    if port:
+        master_port = int(port)
+    elif env.get("SLURM_JOB_ID", "").isdigit():
+        master_port = 20000 + int(env["SLURM_JOB_ID"]) % 40000
+    else:
+        master_port = SLURM_DEFAULT_PORT
     return DistEnv(
-        rank=int(env.get("RANK", 0)),
-        world_size=int(env.get("WORLD_SIZE", 1)),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=int(port) if port else None,
+        rank=int(env["SLURM_PROCID"]),
+        world_size=world_size,
+        local_rank=int(env.get("SLURM_LOCALID", 0)),
+        master_addr=addr,
+        master_port=master_port,
+        launcher="slurm",
     )
 
 
@@ -68,7 +150,7 @@ def init_distributed(env: DistEnv, *, timeout_s: float = 600.0, device_type: Opt
     (the persistent test pool, a Hydra sweep's second job) it is reused.
 
     Args:
-        env: torchrun's environment (`read_dist_env`).
+        env: the launcher's environment (`read_dist_env`: torchrun's, or SLURM's).
         timeout_s: collective timeout in seconds; a stalled rank fails the job after this long.
         device_type: "cuda" or "cpu"; None picks cuda when available.
     Returns:
@@ -89,6 +171,8 @@ def init_distributed(env: DistEnv, *, timeout_s: float = 600.0, device_type: Opt
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         kwargs = {"device_id": device} if device_type == "cuda" else {}
+        if env.init_method is not None:  # SLURM: no torchrun agent store, rank 0 hosts a TCP store
+            kwargs["init_method"] = env.init_method
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return device
 

@@ -145,6 +145,8 @@ def sweep_job_from_hydra_config(hydra_cfg: Any, argv: Sequence[str]) -> Optional
 
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
+    if _launched_elsewhere(hydra_cfg):
+        argv = _multirun_command_line(hydra_cfg.sweep.dir)
     params = dict(hydra_cfg.sweeper.get("params") or {}) if "sweeper" in hydra_cfg else {}
     keys = swept_keys(command_line_overrides(argv), params)
     overrides = list(hydra_cfg.overrides.task)
@@ -155,6 +157,32 @@ def sweep_job_from_hydra_config(hydra_cfg: Any, argv: Sequence[str]) -> Optional
         overrides=tuple(overrides),
         swept=tuple(keys),
     )
+
+
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def _launched_elsewhere(hydra_cfg: Any) -> bool:
+    """Whether this job runs under a launcher other than Hydra's basic one (e.g. submitit on SLURM).
+
+    Such a job runs in a process whose `sys.argv` is the launcher's (`python -m
+    submitit.core._submit FOLDER`), not the sweep's command line.
+    """
+    launcher = hydra_cfg.get("launcher") if hasattr(hydra_cfg, "get") else None
+    target = launcher.get("_target_", BASIC_LAUNCHER) if launcher is not None else BASIC_LAUNCHER
+    return target != BASIC_LAUNCHER
+
+
+def _multirun_command_line(root: str) -> list[str]:
+    """The sweep's command-line overrides as Hydra's sweeper saved them (`<root>/multirun.yaml`, `hydra.overrides.task`).
+
+    The sweeper writes that file before it launches any job, on the submitting host, into the
+    sweep root (a shared filesystem under SLURM).
+    """
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(Path(root) / "multirun.yaml")
+    return list(saved.hydra.overrides.task)
 
 
 def current_sweep_job(argv: Optional[Sequence[str]] = None) -> Optional[SweepJob]:
@@ -282,7 +310,8 @@ def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     # No process group (yet / any more): torchrun's RANK is the launcher's contract, not an internal switch.
-    return int(os.environ.get("RANK", "0"))
+    # Under SLURM without torchrun (Hydra's submitit launcher), the task's rank is SLURM_PROCID.
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 try:  # Hydra is a hard dependency of the project; the guard only keeps imports cheap in odd environments.
