@@ -59,6 +59,11 @@ class ModelConfig:
     """uniform | block (with recompute_granularity=full)."""
     recompute_num_layers: Optional[int] = None
     """uniform: layers per recompute chunk; block: layers recomputed per stage."""
+    attention_backend: str = "auto"
+    """auto | sdpa | unfused. auto: `scaled_dot_product_attention`, except fp16/bf16 on CUDA with a head dim
+    above 256 (no flash / cuDNN kernel; SDPA would fall back to its slow memory-efficient or fp32 math
+    kernels), where the unfused path runs: Q·Kᵀ GEMM, scale + causal mask + softmax (fp32 accumulation,
+    half-precision in/out, as Megatron's fused softmax), P·V GEMM."""
     compile_layers: bool = False
     """Speed option: run each TransformerLayer's forward through `torch.compile` (fuses bias-GeLU,
     bias-dropout-add, LayerNorm epilogues). TP collectives stay eager (graph breaks). Off by default:

@@ -45,6 +45,7 @@ CHOICES: dict[str, tuple] = {
     "logger.mode": ("online", "offline", "disabled"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
     "model.activation": ("gelu", "swiglu"),
+    "model.attention_backend": ("auto", "sdpa", "unfused"),
     "model.position_embedding_type": ("learned_absolute", "rope"),
     "model.recompute_granularity": (None, "full", "selective"),
     "model.recompute_method": (None, "uniform", "block"),

@@ -17,6 +17,12 @@ the softmax in fp32 for fp16/bf16 inputs. The one case where SDPA falls back to 
 math softmax is attention dropout off CUDA; there, with ``attention_softmax_in_fp32``, we compute
 scores, mask, softmax and dropout explicitly in fp32 and cast the probabilities back before P·V
 (Megatron's unfused ``DotProductAttention`` path).
+
+Head dims above 256 (the design document's seed_2.8b: 4096 / 8 = 512) have no flash or cuDNN kernel;
+SDPA then runs its memory-efficient kernel, ~15× slower than the GEMMs the attention needs (measured
+on H200, bench/run_bench.py's SDPA probe). ``model.attention_backend=auto`` therefore runs the unfused
+core there (`_unfused_attention`): two batched GEMMs around a half-precision softmax that accumulates
+in fp32 internally, which is what Megatron's ``FusedScaleMaskSoftmax`` computes.
 """
 
 from __future__ import annotations
@@ -28,8 +34,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mptrain.errors import ConfigError
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mptrain.layers.random import ParamInit, checkpoint
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
+_FLASH_MAX_HEAD_DIM = 256  # flash-attention 2 / cuDNN SDPA support head dims up to 256
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +80,9 @@ class SelfAttention(torch.nn.Module):
         self.groups, self.sequence_parallel, self.rng_tracker = groups, sequence_parallel, rng_tracker
         self.attention_dropout = config.attention_dropout
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        if config.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"model.attention_backend={config.attention_backend!r}: pick one of {', '.join(ATTENTION_BACKENDS)}")
+        self.attention_backend = config.attention_backend
         self.rope = config.position_embedding_type == "rope"
         self.rotary_base = config.rotary_base
         self.recompute_core = config.recompute_granularity == "selective"
@@ -116,11 +129,34 @@ class SelfAttention(torch.nn.Module):
             half = q.dtype in (torch.float16, torch.bfloat16)
             if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
                 out = self._fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
+            elif self._use_unfused(q):
+                out = self._unfused_attention(q, k, v, attention_mask, dropout_p)
             else:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                     dropout_p=dropout_p, is_causal=attention_mask is None)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.np_local * self.hn)  # [s, b, np/tp · hn]
+
+    def _use_unfused(self, q: torch.Tensor) -> bool:
+        if self.attention_backend == "auto":
+            return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and self.hn > _FLASH_MAX_HEAD_DIM
+        return self.attention_backend == "unfused"
+
+    @staticmethod
+    def _unfused_attention(q, k, v, attention_mask, dropout_p):
+        """GEMM, scale + mask + softmax, GEMM; inputs/outputs ``[b, heads, s, hn]`` in the model dtype.
+
+        The scores ``[b, heads, s, s]`` stay in the input dtype; torch's softmax accumulates in fp32
+        for half inputs. The masked fill is in place: the Q·Kᵀ GEMM keeps its inputs, not its output.
+        """
+        s = q.shape[2]
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))  # [b, heads, s, s]
+        if attention_mask is None:
+            attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        probs = torch.softmax(scores.masked_fill_(attention_mask, float("-inf")), dim=-1)
+        if dropout_p > 0:
+            probs = F.dropout(probs, dropout_p, training=True)
+        return torch.matmul(probs, v)
 
     @staticmethod
     def _fp32_softmax_attention(q, k, v, attention_mask, dropout_p):
