@@ -1,0 +1,126 @@
+"""Issue 5 acceptance through the trainer (`run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
+
+1. `precision=fp16` with the default dynamic scaler (initial 2^32, hysteresis 2, growth interval
+   1000): the first iterations overflow and are logged as skipped (`skipped_iter: true`,
+   `grad_norm: null`); every row's `loss_scale` is what Megatron's DynamicGradScaler gives for the
+   logged skip flags (re-derived here independently); `skipped_iters_total` counts them; then the
+   loss falls.
+   Skipped steps change no weight — checked without a checkpoint: with `train.eval_interval=1` the
+   trainer evaluates the same validation batch (the split restarts on each evaluation) after every
+   iteration; a forward pass of unchanged weights on unchanged data is bitwise reproducible on CPU,
+   so the valid loss after each skipped iteration equals the one before training exactly, and the
+   first applied step changes it.
+2. 50 steps of bf16 and of fp16 with a constant scaler track fp32 (tolerances below, numbers printed);
+   layout.json shows float16 / bfloat16 model params with float32 main params.
+"""
+
+import json
+
+import pytest
+
+from harness import run_distributed
+from train_utils import read_rows, run_job
+
+TINY = ["model=tiny", "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=4",
+        "parallel=tp1pp1"]
+
+
+def _run(tmp_path, name, overrides):
+    run_dir = tmp_path / name
+    run_distributed(run_job, 1, TINY + overrides + [f"run.dir={run_dir}"], timeout_s=300)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    layout = json.loads((run_dir / "layout.json").read_text())
+    return rows, layout
+
+
+def _megatron_scales(skipped, *, initial=2.0**32, hysteresis=2, backoff=0.5, min_scale=1.0):
+    """The scale after each step for a sequence of skip flags (growth_interval 1000 is never reached here).
+
+    Megatron DynamicGradScaler.update: on overflow the hysteresis tracker drops by one and, once it is
+    <= 0, every overflow backs off (the tracker is reset only by a growth).
+    """
+    scale, tracker, out = initial, hysteresis, []
+    for skip in skipped:
+        if skip:
+            tracker -= 1
+            if tracker <= 0:
+                scale = max(scale * backoff, min_scale)
+        out.append(scale)
+    return out
+
+
+def test_fp16_dynamic_from_2_pow_32_skips_backs_off_keeps_weights_then_learns(tmp_path, capsys):
+    steps = 40
+    rows, layout = _run(tmp_path, "fp16_dynamic", ["precision=fp16", f"train.train_iters={steps}",
+                                                   "train.eval_interval=1", "train.eval_iters=1"])
+    train = [r for r in rows if r["split"] == "train"]
+    valid = {r["iteration"]: r["lm_loss"] for r in rows if r["split"] == "valid"}
+    assert [r["iteration"] for r in train] == list(range(1, steps + 1))
+    skipped = [r["skipped_iter"] for r in train]
+    first_ok = skipped.index(False)  # 0-based index of the first applied step
+    with capsys.disabled():
+        print(f"\n[issue 5] fp16 from 2^32: {first_ok} skipped steps, scale then {train[first_ok]['loss_scale']:g}; "
+              f"lm_loss {train[first_ok]['lm_loss']:.4f} -> {train[-1]['lm_loss']:.4f}")
+    # 2^32 overflows fp16 (max 65504) at once; hysteresis 2: the first overflow does not back off
+    assert first_ok >= 2 and all(skipped[:first_ok])
+    assert train[0]["loss_scale"] == 2.0**32 and train[1]["loss_scale"] == 2.0**31
+    assert [r["loss_scale"] for r in train] == _megatron_scales(skipped)  # every row, exact powers of two
+    for i, r in enumerate(train):
+        assert r["skipped_iters_total"] == sum(skipped[: i + 1])
+        assert r["nan_iters_total"] == 0  # overflow under a dynamic scaler is a skip, not a NaN iteration
+        assert (r["grad_norm"] is None) == r["skipped_iter"]
+    # skipped steps change no weight: the same validation batch gives the bitwise same loss
+    for it in range(1, first_ok + 1):
+        assert valid[it] == valid[0], (it, valid[it], valid[0])
+    assert valid[first_ok + 1] != valid[0]  # ... and the first applied step does change them
+    # then the loss falls: mean of the last 5 steps well below the first applied step's loss
+    # (0.1 nats: the fp32 run of the same length falls by ~0.5 over these steps; a stuck run stays within noise)
+    assert sum(r["lm_loss"] for r in train[-5:]) / 5 < train[first_ok]["lm_loss"] - 0.1
+    assert valid[steps] < valid[0] - 0.1
+    assert {(r["param_dtype"], r["main_param_dtype"]) for r in layout["ranks"]} == {("float16", "float32")}
+
+
+def test_50_steps_bf16_and_fp16_constant_track_fp32(tmp_path, capsys):
+    steps = 50
+    common = [f"train.train_iters={steps}", "train.eval_interval=null"]
+    runs = {
+        "fp32": _run(tmp_path, "fp32", common + ["precision=fp32"]),
+        "bf16": _run(tmp_path, "bf16", common + ["precision=bf16"]),
+        # constant 2^12: large enough to keep the tiny model's fp16 grads normal, small enough never to overflow
+        "fp16": _run(tmp_path, "fp16", common + ["precision=fp16", "loss_scaler=constant", "loss_scaler.scale=4096"]),
+    }
+    losses = {k: [r["lm_loss"] for r in rows if r["split"] == "train"] for k, (rows, _) in runs.items()}
+    ref = losses["fp32"]
+    diffs = {k: max(abs(a - b) for a, b in zip(losses[k], ref)) for k in ("bf16", "fp16")}
+    with capsys.disabled():
+        print(f"\n[issue 5] through run(cfg), 50 steps: fp32 lm_loss {ref[0]:.4f} -> {ref[-1]:.4f}; "
+              f"bf16 final {losses['bf16'][-1]:.4f} (max |diff| {diffs['bf16']:.4f}); "
+              f"fp16 final {losses['fp16'][-1]:.4f} (max |diff| {diffs['fp16']:.4f})")
+    assert all(len(v) == steps for v in losses.values())
+    for k in ("bf16", "fp16"):
+        rows = [r for r in runs[k][0] if r["split"] == "train"]
+        assert not any(r["skipped_iter"] for r in rows) and rows[-1]["skipped_iters_total"] == 0
+    assert ref[-1] < ref[0] - 0.5  # fp32 learns
+    # Tolerances: bf16 keeps 8 mantissa bits (rel 2^-9 per rounding), fp16 11 bits (8x finer); fp32 main params
+    # keep rounding errors from accumulating across steps. Observed on CPU: max |diff| bf16 0.0010, fp16 0.0002
+    # nats while fp32 falls 6.91 -> 5.77. Bounds are 10-15x those and ~100x below the fall of the loss; a broken
+    # unscale, clip or copy-back moves the curve by O(0.1-1).
+    assert diffs["bf16"] < 0.01, diffs
+    assert diffs["fp16"] < 0.003, diffs
+    dtypes = {k: {(r["param_dtype"], r["main_param_dtype"]) for r in layout["ranks"]} for k, (_, layout) in runs.items()}
+    assert dtypes["bf16"] == {("bfloat16", "float32")}
+    assert dtypes["fp16"] == {("float16", "float32")}
+    assert {p for p, _ in dtypes["fp32"]} == {"float32"}
+
+
+@pytest.mark.xfail(strict=True, reason="Trainer.train_step steps the LR scheduler on skipped iterations; Megatron "
+                   "(training.py train_step: `if update_successful: opt_param_scheduler.step(...)`) does not")
+def test_skipped_fp16_steps_do_not_advance_the_lr_schedule(tmp_path):
+    """Megatron: a skipped iteration counts toward train_iters but leaves the LR schedule where it was."""
+    rows, _ = _run(tmp_path, "fp16_warmup", ["precision=fp16", "train.train_iters=16", "train.eval_interval=null",
+                                             "optim.lr_warmup_iters=100"])
+    train = [r for r in rows if r["split"] == "train"]
+    first_ok = [r["skipped_iter"] for r in train].index(False)
+    assert first_ok >= 2
+    # the LR each step uses: unchanged through the skipped steps, up to and including the first applied one
+    assert len({r["lr"] for r in train[: first_ok + 1]}) == 1, [r["lr"] for r in train[: first_ok + 1]]
