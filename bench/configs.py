@@ -44,6 +44,11 @@ MODEL_SHAPES = {
 VARIANTS = {
     "base": (),
     "compile": ("model.compile_layers=true",),
+    # attention core: SDPA everywhere vs the unfused GEMM-softmax-GEMM core (auto picks unfused for
+    # half precision on CUDA with head dim > 256, i.e. the seed model's 512)
+    "sdpa": ("model.attention_backend=sdpa",),
+    "unfused": ("model.attention_backend=unfused",),
+    "unfused_compile": ("model.attention_backend=unfused", "model.compile_layers=true"),
 }
 
 
@@ -126,9 +131,10 @@ def _full(gpus: int) -> list:
                     variants=("base", "compile")),
         # (a) the seed model at tp 2: bf16, fp32 with TF32 allowed, fp32 TF32 off (report-only)
         BenchConfig("a_seed_bf16_tp2", precision="bf16", warmup=3, iters=10, timeout_s=150,
-                    variants=("base", "compile"), **seed),
+                    variants=("base", "compile", "sdpa"), **seed),
         BenchConfig("c_gpt1.3b_bf16_tp1pp2", "gpt_1.3b", 2, 1, 2, 2, 8, "bf16", warmup=3, iters=8, timeout_s=180),
-        BenchConfig("a_seed_fp32tf32_tp2", precision="fp32", tf32=True, warmup=2, iters=6, timeout_s=150, **seed),
+        BenchConfig("a_seed_fp32tf32_tp2", precision="fp32", tf32=True, warmup=2, iters=6, timeout_s=150,
+                    variants=("base", "unfused", "unfused_compile"), **seed),
         BenchConfig("a_seed_fp32_tp2", precision="fp32", tf32=False, warmup=2, iters=4, timeout_s=170, **seed),
         # (d) only when 4 GPUs are lent
         BenchConfig("d_gpt1.3b_bf16_tp2pp2", "gpt_1.3b", 4, 2, 2, 2, 8, "bf16", warmup=3, iters=8, timeout_s=180),

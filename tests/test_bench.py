@@ -135,8 +135,9 @@ def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
     assert run_bench.main(["--suite", "full", "--gpus", "2", "--dry-run", "--call-id", "t", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     cmds = [l for l in text.splitlines() if not l.startswith("#")]
-    # probe + b(base, compile, peer, ceiling) + a bf16 (base, compile, peer) + c, tf32, fp32 (ours + peer each)
-    assert len(cmds) == 1 + 4 + 3 + 2 + 2 + 2
+    # probe + b(base, compile, peer, ceiling) + a bf16 (base, compile, sdpa, peer) + c (ours + peer)
+    # + tf32 (base, unfused, unfused_compile, peer) + fp32 (ours + peer)
+    assert len(cmds) == 1 + 4 + 4 + 2 + 4 + 2
     b_ours = [c for c in cmds if "mptrain_entry.py" in c and "b_gpt1.3b_bf16_tp1-base" in c][0]
     for part in ("--nproc_per_node=1", "model=gpt_1.3b", "parallel=tp1pp1", "precision=bf16", "train.global_batch_size=16",
                  "train.micro_batch_size=4", "train.train_iters=11", "train.eval_interval=null", "data=mock"):
