@@ -113,8 +113,6 @@ def test_50_steps_bf16_and_fp16_constant_track_fp32(tmp_path, capsys):
     assert {p for p, _ in dtypes["fp32"]} == {"float32"}
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer.train_step steps the LR scheduler on skipped iterations; Megatron "
-                   "(training.py train_step: `if update_successful: opt_param_scheduler.step(...)`) does not")
 def test_skipped_fp16_steps_do_not_advance_the_lr_schedule(tmp_path):
     """Megatron: a skipped iteration counts toward train_iters but leaves the LR schedule where it was."""
     rows, _ = _run(tmp_path, "fp16_warmup", ["precision=fp16", "train.train_iters=16", "train.eval_interval=null",

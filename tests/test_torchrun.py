@@ -74,3 +74,15 @@ def test_invalid_config_exits_1_on_every_rank_with_one_line(tmp_path, nproc, ove
     assert all(key in line for line in errors)
     # no Python traceback from our code (torchrun's own launcher prints its ChildFailedError report)
     assert "mptrain/" not in out.stderr and 'train.py", line' not in out.stderr
+
+
+def test_stalled_rank_ends_the_job_through_the_step_timeout(tmp_path):
+    """`train.step_timeout_s` after the first step: a rank that stalls makes its peers' collectives time out."""
+    t0 = time.monotonic()
+    out = _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *TINY, "parallel=tp2pp1", "train.train_iters=6",
+                "train.step_timeout_s=5", "debug.sleep_rank=1", "debug.sleep_seconds=120", f"run.dir={tmp_path}/r"],
+               timeout_s=100)
+    elapsed = time.monotonic() - t0
+    assert out.returncode != 0
+    assert elapsed < 60, elapsed  # the design's bound; the stall alone would last 120 s
+    assert "job failed" in out.stderr  # rank 0's collective timed out and it exited at once

@@ -336,9 +336,28 @@ class ParallelGroups:
         return {"rank": self.rank, "tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank, "vpp": self.vpp_size}
 
     def destroy(self) -> None:
-        """Destroy the sub-groups of this layout (the default group stays)."""
+        """Destroy the sub-groups of this layout (the default group stays).
+
+        Only on a clean end (or an error every rank raised alike): destroying an NCCL communicator
+        while a peer still waits in a collective hangs, so a failing rank exits without it.
+        """
         for group in self.all_groups:
             dist.destroy_process_group(group)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Change the collective timeout of the default group and of every sub-group of this layout.
+
+        Used after the first step (`train.step_timeout_s`): start-up may legitimately wait long
+        (compilation, data preprocessing on rank 0), a step should not. torch's
+        ``_set_pg_timeout`` (NCCL's watchdog aborts a collective past it; gloo raises).
+        """
+        timeout = datetime.timedelta(seconds=timeout_s)
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout, None)
+        for group in self.all_groups:
+            if self.rank in dist.get_process_group_ranks(group):
+                _set_pg_timeout(timeout, group)
 
 
 def build_groups(

@@ -10,11 +10,11 @@ W = lr_warmup_iters, D = lr_decay_iters, the LR used for the next optimizer step
     otherwise        :  min_lr + c(r) * (lr - min_lr),  r = (n - W) / (D - W)
                         linear c = 1 - r;   cosine c = (1 + cos(pi r)) / 2  (Loshchilov & Hutter 2017)
 
-Skipped steps (fp16 overflow, non-finite grads) count: the training loop calls `step` after every
-iteration whether or not the optimizer applied the update, so the iteration counter and the LR
-schedule advance on a skipped step exactly as on a successful one (Megatron's behaviour:
-`train_step` always increments the scheduler by the batch). A run of ``train_iters`` iterations
-therefore applies at most ``train_iters`` updates.
+Skipped steps (fp16 overflow, non-finite grads): the iteration counter advances (a skipped
+iteration counts toward ``train_iters``), the LR schedule does not — the training loop calls
+`step` only after an applied update (Megatron's ``train_step``: ``if update_successful:
+opt_param_scheduler.step(...)``). A run of ``train_iters`` iterations therefore applies at most
+``train_iters`` updates, and the schedule position equals the number of applied updates.
 """
 
 from __future__ import annotations

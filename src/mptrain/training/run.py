@@ -11,8 +11,10 @@ Every user error (`ConfigError`) is raised on every rank before the first collec
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Optional
@@ -176,11 +178,19 @@ def _poison_grads_fn(built: Built, iteration_ref: list):
 
 
 class _StopSignal:
-    """SIGTERM / SIGINT: finish the current step, save, exit 0 (DESIGN.md §4)."""
+    """SIGTERM / SIGINT: finish the current step, save, exit 0 (DESIGN.md §4).
+
+    The step must finish within a grace period (``max(10 s, 3 × the last step time)``) after the
+    signal; a rank stuck in a collective whose peer died never gets there, so a watchdog thread
+    then ends the process with exit 1 (torchrun's own SIGTERM on a peer's failure otherwise waits
+    30 s before its SIGKILL).
+    """
 
     def __init__(self) -> None:
         self.received = False
+        self.step_time_s = 0.0
         self._previous = {}
+        self._watchdog: Optional[threading.Timer] = None
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,10 +201,27 @@ class _StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+        if self._watchdog is None:
+            grace_s = max(10.0, 3.0 * self.step_time_s)
+            self._watchdog = threading.Timer(grace_s, _exit_stuck, args=(signum, grace_s))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def acknowledge(self) -> None:
+        """The loop saw the signal between steps: saving and exiting normally, no watchdog needed."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     def uninstall(self) -> None:
+        self.acknowledge()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _exit_stuck(signum: int, grace_s: float) -> None:
+    print(f"error: signal {signum} received but the step did not finish within {grace_s:.0f} s "
+          "(a peer rank failed?); exiting", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _any_rank_flag(flag: bool, device) -> bool:
@@ -230,6 +257,7 @@ def run(cfg: Any) -> dict:
     )
     recorder = None
     stop = _StopSignal()
+    clean_exit = False
     try:
         recorder = Recorder.open(cfg, groups, derived, vocab_size=vocab_size, t_start=t_start)
         built = build(cfg, groups, derived, tokenizer, vocab_size)
@@ -269,10 +297,15 @@ def run(cfg: Any) -> dict:
                 metrics = trainer.train_step(train_iters)
                 iteration += 1
                 consumed += cfg.train.global_batch_size
-                recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=time.time() - t0)
+                stop.step_time_s = time.time() - t0
+                recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=stop.step_time_s)
+                if iteration == state["iteration"] + 1 and cfg.train.step_timeout_s is not None:
+                    groups.set_timeout(cfg.train.step_timeout_s)  # catches a stalled rank (DESIGN.md §5)
                 if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
                     recorder.eval_row("valid", iteration, evaluate("valid"))
                 stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
+                if stop_now:
+                    stop.acknowledge()  # every rank got here: the save below may take its time
                 exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval
                 periodic = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
                 last = iteration == cfg.train.train_iters
@@ -285,12 +318,20 @@ def run(cfg: Any) -> dict:
         if exit_code_reason is None and eval_on:
             recorder.eval_row("valid", iteration, evaluate("valid"))
             recorder.eval_row("test", iteration, evaluate("test"))
-        return recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
+        result = recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
+        clean_exit = True
+        return result
+    except ConfigError:
+        clean_exit = True  # raised alike on every rank (validation, data, checkpoint shape): no peer waits
+        raise
     finally:
         stop.uninstall()
         if recorder is not None:
             recorder.close()
-        groups.destroy()
+        # After a failure on this rank the communicators are left alone (destroying an NCCL group
+        # while a peer waits in a collective hangs): the process exits and torchrun stops the others.
+        if clean_exit:
+            groups.destroy()
 
 
 def hydra_main(cfg) -> Any:
@@ -318,6 +359,4 @@ def hydra_main(cfg) -> Any:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"[rank {rank}] job failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.stderr.flush()
-        import os
-
         os._exit(1)

@@ -175,7 +175,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         with self.timers("optimizer", 1):
             result = self.optimizer.step()
-        self.lr_scheduler.step()
+        if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
+            self.lr_scheduler.step()
         loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
         return {
             "lm_loss": loss_sum / max(tokens, 1.0),
