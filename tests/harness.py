@@ -12,6 +12,11 @@ fresh pool) and raises `DistributedTestError` carrying the failing rank's traceb
 runs past ``timeout_s`` is treated the same way (a hang guard, not a speed assertion).
 
 Tasks must leave no process groups behind (use try/finally with ``groups.destroy()``).
+
+Stale code: a worker imports modules lazily and keeps them for the whole session, so a source file
+edited while a long run is going (a shared working tree) leaves workers running the old code while
+tracebacks print the new file's lines. A failure report lists the repository sources loaded in the
+failing process that changed on disk after it started (`_changed_sources`): rerun before debugging.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
+import time
 import traceback
 
 _POOLS: dict = {}
@@ -29,6 +36,27 @@ _GRACE_S = 5.0
 
 class DistributedTestError(AssertionError):
     """A rank raised (or the task timed out); the message holds the rank's traceback."""
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STARTED = time.time()  # this process's start (pytest's: the session's)
+
+
+def _changed_sources(since: float, where: str) -> str:
+    """A note naming the repository modules loaded in this process (``where``) whose file changed after ``since``."""
+    changed = []
+    for mod in list(sys.modules.values()):
+        path = getattr(mod, "__file__", None) or ""
+        if path.startswith(_REPO + os.sep) and "site-packages" not in path:
+            try:
+                if os.stat(path).st_mtime > since:
+                    changed.append(os.path.relpath(path, _REPO))
+            except OSError:
+                continue
+    if not changed:
+        return ""
+    return (f"\nNOTE ({where}): changed on disk after this process started, so it may be running older code "
+            f"than the traceback's source lines show; rerun before debugging: {', '.join(sorted(changed))}")
 
 
 def _free_port() -> int:
@@ -64,7 +92,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             out = fn(rank, world_size, *args, **kwargs)
             results.put((task_id, rank, True, out))
         except BaseException:  # noqa: BLE001 - report everything, including assertion errors
-            results.put((task_id, rank, False, traceback.format_exc()))
+            note = _changed_sources(_STARTED, f"worker rank {rank}")
+            results.put((task_id, rank, False, traceback.format_exc() + note))
     dist.destroy_process_group()
 
 
@@ -119,7 +148,7 @@ class _Pool:
                 rank = min(errors)
                 raise DistributedTestError(
                     f"rank {rank} of {self.world_size} failed in {fn.__name__} (ranks that failed: {sorted(errors)}; "
-                    f"still running: {sorted(pending)}):\n{errors[rank]}"
+                    f"still running: {sorted(pending)}):\n{errors[rank]}{_changed_sources(_STARTED, 'pytest process')}"
                 )
             raise DistributedTestError(f"{fn.__name__} timed out after {timeout_s} s on ranks {sorted(pending)}")
         return out

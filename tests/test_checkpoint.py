@@ -163,6 +163,34 @@ def test_flat_range_boxes_tile_every_range():
             assert got == list(range(lo, hi))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist=True: one process on purpose
+def test_load_planner_fills_every_destination_of_one_box(tmp_path):
+    """Several local destinations of one saved box are all filled (regression: the full-suite failures
+    of ``zero1-fp32 -> tp1pp1-fp16 / tp1pp2vpp2-dp2-zero1`` came from a load planner that named its
+    destinations by (key, offsets), so the last chunk with those offsets swallowed the others' reads).
+
+    One process, no process group: ``model/w`` [6, 4] is saved as two row boxes; the load asks for
+    the same key three times, like a tp1 fp16 run (fp16 param + fp32 main param, both the whole
+    tensor at offsets (0, 0)) plus a ZeRO-1 piece that also starts at (0, 0) but is smaller.
+    """
+    from mptrain.checkpoint.dcp_io import load_chunks, save_chunks
+    from mptrain.checkpoint.reshard import Chunk
+
+    full = _full("model/w", (6, 4))
+    saved = [Chunk("model/w", (6, 4), (0, 0), full[:3]), Chunk("model/w", (6, 4), (3, 0), full[3:])]
+    save_chunks(str(tmp_path), saved, {"common": {"iteration": 1}}, no_dist=True)
+    half = torch.zeros(6, 4, dtype=torch.float16)
+    main = torch.zeros(6, 4)
+    piece = torch.zeros(2, 4)  # rows [0, 2): a ZeRO-1 flat piece [0, 8) of the same tensor
+    wanted = [Chunk("model/w", (6, 4), (0, 0), t) for t in (half, main, piece)]
+    objects = load_chunks(str(tmp_path), wanted, ["common"], no_dist=True)
+    assert objects == {"common": {"iteration": 1}}
+    # exact (tolerance 0): loading copies; the fp16 destination gets fp32 -> fp16 rounding, as .to() does
+    assert torch.equal(half, full.to(torch.float16))
+    assert torch.equal(main, full)
+    assert torch.equal(piece, full[:2])
+
+
 # --- resharding -----------------------------------------------------------------------------------
 OTHER_ARCH = ["model.activation=swiglu", "model.normalization=RMSNorm", "model.num_query_groups=2",
               "model.untie_embeddings_and_output_weights=true"]

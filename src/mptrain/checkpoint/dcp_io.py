@@ -113,7 +113,18 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        view = self._chunks[read_item.dest_index.index].view
+        """The destination view of ``read_item``: our chunk at position ``dest_index.index``.
+
+        Raises:
+            RuntimeError: the index hint does not name a chunk of this key and offsets (it is DCP's
+                ``MetadataIndex.index``, excluded from equality and hashing, so a planner change that
+                rebuilt read items could drop it: fail loudly instead of filling the wrong view).
+        """
+        index = read_item.dest_index
+        chunk = self._chunks[index.index] if index.index is not None and 0 <= index.index < len(self._chunks) else None
+        if chunk is None or chunk.key != index.fqn or tuple(chunk.offsets) != tuple(index.offset):
+            raise RuntimeError(f"checkpoint load: read destination {index} does not name one of this rank's chunks")
+        view = chunk.view
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, start, length)
         return view
