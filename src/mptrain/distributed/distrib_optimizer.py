@@ -193,12 +193,7 @@ class DistributedOptimizer(OptimizerWrapper):
             "kind": "distributed",
             "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in self.optimizer.param_groups],
             "params": chunks,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "counters": {
-                "skipped_iters_total": self.skipped_iters_total,
-                "nan_iters_total": self.nan_iters_total,
-                "consecutive_skips": self.consecutive_skips,
-            },
+            **self._scaler_and_counters_state(),
         }
 
     @torch.no_grad()
@@ -227,12 +222,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 self.optimizer.state[e.main] = state
         for grp, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
             grp.update({k: v for k, v in saved.items() if k != "params"})
-        if self.scaler is not None and state_dict.get("scaler") is not None:
-            self.scaler.load_state_dict(state_dict["scaler"])
-        counters = state_dict.get("counters", {})
-        self.skipped_iters_total = int(counters.get("skipped_iters_total", 0))
-        self.nan_iters_total = int(counters.get("nan_iters_total", 0))
-        self.consecutive_skips = int(counters.get("consecutive_skips", 0))
+        self._load_scaler_and_counters(state_dict)
 
 
 def _span(entry: dict) -> int:

@@ -279,6 +279,12 @@ class OptimizerWrapper:
         return {
             "optimizer": self.optimizer.state_dict(),
             "main_params": [e.main.detach().clone() for e in self.entries if e.has_copy],
+            **self._scaler_and_counters_state(),
+        }
+
+    def _scaler_and_counters_state(self) -> dict:
+        """{"scaler", "counters"}: the part of the state every wrapper (ZeRO-1 included) saves alike."""
+        return {
             "scaler": None if self.scaler is None else self.scaler.state_dict(),
             "counters": {
                 "skipped_iters_total": self.skipped_iters_total,
@@ -286,6 +292,17 @@ class OptimizerWrapper:
                 "consecutive_skips": self.consecutive_skips,
             },
         }
+
+    def _load_scaler_and_counters(self, state_dict: dict) -> None:
+        if self.scaler is not None:
+            if state_dict.get("scaler") is None:
+                logger.warning("optimizer state has no loss scaler state; keeping the scaler's initial state")
+            else:
+                self.scaler.load_state_dict(state_dict["scaler"])
+        counters = state_dict.get("counters", {})
+        self.skipped_iters_total = int(counters.get("skipped_iters_total", 0))
+        self.nan_iters_total = int(counters.get("nan_iters_total", 0))
+        self.consecutive_skips = int(counters.get("consecutive_skips", 0))
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -303,15 +320,7 @@ class OptimizerWrapper:
                 raise ValueError(f"main param shape {tuple(value.shape)} in the state dict, expected {tuple(main.shape)}")
             main.copy_(value)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self.scaler is not None:
-            if state_dict.get("scaler") is None:
-                logger.warning("optimizer state has no loss scaler state; keeping the scaler's initial state")
-            else:
-                self.scaler.load_state_dict(state_dict["scaler"])
-        counters = state_dict.get("counters", {})
-        self.skipped_iters_total = int(counters.get("skipped_iters_total", 0))
-        self.nan_iters_total = int(counters.get("nan_iters_total", 0))
-        self.consecutive_skips = int(counters.get("consecutive_skips", 0))
+        self._load_scaler_and_counters(state_dict)
 
 
 class MixedPrecisionOptimizer(OptimizerWrapper):
