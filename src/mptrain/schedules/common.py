@@ -36,10 +36,13 @@ class ScheduleStats:
             1F1B: min(pp − stage, m); GPipe: m; no pipelining: 1 (layout.json, DESIGN.md §2).
         bytes_sent: bytes handed to send operations, by group kind ("pp" here), summed over calls.
         calls: how many schedule calls (iterations) contributed, for per-iteration averages.
+        timers: a `mptrain.training.timers.Timers` (or None): p2p exchanges run under its
+            "pipeline-p2p" timer.
     """
 
     max_inflight_microbatches: int = 0
     bytes_sent: dict = dataclasses.field(default_factory=lambda: {"pp": 0})
+    timers: Any = None
     calls: int = 0
 
     def note_inflight(self, n: int) -> None:

@@ -90,8 +90,13 @@ def _communicate(
         ops.append(dist.P2POp(dist.irecv, from_next, groups.next_pp_rank, group, _TAG_BACKWARD))
     if not ops:
         return None, None
+    timer = cfg.stats.timers("pipeline-p2p") if cfg.stats is not None and cfg.stats.timers is not None else None
+    if timer is not None:
+        timer.start()
     for req in dist.batch_isend_irecv(ops):
         req.wait()
+    if timer is not None:
+        timer.stop()
     if cfg.stats is not None:
         for t in (send_next, send_prev):
             if t is not None:

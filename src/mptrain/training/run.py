@@ -131,6 +131,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     )
     faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
                            fail_where=cfg.debug.fail_where)
+    timers = Timers(cfg.train.timing_log_level, groups.device)
     trainer = Trainer(
         groups=groups,
         chunks=chunks,
@@ -144,6 +145,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
             with_attention_mask=with_mask,
             device=groups.device,
             faults=faults,
+            timers=timers,
         ),
         finalize_model_grads=finalize_model_grads,
         num_microbatches=derived.num_microbatches,
@@ -154,8 +156,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         dtype=PARAMS_DTYPES[cfg.precision.name],
         sequence_parallel=derived.sequence_parallel,
         device=groups.device,
-        stats=ScheduleStats(),
-        timers=Timers(cfg.train.timing_log_level, groups.device),
+        stats=ScheduleStats(timers=timers),
+        timers=timers,
         faults=faults,
     )
     return Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,

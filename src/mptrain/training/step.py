@@ -11,6 +11,7 @@ the last pipeline stage and is broadcast over each PP group so that rank 0 logs 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Iterator, Optional
 
@@ -57,8 +58,13 @@ def make_forward_step(
     with_attention_mask: bool,
     device: torch.device,
     faults: Optional[FaultInjector] = None,
+    timers: Any = None,
 ) -> Callable:
-    """The forward_step_func of the schedules: (data_iterator, model_chunk) -> (output, loss_func)."""
+    """The forward_step_func of the schedules: (data_iterator, model_chunk) -> (output, loss_func).
+
+    Reading and broadcasting the batch runs under the "batch-generator" timer when `timers` is given.
+    """
+    batch_timer = timers("batch-generator") if timers is not None else contextlib.nullcontext()
 
     def forward_step(data_iterator: Optional[Iterator], model: torch.nn.Module):
         inner = unwrap(model)
@@ -66,14 +72,15 @@ def make_forward_step(
         if chunk_needs_data(model, with_attention_mask):
             if faults is not None:
                 faults.maybe_fail("data")
-            batch = get_batch(
-                data_iterator,
-                groups,
-                micro_batch_size=micro_batch_size,
-                seq_length=seq_length,
-                with_attention_mask=with_attention_mask,
-                device=device,
-            )
+            with batch_timer:
+                batch = get_batch(
+                    data_iterator,
+                    groups,
+                    micro_batch_size=micro_batch_size,
+                    seq_length=seq_length,
+                    with_attention_mask=with_attention_mask,
+                    device=device,
+                )
         if faults is not None:
             faults.maybe_fail("forward")
         output = model(
@@ -166,14 +173,14 @@ class Trainer:
         kwargs = self._schedule_kwargs(data_iterators, forward_only=False)
         kwargs["loss_scale"] = self.optimizer.get_loss_scale()
         kwargs["no_sync_func"] = self._no_sync_func()
-        with self.timers("forward-backward", 1):
+        with self.timers("forward-backward"):
             reports, num_tokens = self.forward_backward_func(**kwargs)
-        with self.timers("grads-reduce", 1):  # DP sync, SP / tied-embedding grads, token normalisation
+        with self.timers("grads-all-reduce"):  # DP sync, SP / tied-embedding grads, token normalisation
             self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens, max_tokens=self.max_tokens)
         if self.poison_grads is not None:
             self.poison_grads()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
-        with self.timers("optimizer", 1):
+        with self.timers("optimizer"):
             result = self.optimizer.step()
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()

@@ -25,7 +25,7 @@ TIMER_LEVELS: dict[str, int] = {
     "batch-generator": 1,  # reading / broadcasting a micro-batch (data)
     "grads-all-reduce": 1,  # finalize_model_grads: DP grad reduce (+ SP / embedding grads)
     "optimizer": 1,  # unscale, inf check, clip, step, copy to model params
-    "pipeline-p2p": 2,  # send / recv between pipeline stages
+    "pipeline-p2p": 1,  # send / recv between pipeline stages (inside forward-backward)
 }
 
 
