@@ -162,6 +162,10 @@ class IndexedDataset:
     def __len__(self) -> int:
         return self.num_documents
 
+    def max_token_id(self) -> int:
+        """The largest token id in the .bin (-1 when empty); one pass over the memory map."""
+        return int(self._tokens.max()) if self.num_tokens else -1
+
     def get_document(self, doc: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens of document `doc` from `offset`, `length` of them (None: to its end), as a view."""
         start = int(self.doc_starts[doc]) + offset

@@ -234,6 +234,15 @@ def _build_from_prefixes(
         indexed = IndexedDataset(prefix)
         if indexed.num_documents == 0:
             raise DataError(f"{prefix}.idx: no documents; re-run preprocessing on a non-empty corpus")
+        # Ids the tokenizer cannot produce mean the data was made with another tokenizer: the
+        # embedding would index out of range (tp 1) or silently mask them (tp > 1).
+        max_id = indexed.max_token_id()
+        if max_id >= p.tokenizer.vocab_size:
+            raise DataError(
+                f"{prefix}.bin holds token id {max_id} but data.tokenizer has {p.tokenizer.vocab_size} ids: the data "
+                f"was preprocessed with another tokenizer; set data.tokenizer to that one, e.g. "
+                f"data.tokenizer._target_=mptrain.data.tokenizers.HFTokenizer +data.tokenizer.tokenizer_json=PATH"
+            )
         for s, doc_range in split_document_ranges(split, indexed.num_documents).items():
             if doc_range[1] > doc_range[0]:
                 ds = GPTDataset(

@@ -35,7 +35,7 @@ from mptrain.layers.sharding import collect_shard_specs
 from mptrain.optim.builders import build_optimizer_factory
 from mptrain.optim.lr_scheduler import OptimizerParamScheduler
 from mptrain.precision.module import Float16Module
-from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer
+from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer, TooManySkippedStepsError
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleStats, get_forward_backward_func
 from mptrain.training.memory import memory_snapshot
@@ -245,6 +245,7 @@ def run(cfg: Any) -> dict:
     cfg = as_config(cfg)
     env = read_dist_env()
     derived = validate_config(cfg, env.world_size)
+    _check_checkpoint_paths(cfg)
     tokenizer = build_tokenizer(cfg.data)
     vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size)
     if cfg.precision.allow_tf32 and torch.cuda.is_available():
@@ -277,14 +278,18 @@ def run(cfg: Any) -> dict:
         train_iters = _data_iterators(provider, built.chunks, groups, lambda: provider.train_iterator(consumed), with_mask)
         eval_on = cfg.train.eval_interval is not None and cfg.train.eval_iters > 0
 
-        def evaluate(split: str) -> float:
+        def evaluate(split: str) -> None:
+            """Write a `split` row at this iteration; a split that `data.split` left empty has no rows."""
             if not provider.has_split(split):
-                return float("nan")
+                return
             make = lambda: _data_iterators(provider, built.chunks, groups, lambda: provider.eval_iterator(split), with_mask)
-            return trainer.evaluate(make, cfg.train.eval_iters)
+            recorder.eval_row(split, iteration, trainer.evaluate(make, cfg.train.eval_iters))
 
+        for split in ("valid", "test"):
+            if eval_on and not provider.has_split(split):
+                recorder.log(f"data.split={cfg.data.split!r} leaves the {split} split empty: no {split} rows")
         if eval_on and iteration == 0:
-            recorder.eval_row("valid", 0, evaluate("valid"))
+            evaluate("valid")
         stop.install()
         exit_code_reason = None
         # debug.memory_snapshot: CUDA allocator history over the loop, dumped on rank 0 (training/memory.py)
@@ -304,7 +309,7 @@ def run(cfg: Any) -> dict:
                 if iteration == state["iteration"] + 1 and cfg.train.step_timeout_s is not None:
                     groups.set_timeout(cfg.train.step_timeout_s)  # catches a stalled rank (DESIGN.md §5)
                 if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
-                    recorder.eval_row("valid", iteration, evaluate("valid"))
+                    evaluate("valid")
                 stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
                 if stop_now:
                     stop.acknowledge()  # every rank got here: the save below may take its time
@@ -317,14 +322,14 @@ def run(cfg: Any) -> dict:
                 if exiting or stop_now:
                     exit_code_reason = "exit_interval" if exiting else "signal"
                     break
-        if exit_code_reason is None and eval_on:
-            recorder.eval_row("valid", iteration, evaluate("valid"))
-            recorder.eval_row("test", iteration, evaluate("test"))
+        if exit_code_reason is None and eval_on and iteration > state["iteration"]:
+            evaluate("valid")
+            evaluate("test")
         result = recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
         clean_exit = True
         return result
-    except ConfigError:
-        clean_exit = True  # raised alike on every rank (validation, data, checkpoint shape): no peer waits
+    except (ConfigError, TooManySkippedStepsError):
+        clean_exit = True  # raised alike on every rank (validation, data, checkpoint shape, skips): no peer waits
         raise
     finally:
         stop.uninstall()
@@ -334,6 +339,32 @@ def run(cfg: Any) -> dict:
         # while a peer waits in a collective hangs): the process exits and torchrun stops the others.
         if clean_exit:
             groups.destroy()
+
+
+def _check_checkpoint_paths(cfg: Config) -> None:
+    """Checkpoint folders that cannot work, rejected before any collective (not at the first save).
+
+    Raises:
+        ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist and is
+            not also the save folder (resuming into the folder a job saves to is the usual
+            restart pattern, and starts fresh on the first attempt).
+    """
+    from pathlib import Path
+
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    if save and Path(save).exists() and not Path(save).is_dir():
+        raise ConfigError(f"checkpoint.save={save} is a file, not a folder; pick another checkpoint.save")
+    if load and not Path(load).exists() and (not save or Path(load).resolve() != Path(save).resolve()):
+        raise ConfigError(
+            f"checkpoint.load={load} does not exist; fix the path, or set checkpoint.load to the checkpoint.save "
+            "folder to resume when it exists and start fresh otherwise"
+        )
+
+
+def _one_line(text: str) -> None:
+    """One stderr line in a single write, so that lines of several ranks do not interleave."""
+    sys.stderr.write(text.rstrip("\n") + "\n")
+    sys.stderr.flush()
 
 
 def hydra_main(cfg) -> Any:
@@ -352,8 +383,8 @@ def hydra_main(cfg) -> Any:
         return run(cfg)  # the sweep callback records and applies the policy
     try:
         return run(cfg)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
+        _one_line(f"error: {err}")
         sys.exit(1)
     except BaseException as err:  # noqa: BLE001
         if isinstance(err, SystemExit) and not err.code:
