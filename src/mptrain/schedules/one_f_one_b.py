@@ -22,7 +22,6 @@ from mptrain.schedules.common import (
     forward_step,
     new_step_state,
     no_sync_context,
-    pipeline_tensor_shape,
     validate_common,
 )
 
@@ -51,14 +50,11 @@ def forward_backward_1f1b(
     """
     validate_common(name="1f1b", model=model, num_microbatches=num_microbatches, max_tokens=max_tokens,
                     expected_chunks=1, forward_only=forward_only)
-    stats = None if forward_only else stats  # stats describe training iterations only
-    chunk = model[0]
-    if isinstance(data_iterator, (list, tuple)):
-        data_iterator = data_iterator[0]
-    shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp_size=groups.tp_size,
-                                  sequence_parallel=sequence_parallel)
-    cfg = p2p.P2PConfig(groups=groups, tensor_shape=shape, dtype=dtype, stats=stats)
-    is_last = groups.pp_rank == groups.pp_size - 1
+    setup = p2p.single_chunk_setup(model=model, data_iterator=data_iterator, groups=groups, seq_length=seq_length,
+                                   micro_batch_size=micro_batch_size, hidden_size=hidden_size,
+                                   sequence_parallel=sequence_parallel, dtype=dtype, stats=stats,
+                                   forward_only=forward_only)
+    chunk, data_iterator, cfg, is_last, stats = setup.chunk, setup.data_iterator, setup.cfg, setup.is_last, setup.stats
     state = new_step_state(groups.device)
     inflight = InflightCounter(stats)
     m = num_microbatches

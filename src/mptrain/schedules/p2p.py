@@ -181,3 +181,40 @@ def send_forward_backward_recv_forward_backward(
     """Both directions at once; returns ``(activations from prev, grad from next)`` (interleaved steady state)."""
     return _communicate(cfg, send_next=output_tensor, send_prev=input_tensor_grad,
                         recv_prev=recv_prev, recv_next=recv_next)
+
+
+@dataclasses.dataclass
+class SingleChunkSetup:
+    """What the non-interleaved pipelined schedules (GPipe, 1F1B) start from.
+
+    Attributes:
+        chunk: the rank's one model chunk. data_iterator: its iterator (unwrapped from a list).
+        cfg: the p2p config (shape from the config, SP-aware). is_last: last pipeline stage.
+        stats: the caller's stats, or None for forward-only calls (stats describe training only).
+    """
+
+    chunk: torch.nn.Module
+    data_iterator: object
+    cfg: P2PConfig
+    is_last: bool
+    stats: Optional[ScheduleStats]
+
+
+def single_chunk_setup(*, model: list, data_iterator, groups: ParallelGroups, seq_length: int, micro_batch_size: int,
+                       hidden_size: int, sequence_parallel: bool, dtype: torch.dtype,
+                       stats: Optional[ScheduleStats], forward_only: bool) -> SingleChunkSetup:
+    """The shared start of `forward_backward_gpipe` and `forward_backward_1f1b` (after validation)."""
+    from mptrain.schedules.common import pipeline_tensor_shape
+
+    stats = None if forward_only else stats
+    if isinstance(data_iterator, (list, tuple)):
+        data_iterator = data_iterator[0]
+    shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp_size=groups.tp_size,
+                                  sequence_parallel=sequence_parallel)
+    return SingleChunkSetup(
+        chunk=model[0],
+        data_iterator=data_iterator,
+        cfg=P2PConfig(groups=groups, tensor_shape=shape, dtype=dtype, stats=stats),
+        is_last=groups.pp_rank == groups.pp_size - 1,
+        stats=stats,
+    )
