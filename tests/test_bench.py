@@ -1,9 +1,7 @@
 """Issue 10 harness (CPU): configs vs conf/model, the FLOP formula, result rows, the report table,
 `run_bench.py --dry-run`, and one real CPU run of bench/mptrain_entry.py turned into a row."""
 
-import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -9,7 +9,6 @@ import torch.distributed as dist
 from harness import run_distributed
 from mptrain.distributed import DistributedDataParallel, GradBuffer, default_bucket_size
 from mptrain.groups import build_groups
-from mptrain.layers.sharding import ShardSpec
 
 
 def _named(*sizes):

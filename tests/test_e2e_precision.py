@@ -16,10 +16,9 @@
 
 import json
 
-import pytest
 
 from harness import run_distributed
-from train_utils import read_rows, run_job
+from train_utils import run_job
 
 TINY = ["model=tiny", "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=4",
         "parallel=tp1pp1"]

@@ -5,7 +5,6 @@ Loop by hand (no schedule / DDP): forward with labels -> per-token loss [b, s] f
 backward of loss.sum() / num_tokens × S -> our optimizer (grad_fn = p.grad).
 """
 
-import pytest
 import torch
 
 from harness import run_distributed

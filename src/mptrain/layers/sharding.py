@@ -166,7 +166,6 @@ def gather_full_tensor(local: torch.Tensor, spec: ShardSpec, group) -> torch.Ten
         place_shard(full, local, spec)
         return full
     p = dist.get_world_size(group)
-    dim = spec.partition_dim
     meta = torch.tensor([spec.offset, -1 if spec.valid is None else spec.valid], dtype=torch.int64, device=local.device)
     metas = [torch.empty_like(meta) for _ in range(p)]
     dist.all_gather(metas, meta, group=group)
