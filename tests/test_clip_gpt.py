@@ -16,6 +16,7 @@ from mptrain.config.model import ModelConfig
 from mptrain.config.optim import OptimConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.distributed.ddp import DistributedDataParallel
+from mptrain.training.step import unwrap
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.groups import build_groups
 from mptrain.layers.gpt import build_model_chunks
@@ -39,9 +40,7 @@ def _batches():
 
 def _forward_step(data_iterator, chunk):
     batch = next(data_iterator)
-    gpt = chunk
-    while hasattr(gpt, "module"):  # DDP(GPTModel) or DDP(Float16Module(GPTModel))
-        gpt = gpt.module
+    gpt = unwrap(chunk)  # DDP(GPTModel) or DDP(Float16Module(GPTModel))
     out = chunk(batch["tokens"] if gpt.pre_process else None, batch["position_ids"] if gpt.pre_process else None,
                 None, labels=batch["labels"] if gpt.post_process else None)
 

@@ -27,9 +27,9 @@ from mptrain.checkpoint.state import (
     optimizer_load_items,
     optimizer_save_items,
     param_records,
-    unwrap,
 )
 from mptrain.errors import ConfigError
+from mptrain.training.step import unwrap
 
 FORMAT = "mptrain-dcp-1"
 # Model-config keys that decide parameter shapes (listed in the mismatch error when they differ).

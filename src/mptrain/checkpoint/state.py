@@ -28,15 +28,9 @@ import torch
 
 from mptrain.checkpoint.reshard import flat_piece_chunks, tensor_chunks
 from mptrain.layers.sharding import collect_shard_specs
+from mptrain.training.step import unwrap
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel under DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
