@@ -42,6 +42,7 @@ from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
 
+CONFIG_ERROR_GRACE_S = 5.0  # seconds a rank waits after printing a config error, before exiting (see hydra_main)
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -385,6 +386,11 @@ def hydra_main(cfg) -> Any:
         return run(cfg)
     except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
         _one_line(f"error: {err}")
+        if read_dist_env().world_size > 1:
+            # torchrun stops the other workers as soon as one exits; a rank still importing would
+            # die without its line. Every rank hits the same error within about a second of the
+            # others, so a short grace lets each one report before the first exit (no collective).
+            time.sleep(CONFIG_ERROR_GRACE_S)
         sys.exit(1)
     except BaseException as err:  # noqa: BLE001
         if isinstance(err, SystemExit) and not err.code:
