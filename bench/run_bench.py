@@ -2,7 +2,7 @@
 """Run mptrain and the megatron-core peer on the same configs in one device call; append JSON rows.
 
     python3 bench/run_bench.py --suite quick|full|ceiling --out $OUT/results.jsonl --call-id ID \
-        [--gpus N] [--only NAME,...] [--budget-s 560] [--profile] [--dry-run]
+        [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
 
 For each config of `bench/configs.py` (in priority order) it runs
   * mptrain: ``torchrun --standalone --nproc_per_node=N bench/mptrain_entry.py <overrides>`` (train.py
@@ -38,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from configs import PEAK_TFLOPS_BF16_DENSE, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, suite  # noqa: E402
+from configs import (  # noqa: E402
+    PEAK_TFLOPS_BF16_DENSE, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, suite, variant_env)
 
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -154,7 +155,7 @@ def torchrun(python: str, nproc: int, script: Path, args: list) -> list:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
 
 
-def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers: tuple, profile: bool,
+def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers: tuple, profile: tuple = (),
          probe: bool = True) -> list:
     """The jobs in run order: dicts {kind, cfg, trainer, variant, argv, run_dir, result_file, log, timeout_s}.
     ``probe``: start the full suite with the SDPA probe (off for a partial ``--only`` call)."""
@@ -171,11 +172,16 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                 tag = f"{cfg.name}-{variant}"
                 run_dir = log_dir / "runs" / tag
                 args = mptrain_overrides(cfg, variant, str(run_dir))
-                if profile and variant == "base":
-                    args = ["--bench-profile", str(log_dir / f"profile_{tag}.txt"), *args]
+                timeout_s = cfg.timeout_s + (90 if "compile" in variant else 0)
                 jobs.append(dict(kind="mptrain", cfg=cfg, trainer="mptrain", variant=variant, run_dir=run_dir,
-                                 timeout_s=cfg.timeout_s + (90 if variant == "compile" else 0),
+                                 timeout_s=timeout_s, env=variant_env(variant),
                                  argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py", args)))
+                if variant in profile:  # a separate run: a profiled run's timings are not benchmark numbers
+                    prof_args = mptrain_overrides(cfg, variant, str(run_dir) + "-profile")
+                    jobs.append(dict(kind="profile", cfg=cfg, trainer="mptrain-profile", variant=variant,
+                                     timeout_s=timeout_s, env=variant_env(variant),
+                                     argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py",
+                                                   ["--bench-profile", str(log_dir / f"profile_{tag}.txt"), *prof_args])))
         if "megatron-core" in trainers and cfg.peer:
             result_file = log_dir / f"peer_{cfg.name}.jsonl"
             jobs.append(dict(kind="peer", cfg=cfg, trainer="megatron-core", variant="base", result_file=result_file,
@@ -202,11 +208,12 @@ def child_env() -> dict:
     return env
 
 
-def run_process(argv: list, log: Path, timeout_s: float) -> tuple:
+def run_process(argv: list, log: Path, timeout_s: float, extra_env: Optional[dict] = None) -> tuple:
     """Run argv in its own process group with output to `log`; (returncode or None on timeout, seconds)."""
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(), start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**child_env(), **(extra_env or {})},
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -351,7 +358,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help="comma-separated config names of the suite")
     p.add_argument("--trainers", default=",".join(TRAINERS), help="mptrain,megatron-core (either or both)")
     p.add_argument("--budget-s", type=float, default=560.0, help="whole-script deadline (device calls stop at 600 s)")
-    p.add_argument("--profile", action="store_true", help="profile mptrain's base variants (kernel tables in the logs)")
+    p.add_argument("--profile", nargs="?", const="base", default=None, metavar="VARIANTS",
+                   help="profile these mptrain variants (comma-separated; default base): kernel tables in the logs")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--probe-sdpa", default=None, metavar="FILE", help=argparse.SUPPRESS)
@@ -377,7 +385,8 @@ def main(argv: Optional[list] = None) -> int:
     configs = suite(args.suite, gpus, args.only.split(",") if args.only else None)
     out = Path(args.out).resolve()
     log_dir = out.parent / "bench_logs" / call_id
-    jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers, profile=args.profile,
+    jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers,
+                profile=tuple(args.profile.split(",")) if args.profile else (),
                 probe=not args.only)
     if args.dry_run:
         print(f"# suite={args.suite} gpus={gpus} call_id={call_id} out={out} ({len(jobs)} runs)")
@@ -397,13 +406,13 @@ def main(argv: Optional[list] = None) -> int:
         rows: list = []
         if left < 40:
             status, secs = f"skipped: {left:.0f}s of budget left", 0.0
-            if job["kind"] != "probe":
+            if job["kind"] not in ("probe", "profile"):
                 rows = [failed_row(job["cfg"], trainer=job["trainer"], variant=job["variant"], env=env, call_id=call_id,
                                    status="skipped", detail=status)]
         else:
             print(f"--- [t={time.time() - t_start:5.0f}s] {job['trainer']} {name} [{job['variant']}] (timeout "
                   f"{min(job['timeout_s'], left):.0f}s): {' '.join(job['argv'])}", flush=True)
-            rc, secs = run_process(job["argv"], job["log"], min(job["timeout_s"], left))
+            rc, secs = run_process(job["argv"], job["log"], min(job["timeout_s"], left), job.get("env"))
             status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed rc={rc}")
             if rc == 0:
                 try:
@@ -412,11 +421,15 @@ def main(argv: Optional[list] = None) -> int:
                     status = f"failed: {err!r}"
             if status != "ok":
                 print(_tail(job["log"]), flush=True)
-                if job["kind"] != "probe":
+                if job["kind"] not in ("probe", "profile"):
                     rows = [failed_row(job["cfg"], trainer=job["trainer"], variant=job["variant"], env=env,
                                        call_id=call_id, status=status.split(":")[0], detail=_tail(job["log"], 8))]
+        env_prefix = "".join(f"{k}={v} " for k, v in (job.get("env") or {}).items())
         for row in rows:
-            row.update(command=" ".join(job["argv"]), wall_s=round(secs, 1))
+            row.update(command=env_prefix + " ".join(job["argv"]), wall_s=round(secs, 1))
+        if job["kind"] == "profile" and status == "ok":
+            prof_file = Path(job["argv"][job["argv"].index("--bench-profile") + 1])
+            print("\n".join(prof_file.read_text().splitlines()[:14]), flush=True)
         with open(out, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")

@@ -18,6 +18,9 @@ class ParallelConfig:
     """Model chunks per pipeline rank for interleaved 1F1B; null = 1."""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations over TP along the sequence (needs tp > 1 to matter)."""
+    async_tensor_model_parallel_allreduce: bool = True
+    """Overlap each column-parallel layer's backward input-grad all-reduce (reduce-scatter under SP)
+    with its weight-grad GEMM (Megatron's name; on by default there too). Same math either way."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard fp32 main params and optimizer state over DP."""
     overlap_grad_reduce: bool = False

@@ -70,7 +70,8 @@ class SelfAttention(torch.nn.Module):
     """
 
     def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, rng_tracker,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 async_grad_allreduce: bool = True) -> None:
         super().__init__()
         tp = groups.tp_size
         self.np = config.num_attention_heads
@@ -90,7 +91,8 @@ class SelfAttention(torch.nn.Module):
         common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, (self.np + 2 * self.ng) * self.hn,
-                                               name=f"{prefix}.linear_qkv", **common)
+                                               name=f"{prefix}.linear_qkv", async_grad_allreduce=async_grad_allreduce,
+                                               **common)
         self.linear_proj = RowParallelLinear(self.np * self.hn, config.hidden_size, name=f"{prefix}.linear_proj",
                                              input_is_parallel=True, scaled_init=True, **common)
 

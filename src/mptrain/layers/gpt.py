@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mptrain.errors import ConfigError
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
-from mptrain.layers.linear import column_parallel_input
+from mptrain.layers.linear import column_parallel_linear
 from mptrain.layers.mlp import activation
 from mptrain.layers.norms import norm_class
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
@@ -150,9 +150,9 @@ class OutputLayer(torch.nn.Module):
     """
 
     def __init__(self, config, groups, *, vocab_size: int, init: ParamInit, own_weight: str, sequence_parallel: bool,
-                 params_dtype: torch.dtype, device) -> None:
+                 params_dtype: torch.dtype, device, async_grad_allreduce: bool = True) -> None:
         super().__init__()
-        self.groups, self.sequence_parallel = groups, sequence_parallel
+        self.groups, self.sequence_parallel, self.async_grad_allreduce = groups, sequence_parallel, async_grad_allreduce
         h = config.hidden_size
         v_pad = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, groups.tp_size)
         start, end = vocab_range(v_pad, groups.tp_rank, groups.tp_size)
@@ -172,8 +172,9 @@ class OutputLayer(torch.nn.Module):
         return {} if self._spec is None else {"weight": self._spec}
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = column_parallel_input(x, self.groups, self.sequence_parallel)  # [s, b, h]
-        return torch.nn.functional.linear(x, self.weight if weight is None else weight)  # [s, b, V_pad/tp]
+        w = self.weight if weight is None else weight
+        return column_parallel_linear(x, w, None, self.groups, self.sequence_parallel,
+                                      self.async_grad_allreduce)  # [s, b, V_pad/tp]
 
 
 class GPTModel(torch.nn.Module):
@@ -221,7 +222,9 @@ class GPTModel(torch.nn.Module):
         if post_process:
             own = "untied" if not self.tied else ("none" if pre_process else "shared_copy")
             self.output_layer = OutputLayer(config, groups, vocab_size=vocab_size, init=init, own_weight=own,
-                                            sequence_parallel=self.sequence_parallel, **kw)
+                                            sequence_parallel=self.sequence_parallel,
+                                            async_grad_allreduce=bool(getattr(parallel, "async_tensor_model_parallel_allreduce", True)),
+                                            **kw)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activations ``[s(/tp), b, h]`` from the previous stage (a tensor or a one-element list)."""

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers.mappings import (
     copy_to_tp_region,
+    gather_from_sequence_parallel_region_raw,
+    start_grad_collective,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -32,6 +34,56 @@ def column_parallel_input(x: torch.Tensor, groups, sequence_parallel: bool) -> t
     if sequence_parallel:
         return gather_from_sequence_parallel_region(x, groups.tp_group)
     return copy_to_tp_region(x, groups.tp_group)
+
+
+class _LinearWithAsyncGradComm(torch.autograd.Function):
+    """Column-parallel ``Y = X Wᵀ + b`` whose input-grad collective overlaps the weight-grad GEMM.
+
+    Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (``async_tensor_model_parallel_allreduce``):
+    backward computes dgrad = dY W, launches its all-reduce over TP (or, under sequence
+    parallelism, its reduce-scatter to ``[s/tp, b, in]``) asynchronously, computes wgrad = dYᵀ X and
+    the bias grad while the collective runs, then waits. Same math as f / ḡ followed by
+    ``F.linear``. Forward under SP all-gathers ``[s/tp, b, in] -> [s, b, in]`` first and saves the
+    gathered input (as ``F.linear``'s autograd would).
+
+    In eager mode the collective is ``dist.*(async_op=True)``; under ``torch.compile`` (layers
+    compiled by ``model.compile_layers``) the functional collective + ``wait_tensor`` (Dynamo
+    cannot trace ``async_op=True``), which Inductor schedules.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        total = gather_from_sequence_parallel_region_raw(x, group) if sequence_parallel else x
+        ctx.save_for_backward(total, weight)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        return F.linear(total, weight, bias)  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        total, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        pending = None
+        if ctx.needs_input_grad[0]:
+            grad_in = grad_out.matmul(weight)  # [s, b, in], a partial sum over TP ranks
+            pending = start_grad_collective(grad_in, ctx.group, ctx.sequence_parallel)
+        go2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = go2.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_in = pending.wait() if pending is not None else None
+        return grad_in, grad_w, grad_b, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups,
+                           sequence_parallel: bool, async_grad_allreduce: bool = True) -> torch.Tensor:
+    """f (or SP's all-gather) then ``F.linear``: ``[s(/tp), b, in] -> [s, b, out/tp]``.
+
+    ``async_grad_allreduce`` (``parallel.async_tensor_model_parallel_allreduce``) overlaps the
+    backward input-grad collective with the weight-grad GEMM (`_LinearWithAsyncGradComm`); off, the
+    collective runs after both GEMMs (autograd of `column_parallel_input` + ``F.linear``).
+    """
+    if async_grad_allreduce and groups.tp_size > 1 and torch.is_grad_enabled():
+        return _LinearWithAsyncGradComm.apply(x, weight, bias, groups.tp_group, sequence_parallel)
+    return F.linear(column_parallel_input(x, groups, sequence_parallel), weight, bias)
 
 
 def _divide(n: int, tp: int, what: str, key: str) -> int:
@@ -58,6 +110,8 @@ class ColumnParallelLinear(torch.nn.Module):
         bias: add a bias. gather_output: all-gather the output on the last dim.
         skip_bias_add: return the bias instead of adding it. sequence_parallel: input is
             sequence-sharded. scaled_init: use std / sqrt(2 L).
+        async_grad_allreduce: overlap the backward input-grad collective with the weight-grad
+            GEMM (`column_parallel_linear`).
     Raises:
         ConfigError: output_size not divisible by tp × parts.
     """
@@ -65,13 +119,13 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, input_size: int, output_size: int, *, groups, init: ParamInit, name: str, bias: bool = True,
                  gather_output: bool = False, skip_bias_add: bool = False, sequence_parallel: bool = False,
                  scaled_init: bool = False, parts: int = 1, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, async_grad_allreduce: bool = True) -> None:
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output with sequence_parallel is not supported")
         tp = groups.tp_size
         self.groups, self.gather_output, self.skip_bias_add = groups, gather_output, skip_bias_add
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.async_grad_allreduce = sequence_parallel, async_grad_allreduce
         self.input_size, self.output_size, self.parts = input_size, output_size, parts
         part_local = _divide(output_size // parts, tp, f"{name} output size / {parts} =", "hidden sizes")
         self.output_size_per_partition = part_local * parts
@@ -96,9 +150,9 @@ class ColumnParallelLinear(torch.nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor):
-        x = column_parallel_input(x, self.groups, self.sequence_parallel)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)  # [s, b, out/tp]
+        y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
+                                   self.async_grad_allreduce)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.groups.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -158,7 +212,7 @@ class RowParallelLinear(torch.nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
         else:
-            y = reduce_from_tp_region(partial, self.groups.tp_group)
+            y = reduce_from_tp_region(partial, self.groups.tp_group, inplace=True)
         if self.skip_bias_add or self.bias is None:
             return y, self.bias
         return y + self.bias, None

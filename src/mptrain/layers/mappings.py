@@ -90,6 +90,59 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(stacked.unbind(0), dim=-1) if p > 1 else x
 
 
+class PendingCollective:
+    """An input-grad collective in flight; `wait` returns its result (see `start_grad_collective`)."""
+
+    def __init__(self, tensor: torch.Tensor, work=None, keep_slice=None, functional: bool = False) -> None:
+        self._tensor, self._work, self._slice, self._functional = tensor, work, keep_slice, functional
+
+    def wait(self) -> torch.Tensor:
+        t = self._tensor
+        if self._functional:
+            t = torch.ops._c10d_functional.wait_tensor(t)
+        elif self._work is not None:
+            self._work.wait()
+        if self._slice is not None:
+            r, n = self._slice
+            t = t[r * n:(r + 1) * n].contiguous()
+        return t
+
+
+def start_grad_collective(grad: torch.Tensor, group, sequence_parallel: bool) -> PendingCollective:
+    """Launch the SUM of a partial input grad ``[s, b, h]`` over `group` without waiting.
+
+    Without SP: all-reduce (result ``[s, b, h]``). With SP: reduce-scatter on dim 0 (result
+    ``[s/tp, b, h]``; on gloo an all-reduce + own slice, as `_reduce_scatter_dim0`). Eager mode uses
+    ``async_op=True``; under torch.compile the functional collectives (Dynamo cannot trace
+    ``async_op=True``; Inductor places the ``wait_tensor``).
+
+    Raises:
+        RuntimeError: under SP, dim 0 not divisible by the group size.
+    """
+    p = _size(group)
+    grad = grad.contiguous()
+    if sequence_parallel and grad.shape[0] % p != 0:
+        raise RuntimeError(f"reduce-scatter: dim 0 ({grad.shape[0]}) is not divisible by the group size {p}")
+    n = grad.shape[0] // p
+    scatter = sequence_parallel and _is_nccl(group)
+    keep = (_rank(group), n) if sequence_parallel and not scatter else None
+    if torch.compiler.is_compiling():
+        if scatter:
+            out = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", p, group.group_name)
+        else:
+            out = torch.ops._c10d_functional.all_reduce(grad, "sum", group.group_name)
+        return PendingCollective(out, keep_slice=keep, functional=True)
+    if scatter:
+        out = torch.empty((n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        return PendingCollective(out, dist.reduce_scatter_tensor(out, grad, group=group, async_op=True))
+    return PendingCollective(grad, dist.all_reduce(grad, group=group, async_op=True), keep_slice=keep)
+
+
+def gather_from_sequence_parallel_region_raw(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``[s/tp, b, h] -> [s, b, h]`` on dim 0 without autograd (rank order)."""
+    return _all_gather_dim0(x, group)
+
+
 # --- autograd Functions ----------------------------------------------------------------------
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
@@ -108,12 +161,16 @@ class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x, group, inplace):
+        if not inplace or not x.is_contiguous():
+            return _all_reduce(x.clone() if x.is_contiguous() else x, group)  # contiguous() copies
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -179,9 +236,13 @@ def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """g (``reduce_from_tensor_model_parallel_region``): all-reduce SUM fwd, identity bwd."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+def reduce_from_tp_region(x: torch.Tensor, group, *, inplace: bool = False) -> torch.Tensor:
+    """g (``reduce_from_tensor_model_parallel_region``): all-reduce SUM fwd, identity bwd.
+
+    ``inplace``: reduce into `x` itself (Megatron's ``_reduce`` does); only for a fresh tensor no
+    one else reads, e.g. a row-parallel matmul's partial output. Saves one ``[s, b, h]`` copy.
+    """
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group, inplace)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -39,7 +39,8 @@ class MLP(torch.nn.Module):
     """forward(x ``[s(/tp), b, h]``) -> ``[s(/tp), b, h]`` (fc2 bias added)."""
 
     def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 async_grad_allreduce: bool = True) -> None:
         super().__init__()
         self.act, parts = activation(config.activation)
         ffn = config.ffn_hidden_size or 4 * config.hidden_size
@@ -47,7 +48,7 @@ class MLP(torch.nn.Module):
         common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, parts * ffn, name=f"{prefix}.linear_fc1", parts=parts,
-                                               **common)
+                                               async_grad_allreduce=async_grad_allreduce, **common)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, name=f"{prefix}.linear_fc2", input_is_parallel=True,
                                             scaled_init=True, **common)
 

@@ -45,11 +45,13 @@ class TransformerLayer(torch.nn.Module):
         sp = bool(parallel.sequence_parallel) and groups.tp_size > 1
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
         kw = dict(params_dtype=params_dtype, device=device)
+        overlap = bool(getattr(parallel, "async_tensor_model_parallel_allreduce", True))
         self.input_layernorm = build_norm(config, sequence_parallel=sp, **kw)
         self.self_attention = SelfAttention(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
-                                            rng_tracker=rng_tracker, **kw)
+                                            rng_tracker=rng_tracker, async_grad_allreduce=overlap, **kw)
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp, **kw)
-        self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp, **kw)
+        self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
+                       async_grad_allreduce=overlap, **kw)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
         self._compiled_body = torch.compile(self._body) if getattr(config, "compile_layers", False) else None
