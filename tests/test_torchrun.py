@@ -87,3 +87,24 @@ def test_stalled_rank_ends_the_job_through_the_step_timeout(tmp_path):
     assert out.returncode != 0
     assert elapsed < 60, elapsed  # the design's bound; the stall alone would last 120 s
     assert "job failed" in out.stderr  # rank 0's collective timed out and it exited at once
+    # The stalled rank 1 ended itself (its heartbeat at 3 + 10 s, or the 10 s grace after torchrun's SIGTERM;
+    # training/watchdog.py) instead of waiting for torchrun's SIGKILL 30 s after the SIGTERM.
+    assert "error: rank 1: iteration 2 did not finish within 13 s" in out.stderr or (
+        "error: signal 15 received but the step did not finish within 10 s" in out.stderr), out.stderr[-3000:]
+    assert "forcefully exiting" not in out.stderr  # torchrun never escalated to SIGKILL
+
+
+def test_stalled_step_ends_the_process_through_the_heartbeat(tmp_path):
+    """`python train.py` (world 1, so no collective can time out): a step stalled past `train.step_timeout_s` +
+    max(10 s, train.step_timeout_s) ends the process with one line and exit 1 (training/watchdog.py)."""
+    run_dir = tmp_path / "r"
+    t0 = time.monotonic()
+    out = _run([sys.executable, "train.py", *TINY, "parallel=tp1pp1", "train.train_iters=6", "train.step_timeout_s=1",
+                "debug.sleep_rank=0", "debug.sleep_seconds=120", f"run.dir={run_dir}"], timeout_s=100)
+    elapsed = time.monotonic() - t0
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert 11 <= elapsed < 60, elapsed  # the heartbeat's limit is 1 + 10 s; the stall alone would last 120 s
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 0: iteration 2 did not finish within 11 s (train.step_timeout_s=1); "
+                      "a peer rank failed or stalled; exiting"], out.stderr[-3000:]
+    assert [r["iteration"] for r in read_rows(run_dir)] == [1]  # the first step ran unarmed and was recorded

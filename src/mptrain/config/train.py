@@ -29,7 +29,12 @@ class TrainConfig:
     timeout_s: float = 600.0
     """Collective timeout for start-up."""
     step_timeout_s: Optional[float] = None
-    """Shorter collective timeout after the first step (catches a stalled rank); null = timeout_s."""
+    """Seconds; null = off (timeout_s throughout, no heartbeat). After the first step (which compiles and
+    autotunes under timeout_s): the collective timeout of every process group, so a peer that died or
+    stalled makes this rank's collectives fail (NCCL's watchdog / gloo raise); and a per-rank heartbeat
+    (training/watchdog.py) that ends a training step still running after step_timeout_s +
+    max(10, step_timeout_s) seconds with one stderr line and exit 1, when the collective timeout did not
+    end the process. Evaluation and checkpoint saves are not timed by the heartbeat."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
     optimizer, batch-generator; 2 = + pipeline-p2p. Timers above this level cost nothing."""

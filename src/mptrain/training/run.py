@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,6 +39,7 @@ from mptrain.schedules import ScheduleStats, get_forward_backward_func
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
+from mptrain.training.watchdog import StepWatchdog, StopSignal
 
 CONFIG_ERROR_GRACE_S = 5.0  # seconds a rank waits after printing a config error, before exiting (see hydra_main)
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,53 +179,6 @@ def _poison_grads_fn(built: Built, iteration_ref: list):
     return poison
 
 
-class _StopSignal:
-    """SIGTERM / SIGINT: finish the current step, save, exit 0 (DESIGN.md §4).
-
-    The step must finish within a grace period (``max(10 s, 3 × the last step time)``) after the
-    signal; a rank stuck in a collective whose peer died never gets there, so a watchdog thread
-    then ends the process with exit 1 (torchrun's own SIGTERM on a peer's failure otherwise waits
-    30 s before its SIGKILL).
-    """
-
-    def __init__(self) -> None:
-        self.received = False
-        self.step_time_s = 0.0
-        self._previous = {}
-        self._watchdog: Optional[threading.Timer] = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. a test pool worker): no signal handling
-                pass
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-        if self._watchdog is None:
-            grace_s = max(10.0, 3.0 * self.step_time_s)
-            self._watchdog = threading.Timer(grace_s, _exit_stuck, args=(signum, grace_s))
-            self._watchdog.daemon = True
-            self._watchdog.start()
-
-    def acknowledge(self) -> None:
-        """The loop saw the signal between steps: saving and exiting normally, no watchdog needed."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-
-    def uninstall(self) -> None:
-        self.acknowledge()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _exit_stuck(signum: int, grace_s: float) -> None:
-    print(f"error: signal {signum} received but the step did not finish within {grace_s:.0f} s "
-          "(a peer rank failed?); exiting", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
 def _any_rank_flag(flag: bool, device) -> bool:
     """Whether any rank set `flag` (one tiny all-reduce; used for the stop signal)."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
@@ -260,7 +212,9 @@ def run(cfg: Any) -> dict:
         device=device,
     )
     recorder = None
-    stop = _StopSignal()
+    stop = StopSignal()
+    # the rank heartbeat (training/watchdog.py): armed around each step from this process's second on
+    heartbeat = StepWatchdog(cfg.train.step_timeout_s, rank=groups.rank) if cfg.train.step_timeout_s is not None else None
     clean_exit = False
     try:
         recorder = Recorder.open(cfg, groups, derived, vocab_size=vocab_size, t_start=t_start)
@@ -299,10 +253,16 @@ def run(cfg: Any) -> dict:
             while iteration < cfg.train.train_iters:
                 iteration_ref[0] = iteration + 1
                 trainer.faults.iteration = iteration + 1
+                # not the first step: it compiles / autotunes, and runs under the long start-up timeout
+                armed = heartbeat is not None and iteration > state["iteration"]
+                if armed:
+                    heartbeat.arm(iteration + 1)
                 if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
-                    time.sleep(cfg.debug.sleep_seconds)
+                    time.sleep(cfg.debug.sleep_seconds)  # a rank stalled inside its step: the heartbeat is armed
                 t0 = time.time()
                 metrics = trainer.train_step(train_iters)
+                if armed:
+                    heartbeat.disarm()  # evaluation and saves below may legitimately take long
                 iteration += 1
                 consumed += cfg.train.global_batch_size
                 stop.step_time_s = time.time() - t0
@@ -340,6 +300,8 @@ def run(cfg: Any) -> dict:
         # while a peer waits in a collective hangs): the process exits and torchrun stops the others.
         if clean_exit:
             groups.destroy()
+        if heartbeat is not None:
+            heartbeat.stop()  # last: after a failure mid-step it stays armed through this cleanup
 
 
 def _check_checkpoint_paths(cfg: Config) -> None:
