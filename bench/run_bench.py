@@ -24,6 +24,7 @@ with a host sync for the loss), warm-up iterations dropped, mean iteration time 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -356,6 +357,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")
     p.add_argument("--only", default=None, help="comma-separated config names of the suite")
+    p.add_argument("--variants", default=None, help="comma-separated mptrain variants to run (default: each config's)")
     p.add_argument("--trainers", default=",".join(TRAINERS), help="mptrain,megatron-core (either or both)")
     p.add_argument("--budget-s", type=float, default=560.0, help="whole-script deadline (device calls stop at 600 s)")
     p.add_argument("--profile", nargs="?", const="base", default=None, metavar="VARIANTS",
@@ -383,6 +385,9 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     call_id = args.call_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     configs = suite(args.suite, gpus, args.only.split(",") if args.only else None)
+    if args.variants:
+        keep = set(args.variants.split(","))
+        configs = [dataclasses.replace(c, variants=tuple(v for v in c.variants if v in keep)) for c in configs]
     out = Path(args.out).resolve()
     log_dir = out.parent / "bench_logs" / call_id
     jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers,

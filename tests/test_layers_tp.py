@@ -55,7 +55,7 @@ def test_mappings_forward_and_backward():
         assert out["reduce_scatter_seq"] == ((2, 2, 3), s, 4 * 2 * 3.0)
 
 
-def _cross_entropy(rank, world, smoothing):
+def _cross_entropy(rank, world, smoothing, fused=False):
     g = build_groups(world, 1)
     try:
         vocab, padded = 10, 12  # 2 padded entries on the last rank
@@ -69,7 +69,8 @@ def _cross_entropy(rank, world, smoothing):
                               label_smoothing=smoothing * vocab / (vocab - 1)).view(5, 3)
         ref.sum().backward()
         local = logits.chunk(world, -1)[g.tp_rank].clone().requires_grad_(True)
-        loss = vocab_parallel_cross_entropy(local, target, group=g.tp_group, vocab_size=vocab, label_smoothing=smoothing)
+        loss = vocab_parallel_cross_entropy(local, target, group=g.tp_group, vocab_size=vocab, label_smoothing=smoothing,
+                                            fused=fused)
         loss.sum().backward()
         ref_grad = torch.cat([ref_logits.grad, torch.zeros(5, 3, padded - vocab)], -1).chunk(world, -1)[g.tp_rank]
         return float((loss - ref).abs().max()), float((local.grad - ref_grad).abs().max())
@@ -77,9 +78,10 @@ def _cross_entropy(rank, world, smoothing):
         g.destroy()
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_vocab_parallel_cross_entropy_matches_torch(smoothing):
-    for loss_err, grad_err in run_distributed(_cross_entropy, 2, smoothing):
+@pytest.mark.parametrize("smoothing,fused", [(0.0, False), (0.1, False), (0.0, True), (0.1, True)])
+def test_vocab_parallel_cross_entropy_matches_torch(smoothing, fused):
+    """Both variants (fused = the compiled three-pass one of model.compile_layers) equal torch's."""
+    for loss_err, grad_err in run_distributed(_cross_entropy, 2, smoothing, fused):
         # fp32; values O(1): differences are reduction-order ulps (~1e-7)
         assert loss_err <= 1e-5 and grad_err <= 1e-6, (loss_err, grad_err)
 
@@ -120,3 +122,28 @@ def test_async_grad_allreduce_matches_plain_path(sequence_parallel, with_bias, c
     collectives)."""
     for rank_result in run_distributed(_async_vs_plain, 2, sequence_parallel, with_bias, compiled):
         assert all(rank_result), rank_result
+
+
+def _fused_ce_bf16(rank, world):
+    """bf16 logits: the fused variant's loss and grad equal the plain variant's (fp32 math inside both)."""
+    g = build_groups(world, 1)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        logits = (torch.randn(6, 2, 16, generator=gen) * 4).to(torch.bfloat16).chunk(world, -1)[g.tp_rank]
+        target = torch.randint(0, 15, (6, 2), generator=gen)
+        out = []
+        for fused in (False, True):
+            x = logits.clone().requires_grad_(True)
+            loss = vocab_parallel_cross_entropy(x, target, group=g.tp_group, vocab_size=15, fused=fused)
+            loss.sum().backward()
+            out.append((loss.detach(), x.grad))
+        (l0, g0), (l1, g1) = out
+        return float((l0 - l1).abs().max()), float((g0.float() - g1.float()).abs().max()), str(g1.dtype)
+    finally:
+        g.destroy()
+
+
+def test_fused_cross_entropy_bf16_matches_plain():
+    for loss_err, grad_err, dtype in run_distributed(_fused_ce_bf16, 2):
+        assert dtype == "torch.bfloat16"
+        assert loss_err <= 1e-5 and grad_err <= 2 ** -8, (loss_err, grad_err)  # one bf16 rounding of the grad

@@ -14,7 +14,9 @@ Order (Megatron ``distributed/finalize_model_grads.py``, megatron-core.md §3.7)
    are ``d(Σ_all-ranks loss_sum) / max_tokens``. The loss we want is the mean over all
    loss-masked tokens of the global batch, ``Σ loss_sum / N`` with ``N`` = global token count,
    hence the factor ``max_tokens / N``. ``N`` lives on the last pipeline stage (it counted the
-   tokens): broadcast over PP, then SUM over DP.
+   tokens): broadcast over PP, then SUM over DP. With ``scale_grads=False`` the caller applies the
+   factor itself (`token_scale`): the trainer folds it into the optimizer's unscale pass, which
+   multiplies every grad anyway, instead of one more pass over all grads here.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def finalize_model_grads(
     *,
     num_tokens: Optional[torch.Tensor] = None,
     max_tokens: Optional[int] = None,
+    scale_grads: bool = True,
 ) -> Optional[torch.Tensor]:
     """Finish the gradient reductions of one iteration and normalise the grads (see module docstring).
 
@@ -76,6 +79,8 @@ def finalize_model_grads(
         max_tokens: the factor the schedule divided the loss by (global_batch_size × seq_length);
             None = 1 (grads are then divided by the global token count alone).
         With both None no normalisation happens (the same choice must be made on every rank).
+        scale_grads: multiply the grads by ``token_scale(total, max_tokens)`` here (False: the
+            caller does, e.g. ``optimizer.step(grad_scale=...)``).
     Returns:
         the global token count (0-d float64 tensor, same on every rank), or None without normalisation.
     """
@@ -101,8 +106,15 @@ def finalize_model_grads(
         dist.broadcast(total, src=groups.last_pp_rank, group=groups.pp_group)
     if groups.dp_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.dp_group)
-    # Empty batches (no loss-masked token) leave the grads unscaled rather than dividing by zero.
-    factor = float(max_tokens or 1) / torch.clamp(total, min=1.0)
-    for chunk in model_chunks:
-        chunk.scale_gradients(factor)
+    if scale_grads:
+        factor = token_scale(total, max_tokens)
+        for chunk in model_chunks:
+            chunk.scale_gradients(factor)
     return total
+
+
+def token_scale(total: torch.Tensor, max_tokens: Optional[int]) -> torch.Tensor:
+    """``max_tokens / max(total, 1)`` (0-d float64 tensor, no host sync): the factor that turns the
+    schedule's ``d(Σ loss_sum)/max_tokens`` grads into the per-token mean's. Empty batches (no
+    loss-masked token) leave the grads unscaled rather than dividing by zero."""
+    return float(max_tokens or 1) / torch.clamp(total, min=1.0)

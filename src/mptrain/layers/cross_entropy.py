@@ -16,6 +16,7 @@ The Σ logits term is a sum over the *global* vocabulary, so label smoothing is 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -77,8 +78,89 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
+# --- fused variant: three compiled passes over the logits, softmax recomputed in backward -------
+def _masked_fp32(logits, start: int, vocab_size: int):
+    """fp32 logits with padded vocab entries (ids ≥ V) at −inf, and the padded mask ``[n]``."""
+    n = logits.shape[-1]
+    col = torch.arange(start, start + n, device=logits.device)
+    padded = col >= vocab_size
+    return logits.float().masked_fill(padded, float("-inf")), padded
+
+
+def _local_max(logits, start: int, vocab_size: int):
+    x, _ = _masked_fp32(logits, start, vocab_size)
+    return x.amax(dim=-1)  # [...] fp32
+
+
+def _local_stats(logits, x_max, local_t, in_range, start: int, vocab_size: int, smoothing: bool):
+    x, padded = _masked_fp32(logits, start, vocab_size)
+    x = x - x_max.unsqueeze(-1)
+    target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+    stats = [target_logit, x.exp().sum(dim=-1)]
+    if smoothing:
+        stats.append(x.masked_fill(padded, 0.0).sum(dim=-1))
+    return torch.stack(stats, dim=-1)  # [..., 2 or 3]
+
+
+def _local_grad(logits, x_max, sum_exp, local_t, in_range, grad_loss, start: int, vocab_size: int, alpha: float):
+    x, padded = _masked_fp32(logits, start, vocab_size)
+    softmax = (x - x_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+    col = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (col == local_t.unsqueeze(-1)) & in_range.unsqueeze(-1)
+    grad = softmax - (1.0 - alpha) * onehot.to(softmax.dtype)
+    if alpha > 0:
+        grad = grad - (alpha / vocab_size) * (~padded).to(softmax.dtype)
+    return (grad * grad_loss.unsqueeze(-1)).to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    """One torch.compile wrapper per local pass (Inductor fuses each into one or two kernels)."""
+    return torch.compile(fn, dynamic=False)
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """Same loss and grad as `_VocabParallelCrossEntropy` (module docstring), computed in three
+    compiled passes over the logits: local max; target logit + Σ exp (+ Σ logits); and, in
+    backward, the grad with the softmax recomputed from the saved logits. No fp32 ``[s, b, V/tp]``
+    softmax is kept between forward and backward (the logits, in the model dtype, are).
+    Megatron's counterpart: ``cross_entropy_loss_fusion``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size, label_smoothing):
+        tp, rank = _tp(group)
+        n_local = logits.shape[-1]
+        start = rank * n_local
+        x_max = _compiled(_local_max)(logits, start, vocab_size)
+        if tp > 1:
+            dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
+        in_range = (target >= start) & (target < start + n_local)
+        local_t = (target - start).masked_fill(~in_range, 0)
+        stacked = _compiled(_local_stats)(logits, x_max, local_t, in_range, start, vocab_size, label_smoothing > 0)
+        if tp > 1:
+            dist.all_reduce(stacked, group=group)  # the one SUM all-reduce
+        target_logit, sum_exp = stacked[..., 0], stacked[..., 1]
+        log_z = sum_exp.log()
+        loss = log_z - target_logit
+        alpha = 0.0
+        if label_smoothing > 0:
+            alpha = label_smoothing * vocab_size / (vocab_size - 1)
+            loss = log_z - (1.0 - alpha) * target_logit - alpha * (stacked[..., 2] / vocab_size)
+        ctx.alpha, ctx.vocab_size, ctx.start = alpha, vocab_size, start
+        ctx.save_for_backward(logits, x_max, sum_exp.contiguous(), local_t, in_range)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, x_max, sum_exp, local_t, in_range = ctx.saved_tensors
+        grad = _compiled(_local_grad)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), ctx.start,
+                                      ctx.vocab_size, ctx.alpha)
+        return grad, None, None, None, None
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *, group=None,
-                                 vocab_size: Optional[int] = None, label_smoothing: float = 0.0) -> torch.Tensor:
+                                 vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
+                                 fused: bool = False) -> torch.Tensor:
     """Per-token cross entropy of TP-sharded logits (fp32).
 
     Args:
@@ -88,6 +170,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         group: the TP process group (None: single rank).
         vocab_size: V, the real vocabulary; entries ≥ V are padding (default: no padding).
         label_smoothing: ε in [0, 1).
+        fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`; used with
+            ``model.compile_layers``); same math.
     Returns:
         fp32 loss with the shape of ``target``.
     """
@@ -96,4 +180,5 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         vocab_size = vocab_parallel_logits.shape[-1] * tp
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, vocab_size, label_smoothing)
+    fn = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
+    return fn.apply(vocab_parallel_logits, target, group, vocab_size, label_smoothing)

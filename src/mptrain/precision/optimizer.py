@@ -217,11 +217,13 @@ class OptimizerWrapper:
             e.main.grad = None
             e.model_param.grad = None
 
-    def _found_non_finite(self, main_grads: list) -> bool:
+    def _found_non_finite(self, main_grads: list, grad_scale: Optional[torch.Tensor] = None) -> bool:
         device = main_grads[0].device if main_grads else self.groups.device
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if main_grads:
             inv_scale = (torch.ones(1) if self.scaler is None else self.scaler.inv_scale).to(device)
+            if grad_scale is not None:  # folded in: one pass over the grads instead of two
+                inv_scale = (inv_scale.double() * grad_scale.to(device).reshape(1)).float()
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
         all_reduce_over(found_inf, self._grad_stats_groups(), dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)  # host sync, once per step
@@ -245,8 +247,12 @@ class OptimizerWrapper:
         return StepResult(update_successful=False, grad_norm=None, num_zeros=None, found_inf=True)
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def step(self, grad_scale: Optional[torch.Tensor] = None) -> StepResult:
         """One optimizer step (module docstring, steps 1-5). Collective over the grad-stats groups.
+
+        Args:
+            grad_scale: an extra factor for every grad (0-d tensor, e.g. `finalize.token_scale`),
+                multiplied in by the unscale pass of step 2 (None = 1).
 
         Returns:
             `StepResult`; ``update_successful`` False (and no param changed) on non-finite grads.
@@ -255,7 +261,7 @@ class OptimizerWrapper:
         """
         self._copy_model_grads_to_main_grads()
         main_grads = self._main_grads()
-        found_inf = self._found_non_finite(main_grads)
+        found_inf = self._found_non_finite(main_grads, grad_scale)
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:

@@ -3,7 +3,7 @@
 A training iteration (DESIGN.md §3, loss normalisation in docs/ARCHITECTURE.md):
     zero grads → forward_backward_func over num_microbatches (loss_sum·loss_scale/max_tokens
     backpropagated per micro-batch) → finalize_model_grads (DP sync, SP / tied-embedding grads over
-    TP / embedding group, × max_tokens / global token count) → optimizer.step (unscale, inf check,
+    TP / embedding group) → optimizer.step (unscale × max_tokens / global token count, inf check,
     clip, update or skip) → LR step.
 The reported lm_loss is Σ loss_sum / Σ num_tokens over all micro-batches and DP ranks; it lives on
 the last pipeline stage and is broadcast over each PP group so that rank 0 logs the real value.
@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from mptrain.distributed.finalize import token_scale
 from mptrain.groups import ParallelGroups
 from mptrain.training.batch import get_batch
 
@@ -176,12 +177,13 @@ class Trainer:
         with self.timers("forward-backward"):
             reports, num_tokens = self.forward_backward_func(**kwargs)
         with self.timers("grads-all-reduce"):  # DP sync, SP / tied-embedding grads, token normalisation
-            self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens, max_tokens=self.max_tokens)
+            total = self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens,
+                                              max_tokens=self.max_tokens, scale_grads=False)
         if self.poison_grads is not None:
             self.poison_grads()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         with self.timers("optimizer"):
-            result = self.optimizer.step()
+            result = self.optimizer.step(grad_scale=token_scale(total, self.max_tokens))
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()
         loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
