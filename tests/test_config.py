@@ -135,6 +135,8 @@ INVALID = [
     (["parallel=tp1pp4", "model.num_layers=5", "parallel.decoder_first_pipeline_num_layers=1"], 4,
      "the other 3 pipeline stage(s) get 4 of model.num_layers=5"),
     (["parallel=tp1pp1", "parallel.decoder_last_pipeline_num_layers=2"], 1, "decoder_last_pipeline_num_layers need pipeline_model_parallel_size > 1"),
+    (["train.step_timeout_s=0"], 1, "train.step_timeout_s=0.0 must be a number of seconds > 0 or null"),
+    (["train.timeout_s=-1"], 1, "train.timeout_s=-1.0 must be a number of seconds > 0"),
     (["train.global_batch_size=10"], 4, "train.global_batch_size=10 is not divisible by train.micro_batch_size × data-parallel size = 2 × 4 = 8"),
     (["precision=fp16", "loss_scaler=none"], 1, "precision=fp16 with loss_scaler=none"),
     (["parallel=tp1pp2", "schedule=interleaved_1f1b"], 2, "virtual_pipeline_model_parallel_size is null but schedule=interleaved_1f1b"),

@@ -331,7 +331,7 @@ def check_training_keys(cfg: Config) -> None:
     """Iteration counts, intervals and checkpoint keys.
 
     Raises:
-        ConfigError: non-positive counts/intervals; exit_interval or save_interval without checkpoint.save.
+        ConfigError: non-positive counts/intervals/timeouts; exit_interval or save_interval without checkpoint.save.
     """
     t, ck = cfg.train, cfg.checkpoint
     if t.train_iters < 0:
@@ -342,6 +342,9 @@ def check_training_keys(cfg: Config) -> None:
         _positive("train.eval_iters", t.eval_iters)
     _positive("train.exit_interval", t.exit_interval, allow_none=True)
     _positive("checkpoint.save_interval", ck.save_interval, allow_none=True)
+    for key, seconds in (("train.timeout_s", t.timeout_s), ("train.step_timeout_s", t.step_timeout_s)):
+        if seconds is not None and not seconds > 0:
+            raise ConfigError(f"{key}={seconds} must be a number of seconds > 0" + (" or null" if "step" in key else ""))
     if t.timing_log_level not in (0, 1, 2):
         raise ConfigError(f"train.timing_log_level={t.timing_log_level} must be 0, 1 or 2")
     for key, value in (("train.exit_interval", t.exit_interval), ("checkpoint.save_interval", ck.save_interval)):
