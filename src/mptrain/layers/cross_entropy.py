@@ -29,6 +29,16 @@ def _tp(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _loss_from_stats(stacked: torch.Tensor, vocab_size: int, label_smoothing: float) -> tuple:
+    """Per-token loss from the TP-summed ``[..., (target logit, Σ exp, Σ logits)]`` (logits already
+    shifted by the global max); returns (loss, Megatron's α = ε V/(V−1), 0 without smoothing)."""
+    target_logit, log_z = stacked[..., 0], stacked[..., 1].log()
+    if label_smoothing <= 0:
+        return log_z - target_logit, 0.0
+    alpha = label_smoothing * vocab_size / (vocab_size - 1)
+    return log_z - (1.0 - alpha) * target_logit - alpha * (stacked[..., 2] / vocab_size), alpha
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
@@ -54,14 +64,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stacked = torch.stack(stats, dim=-1)
         if tp > 1:
             dist.all_reduce(stacked, group=group)  # the one SUM all-reduce
-        target_logit, sum_exp = stacked[..., 0], stacked[..., 1]
-        log_z = sum_exp.log()
-        loss = log_z - target_logit
-        alpha = 0.0
-        if label_smoothing > 0:
-            alpha = label_smoothing * vocab_size / (vocab_size - 1)
-            mean_logit = stacked[..., 2] / vocab_size
-            loss = log_z - (1.0 - alpha) * target_logit - alpha * mean_logit
+        loss, alpha = _loss_from_stats(stacked, vocab_size, label_smoothing)
+        sum_exp = stacked[..., 1]
         softmax = exp_x.div_(sum_exp.unsqueeze(-1))
         ctx.alpha, ctx.vocab_size, ctx.in_dtype = alpha, vocab_size, logits.dtype
         ctx.save_for_backward(softmax, in_range, local_t, padded)
@@ -139,15 +143,9 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         stacked = _compiled(_local_stats)(logits, x_max, local_t, in_range, start, vocab_size, label_smoothing > 0)
         if tp > 1:
             dist.all_reduce(stacked, group=group)  # the one SUM all-reduce
-        target_logit, sum_exp = stacked[..., 0], stacked[..., 1]
-        log_z = sum_exp.log()
-        loss = log_z - target_logit
-        alpha = 0.0
-        if label_smoothing > 0:
-            alpha = label_smoothing * vocab_size / (vocab_size - 1)
-            loss = log_z - (1.0 - alpha) * target_logit - alpha * (stacked[..., 2] / vocab_size)
+        loss, alpha = _loss_from_stats(stacked, vocab_size, label_smoothing)
         ctx.alpha, ctx.vocab_size, ctx.start = alpha, vocab_size, start
-        ctx.save_for_backward(logits, x_max, sum_exp.contiguous(), local_t, in_range)
+        ctx.save_for_backward(logits, x_max, stacked[..., 1].contiguous(), local_t, in_range)
         return loss
 
     @staticmethod
