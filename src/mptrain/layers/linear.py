@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers.mappings import (
     copy_to_tp_region,
-    gather_from_sequence_parallel_region_raw,
-    start_grad_collective,
     gather_from_sequence_parallel_region,
+    gather_from_sequence_parallel_region_raw,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
+    start_grad_collective,
 )
 from mptrain.layers.random import ParamInit
 from mptrain.layers.sharding import ShardSpec, take_shard

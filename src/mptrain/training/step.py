@@ -183,7 +183,8 @@ class Trainer:
             self.poison_grads()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         with self.timers("optimizer"):
-            result = self.optimizer.step(grad_scale=token_scale(total, self.max_tokens))
+            # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
+            result = self.optimizer.step(grad_scale=None if total is None else token_scale(total, self.max_tokens))
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()
         loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
