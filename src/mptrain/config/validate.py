@@ -15,6 +15,11 @@ Decisions recorded here (beyond DESIGN.md):
   microbatch group size N = pp the newer rule is the same).
 - `sequence_parallel=true` with tp = 1 is allowed and does nothing (`DerivedLayout.sequence_parallel`
   is False); with tp > 1 it needs seq_length % tp == 0 (activations are split along s).
+- `model.compile_layers=true` with sequence parallelism (tp > 1) is rejected: on NCCL the compiled
+  layers' sequence-parallel collectives gave wrong gradients (2 × H200: eager SP equal to tp2
+  without SP to 1e-7, compiled SP 0.09 off after one step, with and without the async input-grad
+  path; on gloo the same run is right). Rejected on every backend, since this check reads no
+  environment.
 - A loss scaler with fp32 / bf16 is allowed (it only multiplies the loss); fp16 without one is an error.
 - Vocabulary checks need the tokenizer, so they are left to the caller: `check_vocab_size`.
 """
@@ -384,6 +389,11 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over tp: model.seq_length={c.model.seq_length} is "
             f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false"
+        )
+    if sequence_parallel and getattr(c.model, "compile_layers", False):
+        raise ConfigError(
+            "model.compile_layers=true with parallel.sequence_parallel=true (tp > 1) trains with wrong gradients on "
+            "NCCL (measured on 2 H200s: loss off by 0.09 after one step, BENCHMARKS.md); set one of them to false"
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
