@@ -168,8 +168,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         group: the TP process group (None: single rank).
         vocab_size: V, the real vocabulary; entries ≥ V are padding (default: no padding).
         label_smoothing: ε in [0, 1).
-        fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`; used with
-            ``model.compile_layers``); same math.
+        fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`); same math,
+            verified on CPU only. The model does not use it: on 2 × H200 the runs that did
+            (compiled layers, session 2) diverged from eager from the second step, cause not found
+            (BENCHMARKS.md).
     Returns:
         fp32 loss with the shape of ``target``.
     """
