@@ -108,6 +108,33 @@ def test_mixed_precision_step_equals_fp32_step_on_the_main_params(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_grad_scale_in_the_unscale_pass_equals_scaling_the_grads_first(dtype):
+    """step(grad_scale=f) (the trainer's token normalisation, folded into the unscale pass) takes the
+    same step as multiplying every grad by f first (what finalize_model_grads does by default):
+    clipped norm, main params and Adam state, over three steps with a factor that is not 1."""
+    params, specs = _model(dtype)
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    loss_scale = 1024.0 if dtype == torch.float16 else None
+    opt = _wrap(params, specs, scaler=ConstantLossScaler(loss_scale) if loss_scale else None, clip=0.5)
+    ref = _wrap(ref_params, specs, scaler=ConstantLossScaler(loss_scale) if loss_scale else None, clip=0.5)
+    factor = torch.tensor(8192.0 / 6011.0, dtype=torch.float64)  # max_tokens / masked tokens
+    for step in range(3):
+        _set_grads(params, step, scale=loss_scale or 1.0)
+        _set_grads(ref_params, step, scale=loss_scale or 1.0)
+        for r in ref_params:
+            r.grad = (r.grad.float() * float(factor)).to(r.dtype)  # scaled first, in the grads' dtype
+        a, b = opt.step(grad_scale=factor), ref.step()
+        assert a.update_successful and b.update_successful
+        # one rounding of the factor into the grads differs: fp32 grads agree to ~1 ulp, fp16/bf16 to their own
+        tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=tol)
+        for m, r in zip(opt.main_params(), ref.main_params()):
+            torch.testing.assert_close(m.detach(), r.detach(), rtol=tol, atol=tol * 1e-2)
+        opt.zero_grad()
+        ref.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_skipped_step_changes_no_weight_and_no_optimizer_state(dtype):
     params, specs = _model(dtype)
     scaler = DynamicLossScaler(2.0**16, 1.0, 2.0, 0.5, 1000, 1) if dtype == torch.float16 else None
