@@ -108,3 +108,75 @@ def test_stalled_step_ends_the_process_through_the_heartbeat(tmp_path):
     assert errors == ["error: rank 0: iteration 2 did not finish within 11 s (train.step_timeout_s=1); "
                       "a peer rank failed or stalled; exiting"], out.stderr[-3000:]
     assert [r["iteration"] for r in read_rows(run_dir)] == [1]  # the first step ran unarmed and was recorded
+
+
+_SLOW_RANK0 = '''
+import os, sys, time
+sys.path.insert(0, {root!r})
+import hydra
+from mptrain.config.schema import register
+import mptrain.checkpoint.atomic as atomic
+import mptrain.training.step as step
+
+register()
+SLOW = float(os.environ["SLOW_S"])
+RANK = int(os.environ["RANK"])
+_publish, _evaluate, _train_step = atomic.publish, step.Trainer.evaluate, step.Trainer.train_step
+calls = [0]
+
+
+def publish(*a, **k):  # rank 0 publishes (and prunes) the checkpoint: slow storage
+    time.sleep(SLOW)
+    return _publish(*a, **k)
+
+
+def evaluate(self, *a, **k):  # rank 0 slow at the start of an evaluation
+    if RANK == 0:
+        time.sleep(SLOW)
+    return _evaluate(self, *a, **k)
+
+
+def train_step(self, *a, **k):  # rank 1 stalls in step STALL_STEP (counted from 1 in this process)
+    calls[0] += 1
+    if RANK == 1 and calls[0] == int(os.environ.get("STALL_STEP", "0")):
+        time.sleep(120)
+    return _train_step(self, *a, **k)
+
+
+atomic.publish, step.Trainer.evaluate, step.Trainer.train_step = publish, evaluate, train_step
+
+
+@hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
+def main(cfg):
+    from mptrain.training.run import hydra_main
+    return hydra_main(cfg)
+
+
+main()
+'''
+
+
+@pytest.mark.parametrize("stall_step", [None, 4])
+def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(tmp_path, stall_step):
+    """Evaluation and checkpoint saves run under train.timeout_s, not train.step_timeout_s (rank 0 3 s late in
+    each, step timeout 1 s: the job completes); the step timeout is back in force for the next step (a rank
+    stalled in step 4, after the save and evaluation at 2, ends the job)."""
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(_SLOW_RANK0.format(root=str(ROOT / "src"), conf=str(ROOT / "conf")))
+    env = {**ENV, "SLOW_S": "3", **({"STALL_STEP": str(stall_step)} if stall_step else {})}
+    t0 = time.monotonic()
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node=2", str(script), "model=tiny", "parallel=tp2pp1",
+                          "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_iters=4",
+                          "train.eval_interval=2", "train.eval_iters=1", "train.step_timeout_s=1",
+                          f"checkpoint.save={tmp_path}/ckpt", "checkpoint.save_interval=2", f"run.dir={tmp_path}/r"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    if stall_step is None:
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["split"], r["iteration"]) for r in rows if r["split"] != "train"] == [
+            ("valid", 0), ("valid", 2), ("valid", 4), ("test", 4)]
+        assert (tmp_path / "ckpt" / "iter_0000004").is_dir()
+    else:
+        assert out.returncode != 0
+        assert time.monotonic() - t0 < 90  # the stall alone lasts 120 s
+        assert "job failed" in out.stderr, out.stderr[-3000:]  # rank 0's collective timed out at 1 s

@@ -34,7 +34,7 @@ class TrainConfig:
     stalled makes this rank's collectives fail (NCCL's watchdog / gloo raise); and a per-rank heartbeat
     (training/watchdog.py) that ends a training step still running after step_timeout_s +
     max(10, step_timeout_s) seconds with one stderr line and exit 1, when the collective timeout did not
-    end the process. Evaluation and checkpoint saves are not timed by the heartbeat."""
+    end the process. Evaluation and checkpoint saves are timed by neither: they run under timeout_s."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
     optimizer, batch-generator; 2 = + pipeline-p2p. Timers above this level cost nothing."""

@@ -10,6 +10,7 @@ Every user error (`ConfigError`) is raised on every rank before the first collec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -232,13 +233,30 @@ def run(cfg: Any) -> dict:
         with_mask = bool(cfg.data.reset_attention_mask)
         train_iters = _data_iterators(provider, built.chunks, groups, lambda: provider.train_iterator(consumed), with_mask)
         eval_on = cfg.train.eval_interval is not None and cfg.train.eval_iters > 0
+        step_timeout_on = [False]  # train.step_timeout_s is the collective timeout now (set after the first step)
+
+        @contextlib.contextmanager
+        def untimed_by_step_timeout():
+            """Evaluation and saves run under train.timeout_s: one rank may legitimately take longer than
+            train.step_timeout_s there (rank 0 publishes and prunes checkpoints; uneven shards) while
+            its peers wait in a collective. The step timeout is set again afterwards."""
+            if not step_timeout_on[0]:
+                yield
+                return
+            groups.set_timeout(cfg.train.timeout_s)
+            try:
+                yield
+            finally:
+                groups.set_timeout(cfg.train.step_timeout_s)
 
         def evaluate(split: str) -> None:
             """Write a `split` row at this iteration; a split that `data.split` left empty has no rows."""
             if not provider.has_split(split):
                 return
             make = lambda: _data_iterators(provider, built.chunks, groups, lambda: provider.eval_iterator(split), with_mask)
-            recorder.eval_row(split, iteration, trainer.evaluate(make, cfg.train.eval_iters))
+            with untimed_by_step_timeout():
+                loss = trainer.evaluate(make, cfg.train.eval_iters)
+            recorder.eval_row(split, iteration, loss)
 
         for split in ("valid", "test"):
             if eval_on and not provider.has_split(split):
@@ -269,6 +287,7 @@ def run(cfg: Any) -> dict:
                 recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=stop.step_time_s)
                 if iteration == state["iteration"] + 1 and cfg.train.step_timeout_s is not None:
                     groups.set_timeout(cfg.train.step_timeout_s)  # catches a stalled rank (DESIGN.md §5)
+                    step_timeout_on[0] = True
                 if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
                     evaluate("valid")
                 stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
@@ -279,10 +298,14 @@ def run(cfg: Any) -> dict:
                 last = iteration == cfg.train.train_iters
                 if cfg.checkpoint.save and (periodic or exiting or stop_now or last):
                     trainer.faults.maybe_fail("save")
-                    save_checkpoint(built, iteration=iteration, consumed_samples=consumed, recorder=recorder)
+                    with untimed_by_step_timeout():
+                        save_checkpoint(built, iteration=iteration, consumed_samples=consumed, recorder=recorder)
                 if exiting or stop_now:
                     exit_code_reason = "exit_interval" if exiting else "signal"
                     break
+        if step_timeout_on[0]:  # no more training steps: the final evaluation and the layout gather
+            groups.set_timeout(cfg.train.timeout_s)
+            step_timeout_on[0] = False
         if exit_code_reason is None and eval_on and iteration > state["iteration"]:
             evaluate("valid")
             evaluate("test")
