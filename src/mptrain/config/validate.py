@@ -33,6 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.config.schema import Config
 from mptrain.errors import ConfigError
 
+MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
+
 SCHEDULES = ("auto", "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
 
 # The option names the code dispatches on (registries elsewhere list the same names). A name not
@@ -347,8 +349,10 @@ def check_training_keys(cfg: Config) -> None:
     _positive("train.exit_interval", t.exit_interval, allow_none=True)
     _positive("checkpoint.save_interval", ck.save_interval, allow_none=True)
     for key, seconds in (("train.timeout_s", t.timeout_s), ("train.step_timeout_s", t.step_timeout_s)):
-        if seconds is not None and not seconds > 0:
-            raise ConfigError(f"{key}={seconds} must be a number of seconds > 0" + (" or null" if "step" in key else ""))
+        # the upper bound: gloo's timeout in int64 nanoseconds, the heartbeat's wait (threading.TIMEOUT_MAX)
+        if seconds is not None and not 0 < seconds <= MAX_TIMEOUT_S:
+            raise ConfigError(f"{key}={seconds} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}"
+                              + (" or null (no step timeout)" if "step" in key else ""))
     if t.timing_log_level not in (0, 1, 2):
         raise ConfigError(f"train.timing_log_level={t.timing_log_level} must be 0, 1 or 2")
     for key, value in (("train.exit_interval", t.exit_interval), ("checkpoint.save_interval", ck.save_interval)):
