@@ -226,6 +226,32 @@ def test_acknowledged_signal_is_not_killed_and_handlers_are_restored():
     assert "did not finish" not in err
 
 
+def test_signal_inside_untimed_starts_the_grace_only_when_it_ends():
+    """Evaluation / a checkpoint save (`untimed()`) may outlast the grace: a signal received there does not
+    end the process during it; its grace timer starts when the region ends (the loop then acknowledges)."""
+    main = """
+    import os
+    with stop.untimed():  # an evaluation longer than the 1 s grace
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2.5)
+        with stop.untimed():  # nested: a save inside
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert stop.received
+    print("evaluation done", flush=True)
+    time.sleep(5.0)  # now timed: the grace (1 s) runs out
+    print("returned to Python", flush=True)
+    """
+    proc = _start_child(main, kwargs="min_grace_s=1.0")
+    t0 = time.monotonic()
+    out, err = _finish(proc, 20.0)
+    elapsed_s = time.monotonic() - t0
+    assert proc.returncode == 1, err[-2000:]
+    assert "evaluation done" in out and "returned to Python" not in out
+    assert 3.5 <= elapsed_s < 8.0, elapsed_s  # 3.1 s untimed + 1 s grace
+    assert err == "error: signal 15 received but the step did not finish within 1 s (a peer rank failed?); exiting\n"
+
+
 def test_wakeup_bytes_are_forwarded_to_the_previous_wakeup_fd():
     code = f"""
 import os, signal, sys, time

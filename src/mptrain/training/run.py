@@ -239,15 +239,17 @@ def run(cfg: Any) -> dict:
         def untimed_by_step_timeout():
             """Evaluation and saves run under train.timeout_s: one rank may legitimately take longer than
             train.step_timeout_s there (rank 0 publishes and prunes checkpoints; uneven shards) while
-            its peers wait in a collective. The step timeout is set again afterwards."""
-            if not step_timeout_on[0]:
-                yield
-                return
-            groups.set_timeout(cfg.train.timeout_s)
-            try:
-                yield
-            finally:
-                groups.set_timeout(cfg.train.step_timeout_s)
+            its peers wait in a collective. The step timeout is set again afterwards. Nor does a stop
+            signal's grace time them (`StopSignal.untimed`)."""
+            with stop.untimed():
+                if not step_timeout_on[0]:
+                    yield
+                    return
+                groups.set_timeout(cfg.train.timeout_s)
+                try:
+                    yield
+                finally:
+                    groups.set_timeout(cfg.train.step_timeout_s)
 
         def evaluate(split: str) -> None:
             """Write a `split` row at this iteration; a split that `data.split` left empty has no rows."""

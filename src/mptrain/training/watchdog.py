@@ -21,6 +21,7 @@ need the GIL, which torch releases while it waits in a collective or a stream sy
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -45,6 +46,8 @@ class StopSignal:
     Contract with the loop: `install()` before the loop (main thread; elsewhere, e.g. in a test
     pool worker, it installs nothing), read `.received` between steps, `acknowledge()` once every
     rank has seen the signal (the save may then take its time), `uninstall()` in `finally`.
+    Evaluation and checkpoint saves run inside `untimed()`: they may legitimately outlast the grace,
+    so a signal that arrives there starts its timer only when they end.
 
     Two paths start the grace timer, whichever runs first (the start is idempotent, under a lock):
     the Python handler `_handle` (main thread, next bytecode; it also sets `.received`), and a
@@ -58,7 +61,9 @@ class StopSignal:
         self.step_time_s = 0.0
         self.min_grace_s = min_grace_s
         self._exit_fn = exit_fn
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: `_handle` runs in the main thread, maybe while it holds the lock
+        self._untimed_depth = 0
+        self._deferred: Optional[int] = None  # a signal number that arrived inside `untimed()`
         self._timer: Optional[threading.Timer] = None
         self._previous_handlers: dict = {}
         self._previous_wakeup_fd = -1
@@ -120,10 +125,29 @@ class StopSignal:
         with self._lock:
             if self._timer is not None:
                 return  # already running, or acknowledged: a second signal during the save adds nothing
+            if self._untimed_depth > 0:
+                self._deferred = signum  # started when `untimed()` ends
+                return
             grace_s = self.grace_s
             self._timer = threading.Timer(grace_s, self._exit_stuck, args=(signum, grace_s))
             self._timer.daemon = True
             self._timer.start()
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """A region the grace does not time (evaluation, a checkpoint save): a signal received inside
+        starts its grace timer when the region ends (``.received`` is set at once as usual)."""
+        with self._lock:
+            self._untimed_depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._untimed_depth -= 1
+                signum = self._deferred if self._untimed_depth == 0 else None
+                if signum is not None:
+                    self._deferred = None
+                    self._start_grace(signum)
 
     def _exit_stuck(self, signum: int, grace_s: float) -> None:
         sys.stderr.write(f"error: signal {signum} received but the step did not finish within {grace_s:g} s "
