@@ -280,7 +280,9 @@ def run(cfg: Any) -> dict:
                 if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
                     time.sleep(cfg.debug.sleep_seconds)  # a rank stalled inside its step: the heartbeat is armed
                 t0 = time.time()
-                metrics = trainer.train_step(train_iters)
+                # this process's first step may compile / autotune for minutes: a signal's grace starts after it
+                with stop.untimed() if iteration == state["iteration"] else contextlib.nullcontext():
+                    metrics = trainer.train_step(train_iters)
                 if armed:
                     heartbeat.disarm()  # evaluation and saves below may legitimately take long
                 iteration += 1
