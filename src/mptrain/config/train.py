@@ -37,7 +37,8 @@ class TrainConfig:
     end the process. Evaluation and checkpoint saves are timed by neither: they run under timeout_s."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
-    optimizer, batch-generator; 2 = + pipeline-p2p. Timers above this level cost nothing."""
+    optimizer, batch-generator, pipeline-p2p; 2 = fine-grained (none yet). Timers above this level cost
+    nothing (levels: `training.timers.TIMER_LEVELS`)."""
 
 
 @dataclasses.dataclass

@@ -393,7 +393,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             f"parallel.sequence_parallel=true splits the sequence over tp: model.seq_length={c.model.seq_length} is "
             f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false"
         )
-    if sequence_parallel and getattr(c.model, "compile_layers", False):
+    if sequence_parallel and c.model.compile_layers:
         raise ConfigError(
             "model.compile_layers=true with parallel.sequence_parallel=true (tp > 1) is not verified on NCCL (the one "
             "2-GPU check diverged from eager after one step, BENCHMARKS.md); set one of them to false"

@@ -223,7 +223,7 @@ class GPTModel(torch.nn.Module):
             own = "untied" if not self.tied else ("none" if pre_process else "shared_copy")
             self.output_layer = OutputLayer(config, groups, vocab_size=vocab_size, init=init, own_weight=own,
                                             sequence_parallel=self.sequence_parallel,
-                                            async_grad_allreduce=bool(getattr(parallel, "async_tensor_model_parallel_allreduce", True)),
+                                            async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
                                             **kw)
 
     def set_input_tensor(self, input_tensor) -> None:

@@ -45,7 +45,7 @@ class TransformerLayer(torch.nn.Module):
         sp = bool(parallel.sequence_parallel) and groups.tp_size > 1
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
         kw = dict(params_dtype=params_dtype, device=device)
-        overlap = bool(getattr(parallel, "async_tensor_model_parallel_allreduce", True))
+        overlap = bool(parallel.async_tensor_model_parallel_allreduce)
         self.input_layernorm = build_norm(config, sequence_parallel=sp, **kw)
         self.self_attention = SelfAttention(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
                                             rng_tracker=rng_tracker, async_grad_allreduce=overlap, **kw)
@@ -54,7 +54,7 @@ class TransformerLayer(torch.nn.Module):
                        async_grad_allreduce=overlap, **kw)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
-        self._compiled_body = torch.compile(self._body) if getattr(config, "compile_layers", False) else None
+        self._compiled_body = torch.compile(self._body) if config.compile_layers else None
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
