@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N bench/profile_wrap.py OUT.txt SCRIPT.py [script args...]
 
 Used to profile the megatron-core peer (`bench/peer/peer_megatron.py`) the same way
-`bench/mptrain_entry.py --bench-profile` profiles mptrain (same categories: `mptrain_entry.time_split`).
+`bench/mptrain_entry.py --bench-profile` profiles mptrain (same categories: `profile_report.py`).
 The whole run is profiled (warm-up included; ``PROFILE_ITERS`` = the iterations to divide by for
 ms/iteration); its timings are not benchmark numbers.
 """
@@ -21,19 +21,19 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     out, script, *args = sys.argv[1:]
     sys.argv = [script, *args]
+    sys.path.insert(0, str(HERE))
+    from profile_report import write_profile  # noqa: E402  (bench/ is not a package)
+
     sys.path.insert(0, str(Path(script).resolve().parent))
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    sys.path.insert(0, str(HERE))
-    from mptrain_entry import time_split  # noqa: E402  (bench/ is not a package)
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         runpy.run_path(script, run_name="__main__")
     if int(os.environ.get("RANK", "0")) == 0:
-        averages = prof.key_averages()
-        table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
-        Path(out).write_text(f"# time split by kernel category (rank 0, whole run)\n{time_split(averages, int(os.environ.get('PROFILE_ITERS', '1')))}\n\n{table}")
+        iterations = int(os.environ.get("PROFILE_ITERS", "1"))
+        write_profile(out, prof.key_averages(), iterations=iterations, cuda=cuda, what="whole run")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import configs as bc  # noqa: E402
 import report  # noqa: E402
+import profile_report  # noqa: E402
 import run_bench  # noqa: E402
 
 ENV = {"gpu_name": "NVIDIA H200", "torch": "2.11.0", "time_utc": "2026-11-30T00:00:00Z"}
@@ -180,3 +181,20 @@ def test_profile_runs_are_extra_jobs_with_variant_env(tmp_path):
     assert jobs[2]["env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and jobs[0]["env"] == {}
     assert "--bench-profile" in jobs[3]["argv"] and "--bench-profile" not in jobs[2]["argv"]
     assert run_bench.collect(jobs[3], env={}, call_id="t") == []
+
+
+def test_kernel_categories_of_the_profile_split():
+    """H200 kernel names from the session-2 profiles land in the intended categories (attention's
+    CUTLASS kernels before GEMM, compiled Triton kernels apart from eager elementwise ones)."""
+    cases = {
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+        "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention (flash/mem-efficient)",
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
+        "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32": "gemm",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "multi-tensor (optimizer/unscale/norm)",
+        "triton_poi_fused_gelu_gelu_backward_view_2": "triton (compiled)",
+        "Memcpy DtoD (Device -> Device)": "copy/cast/fill",
+        "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>>": "elementwise/reduce",
+        "Command Buffer Full": "other",
+    }
+    assert {name: profile_report.kernel_category(name) for name in cases} == cases
