@@ -179,10 +179,11 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                                  argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py", args)))
                 if variant in profile:  # a separate run: a profiled run's timings are not benchmark numbers
                     prof_args = mptrain_overrides(cfg, variant, str(run_dir) + "-profile")
+                    prof_file = log_dir / f"profile_{tag}.txt"
                     jobs.append(dict(kind="profile", cfg=cfg, trainer="mptrain-profile", variant=variant,
-                                     timeout_s=timeout_s, env=variant_env(variant),
+                                     timeout_s=timeout_s, env=variant_env(variant), profile_file=prof_file,
                                      argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py",
-                                                   ["--bench-profile", str(log_dir / f"profile_{tag}.txt"), *prof_args])))
+                                                   ["--bench-profile", str(prof_file), *prof_args])))
         if "megatron-core" in trainers and cfg.peer:
             result_file = log_dir / f"peer_{cfg.name}.jsonl"
             jobs.append(dict(kind="peer", cfg=cfg, trainer="megatron-core", variant="base", result_file=result_file,
@@ -433,8 +434,7 @@ def main(argv: Optional[list] = None) -> int:
         for row in rows:
             row.update(command=env_prefix + " ".join(job["argv"]), wall_s=round(secs, 1))
         if job["kind"] == "profile" and status == "ok":
-            prof_file = Path(job["argv"][job["argv"].index("--bench-profile") + 1])
-            print("\n".join(prof_file.read_text().splitlines()[:14]), flush=True)
+            print("\n".join(job["profile_file"].read_text().splitlines()[:14]), flush=True)
         with open(out, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
