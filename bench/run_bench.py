@@ -40,7 +40,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from configs import (  # noqa: E402
-    PEAK_TFLOPS_BF16_DENSE, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, suite, variant_env)
+    PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, suite, variant_env)
 
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -106,11 +106,24 @@ def mptrain_row(cfg: BenchConfig, variant: str, metrics_rows: list, peaks: list,
         peak_mem_gib=_round(max(allocs), 2) if allocs else None,
         peak_alloc_gib_per_rank=[_round(p.get("peak_alloc_gib"), 2) for p in sorted(peaks, key=lambda p: p["rank"])],
         loss_first_last=[train[0].get("lm_loss"), train[-1].get("lm_loss")] if train else None,
+        lm_loss=[_round(r.get("lm_loss"), 6) for r in train],
     )
     theirs = [r["tflops_per_gpu"] for r in timed if r.get("tflops_per_gpu")]
     # the trainer's own TFLOP/s (same formula): a cross-check of the recomputed number, not used in it
     row["metrics_tflops_per_gpu_mean"] = _round(sum(theirs) / len(theirs), 2) if theirs else None
     return row
+
+
+def compare_losses(row: dict, reference: Optional[dict]) -> None:
+    """Add ``loss_max_abs_diff_vs_base``: how far a variant's per-iteration lm_loss is from the ``base``
+    variant's (eager) of the same config in the same call; None without a reference. Every variant
+    is the same math, so a difference far above the precision's noise means a broken variant."""
+    ref = (reference or {}).get("lm_loss")
+    mine = row.get("lm_loss")
+    if not ref or not mine or row is reference:
+        return
+    pairs = [(a, b) for a, b in zip(mine, ref) if a is not None and b is not None]
+    row["loss_max_abs_diff_vs_base"] = _round(max(abs(a - b) for a, b in pairs), 6) if pairs else None
 
 
 def peer_row(cfg: BenchConfig, result: dict, *, env: dict, call_id: str) -> dict:
@@ -358,7 +371,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")
     p.add_argument("--only", default=None, help="comma-separated config names of the suite")
-    p.add_argument("--variants", default=None, help="comma-separated mptrain variants to run (default: each config's)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated mptrain variants run for every selected config (default: each config's own)")
     p.add_argument("--trainers", default=",".join(TRAINERS), help="mptrain,megatron-core (either or both)")
     p.add_argument("--budget-s", type=float, default=560.0, help="whole-script deadline (device calls stop at 600 s)")
     p.add_argument("--profile", nargs="?", const="base", default=None, metavar="VARIANTS",
@@ -386,9 +400,13 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     call_id = args.call_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     configs = suite(args.suite, gpus, args.only.split(",") if args.only else None)
-    if args.variants:
-        keep = set(args.variants.split(","))
-        configs = [dataclasses.replace(c, variants=tuple(v for v in c.variants if v in keep)) for c in configs]
+    if args.variants:  # replaces every config's own list (base first: the loss reference of the others)
+        chosen = tuple(v for v in args.variants.split(",") if v)
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            print(f"run_bench: --variants {unknown} unknown; known: {','.join(sorted(VARIANTS))}", file=sys.stderr)
+            return 2
+        configs = [dataclasses.replace(c, variants=chosen) for c in configs]
     out = Path(args.out).resolve()
     log_dir = out.parent / "bench_logs" / call_id
     jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers,
@@ -406,6 +424,7 @@ def main(argv: Optional[list] = None) -> int:
     print(f"=== run_bench suite={args.suite} gpus={gpus} call_id={call_id} env={json.dumps(env)}", flush=True)
     (log_dir / "env.json").write_text(json.dumps(env, indent=1))
     summary = []
+    base_rows: dict = {}  # config name -> its mptrain "base" row of this call
     for job in jobs:
         name = job["cfg"].name if job["cfg"] else job["kind"]
         left = args.budget_s - (time.time() - t_start) - 5
@@ -433,6 +452,10 @@ def main(argv: Optional[list] = None) -> int:
         env_prefix = "".join(f"{k}={v} " for k, v in (job.get("env") or {}).items())
         for row in rows:
             row.update(command=env_prefix + " ".join(job["argv"]), wall_s=round(secs, 1))
+            if row["trainer"] == "mptrain" and row.get("status") == "ok":
+                if row["variant"] == "base":
+                    base_rows[row["config"]] = row
+                compare_losses(row, base_rows.get(row["config"]))
         if job["kind"] == "profile" and status == "ok":
             print("\n".join(job["profile_file"].read_text().splitlines()[:14]), flush=True)
         with open(out, "a") as f:
@@ -446,11 +469,15 @@ def main(argv: Optional[list] = None) -> int:
         if not rows:
             print(f"    {status} in {secs:.0f}s", flush=True)
     print(f"=== SUMMARY call_id={call_id} gpu={env.get('gpu_name')} total {time.time() - t_start:.0f}s")
-    print(f"{'trainer':14s} {'config':26s} {'variant':12s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peakGiB':>8s} status")
+    print(f"{'trainer':14s} {'config':26s} {'variant':12s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peakGiB':>8s} "
+          f"{'loss 1st/last':>15s} {'dloss':>8s} status")
     for r in summary:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        losses = r.get("loss_first_last") or [None, None]
+        loss = "/".join("-" if v is None else f"{v:.4f}" for v in losses)
         print(f"{r['trainer']:14s} {r['config']:26s} {r['variant']:12s} {str(r['tokens_per_s_per_gpu']):>10s} "
-              f"{str(r['tflops_per_gpu']):>8s} {mfu:>6s} {str(r['peak_mem_gib']):>8s} {r['status']}")
+              f"{str(r['tflops_per_gpu']):>8s} {mfu:>6s} {str(r['peak_mem_gib']):>8s} {loss:>15s} "
+              f"{str(r.get('loss_max_abs_diff_vs_base', '-')):>8s} {r['status']}")
     return 0
 
 

@@ -58,6 +58,17 @@ def _cfg(**kw):
     return bc.BenchConfig(**{**base, **kw})
 
 
+def test_compare_losses_against_the_base_variant():
+    base = {"lm_loss": [10.0, 9.0, 8.5]}
+    row = {"lm_loss": [10.0, 9.25, 8.0]}
+    run_bench.compare_losses(row, base)
+    assert row["loss_max_abs_diff_vs_base"] == 0.5
+    alone = {"lm_loss": [1.0]}
+    run_bench.compare_losses(alone, None)
+    run_bench.compare_losses(base, base)
+    assert "loss_max_abs_diff_vs_base" not in alone and "loss_max_abs_diff_vs_base" not in base
+
+
 def test_mptrain_row_drops_warmup_and_takes_max_peak():
     cfg = _cfg()
     T = cfg.tokens_per_iteration  # 32768
@@ -73,7 +84,7 @@ def test_mptrain_row_drops_warmup_and_takes_max_peak():
     assert row["mfu"] == round(bc.flops_per_iteration(cfg) / 0.6 / 1e12 / 989.0, 4)
     assert row["peak_mem_gib"] == 41.25 and row["peak_alloc_gib_per_rank"] == [41.25, 40.5]
     assert (row["trainer"], row["config"], row["gpus"], row["gpu_name"], row["call_id"]) == ("mptrain", "x", 1, "NVIDIA H200", "c1")
-    assert row["loss_first_last"] == [10.0, 5.0]
+    assert row["loss_first_last"] == [10.0, 5.0] and row["lm_loss"] == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0]
     with pytest.raises(ValueError, match="timed train rows"):
         run_bench.mptrain_row(cfg, "base", rows[:4], peaks, env=ENV, call_id="c1")
     assert run_bench.mptrain_row(cfg, "base", rows, peaks, env={"gpu_name": "cpu"}, call_id="c")["mfu"] is None

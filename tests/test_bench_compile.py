@@ -3,10 +3,14 @@
 Each rank builds the same tiny GPT twice from the same seed (eager, then with every
 TransformerLayer's forward through `torch.compile`) and compares the per-token loss and every
 weight grad. At tp 2 the TP collectives inside the layer (f / g autograd Functions) are part of
-the compiled region: Dynamo either traces them or breaks the graph there; either way the numbers
-must not change. Skipped where torch.compile cannot build on CPU (no C++ compiler).
+the compiled region and must be the functional collectives: while compiling, no in-place c10d
+collective (``dist.all_reduce`` ...) may be traced. On NCCL, Dynamo's rewrite of those gave wrong
+weight grads (2 x H200, `bench/scripts/compile_tp_check.py`) where gloo gave right ones, so the
+gloo equality alone could not catch it. Skipped where torch.compile cannot build on CPU (no C++
+compiler).
 """
 
+import contextlib
 import shutil
 
 import pytest
@@ -32,9 +36,36 @@ def _compile_available() -> bool:
     return hasattr(torch, "compile") and (shutil.which("g++") or shutil.which("c++")) is not None
 
 
-def _loss_and_grads(groups, tp: int, compile_layers: bool):
+IN_PLACE_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+@contextlib.contextmanager
+def _record_traced_collectives(traced: list):
+    """Wrap torch.distributed's in-place collectives; a call made while compiling appends its name."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in IN_PLACE_COLLECTIVES}
+
+    def wrap(name, fn):
+        def wrapper(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                traced.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        yield traced
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _loss_and_grads(groups, tp: int, compile_layers: bool, sequence_parallel: bool = False):
     cfg = ModelConfig(**BASE, compile_layers=compile_layers)
-    model = build_model_chunks(cfg, ParallelConfig(tensor_model_parallel_size=tp), groups, vocab_size=VOCAB, seed=7)[0]
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
+    model = build_model_chunks(cfg, parallel, groups, vocab_size=VOCAB, seed=7)[0]
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=gen)
     labels = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=gen)
@@ -51,30 +82,35 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _compare(rank, world, tp):
+def _compare(rank, world, tp, sequence_parallel=False):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
     counters.clear()
     g = build_groups(tp, 1)
+    traced = []
     try:
-        ref_loss, ref_grads = _loss_and_grads(g, tp, compile_layers=False)
-        got_loss, got_grads = _loss_and_grads(g, tp, compile_layers=True)
+        ref_loss, ref_grads = _loss_and_grads(g, tp, False, sequence_parallel)
+        with _record_traced_collectives(traced):
+            got_loss, got_grads = _loss_and_grads(g, tp, True, sequence_parallel)
     finally:
         g.destroy()
     assert set(got_grads) == set(ref_grads)
     errors = {"loss": _rel(got_loss, ref_loss)}
     errors.update({n: _rel(got_grads[n], ref_grads[n]) for n in ref_grads})
-    stats = {"captured": counters["stats"]["calls_captured"], "graph_breaks": sum(counters["graph_break"].values())}
+    stats = {"captured": counters["stats"]["calls_captured"], "graph_breaks": sum(counters["graph_break"].values()),
+             "traced_in_place_collectives": sorted(set(traced))}
     return errors, stats
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile needs a C++ compiler on CPU")
-@pytest.mark.parametrize("tp", [1, 2])
-def test_compiled_layers_match_eager(tp):
-    results = run_distributed(_compare, tp, tp, timeout_s=900)
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
+def test_compiled_layers_match_eager(tp, sequence_parallel):
+    results = run_distributed(_compare, tp, tp, sequence_parallel, timeout_s=900)
     for rank, (errors, stats) in enumerate(results):
         assert stats["captured"] > 0, f"rank {rank}: nothing was compiled ({stats})"
+        assert stats["graph_breaks"] == 0, f"rank {rank}: graph breaks in the compiled layer ({stats})"
+        assert stats["traced_in_place_collectives"] == [], f"rank {rank}: in-place c10d collectives traced ({stats})"
         bad = {k: v for k, v in errors.items() if not v <= REL}
         assert not bad, f"rank {rank}: compiled vs eager relative errors above {REL}: {bad}"
 

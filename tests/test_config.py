@@ -135,8 +135,6 @@ INVALID = [
     (["parallel=tp1pp4", "model.num_layers=5", "parallel.decoder_first_pipeline_num_layers=1"], 4,
      "the other 3 pipeline stage(s) get 4 of model.num_layers=5"),
     (["parallel=tp1pp1", "parallel.decoder_last_pipeline_num_layers=2"], 1, "decoder_last_pipeline_num_layers need pipeline_model_parallel_size > 1"),
-    (["parallel=tp2pp1", "parallel.sequence_parallel=true", "model.compile_layers=true"], 2,
-     "model.compile_layers=true with parallel.sequence_parallel=true (tp > 1) is not verified on NCCL"),
     (["train.step_timeout_s=0"], 1, "train.step_timeout_s=0.0 must be a number of seconds > 0 and <= 1e+09 or null"),
     (["train.timeout_s=-1"], 1, "train.timeout_s=-1.0 must be a number of seconds > 0 and <= 1e+09"),
     (["train.step_timeout_s=inf"], 1, "train.step_timeout_s=inf must be a number of seconds > 0 and <= 1e+09 or null"),

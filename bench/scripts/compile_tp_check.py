@@ -7,9 +7,9 @@ Run with torchrun on 2 GPUs (NCCL) or CPU processes (gloo)::
 For each case (shape × dtype × tp) it builds the same GPT twice from one seed, eager and with
 ``model.compile_layers``, runs forward + backward twice (the second call runs the cached graph)
 and prints the relative error of the loss and of each grad. ``--reduce`` variants replace the
-row-parallel forward all-reduce under compile (clone + in-place c10d = the code; ``inplace`` =
-mark_dirty on the matmul output; ``functional`` = functional all_reduce + wait_tensor) to
-localise a compiled-only difference.
+row-parallel forward all-reduce under compile (``code`` = the package: functional all_reduce +
+wait_tensor; ``inplace`` = mark_dirty on the matmul output; ``clone_c10d`` = the code before the
+fix, clone + in-place ``dist.all_reduce``, which on NCCL left every layer weight grad wrong).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ VOCAB = 1000
 _ORIG_FORWARD = mappings._ReduceFromTP.forward
 
 
-def _fwd_functional(ctx, x, group, inplace):
-    if torch.compiler.is_compiling():
-        out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group.group_name)
-        return torch.ops._c10d_functional.wait_tensor(out)
-    return _ORIG_FORWARD(ctx, x, group, inplace)
+def _fwd_clone_c10d(ctx, x, group, inplace):
+    """The code before the fix: clone + in-place c10d all-reduce, which Dynamo rewrites under compile."""
+    y = x.clone()
+    dist.all_reduce(y, group=group)
+    return y
 
 
 def _reduce_inplace(x, group, inplace=False):
@@ -49,7 +49,9 @@ def _reduce_inplace(x, group, inplace=False):
 
 
 def _set_reduce(variant: str) -> None:
-    mappings._ReduceFromTP.forward = staticmethod(_fwd_functional if variant == "functional" else _ORIG_FORWARD)
+    """code: the package as is (functional collectives under compile); inplace: mark_dirty on the matmul
+    output under compile too; clone_c10d: the pre-fix forward (to reproduce the NCCL-only grad error)."""
+    mappings._ReduceFromTP.forward = staticmethod(_fwd_clone_c10d if variant == "clone_c10d" else _ORIG_FORWARD)
     linear.reduce_from_tp_region = _reduce_inplace if variant == "inplace" else mappings.reduce_from_tp_region
 
 
@@ -106,7 +108,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="small,seed4")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--tps", default="2,1")
-    ap.add_argument("--reduce", default="clone,inplace,functional")
+    ap.add_argument("--reduce", default="code,clone_c10d")
     ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -123,11 +125,11 @@ def main() -> None:
         for dname in args.dtypes.split(","):
             for tp in map(int, args.tps.split(",")):
                 groups = build_groups(tp, 1, device=device)
-                _set_reduce("clone")
+                _set_reduce("code")
                 torch._dynamo.reset()
                 ref_loss, ref_grads = _run(groups, SHAPES[shape_name], tp, dtypes[dname], False, device,
                                            args.attention_backend)
-                for variant in (args.reduce.split(",") if tp > 1 else ["clone"]):
+                for variant in (args.reduce.split(",") if tp > 1 else ["code"]):
                     _set_reduce(variant)
                     torch._dynamo.reset()
                     got_loss, got_grads = _run(groups, SHAPES[shape_name], tp, dtypes[dname], True, device,
@@ -141,7 +143,7 @@ def main() -> None:
                     if rank == 0:
                         print(json.dumps(row), flush=True)
                 groups.destroy()
-                _set_reduce("clone")
+                _set_reduce("code")
     rows += _cross_entropy_check(device, rank)
     if rank == 0 and args.out:
         with open(args.out, "w") as f:

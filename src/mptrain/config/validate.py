@@ -15,10 +15,6 @@ Decisions recorded here (beyond DESIGN.md):
   microbatch group size N = pp the newer rule is the same).
 - `sequence_parallel=true` with tp = 1 is allowed and does nothing (`DerivedLayout.sequence_parallel`
   is False); with tp > 1 it needs seq_length % tp == 0 (activations are split along s).
-- `model.compile_layers=true` with sequence parallelism (tp > 1) is rejected until verified on
-  NCCL: the one 2 × H200 check diverged from eager SP after one step (eager SP equals tp2 without
-  SP to 1e-7). That check also ran the then-fused cross entropy, the likelier cause (BENCHMARKS.md);
-  on gloo the same run matches. Rejected on every backend, since this check reads no environment.
 - A loss scaler with fp32 / bf16 is allowed (it only multiplies the loss); fp16 without one is an error.
 - Vocabulary checks need the tokenizer, so they are left to the caller: `check_vocab_size`.
 """
@@ -392,11 +388,6 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over tp: model.seq_length={c.model.seq_length} is "
             f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false"
-        )
-    if sequence_parallel and c.model.compile_layers:
-        raise ConfigError(
-            "model.compile_layers=true with parallel.sequence_parallel=true (tp > 1) is not verified on NCCL (the one "
-            "2-GPU check diverged from eager after one step, BENCHMARKS.md); set one of them to false"
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)

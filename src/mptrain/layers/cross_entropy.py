@@ -168,10 +168,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         group: the TP process group (None: single rank).
         vocab_size: V, the real vocabulary; entries ≥ V are padding (default: no padding).
         label_smoothing: ε in [0, 1).
-        fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`); same math,
-            verified on CPU only. The model does not use it: on 2 × H200 the runs that did
-            (compiled layers, session 2) diverged from eager from the second step, cause not found
-            (BENCHMARKS.md).
+        fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`, used by the
+            model with ``model.compile_layers``); same math (on H200: loss equal, grad to 1.5e-7
+            relative in bf16, `bench/scripts/compile_tp_check.py`).
     Returns:
         fp32 loss with the shape of ``target``.
     """

@@ -17,8 +17,9 @@ reduce_scatter_to_sequence_par.    reduce-scatter on dim 0          all-gather o
 
 (Sequence-parallel pair: Korthikanti et al. 2022, §4.2.2, operators g / ḡ.) Every function takes
 the process group explicitly and returns its input unchanged when the group has one rank.
-On NCCL the tensor collectives are used; gloo (CPU tests) lacks reduce-scatter, so there it is an
-all-reduce followed by keeping this rank's slice (same result, more traffic).
+In eager mode NCCL uses the tensor collectives; on gloo (CPU tests) a reduce-scatter is an
+all-reduce followed by keeping this rank's slice (same result, more traffic). Under torch.compile
+every collective is the functional one (``torch.ops._c10d_functional``) on both backends.
 """
 
 from __future__ import annotations
@@ -40,8 +41,18 @@ def _is_nccl(group) -> bool:
 
 
 # --- raw collectives (no autograd) -------------------------------------------------------------
+# Under torch.compile (model.compile_layers) every collective is the functional one + wait_tensor,
+# never an in-place c10d op for Dynamo to rewrite: on 2 x H200 (NCCL, torch 2.11) the rewritten
+# clone + in-place all-reduce / reduce-scatter of the row-parallel forward left every layer weight's
+# grad wrong (relative error 1.0; `bench/scripts/compile_tp_check.py`), while gloo got it right.
+_fc = torch.ops._c10d_functional
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """SUM over `group`; in eager mode in place on ``x.contiguous()`` (callers pass a fresh tensor)."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _fc.wait_tensor(_fc.all_reduce(x, "sum", group.group_name))
     dist.all_reduce(x, group=group)
     return x
 
@@ -50,6 +61,8 @@ def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] on each of p ranks -> [p*n, ...] (rank order)."""
     x = x.contiguous()
     p = _size(group)
+    if torch.compiler.is_compiling():
+        return _fc.wait_tensor(_fc.all_gather_into_tensor(x, p, group.group_name))
     if _is_nccl(group):
         out = torch.empty((p * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=group)
@@ -66,6 +79,8 @@ def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
         raise RuntimeError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not divisible by the group size {p}")
     x = x.contiguous()
     n = x.shape[0] // p
+    if torch.compiler.is_compiling():
+        return _fc.wait_tensor(_fc.reduce_scatter_tensor(x, "sum", p, group.group_name))
     if _is_nccl(group):
         out = torch.empty((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x, group=group)
@@ -99,7 +114,7 @@ class PendingCollective:
     def wait(self) -> torch.Tensor:
         t = self._tensor
         if self._functional:
-            t = torch.ops._c10d_functional.wait_tensor(t)
+            t = _fc.wait_tensor(t)
         elif self._work is not None:
             self._work.wait()
         if self._slice is not None:
@@ -112,8 +127,8 @@ def start_grad_collective(grad: torch.Tensor, group, sequence_parallel: bool) ->
     """Launch the SUM of a partial input grad ``[s, b, h]`` over `group` without waiting.
 
     Without SP: all-reduce (result ``[s, b, h]``). With SP: reduce-scatter on dim 0 (result
-    ``[s/tp, b, h]``; on gloo an all-reduce + own slice, as `_reduce_scatter_dim0`). Eager mode uses
-    ``async_op=True``; under torch.compile the functional collectives (Dynamo cannot trace
+    ``[s/tp, b, h]``; eager gloo: an all-reduce + own slice, as `_reduce_scatter_dim0`). Eager mode
+    uses ``async_op=True``; under torch.compile the functional collectives (Dynamo cannot trace
     ``async_op=True``; Inductor places the ``wait_tensor``).
 
     Raises:
@@ -127,11 +142,9 @@ def start_grad_collective(grad: torch.Tensor, group, sequence_parallel: bool) ->
     scatter = sequence_parallel and _is_nccl(group)
     keep = (_rank(group), n) if sequence_parallel and not scatter else None
     if torch.compiler.is_compiling():
-        if scatter:
-            out = torch.ops._c10d_functional.reduce_scatter_tensor(grad, "sum", p, group.group_name)
-        else:
-            out = torch.ops._c10d_functional.all_reduce(grad, "sum", group.group_name)
-        return PendingCollective(out, keep_slice=keep, functional=True)
+        if sequence_parallel:
+            return PendingCollective(_fc.reduce_scatter_tensor(grad, "sum", p, group.group_name), functional=True)
+        return PendingCollective(_fc.all_reduce(grad, "sum", group.group_name), functional=True)
     if scatter:
         out = torch.empty((n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
         return PendingCollective(out, dist.reduce_scatter_tensor(out, grad, group=group, async_op=True))
@@ -162,6 +175,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, inplace):
+        if torch.compiler.is_compiling():
+            return _all_reduce(x, group)  # functional: out of place, no clone
         if not inplace or not x.is_contiguous():
             return _all_reduce(x.clone() if x.is_contiguous() else x, group)  # contiguous() copies
         ctx.mark_dirty(x)
