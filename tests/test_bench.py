@@ -1,6 +1,7 @@
 """Issue 10 harness (CPU): configs vs conf/model, the FLOP formula, result rows, the report table,
 `run_bench.py --dry-run`, and one real CPU run of bench/mptrain_entry.py turned into a row."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -145,18 +146,18 @@ def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
     assert run_bench.main(["--suite", "full", "--gpus", "2", "--dry-run", "--call-id", "t", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     cmds = [l for l in text.splitlines() if not l.startswith("#")]
-    # probe + b(base, compile, peer, ceiling) + a bf16 (base, compile, compile_cdmc1, peer) + c (ours + peer)
-    # + tf32 (unfused_compile, its noasync and cdmc1 A/Bs, peer) + fp32 (ours + peer)
-    assert len(cmds) == 1 + 4 + 4 + 2 + 4 + 2
+    # probe + b(base, compile, peer, ceiling) + a bf16 (base, compile, peer) + c (base, compile, peer)
+    # + tf32 (base, unfused_compile, peer) + fp32 (ours + peer)
+    assert len(cmds) == 1 + 4 + 3 + 3 + 3 + 2
     b_ours = [c for c in cmds if "mptrain_entry.py" in c and "b_gpt1.3b_bf16_tp1-base" in c][0]
     for part in ("--nproc_per_node=1", "model=gpt_1.3b", "parallel=tp1pp1", "precision=bf16", "train.global_batch_size=16",
                  "train.micro_batch_size=4", "train.train_iters=11", "train.eval_interval=null", "data=mock"):
         assert part in b_ours.split(), part
     c_peer = [c for c in cmds if "peer_megatron.py" in c and "c_gpt1.3b" in c][0].split()
     assert c_peer[c_peer.index("--pp") + 1] == "2" and c_peer[c_peer.index("--num-microbatches") + 1] == "8"
-    tf32_ours = [c for c in cmds if "a_seed_fp32tf32_tp2-unfused_compile_noasync" in c][0].split()
+    tf32_ours = [c for c in cmds if "a_seed_fp32tf32_tp2-unfused_compile" in c][0].split()
     assert "precision.allow_tf32=true" in tf32_ours and "parallel=tp2pp1" in tf32_ours
-    assert "parallel.async_tensor_model_parallel_allreduce=false" in tf32_ours
+    assert "model.attention_backend=unfused" in tf32_ours and "model.compile_layers=true" in tf32_ours
     assert not any(part.startswith("env:") for c in cmds for part in c.split())  # env items are not overrides
     assert "model.compile_layers=true" in [c for c in cmds if "a_seed_bf16_tp2-compile" in c][0].split()
     assert "d_gpt1.3b" not in text and not out.exists()
@@ -183,7 +184,8 @@ def test_cpu_run_of_the_entry_becomes_a_row(tmp_path):
 def test_profile_runs_are_extra_jobs_with_variant_env(tmp_path):
     """--profile V adds a separate profiled run after variant V's measured one (its timings are not
     rows); an env: item of a variant reaches the job's environment, not the Hydra overrides."""
-    cfgs = bc.suite("full", 2, ["a_seed_fp32tf32_tp2"])
+    cfgs = [dataclasses.replace(c, variants=("unfused_compile", "unfused_compile_noasync", "unfused_compile_cdmc1"))
+            for c in bc.suite("full", 2, ["a_seed_fp32tf32_tp2"])]
     jobs = run_bench.plan(cfgs, suite_name="full", log_dir=tmp_path, python="python", trainers=("mptrain",),
                           profile=("unfused_compile_cdmc1",), probe=False)
     kinds = [(j["kind"], j["variant"]) for j in jobs]
