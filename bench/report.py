@@ -11,7 +11,9 @@ One table per call_id (rows measured together on one machine), one line per mptr
 (config, variant) beside the peer's row of the same config: tokens/s/GPU, TFLOP/s/GPU, MFU
 (DESIGN.md §2 formula, vs 989 TFLOP/s dense bf16 for every precision), peak allocated memory (max
 over ranks, GiB), and ratio = mptrain tokens/s/GPU ÷ megatron-core tokens/s/GPU. Failed, timed-out
-or skipped runs show their status instead of numbers. The plain-PyTorch reference
+or skipped runs show their status instead of numbers; a row with an ``invalid`` reason (set by hand
+after the fact: the run trained something other than the model) is marked ✗, its ratio struck
+through and the reason listed under the table. The plain-PyTorch reference
 (`torch_ceiling.py`) gets its own lines.
 """
 
@@ -94,6 +96,7 @@ def call_table(rows: list) -> list:
     latest = _latest(rows)
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     configs = list(dict.fromkeys(r["config"] for r in rows if r["trainer"] in ("mptrain", "megatron-core")))
+    invalid: list = []
     for config in configs:
         peer = latest.get(("megatron-core", config, "base"))
         variants = [k[2] for k in latest if k[0] == "mptrain" and k[1] == config] or [None]
@@ -101,13 +104,19 @@ def call_table(rows: list) -> list:
             ours = latest.get(("mptrain", config, variant)) if variant else None
             ref = ours or peer
             r = ratio(ours, peer)
+            ratio_cell = "–" if r is None else f"{r:.2f}×"
+            if ours and ours.get("invalid"):  # measured, but the run computed something else (reason below)
+                invalid.append(f"✗ `{config}` [{variant}]: {ours['invalid']}")
+                variant, ratio_cell = f"{variant} ✗", f"~~{ratio_cell}~~"
             lines.append(
                 f"| {config} | {ref['gpus']} | {ref.get('layout', '?')} | {_precision(ref)} | {variant or '–'} "
                 f"| {_num(ours, 'tokens_per_s_per_gpu', ',.0f')} | {_num(peer, 'tokens_per_s_per_gpu', ',.0f')} "
-                f"| {'–' if r is None else f'{r:.2f}×'} | {_num(ours, 'tflops_per_gpu', '.1f')} "
+                f"| {ratio_cell} | {_num(ours, 'tflops_per_gpu', '.1f')} "
                 f"| {_num(peer, 'tflops_per_gpu', '.1f')} | {_pct(ours)} | {_pct(peer)} "
                 f"| {_num(ours, 'peak_mem_gib', '.1f')} | {_num(peer, 'peak_mem_gib', '.1f')} |"
             )
+    if invalid:
+        lines += [""] + [f"{line}  " for line in invalid]
     ceiling = [r for k, r in latest.items() if k[0] == "torch-ceiling"]
     if ceiling:
         lines += ["", "Plain-PyTorch reference (`bench/peer/torch_ceiling.py`, gpt_1.3b shape, 1 GPU, mbs 4 × 4):", "",

@@ -124,6 +124,11 @@ def test_report_table_exact():
         "| a | 2 | tp2pp1dp1 | bf16 | compile | 33,000 | 20,000 | 1.65× | 100.0 | 100.0 | 10.1 % | 10.1 % | 30.0 | 33.2 |",
         "| f | 2 | tp2pp1dp1 | fp32 + TF32 | base | timeout | 9,000 | – | timeout | 100.0 | timeout | 10.1 % | timeout | 30.0 |",
     ]
+    rows[1]["invalid"] = "wrong grads"
+    lines = report.call_table(rows)
+    assert lines[3] == ("| a | 2 | tp2pp1dp1 | bf16 | compile ✗ | 33,000 | 20,000 | ~~1.65×~~ | 100.0 | 100.0 | 10.1 % "
+                        "| 10.1 % | 30.0 | 33.2 |")
+    assert lines[-2:] == ["", "✗ `a` [compile]: wrong grads  "]
 
 
 def test_report_markdown_and_merge(tmp_path):

@@ -99,12 +99,12 @@ def test_param_groups_split_by_no_weight_decay():
 
 
 @pytest.mark.parametrize("name, cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)])
-def test_factory_builds_each_optimizer_with_foreach_on_cpu(name, cls):
+def test_factory_builds_each_optimizer_with_fused_kernels_on_cpu(name, cls):
     params, specs = _params_and_specs()
     cfg = OptimConfig(name=name, lr=0.5, weight_decay=0.01, sgd_momentum=0.9)
     opt = build_optimizer_factory(cfg)(param_groups(params, specs))
     assert type(opt) is cls
-    assert opt.defaults["foreach"] is True  # CPU params: multi-tensor kernels
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]  # CPU params: the fused kernels, as on CUDA
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
     assert all(g["lr"] == 0.5 for g in opt.param_groups)
     if name != "sgd":
@@ -128,7 +128,7 @@ def test_factory_matches_a_plain_torch_optimizer():
         ours.step()
         theirs.step()
     for p, r in zip(params, ref):
-        # foreach vs for-loop kernels: same math, different op order; 1e-6 covers a few fp32 ulps
+        # fused vs for-loop kernels: same math, different op order; 1e-6 covers a few fp32 ulps
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
@@ -156,7 +156,9 @@ def test_apex_requested_but_missing_is_a_config_error():
         assert type(opt).__name__ == "FusedAdam"
 
 
-def test_factory_uses_fused_when_all_params_on_cuda(monkeypatch):
+@pytest.mark.parametrize("devices, kernel", [(("cuda", "cuda"), "fused"), (("cpu",), "fused"), (("cpu", "cuda"), "foreach"),
+                                             (("meta",), "foreach")])
+def test_factory_picks_the_kernel_by_device(monkeypatch, devices, kernel):
     from mptrain.optim import builders
 
     seen = {}
@@ -166,9 +168,9 @@ def test_factory_uses_fused_when_all_params_on_cuda(monkeypatch):
             seen.update(kwargs)
 
     monkeypatch.setitem(builders.OPTIMIZERS, "adam", (Recorder, builders._adam_kwargs, None))
-    fake_cuda = types.SimpleNamespace(is_cuda=True)
-    build_optimizer_factory(OptimConfig())([{"params": [fake_cuda]}])
-    assert seen.get("fused") is True and "foreach" not in seen
+    params = [types.SimpleNamespace(device=torch.device(d)) for d in devices]
+    build_optimizer_factory(OptimConfig())([{"params": params}])
+    assert seen == {**seen, kernel: True} and len({"fused", "foreach"} & set(seen)) == 1
 
 
 def test_hydra_composes_every_optim_option():

@@ -134,6 +134,51 @@ def test_grad_scale_in_the_unscale_pass_equals_scaling_the_grads_first(dtype):
         ref.zero_grad()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("clip", [0.0, 0.5, 100.0])
+@pytest.mark.parametrize("with_grad_scale", [False, True])
+def test_folded_step_equals_the_five_pass_step(dtype, clip, with_grad_scale):
+    """bf16 / fp32 with torch's fused AdamW: the folded step (norm pass, then grad scale and clip
+    coefficient divided out inside the fused kernel) takes the step of the unfolded one (unscale
+    pass, norm, clip pass, Adam): same norm, main params and Adam state over three steps, with the
+    clip active (0.5), inactive (100) and off (0)."""
+    params, specs = _model(dtype)
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = _wrap(params, specs, clip=clip)
+    factory = build_optimizer_factory(OptimConfig(name="adamw", lr=0.01, weight_decay=0.1))
+    cls = type(opt)
+    ref = cls(factory, ref_params, specs, lambda p: p.grad, SOLO, scaler=None, clip_grad=clip, max_consecutive_skips=0,
+              fold_into_fused_step=False)
+    assert opt.folded_step and not ref.folded_step and opt.optimizer.defaults["fused"]
+    factor = torch.tensor(8192.0 / 6011.0, dtype=torch.float64) if with_grad_scale else None
+    for step in range(3):
+        _set_grads(params, step, scale=3.0)
+        _set_grads(ref_params, step, scale=3.0)
+        a, b = opt.step(grad_scale=factor), ref.step(grad_scale=factor)
+        assert a.update_successful and b.update_successful
+        # the grads are multiplied by (factor x coef) once vs divided by 1 / (factor x coef): fp32 ulps
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
+        for m, r in zip(opt.main_params(), ref.main_params()):
+            torch.testing.assert_close(m.detach(), r.detach(), rtol=1e-6, atol=1e-8)
+        for sa, sb in zip(opt.optimizer.state.values(), ref.optimizer.state.values()):
+            torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+        opt.zero_grad()
+        ref.zero_grad()
+    assert not hasattr(opt.optimizer, "grad_scale")  # not left for a later, unfolded use
+
+
+def test_folded_step_only_where_it_applies():
+    """Not with a loss scaler (fp16: the unscale pass also feeds the scaler), not with SGD (no Adam
+    kernel), not when switched off."""
+    params, specs = _model(torch.bfloat16)
+    assert _wrap(params, specs).folded_step
+    assert not _wrap(params, specs, scaler=ConstantLossScaler(1.0)).folded_step
+    assert not _wrap(params, specs, name="sgd").folded_step
+    f16, s16 = _model(torch.float16)
+    assert not _wrap(f16, s16, scaler=ConstantLossScaler(8.0)).folded_step
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_skipped_step_changes_no_weight_and_no_optimizer_state(dtype):
     params, specs = _model(dtype)
@@ -242,12 +287,13 @@ def test_lr_scheduler_drives_the_wrapper():
 
 
 # --- gloo: found_inf is reduced with MAX over the model-parallel group ---------------------------------------------
-def _poison_one_rank(rank, world, poisoned_rank):
+def _poison_one_rank(rank, world, poisoned_rank, dtype):
     groups = build_groups(world, 1)  # tp = world: the mp group holds both ranks
     try:
-        params, specs = _model(torch.float16, seed=rank)
-        scaler = DynamicLossScaler(2.0**10, 1.0, 2.0, 0.5, 1000, 1)
+        params, specs = _model(dtype, seed=rank)  # replicated specs: counted in the norm on tp rank 0 only
+        scaler = DynamicLossScaler(2.0**10, 1.0, 2.0, 0.5, 1000, 1) if dtype == torch.float16 else None
         opt = _wrap(params, specs, scaler=scaler, groups=groups)
+        assert opt.folded_step == (scaler is None)
         before = [p.detach().clone() for p in params + opt.main_params()]
         _set_grads(params, rank, poison=(rank == poisoned_rank))
         skipped = opt.step()
@@ -261,10 +307,14 @@ def _poison_one_rank(rank, world, poisoned_rank):
         groups.destroy()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("poisoned_rank", [0, 1])
-def test_found_inf_on_one_rank_skips_on_both(poisoned_rank):
-    out = run_distributed(_poison_one_rank, 2, poisoned_rank)
-    assert out == [(False, True, True, True, 2.0**9, 1)] * 2
+def test_found_inf_on_one_rank_skips_on_both(poisoned_rank, dtype):
+    """fp16: the unscale pass finds it; bf16 / fp32 (folded step): the non-finite count, which also
+    checks grads that do not count in the norm (rank 1's replicated copies)."""
+    out = run_distributed(_poison_one_rank, 2, poisoned_rank, dtype)
+    scale = 2.0**9 if dtype == torch.float16 else 1.0
+    assert out == [(False, True, True, True, scale, 1)] * 2
 
 
 # --- Float16Module ----------------------------------------------------------------------------------------------

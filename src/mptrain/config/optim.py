@@ -30,4 +30,4 @@ class OptimConfig:
     lr_decay_style: str = "constant"
     """constant | linear | cosine. Skipped (overflow) iterations advance the schedule too."""
     impl: str = "auto"
-    """auto | torch | apex: apex FusedAdam/FusedSGD when asked for (error if not importable); torch fused (CUDA) / foreach (CPU) otherwise."""
+    """auto | torch | apex: apex FusedAdam/FusedSGD when asked for (error if not importable); torch fused (CUDA or CPU) otherwise (foreach for params on other or mixed devices)."""

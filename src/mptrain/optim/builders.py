@@ -4,8 +4,9 @@ The optimizer wrappers (`mptrain.precision.optimizer`) own the fp32 main params;
 factory returned by `build_optimizer_factory` with the param groups of those main params. The
 factory picks the kernel:
 
-- ``impl=auto`` or ``torch``: torch's ``fused=True`` kernels when every param is on CUDA,
-  ``foreach=True`` (multi-tensor, horizontally fused) otherwise (CPU);
+- ``impl=auto`` or ``torch``: torch's ``fused=True`` kernels (CUDA, and CPU, where the tests run
+  the same folded step as the GPU: `mptrain.precision.optimizer`); ``foreach=True`` (multi-tensor,
+  horizontally fused) for params on any other device or on mixed devices;
 - ``impl=apex``: apex ``FusedAdam`` / ``FusedSGD`` when apex is importable, else a ConfigError.
 
 Weight decay (Megatron `get_param_groups`): biases and norm params (``ShardSpec.no_weight_decay``)
@@ -91,9 +92,10 @@ def _apex_available() -> bool:
     return True
 
 
-def _all_on_cuda(groups: list[dict]) -> bool:
-    params = [p for g in groups for p in g["params"]]
-    return bool(params) and all(p.is_cuda for p in params)
+def _fused_kernel_available(groups: list[dict]) -> bool:
+    """Every param on one CUDA or CPU device type (torch's fused Adam / AdamW / SGD kernels)."""
+    types = {p.device.type for g in groups for p in g["params"]}
+    return types in ({"cuda"}, {"cpu"})
 
 
 def build_optimizer_factory(cfg) -> Callable[[list[dict]], torch.optim.Optimizer]:
@@ -125,7 +127,7 @@ def build_optimizer_factory(cfg) -> Callable[[list[dict]], torch.optim.Optimizer
         if impl == "apex":
             logger.info("optimizer: %s via apex fused kernels", cfg.name)
             return apex_build(groups, dict(kwargs))
-        kernel = {"fused": True} if _all_on_cuda(groups) else {"foreach": True}
+        kernel = {"fused": True} if _fused_kernel_available(groups) else {"foreach": True}
         logger.info("optimizer: %s via torch.optim.%s(%s)", cfg.name, torch_cls.__name__, next(iter(kernel)))
         return torch_cls(groups, **kwargs, **kernel)
 
