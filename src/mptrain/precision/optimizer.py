@@ -20,8 +20,8 @@ steps 2 and 5's clip pass are folded into the fused kernel. The global norm of t
 (one pass) times ``grad_scale`` is the norm; a non-finite norm means a non-finite grad (skip, as
 step 4); otherwise the kernel divides every grad by its ``grad_scale`` attribute (the one
 `torch.amp.GradScaler` uses) = 1 / (grad_scale × clip coefficient). Two passes over the fp32
-grads fewer per step (measured 16 % of the seed model's bf16 tp2 step in multi-tensor kernels);
-same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the five steps.
+grads fewer per step (the unscale and clip passes: 3 + 2.9 ms of the seed model's 134 ms bf16 tp2
+step in its profile, BENCHMARKS.md); same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the five steps.
 
 Hooks for subclasses (the distributed optimizer, ZeRO-1, overrides "which main params / grads do
 I own" and nothing else):
@@ -156,6 +156,7 @@ class OptimizerWrapper:
         fused_adam = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(
             self.optimizer.defaults.get("fused"))
         self.folded_step = bool(fold_into_fused_step) and scaler is None and fused_adam
+        self._counted_masks: dict = {}  # (counts-in-norm flags, device) -> float mask (`_counted_mask`)
 
     # --- hooks (override in the distributed optimizer) ----------------------------------
     def _make_main_param(self, param: torch.nn.Parameter, spec) -> Optional[torch.nn.Parameter]:
@@ -305,10 +306,18 @@ class OptimizerWrapper:
         stats = torch.zeros(2, dtype=torch.float32, device=device)  # [sum of squares, non-finite count]
         if pairs:
             norms = torch.stack(torch._foreach_norm([g for g, _ in pairs], 2))  # fp32 main grads
-            counted = torch.tensor([c for _, c in pairs], device=device)
+            counted = self._counted_mask(tuple(c for _, c in pairs), device)
             stats = torch.stack([(norms.pow(2) * counted).sum(), (~torch.isfinite(norms)).sum().float()])
         all_reduce_over(stats, stats_groups, dist.ReduceOp.SUM)
         return stats[0].sqrt(), stats[1]
+
+    def _counted_mask(self, counted: tuple, device: torch.device) -> torch.Tensor:
+        """The 0/1 float mask of `counted` on `device`, built once: a fresh host-to-device copy each
+        step would be a pageable, synchronising copy in the middle of the step."""
+        key = (counted, str(device))
+        if key not in self._counted_masks:
+            self._counted_masks[key] = torch.tensor(counted, dtype=torch.float32, device=device)
+        return self._counted_masks[key]
 
     def _step_folded(self, grad_scale: Optional[torch.Tensor]) -> StepResult:
         """`step` with the unscale and clip passes folded into the fused Adam kernel (module docstring)."""
