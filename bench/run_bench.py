@@ -400,12 +400,13 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     call_id = args.call_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     configs = suite(args.suite, gpus, args.only.split(",") if args.only else None)
-    if args.variants:  # replaces every config's own list (base first: the loss reference of the others)
+    if args.variants:  # replaces every config's own list
         chosen = tuple(v for v in args.variants.split(",") if v)
         unknown = sorted(set(chosen) - set(VARIANTS))
         if unknown:
             print(f"run_bench: --variants {unknown} unknown; known: {','.join(sorted(VARIANTS))}", file=sys.stderr)
             return 2
+        chosen = tuple(sorted(chosen, key=lambda v: v != "base"))  # base first: the loss reference of the others
         configs = [dataclasses.replace(c, variants=chosen) for c in configs]
     out = Path(args.out).resolve()
     log_dir = out.parent / "bench_logs" / call_id

@@ -59,6 +59,13 @@ def _cfg(**kw):
     return bc.BenchConfig(**{**base, **kw})
 
 
+def test_variants_option_puts_base_first(capsys):
+    assert run_bench.main(["--suite", "full", "--gpus", "2", "--only", "a_seed_bf16_tp2", "--variants", "compile,base",
+                           "--trainers", "mptrain", "--dry-run", "--call-id", "t"]) == 0
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# mptrain")]
+    assert [h.split("[")[1].split("]")[0] for h in heads] == ["base", "compile"]
+
+
 def test_compare_losses_against_the_base_variant():
     base = {"lm_loss": [10.0, 9.0, 8.5]}
     row = {"lm_loss": [10.0, 9.25, 8.0]}

@@ -87,6 +87,24 @@ def test_reshard_resume_from_tp2pp2(tmp_path):
             assert got[i]["consumed_samples"] == want[i]["consumed_samples"] and got[i]["lr"] == want[i]["lr"]
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_nonfinite_grad_on_one_dp_rank_skips_every_replica(tmp_path, zero):
+    """dp2, bf16 (the folded optimizer step): poisoning rank 1 at iteration 3 skips that step on both
+    data-parallel replicas, which then stay identical (same losses as a run poisoned on rank 0)."""
+    runs = {}
+    for poisoned in (0, 1):
+        run_dir = tmp_path / f"p{poisoned}"
+        run_distributed(run_job, 2, SMALL + ["parallel=tp1pp1", "precision=bf16", "train.train_iters=5",
+                                             f"parallel.use_distributed_optimizer={str(zero).lower()}",
+                                             f"run.dir={run_dir}", f"debug.nonfinite_grad_rank={poisoned}",
+                                             "debug.nonfinite_grad_iteration=3"])
+        runs[poisoned] = _rows(run_dir)
+    for rows in runs.values():
+        assert [rows[i]["skipped_iter"] for i in range(1, 6)] == [False, False, True, False, False]
+        assert rows[5]["skipped_iters_total"] == 1 and rows[5]["nan_iters_total"] == 1
+    assert [runs[0][i]["lm_loss"] for i in range(1, 6)] == [runs[1][i]["lm_loss"] for i in range(1, 6)]
+
+
 def test_nonfinite_grad_fp16_skips_and_backs_off(tmp_path):
     run_dir = tmp_path / "run"
     # poison the last stage's grads (rank 1 of tp1pp2) at iteration 3; found_inf is MAX-reduced, so rank 0 skips too

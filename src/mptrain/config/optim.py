@@ -28,6 +28,6 @@ class OptimConfig:
     lr_decay_iters: Optional[int] = None
     """Iteration at which the decay reaches min_lr (warmup included); null: no decay (style must be constant)."""
     lr_decay_style: str = "constant"
-    """constant | linear | cosine. Skipped (overflow) iterations advance the schedule too."""
+    """constant | linear | cosine. Skipped (overflow / non-finite) iterations do not advance the schedule (Megatron)."""
     impl: str = "auto"
     """auto | torch | apex: apex FusedAdam/FusedSGD when asked for (error if not importable); torch fused (CUDA or CPU) otherwise (foreach for params on other or mixed devices)."""

@@ -36,8 +36,8 @@ I own" and nothing else):
 - `_grad_stats_groups() -> list[ProcessGroup]`: reduced over, in turn, for found_inf (MAX), the
   grad norm and the zero count (SUM). Default ``[groups.mp_group]``; ZeRO-1 adds ``groups.dp_group``.
 
-The LR scheduler sets ``lr`` on `param_groups` (the inner optimizer's). Skipped steps do not stop
-the iteration counter or the schedule (see `mptrain.optim.lr_scheduler`).
+The LR scheduler sets ``lr`` on `param_groups` (the inner optimizer's). A skipped step still counts
+as an iteration but does not advance the schedule (see `mptrain.optim.lr_scheduler`).
 """
 
 from __future__ import annotations

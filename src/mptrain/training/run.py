@@ -166,9 +166,13 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
 
 
 def _poison_grads_fn(built: Built, iteration_ref: list):
-    """debug.nonfinite_grad_*: make this rank's grads non-finite at the given iteration."""
+    """debug.nonfinite_grad_*: make the grads of that rank's model-parallel position non-finite at the
+    given iteration, after the DP reduction, on every data-parallel replica of it (where a NaN in one
+    rank's local grads lands once the DP all-reduce has summed it in; poisoning one replica only
+    would be a fault the DP reduction cannot produce, and under ZeRO-1 it could miss the shard
+    owner)."""
     dbg = built.cfg.debug
-    if dbg.nonfinite_grad_rank != built.groups.rank:
+    if dbg.nonfinite_grad_rank is None or dbg.nonfinite_grad_rank not in built.groups.ranks["dp"]:
         return None
 
     def poison():
