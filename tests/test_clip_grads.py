@@ -10,7 +10,12 @@ from mptrain.groups import build_groups
 from mptrain.layers.sharding import ShardSpec
 from mptrain.optim import build_optimizer_factory
 from mptrain.config.optim import OptimConfig
-from mptrain.precision.clip_grads import clip_grads_by_total_norm, count_zeros_fp32, get_grad_norm_fp32
+from mptrain.precision.clip_grads import (
+    clip_grads_by_total_norm,
+    count_zeros_fp32,
+    get_grad_norm_and_non_finite_count_fp32,
+    get_grad_norm_fp32,
+)
 from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer
 
 
@@ -23,6 +28,17 @@ def test_grad_norm_by_hand():
     half = [g.half() for g in grads]  # non-fp32 grads are summed in fp32
     assert get_grad_norm_fp32(half, None).item() == pytest.approx(math.sqrt(34.0), rel=1e-7)  # same: values exact in fp16
     assert get_grad_norm_fp32([], None).item() == 0.0
+
+
+def test_norm_of_the_counted_grads_and_non_finite_count_of_all():
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([[1.0, 2.0], [2.0, 0.0]]), torch.tensor([10.0])]
+    norm, bad = get_grad_norm_and_non_finite_count_fp32(grads, torch.tensor([1.0, 1.0, 0.0]), None)
+    assert norm.item() == pytest.approx(math.sqrt(34.0), rel=1e-7) and bad.item() == 0.0  # the 10 does not count
+    grads[2][0] = float("inf")  # an uncounted grad is still checked
+    norm, bad = get_grad_norm_and_non_finite_count_fp32(grads, torch.tensor([1.0, 1.0, 0.0]), None)
+    assert bad.item() == 1.0
+    norm, bad = get_grad_norm_and_non_finite_count_fp32([], torch.zeros(0), None)
+    assert (norm.item(), bad.item()) == (0.0, 0.0)
 
 
 def test_clip_engaged_and_not():

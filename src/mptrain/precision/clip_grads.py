@@ -64,6 +64,26 @@ def get_grad_norm_fp32(grads: list, group: Groups, *, device: Optional[torch.dev
     return sum_sq.sqrt().reshape(())
 
 
+def get_grad_norm_and_non_finite_count_fp32(grads: list, counted: torch.Tensor, group: Groups, *,
+                                            device: Optional[torch.device] = None) -> tuple:
+    """`get_grad_norm_fp32` over the grads with ``counted`` 1, and the number of *all* given grads
+    holding an inf / nan (a replicated copy that does not count in the norm is still checked), in one
+    multi-tensor pass and one 2-element SUM all-reduce over ``group``.
+
+    Args:
+        grads: fp32 grads. counted: float ``[len(grads)]`` mask on the grads' device, 1 = counts.
+    Returns:
+        (norm, non-finite count): 0-dim float32 tensors (no host sync).
+    """
+    dev = _device_of(grads, device)
+    stats = torch.zeros(2, dtype=torch.float32, device=dev)  # [sum of squares, non-finite count]
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads, 2))
+        stats = torch.stack([(norms.pow(2) * counted).sum(), (~torch.isfinite(norms)).sum().float()]).to(dev)
+    all_reduce_over(stats, group, dist.ReduceOp.SUM)
+    return stats[0].sqrt(), stats[1]
+
+
 def clip_grads_by_total_norm(grads: list, max_norm: float, total_norm: Union[float, torch.Tensor]) -> None:
     """Scale ``grads`` in place by coef = max_norm / (total_norm + 1e-6) when coef < 1 (else leave them).
 

@@ -55,6 +55,7 @@ from mptrain.precision.clip_grads import (
     all_reduce_over,
     clip_grads_by_total_norm,
     count_zeros_fp32,
+    get_grad_norm_and_non_finite_count_fp32,
     get_grad_norm_fp32,
 )
 from mptrain.precision.scaler import LossScaler
@@ -288,28 +289,21 @@ class OptimizerWrapper:
         total_norm = get_grad_norm_fp32(norm_grads, stats_groups, device=self.groups.device)
         if self.clip_grad > 0:
             clip_grads_by_total_norm(main_grads, self.clip_grad, total_norm)
-        num_zeros = None
-        if self.log_num_zeros:
-            num_zeros = int(count_zeros_fp32(norm_grads, stats_groups, device=self.groups.device).item())
+        num_zeros = self._count_zeros(stats_groups)
         self.optimizer.step()
+        return self._applied(float(total_norm.item()), num_zeros)
+
+    def _count_zeros(self, stats_groups: list) -> Optional[int]:
+        """Zero elements of the counted main grads over the grad-stats groups (``log_num_zeros``), else None."""
+        if not self.log_num_zeros:
+            return None
+        return int(count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=self.groups.device).item())
+
+    def _applied(self, grad_norm: float, num_zeros: Optional[int]) -> StepResult:
+        """After the inner step: write the main params back into the model params; the step's result."""
         self._copy_main_params_to_model_params()
         self.consecutive_skips = 0
-        return StepResult(update_successful=True, grad_norm=float(total_norm.item()), num_zeros=num_zeros, found_inf=False)
-
-    def _norm_and_non_finite_count(self, stats_groups: list) -> tuple:
-        """(global L2 norm of the counted main grads, number of grads with an inf / nan anywhere on
-        the grad-stats groups): one multi-tensor pass over *all* main grads (a replicated copy that
-        does not count in the norm is still checked) and one 2-element SUM all-reduce. 0-d tensors."""
-        tp_rank = self.groups.tp_rank
-        pairs = [(e.main.grad, e.spec.counts_on(tp_rank)) for e in self.entries if e.main.grad is not None]
-        device = pairs[0][0].device if pairs else self.groups.device
-        stats = torch.zeros(2, dtype=torch.float32, device=device)  # [sum of squares, non-finite count]
-        if pairs:
-            norms = torch.stack(torch._foreach_norm([g for g, _ in pairs], 2))  # fp32 main grads
-            counted = self._counted_mask(tuple(c for _, c in pairs), device)
-            stats = torch.stack([(norms.pow(2) * counted).sum(), (~torch.isfinite(norms)).sum().float()])
-        all_reduce_over(stats, stats_groups, dist.ReduceOp.SUM)
-        return stats[0].sqrt(), stats[1]
+        return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros=num_zeros, found_inf=False)
 
     def _counted_mask(self, counted: tuple, device: torch.device) -> torch.Tensor:
         """The 0/1 float mask of `counted` on `device`, built once: a fresh host-to-device copy each
@@ -323,28 +317,27 @@ class OptimizerWrapper:
         """`step` with the unscale and clip passes folded into the fused Adam kernel (module docstring)."""
         self._copy_model_grads_to_main_grads()
         stats_groups = self._grad_stats_groups()
-        total_norm, non_finite = self._norm_and_non_finite_count(stats_groups)
+        tp_rank = self.groups.tp_rank
+        pairs = [(e.main.grad, e.spec.counts_on(tp_rank)) for e in self.entries if e.main.grad is not None]
+        device = pairs[0][0].device if pairs else self.groups.device
+        total_norm, non_finite = get_grad_norm_and_non_finite_count_fp32(
+            [g for g, _ in pairs], self._counted_mask(tuple(c for _, c in pairs), device), stats_groups, device=device)
+        divisor = torch.ones((), dtype=torch.float32, device=total_norm.device)
         if grad_scale is not None:
-            total_norm = total_norm * grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
+            factor = grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
+            total_norm, divisor = total_norm * factor, divisor / factor
         norm, non_finite = torch.stack([total_norm, non_finite]).tolist()  # host sync, once per step
         if non_finite > 0 or not math.isfinite(norm):  # the same decision on every rank
             return self._skip()
-        divisor = torch.ones((), dtype=torch.float32, device=total_norm.device)
-        if grad_scale is not None:
-            divisor = divisor / grad_scale.to(device=divisor.device, dtype=torch.float32).reshape(())
         if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
             divisor = divisor / (self.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
-        num_zeros = None
-        if self.log_num_zeros:  # scaling by a finite non-zero factor keeps zeros zero
-            num_zeros = int(count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=self.groups.device).item())
+        num_zeros = self._count_zeros(stats_groups)  # of the raw grads: a finite non-zero factor keeps zeros zero
         self.optimizer.grad_scale = divisor  # torch's fused Adam divides each grad by it in the kernel
         try:
             self.optimizer.step()
         finally:
             del self.optimizer.grad_scale
-        self._copy_main_params_to_model_params()
-        self.consecutive_skips = 0
-        return StepResult(update_successful=True, grad_norm=norm, num_zeros=num_zeros, found_inf=False)
+        return self._applied(norm, num_zeros)
 
     # --- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:
