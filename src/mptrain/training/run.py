@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -184,6 +184,39 @@ def _poison_grads_fn(built: Built, iteration_ref: list):
     return poison
 
 
+class _StepTimeout:
+    """``train.step_timeout_s`` as the collective timeout of every group (`ParallelGroups.set_timeout`)
+    from the end of this process's first step (which may compile / autotune under
+    ``train.timeout_s``) to the last training step. Evaluation and checkpoint saves run under
+    ``train.timeout_s`` (`suspended`): one rank may legitimately take longer there (rank 0 publishes
+    and prunes checkpoints; uneven shards) while its peers wait in a collective."""
+
+    def __init__(self, groups: ParallelGroups, timeout_s: float, step_timeout_s: Optional[float]) -> None:
+        self.groups, self.timeout_s, self.step_timeout_s = groups, timeout_s, step_timeout_s
+        self.on = False
+
+    def start(self) -> None:
+        if self.step_timeout_s is not None:
+            self.groups.set_timeout(self.step_timeout_s)
+            self.on = True
+
+    def end(self) -> None:
+        if self.on:
+            self.groups.set_timeout(self.timeout_s)
+            self.on = False
+
+    @contextlib.contextmanager
+    def suspended(self):
+        if not self.on:
+            yield
+            return
+        self.groups.set_timeout(self.timeout_s)
+        try:
+            yield
+        finally:
+            self.groups.set_timeout(self.step_timeout_s)
+
+
 def _any_rank_flag(flag: bool, device) -> bool:
     """Whether any rank set `flag` (one tiny all-reduce; used for the stop signal)."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
@@ -237,23 +270,14 @@ def run(cfg: Any) -> dict:
         with_mask = bool(cfg.data.reset_attention_mask)
         train_iters = _data_iterators(provider, built.chunks, groups, lambda: provider.train_iterator(consumed), with_mask)
         eval_on = cfg.train.eval_interval is not None and cfg.train.eval_iters > 0
-        step_timeout_on = [False]  # train.step_timeout_s is the collective timeout now (set after the first step)
+        step_timeout = _StepTimeout(groups, cfg.train.timeout_s, cfg.train.step_timeout_s)
 
         @contextlib.contextmanager
         def untimed_by_step_timeout():
-            """Evaluation and saves run under train.timeout_s: one rank may legitimately take longer than
-            train.step_timeout_s there (rank 0 publishes and prunes checkpoints; uneven shards) while
-            its peers wait in a collective. The step timeout is set again afterwards. Nor does a stop
-            signal's grace time them (`StopSignal.untimed`)."""
-            with stop.untimed():
-                if not step_timeout_on[0]:
-                    yield
-                    return
-                groups.set_timeout(cfg.train.timeout_s)
-                try:
-                    yield
-                finally:
-                    groups.set_timeout(cfg.train.step_timeout_s)
+            """Evaluation and saves: timed by neither the step timeout (`_StepTimeout.suspended`) nor a
+            stop signal's grace (`StopSignal.untimed`)."""
+            with stop.untimed(), step_timeout.suspended():
+                yield
 
         def evaluate(split: str) -> None:
             """Write a `split` row at this iteration; a split that `data.split` left empty has no rows."""
@@ -293,9 +317,8 @@ def run(cfg: Any) -> dict:
                 consumed += cfg.train.global_batch_size
                 stop.step_time_s = time.time() - t0
                 recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=stop.step_time_s)
-                if iteration == state["iteration"] + 1 and cfg.train.step_timeout_s is not None:
-                    groups.set_timeout(cfg.train.step_timeout_s)  # catches a stalled rank (DESIGN.md §5)
-                    step_timeout_on[0] = True
+                if iteration == state["iteration"] + 1:
+                    step_timeout.start()  # catches a stalled rank (DESIGN.md §5)
                 if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
                     evaluate("valid")
                 stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
@@ -311,9 +334,7 @@ def run(cfg: Any) -> dict:
                 if exiting or stop_now:
                     exit_code_reason = "exit_interval" if exiting else "signal"
                     break
-        if step_timeout_on[0]:  # no more training steps: the final evaluation and the layout gather
-            groups.set_timeout(cfg.train.timeout_s)
-            step_timeout_on[0] = False
+        step_timeout.end()  # no more training steps: the final evaluation and the layout gather
         if exit_code_reason is None and eval_on and iteration > state["iteration"]:
             evaluate("valid")
             evaluate("test")
