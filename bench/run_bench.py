@@ -116,8 +116,9 @@ def mptrain_row(cfg: BenchConfig, variant: str, metrics_rows: list, peaks: list,
 
 def compare_losses(row: dict, reference: Optional[dict]) -> None:
     """Add ``loss_max_abs_diff_vs_base``: how far a variant's per-iteration lm_loss is from the ``base``
-    variant's (eager) of the same config in the same call; None without a reference. Every variant
-    is the same math, so a difference far above the precision's noise means a broken variant."""
+    variant's (eager) of the same config in the same call. Left out without a reference (and on the
+    base row itself); None when no iteration has both losses. Every variant is the same math, so a
+    difference far above the precision's noise means a broken variant."""
     ref = (reference or {}).get("lm_loss")
     mine = row.get("lm_loss")
     if not ref or not mine or row is reference:
