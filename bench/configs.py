@@ -62,6 +62,15 @@ VARIANTS = {
     "compile_sp": ("model.compile_layers=true", "parallel.sequence_parallel=true"),
     "unfused_compile_sp": ("model.attention_backend=unfused", "model.compile_layers=true",
                            "parallel.sequence_parallel=true"),
+    # gradient accumulation fusion is on by default: these A/B it off
+    "compile_sp_nogaf": ("model.compile_layers=true", "parallel.sequence_parallel=true",
+                         "parallel.gradient_accumulation_fusion=false"),
+    "unfused_compile_sp_nogaf": ("model.attention_backend=unfused", "model.compile_layers=true",
+                                 "parallel.sequence_parallel=true", "parallel.gradient_accumulation_fusion=false"),
+    # async TP: Inductor micro-pipeline TP over symmetric memory (parallel.tp_comm_overlap)
+    "compile_sp_tpo": ("model.compile_layers=true", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"),
+    "unfused_compile_sp_tpo": ("model.attention_backend=unfused", "model.compile_layers=true",
+                               "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"),
     "compile_cdmc1": ("model.compile_layers=true", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
     "unfused_compile_cdmc1": ("model.attention_backend=unfused", "model.compile_layers=true",
                               "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),

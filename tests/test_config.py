@@ -148,6 +148,10 @@ INVALID = [
     (["parallel=tp1pp2vpp2", "train.global_batch_size=6"], 2, "needs num_microbatches % pipeline_model_parallel_size == 0, got 3"),
     (["parallel=tp1pp2", "schedule=no_pipelining"], 2, "schedule=no_pipelining cannot run pipeline_model_parallel_size=2"),
     (["parallel=tp2pp1", "parallel.sequence_parallel=true", "model.seq_length=63"], 2, "model.seq_length=63 is not divisible by tensor_model_parallel_size=2"),
+    (["parallel=tp2pp1", "parallel.tp_comm_overlap=true", "model.compile_layers=true"], 2,
+     "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers: it needs"),
+    (["parallel=tp2pp1", "parallel.tp_comm_overlap=true", "parallel.sequence_parallel=true"], 2, "compile_layers=False"),
+    (["parallel.tp_comm_overlap=true", "parallel.sequence_parallel=true", "model.compile_layers=true"], 1, "got tp=1"),
     (["schedule.name=zigzag"], 1, "schedule.name: unknown option 'zigzag'"),
     (["model.activation=relu"], 1, "model.activation: unknown option 'relu'"),
     (["logger.mode=loud"], 1, "logger.mode: unknown option 'loud'"),
@@ -167,6 +171,16 @@ def test_invalid_combination_one_line_naming_the_key(overrides, world, message):
     text = str(err.value)
     assert message in text
     assert "\n" not in text  # one line
+
+
+def test_tp_comm_overlap_needs_nccl():
+    from mptrain.layers.mappings import enable_tp_comm_overlap
+
+    with pytest.raises(ConfigError, match="parallel.tp_comm_overlap=true needs CUDA GPUs and NCCL"):
+        enable_tp_comm_overlap(None)
+    cfg = _compose(["model=tiny", "parallel=tp2pp1", "parallel.tp_comm_overlap=true", "parallel.sequence_parallel=true",
+                    "model.compile_layers=true"])
+    assert validate_config(cfg, 2).sequence_parallel is True
 
 
 def test_uneven_split_accepted_when_it_adds_up():

@@ -21,6 +21,15 @@ class ParallelConfig:
     async_tensor_model_parallel_allreduce: bool = True
     """Overlap each column-parallel layer's backward input-grad all-reduce (reduce-scatter under SP)
     with its weight-grad GEMM (Megatron's name; on by default there too). Same math either way."""
+    tp_comm_overlap: bool = False
+    """Overlap the sequence-parallel all-gathers / reduce-scatters with the GEMMs that consume /
+    produce them by splitting those GEMMs per rank (torch's async TP: Inductor's micro-pipeline TP
+    pass over symmetric memory; Megatron's name, TransformerEngine userbuffers there). Needs
+    tp > 1, sequence_parallel, model.compile_layers and CUDA + NCCL."""
+    gradient_accumulation_fusion: bool = True
+    """Column/row-parallel linear layers accumulate their weight grad straight into the DDP
+    buffer's ``main_grad`` from the weight-grad GEMM (no transient ``param.grad``, no add pass).
+    Megatron's name and default. Same math up to rounding (fp32 accumulation is kept)."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard fp32 main params and optimizer state over DP."""
     overlap_grad_reduce: bool = False

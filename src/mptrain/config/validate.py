@@ -389,6 +389,13 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             f"parallel.sequence_parallel=true splits the sequence over tp: model.seq_length={c.model.seq_length} is "
             f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false"
         )
+    if c.parallel.tp_comm_overlap and not (sequence_parallel and c.model.compile_layers):
+        raise ConfigError(
+            "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers: it needs "
+            "tensor_model_parallel_size > 1, parallel.sequence_parallel=true and model.compile_layers=true "
+            f"(got tp={tp}, sequence_parallel={c.parallel.sequence_parallel}, compile_layers={c.model.compile_layers}); "
+            "set those or parallel.tp_comm_overlap=false"
+        )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
     return DerivedLayout(

@@ -12,7 +12,11 @@ document §4.1 "main_grad"), without the attributes Megatron bolts onto paramete
 * ``no_sync()`` suppresses reduction (all but the last micro-batch); with ``overlap_grad_reduce`` a
   bucket's async collective starts as soon as every param of the bucket has its grad in the synced
   micro-batch. Buckets are launched strictly in index order on every rank (a ready bucket waits
-  for its predecessors) so that collectives match across DP ranks even when a param gets no grad.
+  for its predecessors) so that collectives match across DP ranks even when a param gets no grad;
+* with ``gradient_accumulation_fusion`` the column/row-parallel linear layers get their weight's
+  ``main_grad`` view and accumulate into it from the weight-grad GEMM (no ``param.grad``, no
+  add pass; `mptrain.layers.grad_accumulation`); the hook then fires with ``param.grad`` None and
+  only marks the weight ready.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer
+from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mptrain.layers.sharding import collect_shard_specs
 
 # torch >= 2.10 renamed the tensor collectives (the old names warn); accept both.
@@ -61,6 +66,9 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size: elements per bucket; None = max(40M, 1M × dp) (Megatron's default).
         use_distributed_optimizer: reduce-scatter instead of all-reduce; buckets padded to a
             multiple of dp so each DP rank owns a contiguous 1/dp of every bucket.
+        gradient_accumulation_fusion: hand each `ColumnParallelLinear` / `RowParallelLinear`
+            weight its ``main_grad`` view (``weight_main_grad``) so that backward accumulates into
+            it directly (Megatron's ``gradient_accumulation_fusion``).
     Raises:
         ValueError: bucket_size < 1.
     """
@@ -75,6 +83,7 @@ class DistributedDataParallel(torch.nn.Module):
         overlap_grad_reduce: bool,
         bucket_size: Optional[int],
         use_distributed_optimizer: bool,
+        gradient_accumulation_fusion: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -107,6 +116,10 @@ class DistributedDataParallel(torch.nn.Module):
         for state in self._states:
             for param in state.buffer.params():
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(state)))
+        if gradient_accumulation_fusion:
+            for layer in module.modules():
+                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and layer.weight.requires_grad:
+                    layer.weight_main_grad = self._buffer_of(layer.weight).main_grad(layer.weight)
 
     # --- buffers ---------------------------------------------------------------------------
     @property
@@ -155,17 +168,24 @@ class DistributedDataParallel(torch.nn.Module):
     def _make_hook(self, state: _BucketState):
         def hook(param: torch.Tensor) -> None:
             # Grads accumulate in the buffer across micro-batches; param.grad is dropped so that
-            # autograd allocates a fresh (not accumulated-into) grad next backward.
-            state.buffer.main_grad(param).add_(param.grad)
-            param.grad = None
-            if self.overlap_grad_reduce and self._sync_enabled:
-                slot = state.buffer.slot(param)
-                ready = state.ready[slot.bucket]
-                ready.add(slot.name)
-                if len(ready) == len(state.buffer.buckets[slot.bucket].param_names):
-                    self._launch_ready(state)
+            # autograd allocates a fresh (not accumulated-into) grad next backward. None: the
+            # linear layer already accumulated it (gradient accumulation fusion).
+            if param.grad is not None:
+                state.buffer.main_grad(param).add_(param.grad)
+                param.grad = None
+            self._mark_ready(state, param)
 
         return hook
+
+    def _mark_ready(self, state: _BucketState, param: torch.Tensor) -> None:
+        """Count ``param``'s grad of this micro-batch as in; launch the buckets that became ready."""
+        if not (self.overlap_grad_reduce and self._sync_enabled):
+            return
+        slot = state.buffer.slot(param)
+        ready = state.ready[slot.bucket]
+        ready.add(slot.name)
+        if len(ready) == len(state.buffer.buckets[slot.bucket].param_names):
+            self._launch_ready(state)
 
     def _launch_ready(self, state: _BucketState) -> None:
         """Launch, in index order, every bucket whose params are all ready and whose predecessors launched."""

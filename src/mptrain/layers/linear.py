@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.errors import ConfigError
+from mptrain.layers import grad_accumulation
 from mptrain.layers.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -49,13 +50,17 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
     In eager mode the collective is ``dist.*(async_op=True)``; under ``torch.compile`` (layers
     compiled by ``model.compile_layers``) the functional collective + ``wait_tensor`` (Dynamo
     cannot trace ``async_op=True``), which Inductor schedules.
+
+    With ``main_grad`` (``parallel.gradient_accumulation_fusion``) the weight-grad GEMM accumulates
+    into it and no weight grad is returned (`grad_accumulation.wgrad_accumulate`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None):
         total = gather_from_sequence_parallel_region_raw(x, group) if sequence_parallel else x
         ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.main_grad = main_grad  # not saved: a buffer view that other views mutate (version check)
         return F.linear(total, weight, bias)  # [s, b, out/tp]
 
     @staticmethod
@@ -67,23 +72,29 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
             grad_in = grad_out.matmul(weight)  # [s, b, in], a partial sum over TP ranks
             pending = start_grad_collective(grad_in, ctx.group, ctx.sequence_parallel)
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = go2.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1] and ctx.main_grad is not None:
+            grad_accumulation.wgrad_accumulate(grad_out, total, ctx.main_grad)
+        elif ctx.needs_input_grad[1]:
+            grad_w = go2.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_in = pending.wait() if pending is not None else None
-        return grad_in, grad_w, grad_b, None, None
+        return grad_in, grad_w, grad_b, None, None, None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups,
-                           sequence_parallel: bool, async_grad_allreduce: bool = True) -> torch.Tensor:
+                           sequence_parallel: bool, async_grad_allreduce: bool = True,
+                           main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """f (or SP's all-gather) then ``F.linear``: ``[s(/tp), b, in] -> [s, b, out/tp]``.
 
     ``async_grad_allreduce`` (``parallel.async_tensor_model_parallel_allreduce``) overlaps the
     backward input-grad collective with the weight-grad GEMM (`_LinearWithAsyncGradComm`); off, the
     collective runs after both GEMMs (autograd of `column_parallel_input` + ``F.linear``).
+    ``main_grad``: accumulate the weight grad into it (gradient accumulation fusion).
     """
     if async_grad_allreduce and groups.tp_size > 1 and torch.is_grad_enabled():
-        return _LinearWithAsyncGradComm.apply(x, weight, bias, groups.tp_group, sequence_parallel)
-    return F.linear(column_parallel_input(x, groups, sequence_parallel), weight, bias)
+        return _LinearWithAsyncGradComm.apply(x, weight, bias, groups.tp_group, sequence_parallel, main_grad)
+    return grad_accumulation.linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad)
 
 
 def _divide(n: int, tp: int, what: str, key: str) -> int:
@@ -112,6 +123,10 @@ class ColumnParallelLinear(torch.nn.Module):
             sequence-sharded. scaled_init: use std / sqrt(2 L).
         async_grad_allreduce: overlap the backward input-grad collective with the weight-grad
             GEMM (`column_parallel_linear`).
+
+    ``weight_main_grad`` (None unless set by the DDP wrapper under
+    ``parallel.gradient_accumulation_fusion``): the weight's ``main_grad`` view, into which
+    backward accumulates the weight grad (`grad_accumulation`).
     Raises:
         ConfigError: output_size not divisible by tp × parts.
     """
@@ -142,6 +157,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=params_dtype))
         else:
             self.register_parameter("bias", None)
+        self.weight_main_grad: Optional[torch.Tensor] = None
 
     def local_shard_specs(self) -> dict:
         specs = {"weight": self._weight_spec}
@@ -152,7 +168,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
-                                   self.async_grad_allreduce)  # [s, b, out/tp]
+                                   self.async_grad_allreduce, self.weight_main_grad)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.groups.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -169,7 +185,7 @@ class RowParallelLinear(torch.nn.Module):
     Args:
         input_is_parallel: the input is already ``[s, b, in/tp]`` (from a column-parallel
             layer); otherwise it is scattered on the last dim first. Must be True under SP.
-        others: as `ColumnParallelLinear`.
+        others: as `ColumnParallelLinear` (``weight_main_grad`` too).
     Raises:
         ConfigError: input_size not divisible by tp.
     """
@@ -198,6 +214,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype))
         else:
             self.register_parameter("bias", None)
+        self.weight_main_grad: Optional[torch.Tensor] = None
 
     def local_shard_specs(self) -> dict:
         specs = {"weight": self._weight_spec}
@@ -208,7 +225,7 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.groups.tp_group)
-        partial = F.linear(x, self.weight)  # [s, b, out], a partial sum over TP ranks
+        partial = grad_accumulation.linear(x, self.weight, None, self.weight_main_grad)  # [s, b, out], partial over TP
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
         else:

@@ -91,6 +91,30 @@ def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return x[r * n:(r + 1) * n].contiguous()
 
 
+def enable_tp_comm_overlap(group) -> None:
+    """``parallel.tp_comm_overlap``: let Inductor split SP collectives and their GEMMs into per-rank steps.
+
+    Turns on Inductor's micro-pipeline TP pass (torch's async TP, as torchtitan's
+    ``enable_async_tp``): in compiled layers, ``all_gather_into_tensor`` → matmul becomes
+    ``symm_mem.fused_all_gather_matmul`` and matmul → ``reduce_scatter_tensor`` becomes
+    ``fused_matmul_reduce_scatter``, each computing on one rank's chunk while the next chunk moves
+    over NVLink. The TP group gets symmetric memory (peer-to-peer buffers; no NVLink multicast).
+    Process-wide: the Inductor flag applies to every later compile in this process.
+
+    Raises:
+        ConfigError: the group is not NCCL (symmetric memory is CUDA-only).
+    """
+    from mptrain.errors import ConfigError
+
+    if group is None or not _is_nccl(group):
+        raise ConfigError("parallel.tp_comm_overlap=true needs CUDA GPUs and NCCL (symmetric memory); set it false on CPU")
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(group.group_name)
+
+
 def _split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's equal slice of ``dim``."""
     p = _size(group)

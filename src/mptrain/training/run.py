@@ -30,6 +30,7 @@ from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.errors import ConfigError
 from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
 from mptrain.layers.gpt import build_model_chunks
+from mptrain.layers.mappings import enable_tp_comm_overlap
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.optim.builders import build_optimizer_factory
 from mptrain.optim.lr_scheduler import OptimizerParamScheduler
@@ -62,6 +63,8 @@ class Built:
 def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, vocab_size: int):
     """Model chunks wrapped as DDP(Float16Module(GPTModel)), the optimizer wrapper and the LR scheduler."""
     params_dtype = PARAMS_DTYPES[cfg.precision.name]
+    if cfg.parallel.tp_comm_overlap:
+        enable_tp_comm_overlap(groups.tp_group)
     raw_chunks = build_model_chunks(
         cfg.model, cfg.parallel, groups, vocab_size=vocab_size, seed=cfg.train.seed, params_dtype=torch.float32,
         device=groups.device,
@@ -83,6 +86,7 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                 bucket_size=cfg.parallel.bucket_size,
                 use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
             )
         )
     scaler = build_loss_scaler(cfg.loss_scaler, cfg.precision.name)

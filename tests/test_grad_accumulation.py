@@ -1,0 +1,98 @@
+"""parallel.gradient_accumulation_fusion: weight grads accumulate into main_grad from the GEMM.
+
+The tiny GPT wrapped in DDP with the fusion on vs off, two micro-batches accumulated (gloo, CPU):
+the grad buffers are equal (fp32: the GEMM's β = 1 epilogue vs mm + add, to rounding; bf16 params
+with fp32 main grads: CPU's fallback is the unfused arithmetic, so bitwise), no linear weight ever
+holds a ``.grad``, and with ``overlap_grad_reduce`` every bucket is launched from backward, so the
+fused path reports readiness (a bucket holding only linear weights would otherwise wait for
+``finish_grad_sync``). Also under ``model.compile_layers`` (the op runs in place inside the
+compiled backward) and at tp 2 with sequence parallelism and the async input-grad path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_distributed
+from mptrain.config.model import ModelConfig
+from mptrain.config.parallel import ParallelConfig
+from mptrain.distributed import DistributedDataParallel
+from mptrain.groups import build_groups
+from mptrain.layers.gpt import build_model_chunks
+from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mptrain.precision.module import Float16Module
+
+VOCAB, SEQ, MBS = 64, 16, 2
+
+
+def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=False):
+    groups = build_groups(tp, 1)
+    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())  # the worker outlives this task
+    try:
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+                          make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0,
+                          compile_layers=compile_layers)
+        chunk, = build_model_chunks(cfg, ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), groups,
+                                    vocab_size=VOCAB, seed=3)
+        module = Float16Module(chunk, torch.bfloat16, is_first_stage=True, is_last_stage=True) if bf16 else chunk
+        # bucket_size 3000: several buckets, some holding only linear weights
+        ddp = DistributedDataParallel(module, groups, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                      bucket_size=3000, use_distributed_optimizer=False,
+                                      gradient_accumulation_fusion=fused)
+        linears = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        g = torch.Generator().manual_seed(7)
+        launched, grads_seen = [], set()
+        for micro in range(2):
+            tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+            labels = torch.roll(tokens, -1, dims=1)
+            positions = torch.arange(SEQ).expand(MBS, SEQ)
+            with ddp.no_sync() if micro == 0 else torch.enable_grad():
+                loss = ddp(tokens, positions, None, labels=labels).sum()
+                loss.backward()
+            grads_seen |= {i for i, m in enumerate(linears) if m.weight.grad is not None}
+            launched.append(ddp.launched_buckets())
+        n_buckets = len(ddp.buffers[0].buckets)
+        data = ddp.buffers[0].data.clone()
+        ddp.finish_grad_sync()
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        return {"data": data, "launched": launched, "n_buckets": n_buckets, "grads_seen": sorted(grads_seen), "breaks": breaks,
+                "handed_out": sum(m.weight_main_grad is not None for m in linears), "n_linears": len(linears)}
+    finally:
+        groups.destroy()
+
+
+def _check(fused, plain, exact):
+    assert fused["n_buckets"] >= 3
+    assert fused["handed_out"] == fused["n_linears"] == 8 and plain["handed_out"] == 0
+    for r in (fused, plain):
+        assert r["grads_seen"] == []  # fused: never a weight .grad; plain: the hook dropped it
+        # nothing launched under no_sync; every bucket launched by the last micro-batch's backward
+        assert r["launched"] == [[], [(0, b) for b in range(r["n_buckets"])]]
+    if exact:
+        assert torch.equal(fused["data"], plain["data"])
+    else:
+        torch.testing.assert_close(fused["data"], plain["data"], rtol=1e-5, atol=1e-6)
+    assert fused["data"].abs().sum() > 0
+    assert fused["breaks"] == 0  # compile_layers: the custom op traces without a graph break
+
+
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_fused_accumulation_equals_hook_tp1(compile_layers):
+    fused, = run_distributed(_buffers, 1, 1, True, compile_layers=compile_layers)
+    plain, = run_distributed(_buffers, 1, 1, False, compile_layers=compile_layers)
+    _check(fused, plain, exact=False)
+
+
+def test_fused_accumulation_bf16_params_fp32_main_grad():
+    fused, = run_distributed(_buffers, 1, 1, True, bf16=True)
+    plain, = run_distributed(_buffers, 1, 1, False, bf16=True)
+    _check(fused, plain, exact=True)  # CPU: bf16 product then fp32 add, as the hook does
+
+
+@pytest.mark.parametrize("sp, compile_layers", [(False, False), (True, False), (True, True)])
+def test_fused_accumulation_tp2(sp, compile_layers):
+    fused = run_distributed(_buffers, 2, 2, True, sp=sp, compile_layers=compile_layers)
+    plain = run_distributed(_buffers, 2, 2, False, sp=sp, compile_layers=compile_layers)
+    for f, p in zip(fused, plain):
+        _check(f, p, exact=False)
