@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer
+from mptrain.layers.gpt import GPTModel
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mptrain.layers.sharding import collect_shard_specs
 
@@ -67,8 +68,11 @@ class DistributedDataParallel(torch.nn.Module):
         use_distributed_optimizer: reduce-scatter instead of all-reduce; buckets padded to a
             multiple of dp so each DP rank owns a contiguous 1/dp of every bucket.
         gradient_accumulation_fusion: hand each `ColumnParallelLinear` / `RowParallelLinear`
-            weight its ``main_grad`` view (``weight_main_grad``) so that backward accumulates into
-            it directly (Megatron's ``gradient_accumulation_fusion``).
+            weight, and the output layer's weight (`GPTModel.output_weight`, the tied embedding's
+            included), its ``main_grad`` view (``weight_main_grad``) so that backward accumulates
+            into it directly (Megatron's ``gradient_accumulation_fusion``). A tied weight's other
+            use (the embedding lookup) still arrives as ``param.grad`` through the hook, which
+            autograd calls once, after both.
     Raises:
         ValueError: bucket_size < 1.
     """
@@ -118,8 +122,14 @@ class DistributedDataParallel(torch.nn.Module):
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(state)))
         if gradient_accumulation_fusion:
             for layer in module.modules():
-                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and layer.weight.requires_grad:
-                    layer.weight_main_grad = self._buffer_of(layer.weight).main_grad(layer.weight)
+                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                    target, weight = layer, layer.weight
+                elif isinstance(layer, GPTModel) and layer.post_process:
+                    target, weight = layer.output_layer, layer.output_weight()
+                else:
+                    continue
+                if weight.requires_grad:
+                    target.weight_main_grad = self._buffer_of(weight).main_grad(weight)
 
     # --- buffers ---------------------------------------------------------------------------
     @property

@@ -147,6 +147,8 @@ class OutputLayer(torch.nn.Module):
 
     Holds its own ``weight`` when untied, or as the last stage's copy of a tied embedding
     (pp > 1); otherwise (tied, same chunk as the embedding) the caller passes the embedding weight.
+    ``weight_main_grad``: the used weight's ``main_grad`` view under gradient accumulation fusion
+    (set by the DDP wrapper through `GPTModel.output_weight`), else None.
     """
 
     def __init__(self, config, groups, *, vocab_size: int, init: ParamInit, own_weight: str, sequence_parallel: bool,
@@ -157,6 +159,7 @@ class OutputLayer(torch.nn.Module):
         v_pad = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, groups.tp_size)
         start, end = vocab_range(v_pad, groups.tp_rank, groups.tp_size)
         self._spec = None
+        self.weight_main_grad: Optional[torch.Tensor] = None
         if own_weight == "none":
             self.register_parameter("weight", None)
             return
@@ -174,7 +177,7 @@ class OutputLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if weight is None else weight
         return column_parallel_linear(x, w, None, self.groups, self.sequence_parallel,
-                                      self.async_grad_allreduce)  # [s, b, V_pad/tp]
+                                      self.async_grad_allreduce, self.weight_main_grad)  # [s, b, V_pad/tp]
 
 
 class GPTModel(torch.nn.Module):
@@ -242,6 +245,12 @@ class GPTModel(torch.nn.Module):
             return self.output_layer.weight
         return None
 
+    def output_weight(self) -> Optional[torch.Tensor]:
+        """The weight the output layer multiplies by (last stage): its own, or the tied embedding's; else None."""
+        if not self.post_process:
+            return None
+        return self.embedding.word_embeddings.weight if (self.tied and self.pre_process) else self.output_layer.weight
+
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """See the class docstring; returns per-token loss ``[b, s]`` fp32 (last stage, labels),
@@ -253,8 +262,7 @@ class GPTModel(torch.nn.Module):
         hidden = self.decoder(hidden, attention_mask)
         if not self.post_process:
             return hidden
-        weight = self.embedding.word_embeddings.weight if (self.tied and self.pre_process) else None
-        logits = self.output_layer(hidden, weight)  # [s, b, V_pad/tp]
+        logits = self.output_layer(hidden, self.output_weight())  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V_pad/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), group=self.groups.tp_group, vocab_size=self.vocab_size,
