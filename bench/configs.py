@@ -71,6 +71,13 @@ VARIANTS = {
     "compile_sp_tpo": ("model.compile_layers=true", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"),
     "unfused_compile_sp_tpo": ("model.attention_backend=unfused", "model.compile_layers=true",
                                "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"),
+    "unfused_compile_sp_tpo_nogaf": ("model.attention_backend=unfused", "model.compile_layers=true",
+                                     "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
+                                     "parallel.gradient_accumulation_fusion=false"),
+    # every GEMM through cuBLASLt (PyTorch's TORCH_BLAS_PREFER_CUBLASLT) instead of cuBLAS
+    "unfused_compile_sp_tpo_lt": ("model.attention_backend=unfused", "model.compile_layers=true",
+                                  "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
+                                  "env:TORCH_BLAS_PREFER_CUBLASLT=1"),
     "compile_cdmc1": ("model.compile_layers=true", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
     "unfused_compile_cdmc1": ("model.attention_backend=unfused", "model.compile_layers=true",
                               "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),

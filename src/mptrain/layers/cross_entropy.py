@@ -106,7 +106,8 @@ def _local_stats(logits, x_max, local_t, in_range, start: int, vocab_size: int, 
     return torch.stack(stats, dim=-1)  # [..., 2 or 3]
 
 
-def _local_grad(logits, x_max, sum_exp, local_t, in_range, grad_loss, start: int, vocab_size: int, alpha: float):
+def _local_grad_(logits, x_max, sum_exp, local_t, in_range, grad_loss, start: int, vocab_size: int, alpha: float):
+    """Overwrite ``logits`` with the grad (one pointwise pass; each element is read before it is written)."""
     x, padded = _masked_fp32(logits, start, vocab_size)
     softmax = (x - x_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
     col = torch.arange(logits.shape[-1], device=logits.device)
@@ -114,7 +115,7 @@ def _local_grad(logits, x_max, sum_exp, local_t, in_range, grad_loss, start: int
     grad = softmax - (1.0 - alpha) * onehot.to(softmax.dtype)
     if alpha > 0:
         grad = grad - (alpha / vocab_size) * (~padded).to(softmax.dtype)
-    return (grad * grad_loss.unsqueeze(-1)).to(logits.dtype)
+    logits.copy_(grad * grad_loss.unsqueeze(-1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,9 +127,13 @@ def _compiled(fn):
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     """Same loss and grad as `_VocabParallelCrossEntropy` (module docstring), computed in three
     compiled passes over the logits: local max; target logit + Σ exp (+ Σ logits); and, in
-    backward, the grad with the softmax recomputed from the saved logits. No fp32 ``[s, b, V/tp]``
-    softmax is kept between forward and backward (the logits, in the model dtype, are).
-    Megatron's counterpart: ``cross_entropy_loss_fusion``."""
+    backward, the grad with the softmax recomputed from the saved logits, written over them. No
+    fp32 ``[s, b, V/tp]`` softmax is kept between forward and backward (the logits, in the model
+    dtype, are), and backward allocates no second ``[s, b, V/tp]`` tensor: it runs when nearly
+    every activation is still alive, so that tensor would set the step's peak memory (0.8 GB for
+    the seed model in fp32). The logits belong to this function: the output layer's backward
+    needs its input and weight, not its output. Megatron's counterpart: ``cross_entropy_loss_fusion``
+    (whose unfused kernel also writes the grad over its saved softmax)."""
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
@@ -151,9 +156,9 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, x_max, sum_exp, local_t, in_range = ctx.saved_tensors
-        grad = _compiled(_local_grad)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), ctx.start,
-                                      ctx.vocab_size, ctx.alpha)
-        return grad, None, None, None, None
+        _compiled(_local_grad_)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), ctx.start,
+                                ctx.vocab_size, ctx.alpha)
+        return logits, None, None, None, None  # now the grad
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *, group=None,
