@@ -168,11 +168,11 @@ def _full(gpus: int) -> list:
                     variants=("base", "compile")),
         # (a) the seed model at tp 2: bf16, fp32 with TF32 allowed, fp32 TF32 off (report-only)
         BenchConfig("a_seed_bf16_tp2", precision="bf16", warmup=3, iters=10, timeout_s=150,
-                    variants=("base", "compile"), **seed),
+                    variants=("base", "compile_sp_tpo"), **seed),
         BenchConfig("c_gpt1.3b_bf16_tp1pp2", "gpt_1.3b", 2, 1, 2, 2, 8, "bf16", warmup=3, iters=8, timeout_s=180,
                     variants=("base", "compile")),
         BenchConfig("a_seed_fp32tf32_tp2", precision="fp32", tf32=True, warmup=2, iters=6, timeout_s=150,
-                    variants=("base", "unfused_compile"), **seed),
+                    variants=("base", "unfused_compile_sp_tpo"), **seed),
         BenchConfig("a_seed_fp32_tp2", precision="fp32", tf32=False, warmup=2, iters=4, timeout_s=170, **seed),
         # (d) only when 4 GPUs are lent
         BenchConfig("d_gpt1.3b_bf16_tp2pp2", "gpt_1.3b", 4, 2, 2, 2, 8, "bf16", warmup=3, iters=8, timeout_s=180),
