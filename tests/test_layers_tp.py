@@ -55,7 +55,7 @@ def test_mappings_forward_and_backward():
         assert out["reduce_scatter_seq"] == ((2, 2, 3), s, 4 * 2 * 3.0)
 
 
-def _cross_entropy(rank, world, smoothing, fused=False):
+def _cross_entropy(rank, world, smoothing, fused=False, inplace=False):
     g = build_groups(world, 1)
     try:
         vocab, padded = 10, 12  # 2 padded entries on the last rank
@@ -69,19 +69,26 @@ def _cross_entropy(rank, world, smoothing, fused=False):
                               label_smoothing=smoothing * vocab / (vocab - 1)).view(5, 3)
         ref.sum().backward()
         local = logits.chunk(world, -1)[g.tp_rank].clone().requires_grad_(True)
-        loss = vocab_parallel_cross_entropy(local, target, group=g.tp_group, vocab_size=vocab, label_smoothing=smoothing,
-                                            fused=fused)
+        before = local.detach().clone()
+        inner = local * 1.0  # a non-leaf the loss owns (as the model's logits)
+        loss = vocab_parallel_cross_entropy(inner, target, group=g.tp_group, vocab_size=vocab, label_smoothing=smoothing,
+                                            fused=fused, inplace_backward=inplace)
         loss.sum().backward()
         ref_grad = torch.cat([ref_logits.grad, torch.zeros(5, 3, padded - vocab)], -1).chunk(world, -1)[g.tp_rank]
+        assert torch.equal(local.detach(), before)  # the leaf is never written
+        # inplace_backward: the grad went over the saved logits; otherwise they are intact
+        assert torch.equal(inner.detach(), local.grad) == inplace
         return float((loss - ref).abs().max()), float((local.grad - ref_grad).abs().max())
     finally:
         g.destroy()
 
 
-@pytest.mark.parametrize("smoothing,fused", [(0.0, False), (0.1, False), (0.0, True), (0.1, True)])
-def test_vocab_parallel_cross_entropy_matches_torch(smoothing, fused):
-    """Both variants (fused = the compiled three-pass one of model.compile_layers) equal torch's."""
-    for loss_err, grad_err in run_distributed(_cross_entropy, 2, smoothing, fused):
+@pytest.mark.parametrize("smoothing,fused,inplace", [(0.0, False, False), (0.1, False, False), (0.0, True, False),
+                                                     (0.1, True, False), (0.1, True, True)])
+def test_vocab_parallel_cross_entropy_matches_torch(smoothing, fused, inplace):
+    """Both variants (fused = the compiled three-pass one of model.compile_layers) equal torch's; the
+    fused one's inplace_backward writes the grad over its (non-leaf) logits and only then."""
+    for loss_err, grad_err in run_distributed(_cross_entropy, 2, smoothing, fused, inplace):
         # fp32; values O(1): differences are reduction-order ulps (~1e-7)
         assert loss_err <= 1e-5 and grad_err <= 1e-6, (loss_err, grad_err)
 

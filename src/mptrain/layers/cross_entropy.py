@@ -106,8 +106,8 @@ def _local_stats(logits, x_max, local_t, in_range, start: int, vocab_size: int, 
     return torch.stack(stats, dim=-1)  # [..., 2 or 3]
 
 
-def _local_grad_(logits, x_max, sum_exp, local_t, in_range, grad_loss, start: int, vocab_size: int, alpha: float):
-    """Overwrite ``logits`` with the grad (one pointwise pass; each element is read before it is written)."""
+def _local_grad_(logits, x_max, sum_exp, local_t, in_range, grad_loss, out, start: int, vocab_size: int, alpha: float):
+    """Write the grad into ``out`` (may be ``logits`` itself: one pointwise pass, each element read before written)."""
     x, padded = _masked_fp32(logits, start, vocab_size)
     softmax = (x - x_max.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
     col = torch.arange(logits.shape[-1], device=logits.device)
@@ -115,7 +115,7 @@ def _local_grad_(logits, x_max, sum_exp, local_t, in_range, grad_loss, start: in
     grad = softmax - (1.0 - alpha) * onehot.to(softmax.dtype)
     if alpha > 0:
         grad = grad - (alpha / vocab_size) * (~padded).to(softmax.dtype)
-    logits.copy_(grad * grad_loss.unsqueeze(-1))
+    out.copy_(grad * grad_loss.unsqueeze(-1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,16 +127,19 @@ def _compiled(fn):
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     """Same loss and grad as `_VocabParallelCrossEntropy` (module docstring), computed in three
     compiled passes over the logits: local max; target logit + Σ exp (+ Σ logits); and, in
-    backward, the grad with the softmax recomputed from the saved logits, written over them. No
-    fp32 ``[s, b, V/tp]`` softmax is kept between forward and backward (the logits, in the model
-    dtype, are), and backward allocates no second ``[s, b, V/tp]`` tensor: it runs when nearly
-    every activation is still alive, so that tensor would set the step's peak memory (0.8 GB for
-    the seed model in fp32). The logits belong to this function: the output layer's backward
-    needs its input and weight, not its output. Megatron's counterpart: ``cross_entropy_loss_fusion``
-    (whose unfused kernel also writes the grad over its saved softmax)."""
+    backward, the grad with the softmax recomputed from the saved logits. No fp32 ``[s, b, V/tp]``
+    softmax is kept between forward and backward (the logits, in the model dtype, are).
+
+    ``inplace_backward``: write the grad over the saved logits instead of allocating it. Backward
+    runs when nearly every activation is still alive, so a second ``[s, b, V/tp]`` tensor sets
+    the step's peak memory (0.8 GB for the seed model in fp32: 38.04 → 37.45 GiB measured with
+    gradient accumulation fusion, BENCHMARKS.md). Only for callers that own the logits (the GPT
+    model: the output layer's backward needs its input and weight, not its output).
+    Megatron's counterpart: ``cross_entropy_loss_fusion`` (whose unfused kernel also writes the
+    grad over its saved softmax)."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, label_smoothing):
+    def forward(ctx, logits, target, group, vocab_size, label_smoothing, inplace_backward=False):
         tp, rank = _tp(group)
         n_local = logits.shape[-1]
         start = rank * n_local
@@ -149,21 +152,22 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         if tp > 1:
             dist.all_reduce(stacked, group=group)  # the one SUM all-reduce
         loss, alpha = _loss_from_stats(stacked, vocab_size, label_smoothing)
-        ctx.alpha, ctx.vocab_size, ctx.start = alpha, vocab_size, start
+        ctx.alpha, ctx.vocab_size, ctx.start, ctx.inplace = alpha, vocab_size, start, inplace_backward
         ctx.save_for_backward(logits, x_max, stacked[..., 1].contiguous(), local_t, in_range)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, x_max, sum_exp, local_t, in_range = ctx.saved_tensors
-        _compiled(_local_grad_)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), ctx.start,
+        grad = logits if ctx.inplace else torch.empty_like(logits)
+        _compiled(_local_grad_)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), grad, ctx.start,
                                 ctx.vocab_size, ctx.alpha)
-        return logits, None, None, None, None  # now the grad
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *, group=None,
                                  vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
-                                 fused: bool = False) -> torch.Tensor:
+                                 fused: bool = False, inplace_backward: bool = False) -> torch.Tensor:
     """Per-token cross entropy of TP-sharded logits (fp32).
 
     Args:
@@ -176,6 +180,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`, used by the
             model with ``model.compile_layers``); same math (on H200: loss equal, grad to 1.5e-7
             relative in bf16, `bench/scripts/compile_tp_check.py`).
+        inplace_backward: with ``fused``, backward writes the grad over the logits (they must not
+            be read after backward, nor be a leaf); saves one ``[s, b, V/tp]`` tensor at peak.
     Returns:
         fp32 loss with the shape of ``target``.
     """
@@ -184,5 +190,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         vocab_size = vocab_parallel_logits.shape[-1] * tp
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-    fn = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
-    return fn.apply(vocab_parallel_logits, target, group, vocab_size, label_smoothing)
+    if fused:
+        return _FusedVocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, vocab_size, label_smoothing,
+                                                     inplace_backward)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, vocab_size, label_smoothing)

@@ -267,7 +267,8 @@ class GPTModel(torch.nn.Module):
             return logits.transpose(0, 1).contiguous()  # [b, s, V_pad/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), group=self.groups.tp_group, vocab_size=self.vocab_size,
                                             label_smoothing=self.config.label_smoothing,
-                                            fused=self.config.compile_layers)  # [s, b] fp32
+                                            fused=self.config.compile_layers,
+                                            inplace_backward=True)  # [s, b] fp32; the logits are ours
         return loss.t().contiguous()  # [b, s]
 
 
