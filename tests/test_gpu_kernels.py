@@ -1,0 +1,34 @@
+"""GPU-only paths (marker ``gpu``; skipped without CUDA, run through the device tool).
+
+`grad_accumulation.wgrad_accumulate` on CUDA: half inputs accumulate into an fp32 ``main_grad`` through
+``aten::addmm.dtype_out`` (CPU has no such kernel and takes the unfused path, which the CPU tests
+cover), fp32 inputs through ``addmm_``. Both against an fp64 reference of two accumulations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mptrain.layers.grad_accumulation import wgrad_accumulate
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_wgrad_accumulate_into_fp32_main_grad(dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, b, out_f, in_f = 256, 2, 384, 512
+    main_grad = torch.randn(out_f, in_f, device="cuda", generator=g)
+    expected = main_grad.double()
+    for _ in range(2):
+        go = torch.randn(s, b, out_f, device="cuda", generator=g).to(dtype)
+        x = torch.randn(s, b, in_f, device="cuda", generator=g).to(dtype)
+        expected += go.double().reshape(-1, out_f).t() @ x.double().reshape(-1, in_f)
+        wgrad_accumulate(go, x, main_grad)
+    assert main_grad.dtype == torch.float32
+    # fp32 accumulation of exact half products (sums of 512 terms of O(1)): fp32 rounding only;
+    # the unfused path (product rounded to half, then added) is ~1e-2 off for bf16
+    err = float((main_grad.double() - expected).abs().max() / expected.abs().max())
+    assert err < 1e-5, err
