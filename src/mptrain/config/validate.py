@@ -390,11 +390,12 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false"
         )
     if c.parallel.tp_comm_overlap and not (sequence_parallel and c.model.compile_layers):
+        missing = [need for need, ok in (("tensor_model_parallel_size > 1", tp > 1),
+                                         ("parallel.sequence_parallel=true", c.parallel.sequence_parallel),
+                                         ("model.compile_layers=true", c.model.compile_layers)) if not ok]
         raise ConfigError(
-            "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers: it needs "
-            "tensor_model_parallel_size > 1, parallel.sequence_parallel=true and model.compile_layers=true "
-            f"(got tp={tp}, sequence_parallel={c.parallel.sequence_parallel}, compile_layers={c.model.compile_layers}); "
-            "set those or parallel.tp_comm_overlap=false"
+            "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers on CUDA GPUs "
+            f"with NCCL; it also needs {' and '.join(missing)} (got tp={tp}); set those or parallel.tp_comm_overlap=false"
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
