@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mptrain.errors import ConfigError
+
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -104,8 +106,6 @@ def enable_tp_comm_overlap(group) -> None:
     Raises:
         ConfigError: the group is not NCCL (symmetric memory is CUDA-only).
     """
-    from mptrain.errors import ConfigError
-
     if group is None or not _is_nccl(group):
         raise ConfigError("parallel.tp_comm_overlap=true needs CUDA GPUs and NCCL (symmetric memory); set it false on CPU")
     import torch._inductor.config as inductor_config
