@@ -1,7 +1,8 @@
 """Gradient accumulation fusion: the weight-grad GEMM accumulates straight into ``main_grad``.
 
 Megatron's ``gradient_accumulation_fusion`` (apex ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``,
-used by ``LinearWithGradAccumulationAndAsyncCommunication``). Without it, autograd allocates each
+used by ``LinearWithGradAccumulationAndAsyncCommunication``, which `mptrain.layers.linear` has
+under the same name and which calls `wgrad_accumulate`). Without it, autograd allocates each
 weight grad ``[out, in]``, and the DDP hook adds it into the fp32 ``main_grad`` buffer view: one
 extra read-read-write pass over every weight per micro-batch, plus the transient grad tensor.
 With it, the linear layer's backward computes ``main_grad += dYᵀ X`` in the GEMM's epilogue (β = 1)
@@ -22,8 +23,6 @@ eager and compiled alike (tests/test_grad_accumulation.py checks the launch timi
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -48,36 +47,3 @@ def wgrad_accumulate(grad_output: torch.Tensor, total_input: torch.Tensor, main_
 @wgrad_accumulate.register_fake
 def _(grad_output, total_input, main_grad) -> None:
     return None
-
-
-class LinearWithGradAccumulation(torch.autograd.Function):
-    """``Y = X Wᵀ`` (+ b) whose backward accumulates ``dYᵀ X`` into ``main_grad`` and returns no weight grad.
-
-    Shapes: x ``[s, b, in]``, weight ``[out, in]``, bias ``[out]`` or None, main_grad ``[out, in]``.
-    ``main_grad`` rides on ctx rather than in ``save_for_backward``: it is a view of a buffer that
-    other views mutate during backward, which would trip autograd's saved-tensor version check.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, main_grad):
-        ctx.save_for_backward(x, weight)
-        ctx.main_grad, ctx.has_bias = main_grad, bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
-            wgrad_accumulate(grad_out, x, ctx.main_grad)
-        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_in, None, grad_b, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           main_grad: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear``, with the weight grad fused into ``main_grad`` when one is given and grads are on."""
-    if main_grad is not None and torch.is_grad_enabled() and weight.requires_grad:
-        return LinearWithGradAccumulation.apply(x, weight, bias, main_grad)
-    return torch.nn.functional.linear(x, weight, bias)

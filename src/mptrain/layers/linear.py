@@ -37,11 +37,12 @@ def column_parallel_input(x: torch.Tensor, groups, sequence_parallel: bool) -> t
     return copy_to_tp_region(x, groups.tp_group)
 
 
-class _LinearWithAsyncGradComm(torch.autograd.Function):
-    """Column-parallel ``Y = X Wᵀ + b`` whose input-grad collective overlaps the weight-grad GEMM.
+class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``Y = X Wᵀ + b`` whose input-grad collective overlaps the weight-grad GEMM, and whose weight
+    grad may go straight into ``main_grad``. Megatron's class of the same name.
 
-    Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` (``async_tensor_model_parallel_allreduce``):
-    backward computes dgrad = dY W, launches its all-reduce over TP (or, under sequence
+    With a ``group`` (column-parallel, ``async_tensor_model_parallel_allreduce``): backward
+    computes dgrad = dY W, launches its all-reduce over TP (or, under sequence
     parallelism, its reduce-scatter to ``[s/tp, b, in]``) asynchronously, computes wgrad = dYᵀ X and
     the bias grad while the collective runs, then waits. Same math as f / ḡ followed by
     ``F.linear``. Forward under SP all-gathers ``[s/tp, b, in] -> [s, b, in]`` first and saves the
@@ -50,6 +51,9 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
     In eager mode the collective is ``dist.*(async_op=True)``; under ``torch.compile`` (layers
     compiled by ``model.compile_layers``) the functional collective + ``wait_tensor`` (Dynamo
     cannot trace ``async_op=True``), which Inductor schedules.
+
+    ``group`` None: no collective (a row-parallel layer, or a column-parallel one whose collective
+    runs outside).
 
     With ``main_grad`` (``parallel.gradient_accumulation_fusion``) the weight-grad GEMM accumulates
     into it and no weight grad is returned (`grad_accumulation.wgrad_accumulate`).
@@ -69,8 +73,9 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         pending = None
         if ctx.needs_input_grad[0]:
-            grad_in = grad_out.matmul(weight)  # [s, b, in], a partial sum over TP ranks
-            pending = start_grad_collective(grad_in, ctx.group, ctx.sequence_parallel)
+            grad_in = grad_out.matmul(weight)  # [s, b, in], a partial sum over TP ranks (with a group)
+            if ctx.group is not None:
+                pending = start_grad_collective(grad_in, ctx.group, ctx.sequence_parallel)
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = None
         if ctx.needs_input_grad[1] and ctx.main_grad is not None:
@@ -78,8 +83,19 @@ class _LinearWithAsyncGradComm(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             grad_w = go2.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_in = pending.wait() if pending is not None else None
+        if pending is not None:
+            grad_in = pending.wait()
+        elif not ctx.needs_input_grad[0]:
+            grad_in = None
         return grad_in, grad_w, grad_b, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           main_grad: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear``, with the weight grad fused into ``main_grad`` when one is given and grads are on."""
+    if main_grad is not None and torch.is_grad_enabled() and weight.requires_grad:
+        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad)
+    return F.linear(x, weight, bias)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups,
@@ -88,13 +104,15 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     """f (or SP's all-gather) then ``F.linear``: ``[s(/tp), b, in] -> [s, b, out/tp]``.
 
     ``async_grad_allreduce`` (``parallel.async_tensor_model_parallel_allreduce``) overlaps the
-    backward input-grad collective with the weight-grad GEMM (`_LinearWithAsyncGradComm`); off, the
+    backward input-grad collective with the weight-grad GEMM
+    (`_LinearWithGradAccumulationAndAsyncCommunication`); off, the
     collective runs after both GEMMs (autograd of `column_parallel_input` + ``F.linear``).
     ``main_grad``: accumulate the weight grad into it (gradient accumulation fusion).
     """
     if async_grad_allreduce and groups.tp_size > 1 and torch.is_grad_enabled():
-        return _LinearWithAsyncGradComm.apply(x, weight, bias, groups.tp_group, sequence_parallel, main_grad)
-    return grad_accumulation.linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad)
+        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, groups.tp_group,
+                                                                      sequence_parallel, main_grad)
+    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad)
 
 
 def _divide(n: int, tp: int, what: str, key: str) -> int:
@@ -225,7 +243,7 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.groups.tp_group)
-        partial = grad_accumulation.linear(x, self.weight, None, self.weight_main_grad)  # [s, b, out], partial over TP
+        partial = linear(x, self.weight, None, self.weight_main_grad)  # [s, b, out], a partial sum over TP
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
         else:
