@@ -20,6 +20,7 @@ from mptrain.config.model import ModelConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.distributed import DistributedDataParallel
 from mptrain.groups import build_groups
+from mptrain.layers import grad_accumulation
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mptrain.precision.module import Float16Module
@@ -27,9 +28,14 @@ from mptrain.precision.module import Float16Module
 VOCAB, SEQ, MBS = 64, 16, 2
 
 
-def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=False):
+def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=False, kmajor=False):
     groups = build_groups(tp, 1)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())  # the worker outlives this task
+    saved = grad_accumulation.tf32_kmajor_pays, grad_accumulation.KMAJOR_CHUNK_BYTES
+    if kmajor:  # the CUDA-TF32-only path on CPU: K-major copies, dYᵀ in 8-row chunks (32 tokens × 4 B)
+        grad_accumulation.tf32_kmajor_pays, grad_accumulation.KMAJOR_CHUNK_BYTES = (lambda t: True), 1024
+    if compile_layers:
+        torch._dynamo.reset()  # graphs are cached by code object: no reuse across kmajor on / off
     try:
         cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
                           make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0,
@@ -65,6 +71,7 @@ def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=Fal
                 "tied": (tied.start, tied.end),
                 "handed_out": sum(m.weight_main_grad is not None for m in linears), "n_linears": len(linears)}
     finally:
+        grad_accumulation.tf32_kmajor_pays, grad_accumulation.KMAJOR_CHUNK_BYTES = saved
         groups.destroy()
 
 
@@ -110,3 +117,17 @@ def test_fused_accumulation_tp2(sp, compile_layers):
     for f, p in zip(fused, plain):
         _check(f, p, exact=False)
 
+
+
+@pytest.mark.parametrize("fused, compile_layers", [(True, False), (False, False), (True, True)])
+def test_kmajor_weight_grad_equals_plain(fused, compile_layers):
+    """parallel.tf32_wgrad_transpose's operand copies (forced on CPU, chunked): same grads.
+
+    Under compile the copies are Inductor's and the chunked accumulation stays in the graph.
+    """
+    kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True)
+    plain = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers)
+    for k, p in zip(kmajor, plain):
+        torch.testing.assert_close(k["data"], p["data"], rtol=1e-5, atol=1e-6)
+        assert k["grads_seen"] == [] and k["breaks"] == 0 and k["data"].abs().sum() > 0
+        assert k["handed_out"] == (9 if fused else 0)

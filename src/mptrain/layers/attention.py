@@ -71,7 +71,7 @@ class SelfAttention(torch.nn.Module):
 
     def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, rng_tracker,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 async_grad_allreduce: bool = True) -> None:
+                 async_grad_allreduce: bool = True, wgrad_transpose: bool = False) -> None:
         super().__init__()
         tp = groups.tp_size
         self.np = config.num_attention_heads
@@ -89,7 +89,7 @@ class SelfAttention(torch.nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
         prefix = f"decoder.layers.{layer_number}.self_attention"
         common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device)
+                      params_dtype=params_dtype, device=device, wgrad_transpose=wgrad_transpose)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, (self.np + 2 * self.ng) * self.hn,
                                                name=f"{prefix}.linear_qkv", async_grad_allreduce=async_grad_allreduce,
                                                **common)

@@ -148,13 +148,16 @@ class OutputLayer(torch.nn.Module):
     Holds its own ``weight`` when untied, or as the last stage's copy of a tied embedding
     (pp > 1); otherwise (tied, same chunk as the embedding) the caller passes the embedding weight.
     ``weight_main_grad``: the used weight's ``main_grad`` view under gradient accumulation fusion
-    (set by the DDP wrapper through `GPTModel.output_weight`), else None.
+    (set by the DDP wrapper through `GPTModel.output_weight`), else None. ``wgrad_transpose``: as
+    `ColumnParallelLinear`.
     """
 
     def __init__(self, config, groups, *, vocab_size: int, init: ParamInit, own_weight: str, sequence_parallel: bool,
-                 params_dtype: torch.dtype, device, async_grad_allreduce: bool = True) -> None:
+                 params_dtype: torch.dtype, device, async_grad_allreduce: bool = True,
+                 wgrad_transpose: bool = False) -> None:
         super().__init__()
         self.groups, self.sequence_parallel, self.async_grad_allreduce = groups, sequence_parallel, async_grad_allreduce
+        self.wgrad_transpose = wgrad_transpose
         h = config.hidden_size
         v_pad = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, groups.tp_size)
         start, end = vocab_range(v_pad, groups.tp_rank, groups.tp_size)
@@ -177,7 +180,8 @@ class OutputLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if weight is None else weight
         return column_parallel_linear(x, w, None, self.groups, self.sequence_parallel,
-                                      self.async_grad_allreduce, self.weight_main_grad)  # [s, b, V_pad/tp]
+                                      self.async_grad_allreduce, self.weight_main_grad,
+                                      self.wgrad_transpose)  # [s, b, V_pad/tp]
 
 
 class GPTModel(torch.nn.Module):
@@ -227,7 +231,7 @@ class GPTModel(torch.nn.Module):
             self.output_layer = OutputLayer(config, groups, vocab_size=vocab_size, init=init, own_weight=own,
                                             sequence_parallel=self.sequence_parallel,
                                             async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
-                                            **kw)
+                                            wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activations ``[s(/tp), b, h]`` from the previous stage (a tensor or a one-element list)."""

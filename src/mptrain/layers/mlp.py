@@ -40,13 +40,13 @@ class MLP(torch.nn.Module):
 
     def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 async_grad_allreduce: bool = True) -> None:
+                 async_grad_allreduce: bool = True, wgrad_transpose: bool = False) -> None:
         super().__init__()
         self.act, parts = activation(config.activation)
         ffn = config.ffn_hidden_size or 4 * config.hidden_size
         prefix = f"decoder.layers.{layer_number}.mlp"
         common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device)
+                      params_dtype=params_dtype, device=device, wgrad_transpose=wgrad_transpose)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, parts * ffn, name=f"{prefix}.linear_fc1", parts=parts,
                                                async_grad_allreduce=async_grad_allreduce, **common)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, name=f"{prefix}.linear_fc2", input_is_parallel=True,

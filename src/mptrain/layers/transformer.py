@@ -45,13 +45,13 @@ class TransformerLayer(torch.nn.Module):
         sp = bool(parallel.sequence_parallel) and groups.tp_size > 1
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
         kw = dict(params_dtype=params_dtype, device=device)
-        overlap = bool(parallel.async_tensor_model_parallel_allreduce)
+        linear_kw = dict(async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
+                         wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
         self.input_layernorm = build_norm(config, sequence_parallel=sp, **kw)
         self.self_attention = SelfAttention(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
-                                            rng_tracker=rng_tracker, async_grad_allreduce=overlap, **kw)
+                                            rng_tracker=rng_tracker, **linear_kw)
         self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp, **kw)
-        self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
-                       async_grad_allreduce=overlap, **kw)
+        self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp, **linear_kw)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
         self._compiled_body = torch.compile(self._body) if config.compile_layers else None
