@@ -3,6 +3,9 @@
 `grad_accumulation.wgrad_accumulate` on CUDA: half inputs accumulate into an fp32 ``main_grad`` through
 ``aten::addmm.dtype_out`` (CPU has no such kernel and takes the unfused path, which the CPU tests
 cover), fp32 inputs through ``addmm_``. Both against an fp64 reference of two accumulations.
+
+`grad_accumulation.weight_grad` under TF32 with the K-major operand copy (either operand) against
+the plain layout and fp64, into main_grad and returned.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mptrain.layers.grad_accumulation import wgrad_accumulate
+from mptrain.layers.grad_accumulation import tf32_kmajor_pays, weight_grad, wgrad_accumulate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,9 +29,32 @@ def test_wgrad_accumulate_into_fp32_main_grad(dtype):
         go = torch.randn(s, b, out_f, device="cuda", generator=g).to(dtype)
         x = torch.randn(s, b, in_f, device="cuda", generator=g).to(dtype)
         expected += go.double().reshape(-1, out_f).t() @ x.double().reshape(-1, in_f)
-        wgrad_accumulate(go, x, main_grad)
+        wgrad_accumulate(go.reshape(-1, out_f).t(), x.reshape(-1, in_f).t(), main_grad)
     assert main_grad.dtype == torch.float32
     # fp32 accumulation of exact half products (sums of 512 terms of O(1)): fp32 rounding only;
     # the unfused path (product rounded to half, then added) is ~1e-2 off for bf16
     err = float((main_grad.double() - expected).abs().max() / expected.abs().max())
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("out_f, in_f", [(384, 256), (256, 384)])  # Xᵀ copied; dYᵀ copied
+@pytest.mark.parametrize("fused", [True, False])
+def test_weight_grad_kmajor_tf32(out_f, in_f, fused):
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        go = torch.randn(512, out_f, device="cuda", generator=g)
+        x = torch.randn(512, in_f, device="cuda", generator=g)
+        assert tf32_kmajor_pays(go)
+        expected = go.double().t() @ x.double()
+        got = {}
+        for kmajor in (True, False):
+            main_grad = torch.zeros(out_f, in_f, device="cuda") if fused else None
+            ret = weight_grad(go, x, main_grad, kmajor)
+            got[kmajor] = main_grad if fused else ret
+            assert (ret is None) == fused
+        for kmajor, w in got.items():  # TF32: 10-bit mantissa products, fp32 sums of 512 terms
+            err = float((w.double() - expected).abs().max() / expected.abs().max())
+            assert err < 5e-3, (kmajor, err)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False

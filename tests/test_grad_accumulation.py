@@ -31,9 +31,9 @@ VOCAB, SEQ, MBS = 64, 16, 2
 def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=False, kmajor=False):
     groups = build_groups(tp, 1)
     breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())  # the worker outlives this task
-    saved = grad_accumulation.tf32_kmajor_pays, grad_accumulation.KMAJOR_CHUNK_BYTES
-    if kmajor:  # the CUDA-TF32-only path on CPU: K-major copies, dYᵀ in 8-row chunks (32 tokens × 4 B)
-        grad_accumulation.tf32_kmajor_pays, grad_accumulation.KMAJOR_CHUNK_BYTES = (lambda t: True), 1024
+    saved = grad_accumulation.tf32_kmajor_pays
+    if kmajor:  # the CUDA-TF32-only path, on CPU
+        grad_accumulation.tf32_kmajor_pays = lambda t: True
     if compile_layers:
         torch._dynamo.reset()  # graphs are cached by code object: no reuse across kmajor on / off
     try:
@@ -71,7 +71,7 @@ def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=Fal
                 "tied": (tied.start, tied.end),
                 "handed_out": sum(m.weight_main_grad is not None for m in linears), "n_linears": len(linears)}
     finally:
-        grad_accumulation.tf32_kmajor_pays, grad_accumulation.KMAJOR_CHUNK_BYTES = saved
+        grad_accumulation.tf32_kmajor_pays = saved
         groups.destroy()
 
 
@@ -121,9 +121,11 @@ def test_fused_accumulation_tp2(sp, compile_layers):
 
 @pytest.mark.parametrize("fused, compile_layers", [(True, False), (False, False), (True, True)])
 def test_kmajor_weight_grad_equals_plain(fused, compile_layers):
-    """parallel.tf32_wgrad_transpose's operand copies (forced on CPU, chunked): same grads.
+    """parallel.tf32_wgrad_transpose's operand copies (forced on CPU): same grads.
 
-    Under compile the copies are Inductor's and the chunked accumulation stays in the graph.
+    Both branches run (tp 2, per-rank shapes out × in): Xᵀ is copied for linear_qkv 48 × 32,
+    linear_proj 32 × 16, linear_fc1 64 × 32 and the output layer 32 × 32; dYᵀ for linear_fc2
+    32 × 64. Under compile the copies are Inductor's.
     """
     kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True)
     plain = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers)

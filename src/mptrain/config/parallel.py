@@ -31,10 +31,11 @@ class ParallelConfig:
     buffer's ``main_grad`` from the weight-grad GEMM (no transient ``param.grad``, no add pass).
     Megatron's name and default. Same math up to rounding (fp32 accumulation is kept)."""
     tf32_wgrad_transpose: bool = True
-    """fp32 params on CUDA with TF32 on: copy the weight-grad GEMM's operands (dYᵀ, Xᵀ) to K-major
-    layout first. Hopper's TF32 MMA reads only K-major operands; cuBLAS's MN-major TF32 kernels run
-    at ~230 TFLOP/s vs ~400 K-major on an H200 (bench/gemm_layouts.py). Costs transient memory
-    (Xᵀ, and dYᵀ in ≤ 256 MiB chunks). No effect on bf16/fp16, TF32 off, or CPU. Same math."""
+    """fp32 params on CUDA with TF32 on: copy the smaller operand of each weight-grad GEMM (Xᵀ or
+    dYᵀ) to K-major layout first. Hopper's TF32 MMA reads only K-major operands; cuBLAS's TF32
+    kernels with both operands token-strided run at ~230 TFLOP/s vs ~340-390 with one K-major on
+    an H200 (bench/gemm_layouts.py). Costs that copy's transient memory. No effect on bf16/fp16,
+    TF32 off, or CPU. Same math."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard fp32 main params and optimizer state over DP."""
     overlap_grad_reduce: bool = False
