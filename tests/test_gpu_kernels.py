@@ -4,7 +4,7 @@
 ``aten::addmm.dtype_out`` (CPU has no such kernel and takes the unfused path, which the CPU tests
 cover), fp32 inputs through ``addmm_``. Both against an fp64 reference of two accumulations.
 
-`grad_accumulation.weight_grad` under TF32 with the K-major operand copy (either operand) against
+`grad_accumulation.weight_grad` under TF32 with the K-major Xᵀ copy against
 the plain layout and fp64, into main_grad and returned.
 """
 
@@ -37,7 +37,7 @@ def test_wgrad_accumulate_into_fp32_main_grad(dtype):
     assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("out_f, in_f", [(384, 256), (256, 384)])  # Xᵀ copied; dYᵀ copied
+@pytest.mark.parametrize("out_f, in_f", [(384, 256), (256, 384)])
 @pytest.mark.parametrize("fused", [True, False])
 def test_weight_grad_kmajor_tf32(out_f, in_f, fused):
     torch.backends.cuda.matmul.allow_tf32 = True

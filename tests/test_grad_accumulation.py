@@ -123,9 +123,7 @@ def test_fused_accumulation_tp2(sp, compile_layers):
 def test_kmajor_weight_grad_equals_plain(fused, compile_layers):
     """parallel.tf32_wgrad_transpose's operand copies (forced on CPU): same grads.
 
-    Both branches run (tp 2, per-rank shapes out × in): Xᵀ is copied for linear_qkv 48 × 32,
-    linear_proj 32 × 16, linear_fc1 64 × 32 and the output layer 32 × 32; dYᵀ for linear_fc2
-    32 × 64. Under compile the copies are Inductor's.
+    Under compile the copies are Inductor's.
     """
     kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True)
     plain = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers)

@@ -25,13 +25,15 @@ K-major operands under TF32 (``parallel.tf32_wgrad_transpose``): the weight-grad
 tokens, the strided dim of both row-major ``dY [T, out]`` and ``X [T, in]``, so both operands are
 MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared memory (16-bit
 types read either), and cuBLAS's TF32 kernels for this layout run at ~230 TFLOP/s on an H200,
-against ~340-390 with one operand K-major and ~370-380 with both (``bench/gemm_layouts.py``,
-seed-model shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first
-copies the smaller operand (``Xᵀ`` when in <= out, else ``dYᵀ``) to a contiguous ``[·, T]``:
-inside compiled layers Inductor emits that copy (fusing it with its producer where it can),
-elsewhere torch's copy kernel does. The second copy would cost about what it saves. Transient
-memory: that copy, the size of the smaller operand. Same products, same fp32 accumulation; only
-the GEMM kernel differs.
+against ~340-365 with ``X`` K-major and ~370-380 with both (``bench/gemm_layouts.py``, seed-model
+shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
+to a contiguous ``[in, T]``: inside compiled layers Inductor emits that copy, fused with the
+recomputation of ``X`` (LayerNorm, GeLU) where the partitioner recomputes it, which also lets it
+drop the saved GeLU output; elsewhere torch's copy kernel does. Copying ``dYᵀ`` as well costs
+about what it saves. Measured end to end (seed fp32 tp2, call ``20261130o``), Xᵀ only beat the
+smaller-operand and dYᵀ-only choices on peak memory (34.6 vs 37.6 / 38.2 GiB), and the
+smaller-operand one on speed. Transient memory: ``Xᵀ``, the size of the saved input. Same
+products, same fp32 accumulation; only the GEMM kernel differs.
 """
 
 from __future__ import annotations
@@ -71,14 +73,12 @@ def weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor, main_grad:
     """``dW = dYᵀ X`` over all tokens: accumulated into ``main_grad`` (returns None), or returned.
 
     Shapes: grad_output ``[T, out]``, total_input ``[T, in]``, main_grad / result ``[out, in]``.
-    ``kmajor``: copy the smaller operand to K-major layout first (see the module docstring).
+    ``kmajor``: copy ``Xᵀ`` to K-major layout first (see the module docstring).
     """
-    a, b_t = grad_output.t(), total_input.t()  # [out, T], [in, T]: views, tokens strided
-    if kmajor and total_input.shape[1] <= grad_output.shape[1]:
+    b_t = total_input.t()  # [in, T]: a view, tokens strided
+    if kmajor:
         b_t = b_t.contiguous()
-    elif kmajor:
-        a = a.contiguous()
     if main_grad is None:
-        return a.matmul(b_t.t())
-    wgrad_accumulate(a, b_t, main_grad)
+        return grad_output.t().matmul(b_t.t())
+    wgrad_accumulate(grad_output.t(), b_t, main_grad)
     return None
