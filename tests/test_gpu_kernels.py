@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mptrain.layers.grad_accumulation import tf32_kmajor_pays, weight_grad, wgrad_accumulate
+from mptrain.layers.transpose import transpose_copy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -58,3 +59,14 @@ def test_weight_grad_kmajor_tf32(out_f, in_f, fused):
             assert err < 5e-3, (kmajor, err)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transpose_copy(dtype):
+    """The Triton transposed copy: ragged tiles, a strided (sliced) input, and inside torch.compile."""
+    x = torch.randn(300, 200, device="cuda").to(dtype)
+    for src in (x, x[:, 10:150], x[::2]):
+        got = transpose_copy(src)
+        assert got.is_contiguous() and torch.equal(got, src.t())
+    compiled = torch.compile(lambda t: transpose_copy(t * 2))
+    assert torch.equal(compiled(x), (x * 2).t())

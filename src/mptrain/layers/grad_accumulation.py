@@ -27,9 +27,8 @@ MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared 
 types read either), and cuBLAS's TF32 kernels for this layout run at ~230 TFLOP/s on an H200,
 against ~340-365 with ``X`` K-major and ~370-380 with both (``bench/gemm_layouts.py``, seed-model
 shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
-to a contiguous ``[in, T]``: inside compiled layers Inductor emits that copy, fused with the
-recomputation of ``X`` (LayerNorm, GeLU) where the partitioner recomputes it, which also lets it
-drop the saved GeLU output; elsewhere torch's copy kernel does. Copying ``dYᵀ`` as well costs
+to a contiguous ``[in, T]`` (`transpose.transpose_copy`, a Triton kernel on CUDA; saving the
+copy's source lets Inductor drop the saved GeLU output). Copying ``dYᵀ`` as well costs
 about what it saves. Measured end to end (seed fp32 tp2, call ``20261130o``), Xᵀ only beat the
 smaller-operand and dYᵀ-only choices on peak memory (34.6 vs 37.6 / 38.2 GiB), and the
 smaller-operand one on speed. Transient memory: ``Xᵀ``, the size of the saved input. Same
@@ -41,6 +40,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from mptrain.layers.transpose import transpose_copy
 
 @torch.library.custom_op("mptrain::wgrad_accumulate", mutates_args=("main_grad",))
 def wgrad_accumulate(a: torch.Tensor, b_t: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -75,9 +76,7 @@ def weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor, main_grad:
     Shapes: grad_output ``[T, out]``, total_input ``[T, in]``, main_grad / result ``[out, in]``.
     ``kmajor``: copy ``Xᵀ`` to K-major layout first (see the module docstring).
     """
-    b_t = total_input.t()  # [in, T]: a view, tokens strided
-    if kmajor:
-        b_t = b_t.contiguous()
+    b_t = transpose_copy(total_input) if kmajor else total_input.t()  # [in, T]; the view has tokens strided
     if main_grad is None:
         return grad_output.t().matmul(b_t.t())
     wgrad_accumulate(grad_output.t(), b_t, main_grad)
