@@ -27,8 +27,9 @@ MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared 
 types read either), and cuBLAS's TF32 kernels for this layout run at ~230 TFLOP/s on an H200,
 against ~340-365 with ``X`` K-major and ~370-380 with both (``bench/gemm_layouts.py``, seed-model
 shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
-to a contiguous ``[in, T]`` (`transpose.transpose_copy`, a Triton kernel on CUDA; saving the
-copy's source lets Inductor drop the saved GeLU output). Copying ``dYᵀ`` as well costs
+to a contiguous ``[in, T]``: a Triton kernel for the all-gathered inputs of column-parallel layers
+(`transpose.transpose_copy`), Inductor's copy fused with the recomputation of ``X`` elsewhere
+(which also lets it drop the saved GeLU output). Copying ``dYᵀ`` as well costs
 about what it saves. Measured end to end (seed fp32 tp2, call ``20261130o``), Xᵀ only beat the
 smaller-operand and dYᵀ-only choices on peak memory (34.6 vs 37.6 / 38.2 GiB), and the
 smaller-operand one on speed. Transient memory: ``Xᵀ``, the size of the saved input. Same
@@ -70,13 +71,19 @@ def tf32_kmajor_pays(t: torch.Tensor) -> bool:
 
 
 def weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor, main_grad: Optional[torch.Tensor],
-                kmajor: bool) -> Optional[torch.Tensor]:
+                kmajor: bool, gathered_input: bool = False) -> Optional[torch.Tensor]:
     """``dW = dYᵀ X`` over all tokens: accumulated into ``main_grad`` (returns None), or returned.
 
     Shapes: grad_output ``[T, out]``, total_input ``[T, in]``, main_grad / result ``[out, in]``.
-    ``kmajor``: copy ``Xᵀ`` to K-major layout first (see the module docstring).
+    ``kmajor``: copy ``Xᵀ`` to K-major layout first (see the module docstring). ``gathered_input``:
+    ``X`` is a sequence-parallel all-gather's output, saved from forward; copy it with the Triton
+    kernel (`transpose.transpose_copy`). Otherwise ``X`` is an activation Inductor may recompute
+    in backward (GeLU output, attention context), so the copy is left to Inductor, which fuses the
+    transposed write into that recomputation and then need not save ``X``.
     """
-    b_t = transpose_copy(total_input) if kmajor else total_input.t()  # [in, T]; the view has tokens strided
+    b_t = total_input.t()  # [in, T]: a view, tokens strided
+    if kmajor:
+        b_t = transpose_copy(total_input) if gathered_input else b_t.contiguous()
     if main_grad is None:
         return grad_output.t().matmul(b_t.t())
     wgrad_accumulate(grad_output.t(), b_t, main_grad)

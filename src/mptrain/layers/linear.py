@@ -83,7 +83,8 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             kmajor = ctx.wgrad_transpose and grad_accumulation.tf32_kmajor_pays(go2)
-            grad_w = grad_accumulation.weight_grad(go2, total.reshape(-1, total.shape[-1]), ctx.main_grad, kmajor)
+            grad_w = grad_accumulation.weight_grad(go2, total.reshape(-1, total.shape[-1]), ctx.main_grad, kmajor,
+                                                   gathered_input=ctx.sequence_parallel)
         grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if pending is not None:
             grad_in = pending.wait()
