@@ -29,11 +29,14 @@ against ~340-365 with ``X`` K-major and ~370-380 with both (``bench/gemm_layouts
 shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
 to a contiguous ``[in, T]``: a Triton kernel for the all-gathered inputs of column-parallel layers
 (`transpose.transpose_copy`), Inductor's copy fused with the recomputation of ``X`` elsewhere
-(which also lets it drop the saved GeLU output). Copying ``dYᵀ`` as well costs
-about what it saves. Measured end to end (seed fp32 tp2, call ``20261130o``), Xᵀ only beat the
-smaller-operand and dYᵀ-only choices on peak memory (34.6 vs 37.6 / 38.2 GiB), and the
-smaller-operand one on speed. Transient memory: ``Xᵀ``, the size of the saved input. Same
-products, same fp32 accumulation; only the GEMM kernel differs.
+(which also lets it drop the saved GeLU output). Copying ``dYᵀ`` as well costs about what it
+saves. Measured end to end on the seed model, fp32 + TF32, tp 2 (BENCHMARKS.md):
+* call ``20261130o``: copying Xᵀ only beat copying the smaller operand and copying dYᵀ only on
+  peak memory (34.6 vs 37.6 / 38.2 GiB), and the smaller operand on speed;
+* call ``20261130q``: the Triton copy for every Xᵀ made Inductor save the GeLU output again
+  (37.6 GiB), hence Triton only where ``X`` is saved anyway (call ``20261130r``: 34.6 GiB).
+Transient memory: ``Xᵀ``, the size of the saved input. Same products, same fp32 accumulation;
+only the GEMM kernel differs.
 """
 
 from __future__ import annotations
