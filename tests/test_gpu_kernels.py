@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_wgrad_accumulate_into_fp32_main_grad(dtype):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_wgrad_accumulate_into_fp32_main_grad(dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     g = torch.Generator(device="cuda").manual_seed(0)
     s, b, out_f, in_f = 256, 2, 384, 512
     main_grad = torch.randn(out_f, in_f, device="cuda", generator=g)
@@ -40,7 +40,9 @@ def test_wgrad_accumulate_into_fp32_main_grad(dtype):
 
 @pytest.mark.parametrize("out_f, in_f", [(384, 256), (256, 384)])
 @pytest.mark.parametrize("fused", [True, False])
-def test_weight_grad_kmajor_tf32(out_f, in_f, fused):
+@pytest.mark.parametrize("gathered_input", [False, True])  # .t().contiguous() / the Triton copy
+def test_weight_grad_kmajor_tf32(out_f, in_f, fused, gathered_input):
+    before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -51,21 +53,21 @@ def test_weight_grad_kmajor_tf32(out_f, in_f, fused):
         got = {}
         for kmajor in (True, False):
             main_grad = torch.zeros(out_f, in_f, device="cuda") if fused else None
-            ret = weight_grad(go, x, main_grad, kmajor)
+            ret = weight_grad(go, x, main_grad, kmajor, gathered_input=gathered_input)
             got[kmajor] = main_grad if fused else ret
             assert (ret is None) == fused
         for kmajor, w in got.items():  # TF32: 10-bit mantissa products, fp32 sums of 512 terms
             err = float((w.double() - expected).abs().max() / expected.abs().max())
             assert err < 5e-3, (kmajor, err)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_transpose_copy(dtype):
     """The Triton transposed copy: ragged tiles, a strided (sliced) input, and inside torch.compile."""
     x = torch.randn(300, 200, device="cuda").to(dtype)
-    for src in (x, x[:, 10:150], x[::2]):
+    for src in (x, x[:, 10:150], x[::2], x.t()):  # contiguous, sliced, row-strided, column-strided
         got = transpose_copy(src)
         assert got.is_contiguous() and torch.equal(got, src.t())
     compiled = torch.compile(lambda t: transpose_copy(t * 2))

@@ -12,6 +12,9 @@ compiled backward) and at tp 2 with sequence parallelism and the async input-gra
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -131,3 +134,22 @@ def test_kmajor_weight_grad_equals_plain(fused, compile_layers):
         torch.testing.assert_close(k["data"], p["data"], rtol=1e-5, atol=1e-6)
         assert k["grads_seen"] == [] and k["breaks"] == 0 and k["data"].abs().sum() > 0
         assert k["handed_out"] == (9 if fused else 0)
+
+
+def test_tf32_matmul_enabled_reads_both_apis():
+    """TF32 set through the legacy ``allow_tf32`` or the newer ``fp32_precision`` API (the legacy read
+    raises after the new API was used): the K-major decision sees both. Own process: global state."""
+    code = (
+        "import torch\n"
+        "from mptrain.layers.grad_accumulation import _tf32_matmul_enabled as on\n"
+        "out = [on()]\n"
+        "torch.backends.cuda.matmul.allow_tf32 = True; out.append(on())\n"
+        "torch.backends.cuda.matmul.allow_tf32 = False; out.append(on())\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'; out.append(on())\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'ieee'; out.append(on())\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'none'; torch.backends.fp32_precision = 'tf32'; out.append(on())\n"
+        "print(out)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[False, True, False, True, False, True]"

@@ -27,9 +27,10 @@ MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared 
 types read either), and cuBLAS's TF32 kernels for this layout run at ~230 TFLOP/s on an H200,
 against ~340-365 with ``X`` K-major and ~370-380 with both (``bench/gemm_layouts.py``, seed-model
 shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
-to a contiguous ``[in, T]``: a Triton kernel for the all-gathered inputs of column-parallel layers
-(`transpose.transpose_copy`), Inductor's copy fused with the recomputation of ``X`` elsewhere
-(which also lets it drop the saved GeLU output). Copying ``dYᵀ`` as well costs about what it
+to a contiguous ``[in, T]``: a Triton kernel (`transpose.transpose_copy`) for the inputs that a
+column-parallel layer all-gathers itself under sequence parallelism (its async path, the default),
+``.t().contiguous()`` elsewhere, which in compiled layers Inductor fuses into its recomputation of
+``X`` (and then need not save the GeLU output). Copying ``dYᵀ`` as well costs about what it
 saves. Measured end to end on the seed model, fp32 + TF32, tp 2 (BENCHMARKS.md):
 * call ``20261130o``: copying Xᵀ only beat copying the smaller operand and copying dYᵀ only on
   peak memory (34.6 vs 37.6 / 38.2 GiB), and the smaller operand on speed;
@@ -70,7 +71,23 @@ def _(a, b_t, main_grad) -> None:
 
 def tf32_kmajor_pays(t: torch.Tensor) -> bool:
     """True when a weight-grad GEMM on ``t``'s dtype/device runs faster with a K-major operand: fp32 CUDA, TF32 on."""
-    return t.is_cuda and t.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return t.is_cuda and t.dtype == torch.float32 and _tf32_matmul_enabled()
+
+
+def _tf32_matmul_enabled() -> bool:
+    """Whether fp32 CUDA matmuls may use TF32, set through either of torch's APIs.
+
+    The legacy ``allow_tf32`` (what the trainer sets from ``precision.allow_tf32``) raises
+    RuntimeError on torch >= 2.9 when TF32 was set through the newer ``fp32_precision`` API; then
+    that one answers ("none" = inherit the global ``torch.backends.fp32_precision``).
+    """
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        precision = torch.backends.cuda.matmul.fp32_precision
+        if precision == "none":
+            precision = torch.backends.fp32_precision
+        return precision == "tf32"
 
 
 def weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor, main_grad: Optional[torch.Tensor],

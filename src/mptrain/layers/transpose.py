@@ -5,17 +5,21 @@ Inside the compiled transformer layers Inductor's own transposed copies of these
 activations ran at ~1.1 TB/s on an H200 (243 µs for 128 MiB, call ``20261130p``), torch's copy
 kernel alike (``bench/gemm_layouts.py`` ``transpose_x``), while a plain 64 × 64-tile kernel moves
 ~2.7 TB/s (``transpose_dy_triton64x4``). The kernel is a ``torch.library.triton_op``, so Inductor
-keeps it in the compiled graph. Without CUDA or Triton (CPU builds of torch): ``x.t().contiguous()``.
+keeps it in the compiled graph. For CPU tensors, or without Triton (CPU builds of torch):
+``x.t().contiguous()``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
-from torch.utils._triton import has_triton
 
 _BLOCK = 64
 
-if has_triton():
+# The package check, not torch's has_triton(): that one queries the GPU, which would initialise
+# CUDA at import time (before each rank picks its device; forked children could not use CUDA).
+if importlib.util.find_spec("triton") is not None:
     import triton
     import triton.language as tl
 
