@@ -25,7 +25,7 @@ K-major operands under TF32 (``parallel.tf32_wgrad_transpose``): the weight-grad
 tokens, the strided dim of both row-major ``dY [T, out]`` and ``X [T, in]``, so both operands are
 MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared memory (16-bit
 types read either), and cuBLAS's TF32 kernels for this layout run at ~230 TFLOP/s on an H200,
-against ~340-365 with ``X`` K-major and ~370-380 with both (``bench/gemm_layouts.py``, seed-model
+against ~335-365 with ``X`` K-major and ~337-380 with both (``bench/gemm_layouts.py``, seed-model
 shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
 to a contiguous ``[in, T]``: a Triton kernel (`transpose.transpose_copy`) for the inputs that a
 column-parallel layer all-gathers itself under sequence parallelism (its async path, the default),
