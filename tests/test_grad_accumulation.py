@@ -121,12 +121,11 @@ def test_fused_accumulation_tp2(sp, compile_layers):
         _check(f, p, exact=False)
 
 
-
 @pytest.mark.parametrize("fused, compile_layers", [(True, False), (False, False), (True, True)])
 def test_kmajor_weight_grad_equals_plain(fused, compile_layers):
-    """parallel.tf32_wgrad_transpose's operand copies (forced on CPU): same grads.
-
-    Under compile the copies are Inductor's.
+    """parallel.tf32_wgrad_transpose's Xᵀ copies (forced on CPU): same grads, fused into main_grad
+    or returned. With SP the column-parallel layers take `transpose.transpose_copy` (its CPU
+    fallback here), the row-parallel ones ``.contiguous()``; under compile those are Inductor's.
     """
     kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True)
     plain = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers)
