@@ -211,6 +211,15 @@ def test_typos_and_wrong_types_fail_at_compose_time(overrides):
         _compose(overrides)
 
 
+@pytest.mark.parametrize("override, key", [("+parallel.tf32_wgrad_transposee=false", "parallel.tf32_wgrad_transposee"),
+                                           ("+train.trian_iters=1", "train.trian_iters"), ("+seed=3", "seed")])
+def test_key_added_with_plus_that_the_schema_lacks_fails(override, key):
+    """Hydra's ``+`` forces a new key into a typed group, and the schema merge keeps it: as_config rejects it."""
+    cfg = _compose([override])  # composes: the key is in the DictConfig
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: unknown config key .*valid keys of "):
+        as_config(cfg)
+
+
 def test_typo_in_an_option_file_fails_at_compose_time(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)

@@ -86,10 +86,13 @@ class DerivedLayout:
 def as_config(cfg: Any) -> Config:
     """A `Config` object from a Hydra `DictConfig` (typed or plain, e.g. a saved config.yaml) or a `Config`.
 
-    Merging onto the structured schema makes unknown keys and wrong types fail here too.
+    Merging onto the structured schema makes unknown keys and wrong types fail here too. A key
+    that Hydra's ``+key=value`` forced into a typed group survives that merge, so unknown keys are
+    also looked for in the result (`_reject_unknown_keys`).
 
     Raises:
         omegaconf.errors.ValidationError / ConfigKeyError: unknown key or wrong type.
+        ConfigError: a key added with ``+`` that the schema does not have (e.g. a misspelt key).
     """
     if isinstance(cfg, Config):
         return cfg
@@ -98,7 +101,23 @@ def as_config(cfg: Any) -> Config:
     if not isinstance(cfg, DictConfig):
         raise TypeError(f"as_config: expected a DictConfig, dict or Config, got {type(cfg).__name__}")
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(merged)
+    obj = OmegaConf.to_object(merged)
+    _reject_unknown_keys(obj, "")
+    return obj
+
+
+def _reject_unknown_keys(obj: Any, prefix: str) -> None:
+    """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields."""
+    fields = {f.name for f in dataclasses.fields(obj)}
+    for key in vars(obj):
+        if key not in fields:
+            where = prefix.rstrip(".") or "the top level"
+            raise ConfigError(f"{prefix}{key}: unknown config key (misspelt? `+` adds keys the schema does not have); "
+                              f"valid keys of {where}: {', '.join(sorted(fields))}")
+    for name in fields:
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _reject_unknown_keys(value, f"{prefix}{name}.")
 
 
 def _select(cfg: Config, dotted: str) -> Any:
