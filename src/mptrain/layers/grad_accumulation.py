@@ -48,6 +48,7 @@ import torch
 
 from mptrain.layers.transpose import transpose_copy
 
+
 @torch.library.custom_op("mptrain::wgrad_accumulate", mutates_args=("main_grad",))
 def wgrad_accumulate(a: torch.Tensor, b_t: torch.Tensor, main_grad: torch.Tensor) -> None:
     """``main_grad += a · b_tᵀ``.

@@ -97,9 +97,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            main_grad: Optional[torch.Tensor], wgrad_transpose: bool = False) -> torch.Tensor:
     """``F.linear``, with our weight-grad GEMM (into ``main_grad`` when one is given; K-major
     operands under ``wgrad_transpose`` and TF32) when grads are on; torch's autograd otherwise."""
-    if not (torch.is_grad_enabled() and weight.requires_grad):
-        return F.linear(x, weight, bias)
-    if main_grad is not None or (wgrad_transpose and grad_accumulation.tf32_kmajor_pays(weight)):
+    ours = torch.is_grad_enabled() and weight.requires_grad and (
+        main_grad is not None or (wgrad_transpose and grad_accumulation.tf32_kmajor_pays(weight)))
+    if ours:
         return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad,
                                                                       wgrad_transpose)
     return F.linear(x, weight, bias)
