@@ -107,10 +107,14 @@ def as_config(cfg: Any) -> Config:
 
 
 def _reject_unknown_keys(obj: Any, prefix: str) -> None:
-    """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields."""
+    """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields.
+
+    A component node (a schema with a ``_target_`` field, `mptrain.components`) keeps such keys:
+    they are its target's own keywords (``+optim.alpha=0.95`` for torch.optim.RMSprop), checked
+    against the target's signature at start-up instead (`mptrain.components.resolve`)."""
     fields = {f.name for f in dataclasses.fields(obj)}
     for key in vars(obj):
-        if key not in fields:
+        if key not in fields and "_target_" not in fields:
             where = prefix.rstrip(".") or "the top level"
             raise ConfigError(f"{prefix}{key}: unknown config key (misspelt? `+` adds keys the schema does not have); "
                               f"valid keys of {where}: {', '.join(sorted(fields))}")
