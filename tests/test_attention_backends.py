@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_distributed
-from mptrain.layers.attention import SelfAttention
+from mptrain.layers.attention import unfused_attention
 from train_utils import read_rows, run_job
 
 
@@ -21,15 +21,15 @@ def test_unfused_core_equals_sdpa_fp32(masked):
         mask[8:, :8] = True
         mask = mask.expand(2, 1, 16, 16)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, is_causal=mask is None)
-    out = SelfAttention._unfused_attention(q, k, v, mask, 0.0)
+    out = unfused_attention(q, k, v, mask, 0.0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)  # fp32: only summation order differs
 
 
 def test_unfused_core_bf16_close_to_fp32():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(3))
-    ref = SelfAttention._unfused_attention(q, k, v, None, 0.0)
-    out = SelfAttention._unfused_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.0)
+    ref = unfused_attention(q, k, v, None, 0.0)
+    out = unfused_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.0)
     # bf16 has 8 mantissa bits: inputs, scores and probabilities each round at ~4e-3 relative
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=3e-2)
     assert math.isfinite(out.float().sum().item())

@@ -1,14 +1,108 @@
-"""Schema of the `model` config group (Megatron key names; DESIGN.md §1)."""
+"""Schema of the `model` config group (Megatron key names; DESIGN.md §1) and its layer spec tree.
+
+The model is a component (`_target_`: the model provider, one pipeline chunk per call) and its
+transformer layer is a tree of component nodes, Megatron-core's ``ModuleSpec`` written as config
+(docs/COMPONENTS.md "Layer spec tree"). Every node is ``{_target_, _partial_: true[, submodules]}``;
+`mptrain.layers.spec.build_module` builds it with `mptrain.components.build` and calls it with the
+runtime keywords (config, groups, init, rng_tracker, sequence_parallel, dtype, ...). A user's class
+is one override away::
+
+    model.transformer_layer.submodules.self_attention.submodules.core_attention._target_=my_pkg.MyCore
+
+Keys a node carries besides ``_target_`` / ``_partial_`` / ``submodules`` (added with ``+``) are its
+target's own keywords, checked against the target's signature at start-up.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
+
+
+def _node(target: str):
+    return dataclasses.field(default_factory=lambda: SpecNode(_target_=target))
+
+
+@dataclasses.dataclass
+class SpecNode:
+    """A leaf of the layer spec tree: a class (or factory) the runtime calls with its keywords."""
+
+    _target_: str = "???"
+    """Dotted path of the class (e.g. mptrain.layers.linear.ColumnParallelLinear)."""
+    _partial_: bool = True
+    """Always true: the runtime supplies sizes, groups, init and dtype when it builds the layer."""
+
+
+@dataclasses.dataclass
+class SelfAttentionSubmodules:
+    """Megatron's ``SelfAttentionSubmodules``."""
+
+    linear_qkv: SpecNode = _node("mptrain.layers.linear.ColumnParallelLinear")
+    """Fused Q/K/V projection h -> (np + 2 ng)·hn, column-parallel (interface: ColumnParallelLinear)."""
+    core_attention: SpecNode = _node("mptrain.layers.attention.DotProductAttention")
+    """softmax(Q Kᵀ/√hn + mask)·V on this rank's heads (interface: mptrain.layers.attention.CoreAttention);
+    the default reads model.attention_backend."""
+    linear_proj: SpecNode = _node("mptrain.layers.linear.RowParallelLinear")
+    """Output projection np·hn -> h, row-parallel (interface: RowParallelLinear)."""
+
+
+@dataclasses.dataclass
+class SelfAttentionSpec:
+    _target_: str = "mptrain.layers.attention.SelfAttention"
+    _partial_: bool = True
+    submodules: SelfAttentionSubmodules = dataclasses.field(default_factory=SelfAttentionSubmodules)
+
+
+@dataclasses.dataclass
+class MLPSubmodules:
+    """Megatron's ``MLPSubmodules`` plus the activation (Megatron: ``config.activation_func``)."""
+
+    linear_fc1: SpecNode = _node("mptrain.layers.linear.ColumnParallelLinear")
+    """h -> parts·f, column-parallel (parts = the activation's fc1_parts: 2 for swiglu's [gate; up])."""
+    activation: SpecNode = _node("mptrain.layers.mlp.Activation")
+    """[.., parts·f/tp] -> [.., f/tp] (interface: mptrain.layers.mlp.ActivationFunction); the default reads
+    model.activation."""
+    linear_fc2: SpecNode = _node("mptrain.layers.linear.RowParallelLinear")
+    """f -> h, row-parallel (interface: RowParallelLinear)."""
+
+
+@dataclasses.dataclass
+class MLPSpec:
+    _target_: str = "mptrain.layers.mlp.MLP"
+    _partial_: bool = True
+    submodules: MLPSubmodules = dataclasses.field(default_factory=MLPSubmodules)
+
+
+@dataclasses.dataclass
+class TransformerLayerSubmodules:
+    """Megatron's ``TransformerLayerSubmodules`` (pre-LN GPT: norm -> attention, norm -> MLP)."""
+
+    input_layernorm: SpecNode = _node("mptrain.layers.norms.Norm")
+    """Norm before attention (interface: mptrain.layers.norms.NormModule); the default reads
+    model.normalization. Also builds the final norm (decoder.final_layernorm) on the last stage."""
+    self_attention: SelfAttentionSpec = dataclasses.field(default_factory=SelfAttentionSpec)
+    pre_mlp_layernorm: SpecNode = _node("mptrain.layers.norms.Norm")
+    """Norm before the MLP (same interface and default as input_layernorm)."""
+    mlp: MLPSpec = dataclasses.field(default_factory=MLPSpec)
+
+
+@dataclasses.dataclass
+class TransformerLayerSpec:
+    _target_: str = "mptrain.layers.transformer.TransformerLayer"
+    _partial_: bool = True
+    submodules: TransformerLayerSubmodules = dataclasses.field(default_factory=TransformerLayerSubmodules)
 
 
 @dataclasses.dataclass
 class ModelConfig:
     """A GPT model. Sizes are counts (layers, heads) or elements (hidden sizes)."""
+
+    _target_: str = "mptrain.layers.gpt.GPTModel"
+    """The model provider: called once per pipeline chunk (Megatron's ``model_provider(pre_process,
+    post_process)``) with the runtime keywords of `mptrain.layers.gpt.GPTModel` (config, groups, parallel,
+    pre_process, post_process, layer_numbers, vp_stage, vocab_size, params_dtype, device, seed,
+    rng_tracker). Interface: `mptrain.layers.gpt.ModelChunk`."""
+    _partial_: bool = True
 
     name: str = "tiny"
     """Preset name, used in the default run.dir."""
@@ -68,7 +162,5 @@ class ModelConfig:
     """Speed option: run each TransformerLayer's forward through `torch.compile` (fuses bias-GeLU,
     bias-dropout-add, LayerNorm epilogues). TP collectives stay eager (graph breaks). Off by default:
     the first steps pay the compile time, and with dropout > 0 the masks come from Inductor's RNG."""
-    transformer_layer: Any = dataclasses.field(
-        default_factory=lambda: {"_target_": "mptrain.layers.transformer.TransformerLayer", "_partial_": True}
-    )
-    """The layer implementation (a registered component: `_target_` + `_partial_`)."""
+    transformer_layer: TransformerLayerSpec = dataclasses.field(default_factory=TransformerLayerSpec)
+    """The layer spec tree (a registered component: `_target_` + `_partial_` + `submodules`)."""

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mptrain.config.schema import Config
 from mptrain.errors import ConfigError
+from mptrain.layers.gpt import check_model_components, check_model_config
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
 
@@ -45,12 +46,6 @@ CHOICES: dict[str, tuple] = {
     "data.name": ("mock", "indexed", "shakespeare"),
     "logger.name": ("none", "wandb", "tensorboard"),
     "logger.mode": ("online", "offline", "disabled"),
-    "model.normalization": ("LayerNorm", "RMSNorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.attention_backend": ("auto", "sdpa", "unfused"),
-    "model.position_embedding_type": ("learned_absolute", "rope"),
-    "model.recompute_granularity": (None, "full", "selective"),
-    "model.recompute_method": (None, "uniform", "block"),
     "debug.fail_where": ("forward", "data", "save"),
 }
 
@@ -184,114 +179,6 @@ def check_parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, Option
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
 
 
-def check_model_shape(cfg: Config, tp: int) -> None:
-    """Heads vs tp and hidden; query groups; recompute keys; position embeddings vs seq_length.
-
-    Raises:
-        ConfigError: num_attention_heads not divisible by tp, hidden_size not divisible by
-            num_attention_heads (without kv_channels), num_query_groups not dividing heads or not
-            divisible by tp, inconsistent recompute keys, seq_length > max_position_embeddings.
-    """
-    m = cfg.model
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        _positive(f"model.{key}", getattr(m, key))
-    heads = m.num_attention_heads
-    if heads % tp != 0:
-        raise ConfigError(
-            f"model.num_attention_heads={heads} is not divisible by parallel.tensor_model_parallel_size={tp}; "
-            f"pick a parallel= with tp dividing {heads}, or another model="
-        )
-    if m.kv_channels is None and m.hidden_size % heads != 0:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads={heads}; "
-            f"change one of them or set model.kv_channels"
-        )
-    groups = m.num_query_groups
-    if groups is not None:
-        _positive("model.num_query_groups", groups)
-        if heads % groups != 0:
-            raise ConfigError(
-                f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}; "
-                f"set model.num_query_groups to a divisor of {heads} (or null for multi-head attention)"
-            )
-        if groups % tp != 0:
-            raise ConfigError(
-                f"model.num_query_groups={groups} is not divisible by parallel.tensor_model_parallel_size={tp}; "
-                f"use a smaller tp or more query groups"
-            )
-    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings is not None:
-        if m.seq_length > m.max_position_embeddings:
-            raise ConfigError(
-                f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
-                f"raise max_position_embeddings or set it to null"
-            )
-    if m.recompute_granularity == "full" and m.recompute_method is None:
-        raise ConfigError(
-            "model.recompute_granularity=full needs model.recompute_method=uniform or block (and recompute_num_layers)"
-        )
-    if m.recompute_granularity != "full" and m.recompute_method is not None:
-        raise ConfigError(
-            f"model.recompute_method={m.recompute_method} needs model.recompute_granularity=full "
-            f"(got {m.recompute_granularity}); set model.recompute_method=null"
-        )
-    if m.recompute_granularity == "full":
-        _positive("model.recompute_num_layers", m.recompute_num_layers)
-
-
-def check_layer_split(cfg: Config, pp: int, vpp: Optional[int]) -> None:
-    """num_layers over pp × vpp stages: even unless decoder_first/last_pipeline_num_layers are set.
-
-    Uneven split (Megatron-core's num_layers_in_first/last_pipeline_stage): the first and/or last
-    stage hold the given counts; the other pp − k stages share the rest evenly. With vpp, every
-    stage's count must split into vpp chunks.
-
-    Raises:
-        ConfigError: num_layers not divisible by pp × vpp (even split), or an uneven split that
-            does not add up (naming the keys and the numbers).
-    """
-    layers = cfg.model.num_layers
-    first = cfg.parallel.decoder_first_pipeline_num_layers
-    last = cfg.parallel.decoder_last_pipeline_num_layers
-    chunks = vpp or 1
-    if first is None and last is None:
-        if layers % (pp * chunks) != 0:
-            vpp_txt = f" × virtual_pipeline_model_parallel_size = {pp} × {chunks} = {pp * chunks}" if vpp else f" = {pp}"
-            raise ConfigError(
-                f"model.num_layers={layers} is not divisible by pipeline_model_parallel_size{vpp_txt}; "
-                f"pick another parallel= or model=, or set parallel.decoder_first_pipeline_num_layers / "
-                f"decoder_last_pipeline_num_layers for an uneven split"
-            )
-        return
-    if pp == 1:
-        raise ConfigError(
-            "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers need "
-            "pipeline_model_parallel_size > 1 (got 1); set them to null"
-        )
-    fixed = {k: v for k, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)) if v is not None}
-    for key, value in fixed.items():
-        _positive(f"parallel.{key}", value)
-        if value % chunks != 0:
-            raise ConfigError(
-                f"parallel.{key}={value} is not divisible by virtual_pipeline_model_parallel_size={chunks}; "
-                f"give that stage a multiple of {chunks} layers"
-            )
-    rest = layers - sum(fixed.values())
-    middle = pp - len(fixed)
-    given = " + ".join(f"{k}={v}" for k, v in fixed.items())
-    if middle == 0:
-        if rest != 0:
-            raise ConfigError(
-                f"parallel: {given} must add up to model.num_layers={layers} with pipeline_model_parallel_size={pp}; "
-                f"change them"
-            )
-        return
-    if rest < middle * chunks or rest % (middle * chunks) != 0:
-        raise ConfigError(
-            f"parallel: with {given}, the other {middle} pipeline stage(s) get {rest} of model.num_layers={layers} "
-            f"layers, not a positive multiple of {middle}{f' × vpp {chunks}' if vpp else ''}; change the uneven split"
-        )
-
-
 def resolve_schedule(name: str, pp: int, vpp: Optional[int]) -> str:
     """The schedule that runs for `schedule.name` (auto → no_pipelining / 1f1b / interleaved_1f1b).
 
@@ -395,8 +282,8 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
     c = as_config(cfg)
     check_choices(c)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
-    check_model_shape(c, tp)
-    check_layer_split(c, pp, vpp)
+    check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
+    check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
     num_microbatches = check_batch(c, dp)
     schedule = resolve_schedule(c.schedule.name, pp, vpp)
     if schedule == "interleaved_1f1b" and num_microbatches % pp != 0:
@@ -406,12 +293,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             f"(micro_batch_size {c.train.micro_batch_size} × dp {dp})) and pp={pp}; make global_batch_size a multiple "
             f"of {c.train.micro_batch_size * dp * pp}"
         )
-    sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)
-    if sequence_parallel and c.model.seq_length % tp != 0:
-        raise ConfigError(
-            f"parallel.sequence_parallel=true splits the sequence over tp: model.seq_length={c.model.seq_length} is "
-            f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false"
-        )
+    sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)  # seq_length % tp: check_model_config
     if c.parallel.tp_comm_overlap and not (sequence_parallel and c.model.compile_layers):
         missing = [need for need, ok in (("tensor_model_parallel_size > 1", tp > 1),
                                          ("parallel.sequence_parallel=true", c.parallel.sequence_parallel),

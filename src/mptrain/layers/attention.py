@@ -23,22 +23,28 @@ SDPA then runs its memory-efficient kernel, ~15× slower than the GEMMs the atte
 on H200, bench/run_bench.py's SDPA probe). ``model.attention_backend=auto`` therefore runs the unfused
 core there (`_unfused_attention`): two batched GEMMs around a half-precision softmax that accumulates
 in fp32 internally, which is what Megatron's ``FusedScaleMaskSoftmax`` computes.
+
+Spec tree (``model.transformer_layer.submodules.self_attention``, kind `SELF_ATTENTION`): ``linear_qkv``
+(column-parallel), ``core_attention`` (kind `CORE_ATTENTION`, interface `CoreAttention`; default
+`DotProductAttention`, which reads ``model.attention_backend``), ``linear_proj`` (row-parallel).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from mptrain.errors import ConfigError
-from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mptrain.components import ComponentKind
 from mptrain.layers.random import ParamInit, checkpoint
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
 
+KEY = "model.transformer_layer.submodules.self_attention"
 ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
+"""``model.attention_backend`` (read by `DotProductAttention`): the one table of that key."""
 _FLASH_MAX_HEAD_DIM = 256  # flash-attention 2 / cuDNN SDPA support head dims up to 256
 
 
@@ -59,42 +65,158 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def check_attention_backend(model) -> None:
+    """``model.attention_backend`` is a built-in name. Raises ConfigError naming the key and the options."""
+    check_choice("model.attention_backend", model.attention_backend, ATTENTION_BACKENDS)
+
+
+class CoreAttention(Protocol):
+    """The attention core of one layer, on this TP rank's heads (Megatron's ``core_attention``).
+
+    Built as ``target(*, config, layer_number, groups, sequence_parallel, rng_tracker)`` (only the
+    keywords it accepts). ``forward(query, key, value, attention_mask) -> context``:
+        query ``[s, b, np/tp, hn]``; key, value ``[s, b, ng/tp, hn]`` (RoPE already applied; query head
+        i uses K/V group ``i // (np/ng)``); attention_mask ``[b, 1, s, s]`` bool, True = masked, or None
+        for plain causal; context ``[s, b, np/tp · hn]`` in the input dtype, heads in query order.
+    Scale 1/sqrt(hn) unless the core decides otherwise. Attention dropout (``config.attention_dropout``,
+    only while ``self.training``) is inside a TP region: draw it in ``rng_tracker.fork()`` unless
+    ``sequence_parallel`` (the trainer already runs the whole block in that fork). The trainer wraps
+    the call in activation checkpointing under ``recompute_granularity=selective``; the core holds no
+    parameters of its own in the default tree (any it adds are replicated over TP).
+    """
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor: ...
+
+
+CORE_ATTENTION = ComponentKind("core attention", methods=("forward",),
+                               runtime_keywords=("config", "layer_number", "groups", "sequence_parallel", "rng_tracker"),
+                               interface=CoreAttention)
+
+
+class DotProductAttention(torch.nn.Module):
+    """The default core: SDPA, or the unfused GEMM-softmax-GEMM core (``model.attention_backend``; module docstring).
+
+    Args:
+        config: ModelConfig (attention_dropout, attention_softmax_in_fp32, attention_backend).
+        sequence_parallel: effective SP (the block already runs in the model-parallel RNG fork).
+        rng_tracker: RNGStatesTracker. layer_number, groups: unused (the interface's keywords).
+    Raises:
+        ConfigError: unknown ``model.attention_backend``.
+    """
+
+    def __init__(self, *, config, layer_number: int = 0, groups=None, sequence_parallel: bool = False,
+                 rng_tracker=None) -> None:
+        super().__init__()
+        check_attention_backend(config)
+        self.attention_dropout = config.attention_dropout
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        self.attention_backend = config.attention_backend
+        self.sequence_parallel, self.rng_tracker = sequence_parallel, rng_tracker
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """q ``[s, b, np/tp, hn]``, k, v ``[s, b, ng/tp, hn]`` -> context ``[s, b, np/tp · hn]``.
+
+        Attention-probability dropout is inside a TP region (each rank holds other heads): it runs
+        in the model-parallel RNG fork, unless sequence parallelism already put the whole block in
+        that fork (megatron-core.md §3.9).
+        """
+        s, b, np_local, hn = q.shape
+        rep = np_local // k.shape[2]
+        q = q.permute(1, 2, 0, 3)  # [b, np/tp, s, hn]
+        k = k.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)  # [b, np/tp, s, hn]
+        v = v.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        fork = dropout_p > 0 and not self.sequence_parallel
+        with self.rng_tracker.fork() if fork else contextlib.nullcontext():
+            half = q.dtype in (torch.float16, torch.bfloat16)
+            if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
+                out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
+            elif self._use_unfused(q):
+                out = unfused_attention(q, k, v, attention_mask, dropout_p)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                    dropout_p=dropout_p, is_causal=attention_mask is None)
+        return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)  # [s, b, np/tp · hn]
+
+    def _use_unfused(self, q: torch.Tensor) -> bool:
+        if self.attention_backend == "auto":
+            return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] > _FLASH_MAX_HEAD_DIM
+        return self.attention_backend == "unfused"
+
+
+def unfused_attention(q, k, v, attention_mask, dropout_p):
+    """GEMM, scale + mask + softmax, GEMM; inputs/outputs ``[b, heads, s, hn]`` in the model dtype.
+
+    The scores ``[b, heads, s, s]`` stay in the input dtype; torch's softmax accumulates in fp32
+    for half inputs. The masked fill is in place: the Q·Kᵀ GEMM keeps its inputs, not its output.
+    """
+    s = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))  # [b, heads, s, s]
+    if attention_mask is None:
+        attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill_(attention_mask, float("-inf")), dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p, training=True)
+    return torch.matmul(probs, v)
+
+
+def fp32_softmax_attention(q, k, v, attention_mask, dropout_p):
+    """Unfused core with scores, softmax and dropout in fp32; inputs/outputs ``[b, heads, s, hn]``."""
+    s = q.shape[2]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, heads, s, s]
+    if attention_mask is None:
+        attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1)
+    probs = F.dropout(probs, dropout_p, training=True)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 class SelfAttention(torch.nn.Module):
-    """Column-parallel QKV -> (RoPE) -> causal core attention on np/tp heads -> row-parallel projection.
+    """Column-parallel QKV -> (RoPE) -> core attention on np/tp heads -> row-parallel projection.
 
     Args:
         config: ModelConfig. groups: ParallelGroups. layer_number: global 0-based layer index.
         init: ParamInit. sequence_parallel: effective SP (tp > 1). rng_tracker: RNGStatesTracker.
+        submodules: the spec node's ``submodules`` (linear_qkv, core_attention, linear_proj); None =
+            the default `mptrain.config.model.SelfAttentionSubmodules`.
     forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, or None for
     causal) -> ``[s(/tp), b, h]`` (projection bias added).
     """
 
     def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, rng_tracker,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 submodules=None, params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
                  async_grad_allreduce: bool = True, wgrad_transpose: bool = False) -> None:
         super().__init__()
+        if submodules is None:
+            from mptrain.config.model import SelfAttentionSubmodules
+
+            submodules = SelfAttentionSubmodules()
+        node = {"submodules": submodules}
         tp = groups.tp_size
         self.np = config.num_attention_heads
         self.ng = config.num_query_groups or self.np
         self.hn = config.kv_channels or config.hidden_size // self.np
         self.np_local, self.ng_local = self.np // tp, self.ng // tp
         self.groups, self.sequence_parallel, self.rng_tracker = groups, sequence_parallel, rng_tracker
-        self.attention_dropout = config.attention_dropout
-        self.softmax_in_fp32 = config.attention_softmax_in_fp32
-        if config.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"model.attention_backend={config.attention_backend!r}: pick one of {', '.join(ATTENTION_BACKENDS)}")
-        self.attention_backend = config.attention_backend
         self.rope = config.position_embedding_type == "rope"
         self.rotary_base = config.rotary_base
         self.recompute_core = config.recompute_granularity == "selective"
         prefix = f"decoder.layers.{layer_number}.self_attention"
         common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device, wgrad_transpose=wgrad_transpose)
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, (self.np + 2 * self.ng) * self.hn,
-                                               name=f"{prefix}.linear_qkv", async_grad_allreduce=async_grad_allreduce,
-                                               **common)
-        self.linear_proj = RowParallelLinear(self.np * self.hn, config.hidden_size, name=f"{prefix}.linear_proj",
-                                             input_is_parallel=True, scaled_init=True, **common)
+        self.linear_qkv = build_module(f"{KEY}.submodules.linear_qkv", submodule(node, "linear_qkv"),
+                                       COLUMN_PARALLEL_LINEAR, input_size=config.hidden_size,
+                                       output_size=(self.np + 2 * self.ng) * self.hn, name=f"{prefix}.linear_qkv",
+                                       async_grad_allreduce=async_grad_allreduce, **common)
+        self.core_attention = build_module(f"{KEY}.submodules.core_attention", submodule(node, "core_attention"),
+                                           CORE_ATTENTION, config=config, layer_number=layer_number, groups=groups,
+                                           sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
+        self.linear_proj = build_module(f"{KEY}.submodules.linear_proj", submodule(node, "linear_proj"),
+                                        ROW_PARALLEL_LINEAR, input_size=self.np * self.hn, output_size=config.hidden_size,
+                                        name=f"{prefix}.linear_proj", input_is_parallel=True, scaled_init=True, **common)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp · (np/ng + 2) · hn]
@@ -108,65 +230,13 @@ class SelfAttention(torch.nn.Module):
         if self.recompute_core and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:
-            context = self.core_attention(q, k, v, attention_mask)
+            context = self.core_attention(q, k, v, attention_mask)  # [s, b, np/tp · hn]
         out, _ = self.linear_proj(context)
         return out
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """q ``[s, b, np/tp, hn]``, k, v ``[s, b, ng/tp, hn]`` -> context ``[s, b, np/tp · hn]``.
 
-        Attention-probability dropout is inside a TP region (each rank holds other heads): it runs
-        in the model-parallel RNG fork, unless sequence parallelism already put the whole block in
-        that fork (megatron-core.md §3.9).
-        """
-        s, b = q.shape[:2]
-        rep = self.np_local // self.ng_local
-        q = q.permute(1, 2, 0, 3)  # [b, np/tp, s, hn]
-        k = k.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)  # [b, np/tp, s, hn]
-        v = v.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
-        dropout_p = self.attention_dropout if self.training else 0.0
-        fork = dropout_p > 0 and not self.sequence_parallel
-        with self.rng_tracker.fork() if fork else contextlib.nullcontext():
-            half = q.dtype in (torch.float16, torch.bfloat16)
-            if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
-                out = self._fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
-            elif self._use_unfused(q):
-                out = self._unfused_attention(q, k, v, attention_mask, dropout_p)
-            else:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-                    dropout_p=dropout_p, is_causal=attention_mask is None)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.np_local * self.hn)  # [s, b, np/tp · hn]
-
-    def _use_unfused(self, q: torch.Tensor) -> bool:
-        if self.attention_backend == "auto":
-            return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and self.hn > _FLASH_MAX_HEAD_DIM
-        return self.attention_backend == "unfused"
-
-    @staticmethod
-    def _unfused_attention(q, k, v, attention_mask, dropout_p):
-        """GEMM, scale + mask + softmax, GEMM; inputs/outputs ``[b, heads, s, hn]`` in the model dtype.
-
-        The scores ``[b, heads, s, s]`` stay in the input dtype; torch's softmax accumulates in fp32
-        for half inputs. The masked fill is in place: the Q·Kᵀ GEMM keeps its inputs, not its output.
-        """
-        s = q.shape[2]
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))  # [b, heads, s, s]
-        if attention_mask is None:
-            attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax(scores.masked_fill_(attention_mask, float("-inf")), dim=-1)
-        if dropout_p > 0:
-            probs = F.dropout(probs, dropout_p, training=True)
-        return torch.matmul(probs, v)
-
-    @staticmethod
-    def _fp32_softmax_attention(q, k, v, attention_mask, dropout_p):
-        """Unfused core with scores, softmax and dropout in fp32; inputs/outputs ``[b, heads, s, hn]``."""
-        s = q.shape[2]
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, heads, s, s]
-        if attention_mask is None:
-            attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1)
-        probs = F.dropout(probs, dropout_p, training=True)
-        return torch.matmul(probs.to(v.dtype), v)
+SELF_ATTENTION = ComponentKind(
+    "self attention", methods=("forward",),
+    runtime_keywords=("config", "groups", "layer_number", "init", "sequence_parallel", "rng_tracker", "submodules",
+                      "params_dtype", "device", "async_grad_allreduce", "wgrad_transpose"),
+    interface=SelfAttention)

@@ -16,81 +16,158 @@ equal afterwards (all-reduce of their grads) is ``finalize_model_grads``' job.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from mptrain.components import ComponentKind, build
+from mptrain.config.model import ModelConfig
 from mptrain.errors import ConfigError
+from mptrain.layers.attention import check_attention_backend
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
 from mptrain.layers.linear import column_parallel_linear
-from mptrain.layers.mlp import activation
-from mptrain.layers.norms import norm_class
+from mptrain.layers.mlp import check_activation
+from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
-from mptrain.layers.transformer import TransformerBlock
+from mptrain.layers.spec import check_choice, check_spec_tree
+from mptrain.layers.transformer import TransformerBlock, check_recompute
 
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-RECOMPUTE_GRANULARITIES = (None, "full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+"""``model.position_embedding_type``: learned absolute (the embedding) or rotary (`attention.apply_rope`)."""
 
 
 # --- validation ---------------------------------------------------------------------------------
+def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be an integer >= 1{' or null' if allow_none else ''}")
+
+
 def check_model_config(model, parallel) -> None:
-    """Every model × layout constraint, before any collective (DESIGN.md §5).
+    """Every model × layout rule (DESIGN.md §5), once; pure (config only), run by
+    `mptrain.config.validate.validate_config` on every rank before any process group exists.
+
+    Order: sizes, heads vs tp / hidden / query groups, ffn vs tp, the closed Megatron choices
+    (normalization, activation, attention_backend, position_embedding_type, recompute_*), position
+    embeddings vs seq_length, dropout, sequence parallelism vs seq_length, the layer split over pp × vpp.
 
     Raises:
         ConfigError: one line naming the keys, the values and the fix.
     """
     tp = parallel.tensor_model_parallel_size
-    np_, h = model.num_attention_heads, model.hidden_size
-    ng = model.num_query_groups or np_
-    if np_ % tp:
-        raise ConfigError(f"model: num_attention_heads={np_} is not divisible by tensor_model_parallel_size={tp}; "
-                          f"pick heads that are a multiple of {tp} or another parallel=")
-    if model.kv_channels is None and h % np_:
-        raise ConfigError(f"model: hidden_size={h} is not divisible by num_attention_heads={np_}; change one of them "
-                          "or set kv_channels")
-    if np_ % ng:
-        raise ConfigError(f"model: num_attention_heads={np_} is not divisible by num_query_groups={ng}; pick a divisor")
-    if ng % tp:
-        raise ConfigError(f"model: num_query_groups={ng} is not divisible by tensor_model_parallel_size={tp}; "
-                          f"K/V heads are split over TP, pick a multiple of {tp}")
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _positive(f"model.{key}", getattr(model, key))
+    heads, h = model.num_attention_heads, model.hidden_size
+    if heads % tp:
+        raise ConfigError(f"model.num_attention_heads={heads} is not divisible by parallel.tensor_model_parallel_size="
+                          f"{tp}; pick a parallel= with tp dividing {heads}, or another model=")
+    if model.kv_channels is None and h % heads:
+        raise ConfigError(f"model.hidden_size={h} is not divisible by model.num_attention_heads={heads}; change one "
+                          "of them or set model.kv_channels")
+    groups = model.num_query_groups
+    if groups is not None:
+        _positive("model.num_query_groups", groups)
+        if heads % groups:
+            raise ConfigError(f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}; "
+                              f"set model.num_query_groups to a divisor of {heads} (or null for multi-head attention)")
+        if groups % tp:
+            raise ConfigError(f"model.num_query_groups={groups} is not divisible by parallel.tensor_model_parallel_size="
+                              f"{tp}; K/V heads are split over TP: use a smaller tp or more query groups")
     ffn = model.ffn_hidden_size or 4 * h
     if ffn % tp:
-        raise ConfigError(f"model: ffn_hidden_size={ffn} is not divisible by tensor_model_parallel_size={tp}")
-    norm_class(model.normalization)
-    activation(model.activation)
-    if model.position_embedding_type not in POSITION_EMBEDDINGS:
-        raise ConfigError(f"model: position_embedding_type={model.position_embedding_type!r} is not one of "
-                          f"{list(POSITION_EMBEDDINGS)}")
-    hn = model.kv_channels or h // np_
+        raise ConfigError(f"model.ffn_hidden_size={ffn} is not divisible by parallel.tensor_model_parallel_size={tp}; "
+                          "change ffn_hidden_size or the TP size")
+    check_normalization(model)
+    check_activation(model)
+    check_attention_backend(model)
+    check_choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDING_TYPES)
+    check_recompute(model)
+    hn = model.kv_channels or h // heads
     if model.position_embedding_type == "rope" and hn % 2:
-        raise ConfigError(f"model: position_embedding_type=rope needs an even head dim (kv_channels={hn})")
-    max_pos = model.max_position_embeddings or model.seq_length
-    if model.position_embedding_type == "learned_absolute" and max_pos < model.seq_length:
-        raise ConfigError(f"model: max_position_embeddings={max_pos} < seq_length={model.seq_length}; raise it")
-    if parallel.sequence_parallel and tp > 1 and model.seq_length % tp:
-        raise ConfigError(f"parallel: sequence_parallel needs seq_length={model.seq_length} divisible by "
-                          f"tensor_model_parallel_size={tp}")
+        raise ConfigError(f"model.position_embedding_type=rope needs an even head dim (kv_channels={hn}); change "
+                          "kv_channels or hidden_size / num_attention_heads")
+    if model.position_embedding_type == "learned_absolute" and model.max_position_embeddings is not None:
+        if model.seq_length > model.max_position_embeddings:
+            raise ConfigError(f"model.seq_length={model.seq_length} exceeds model.max_position_embeddings="
+                              f"{model.max_position_embeddings}; raise max_position_embeddings or set it to null")
     for key in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(model, key) < 1.0:
-            raise ConfigError(f"model: {key}={getattr(model, key)} must be in [0, 1)")
-    if model.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-        raise ConfigError(f"model: recompute_granularity={model.recompute_granularity!r} is not one of "
-                          "null, full, selective")
-    if model.recompute_granularity == "full":
-        if (model.recompute_method or "uniform") not in RECOMPUTE_METHODS:
-            raise ConfigError(f"model: recompute_method={model.recompute_method!r} is not one of uniform, block")
-        if model.recompute_num_layers is not None and model.recompute_num_layers < 1:
-            raise ConfigError(f"model: recompute_num_layers={model.recompute_num_layers} must be >= 1")
-    pipeline_layer_ranges(model.num_layers, parallel.pipeline_model_parallel_size,
-                          parallel.virtual_pipeline_model_parallel_size, parallel.decoder_first_pipeline_num_layers,
-                          parallel.decoder_last_pipeline_num_layers)
+            raise ConfigError(f"model.{key}={getattr(model, key)} must be in [0, 1)")
+    if parallel.sequence_parallel and tp > 1 and model.seq_length % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits the sequence over tp: model.seq_length={model.seq_length} is "
+            f"not divisible by tensor_model_parallel_size={tp}; change seq_length or set parallel.sequence_parallel=false")
+    check_layer_split(model.num_layers, parallel.pipeline_model_parallel_size,
+                      parallel.virtual_pipeline_model_parallel_size, parallel.decoder_first_pipeline_num_layers,
+                      parallel.decoder_last_pipeline_num_layers)
+
+
+def check_model_components(model) -> None:
+    """Start-up check of the model provider (``model._target_``) and the layer spec tree; pure.
+
+    Raises:
+        ConfigError: a target that does not import, lacks a method of its interface, or gets a
+            keyword it does not take (naming the config key).
+    """
+    from mptrain.components import resolve
+
+    resolve("model", model, MODEL_KIND, drop=MODEL_FIELDS)
+    check_spec_tree(model)
 
 
 # --- pipeline split -----------------------------------------------------------------------------
+def check_layer_split(num_layers: int, pp: int, vpp: Optional[int] = None,
+                      decoder_first_pipeline_num_layers: Optional[int] = None,
+                      decoder_last_pipeline_num_layers: Optional[int] = None) -> None:
+    """num_layers over pp × vpp stages: even unless decoder_first/last_pipeline_num_layers are set.
+
+    Uneven split (Megatron-core's num_layers_in_first/last_pipeline_stage): the first and/or last
+    stage hold the given counts; the other pp − k stages share the rest evenly. With vpp, every
+    stage's count must split into vpp chunks.
+
+    Raises:
+        ConfigError: num_layers not divisible by pp × vpp (even split), or an uneven split that
+            does not add up (naming the keys and the numbers).
+    """
+    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
+    chunks = vpp or 1
+    if first is None and last is None:
+        if num_layers % (pp * chunks) != 0:
+            vpp_txt = f" × virtual_pipeline_model_parallel_size = {pp} × {chunks} = {pp * chunks}" if vpp else f" = {pp}"
+            raise ConfigError(
+                f"model.num_layers={num_layers} is not divisible by pipeline_model_parallel_size{vpp_txt}; "
+                f"pick another parallel= or model=, or set parallel.decoder_first_pipeline_num_layers / "
+                f"decoder_last_pipeline_num_layers for an uneven split")
+        return
+    if pp == 1:
+        raise ConfigError("parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers need "
+                          "pipeline_model_parallel_size > 1 (got 1); set them to null")
+    fixed = {k: v for k, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last))
+             if v is not None}
+    for key, value in fixed.items():
+        _positive(f"parallel.{key}", value)
+        if value % chunks != 0:
+            raise ConfigError(f"parallel.{key}={value} is not divisible by virtual_pipeline_model_parallel_size="
+                              f"{chunks}; give that stage a multiple of {chunks} layers")
+    rest = num_layers - sum(fixed.values())
+    middle = pp - len(fixed)
+    given = " + ".join(f"{k}={v}" for k, v in fixed.items())
+    if middle == 0:
+        if rest != 0:
+            raise ConfigError(f"parallel: {given} must add up to model.num_layers={num_layers} with "
+                              f"pipeline_model_parallel_size={pp}; change them")
+        return
+    if rest < middle * chunks or rest % (middle * chunks) != 0:
+        raise ConfigError(
+            f"parallel: with {given}, the other {middle} pipeline stage(s) get {rest} of model.num_layers={num_layers} "
+            f"layers, not a positive multiple of {middle}{f' × vpp {chunks}' if vpp else ''}; change the uneven split")
+
+
 def pipeline_layer_ranges(num_layers: int, pp: int, vpp: Optional[int] = None,
                           decoder_first_pipeline_num_layers: Optional[int] = None,
                           decoder_last_pipeline_num_layers: Optional[int] = None) -> list:
@@ -103,35 +180,19 @@ def pipeline_layer_ranges(num_layers: int, pp: int, vpp: Optional[int] = None,
     (split evenly over their vpp chunks), the other stages share the rest evenly.
 
     Raises:
-        ConfigError: num_layers not divisible by pp × vpp (even split), or an uneven split that
-            does not add up / divide evenly.
+        ConfigError: see `check_layer_split`.
     """
-    vpp = vpp or 1
     first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
-    if first is None and last is None:
-        if num_layers % (pp * vpp):
-            raise ConfigError(
-                f"model: num_layers={num_layers} is not divisible by pipeline_model_parallel_size × "
-                f"virtual_pipeline_model_parallel_size = {pp} × {vpp}; change num_layers or the layout, or set "
-                "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers")
-        per_chunk = [num_layers // (pp * vpp)] * pp
-    else:
-        if pp == 1:
-            raise ConfigError("parallel: decoder_first/last_pipeline_num_layers need pipeline_model_parallel_size > 1")
-        keys = "parallel.decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"
-        per_chunk = [None] * pp
-        rest, middle = num_layers, pp
-        for idx, n in ((0, first), (pp - 1, last)):
-            if n is not None:
-                if n < 0 or n % vpp:
-                    raise ConfigError(f"{keys}: {n} layers must be >= 0 and divisible by "
-                                      f"virtual_pipeline_model_parallel_size={vpp}")
-                per_chunk[idx] = n // vpp
-                rest, middle = rest - n, middle - 1
-        if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % (middle * vpp)):
-            raise ConfigError(f"{keys} (first={first}, last={last}): the remaining {rest} of num_layers={num_layers} "
-                              f"cannot be split evenly over {middle} middle stage(s) × {vpp} chunk(s)")
-        per_chunk = [n if n is not None else rest // (middle * vpp) for n in per_chunk]
+    check_layer_split(num_layers, pp, vpp, first, last)
+    vpp = vpp or 1
+    per_stage = [None] * pp  # layers per stage, all chunks together
+    if first is not None:
+        per_stage[0] = first
+    if last is not None:
+        per_stage[-1] = last
+    middle = sum(n is None for n in per_stage)
+    rest = num_layers - sum(n for n in per_stage if n is not None)
+    per_chunk = [(n if n is not None else rest // middle) // vpp for n in per_stage]
     out = [[None] * vpp for _ in range(pp)]
     start = 0
     for c in range(vpp):
@@ -199,7 +260,7 @@ class GPTModel(torch.nn.Module):
         seed: ``train.seed`` (init; and the RNG streams when ``rng_tracker`` is None).
         rng_tracker: the rank's shared RNGStatesTracker; None builds one (seeding torch's generators).
     Raises:
-        ConfigError: see `check_model_config`.
+        ConfigError: a bad node of the layer spec tree (see `mptrain.layers.spec`).
     """
 
     def __init__(self, config, groups, *, parallel, pre_process: bool, post_process: bool, layer_numbers: list,
@@ -207,8 +268,6 @@ class GPTModel(torch.nn.Module):
                  device: Optional[torch.device] = None, seed: int = 1234,
                  rng_tracker: Optional[RNGStatesTracker] = None) -> None:
         super().__init__()
-        from hydra.utils import instantiate
-
         device = torch.device(device if device is not None else groups.device)
         self.config, self.groups, self.vocab_size = config, groups, vocab_size
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
@@ -222,9 +281,7 @@ class GPTModel(torch.nn.Module):
         if pre_process:
             self.embedding = GPTEmbedding(config, groups, vocab_size=vocab_size, init=init,
                                           sequence_parallel=self.sequence_parallel, rng_tracker=self.rng_tracker, **kw)
-        layer_factory = instantiate(config.transformer_layer)
-        self.decoder = TransformerBlock(config, groups, parallel=parallel, layer_factory=layer_factory,
-                                        layer_numbers=self.layer_numbers, init=init, rng_tracker=self.rng_tracker,
+        self.decoder = TransformerBlock(config, groups, parallel=parallel, layer_numbers=self.layer_numbers, init=init, rng_tracker=self.rng_tracker,
                                         final_norm=post_process, **kw)
         if post_process:
             own = "untied" if not self.tied else ("none" if pre_process else "shared_copy")
@@ -276,6 +333,19 @@ class GPTModel(torch.nn.Module):
         return loss.t().contiguous()  # [b, s]
 
 
+MODEL_KIND = ComponentKind(
+    "model provider", methods=("forward", "set_input_tensor", "shared_embedding_or_output_weight", "output_weight"),
+    runtime_keywords=("config", "groups", "parallel", "pre_process", "post_process", "layer_numbers", "vp_stage",
+                      "vocab_size", "params_dtype", "device", "seed", "rng_tracker"),
+    interface=GPTModel)
+"""``model._target_``: called once per pipeline chunk with the runtime keywords above (Megatron's
+``model_provider(pre_process, post_process)``); the result must follow `GPTModel`'s contract
+(ARCHITECTURE.md "Model chunk"): ``forward``, ``set_input_tensor``, ``shared_embedding_or_output_weight``,
+``output_weight``, attributes ``pre_process``, ``post_process``, ``rng_tracker``, global parameter names."""
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+"""Schema fields of the model node: the config the provider gets as ``config``, never keywords of its own."""
+
+
 # --- construction -------------------------------------------------------------------------------
 def build_model_chunks(model_cfg, parallel_cfg, groups, *, vocab_size: int, seed: int = 1234,
                        params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
@@ -287,10 +357,12 @@ def build_model_chunks(model_cfg, parallel_cfg, groups, *, vocab_size: int, seed
     Collective over ``groups.embedding_group`` on the first and last stage when the embedding is
     tied and pp > 1: the last stage's zero copy becomes the first stage's weight (SUM all-reduce).
 
+    The chunks come from the model provider ``model._target_`` (default `GPTModel`), built with
+    `mptrain.components.build`; the config rules (`check_model_config`) ran in `validate_config`.
     Raises:
-        ConfigError: see `check_model_config`.
+        ConfigError: a bad provider (see `check_model_components`), or a layer split that does not fit.
     """
-    check_model_config(model_cfg, parallel_cfg)
+    provider = build("model", model_cfg, MODEL_KIND, drop=MODEL_FIELDS, partial=True)
     device = torch.device(device if device is not None else groups.device)
     ranges = pipeline_layer_ranges(model_cfg.num_layers, groups.pp_size, groups.vpp_size,
                                    parallel_cfg.decoder_first_pipeline_num_layers,
@@ -300,7 +372,7 @@ def build_model_chunks(model_cfg, parallel_cfg, groups, *, vocab_size: int, seed
     chunks = []
     for c, layer_numbers in enumerate(ranges):
         vp_stage = c if vpp else None
-        chunks.append(GPTModel(model_cfg, groups, parallel=parallel_cfg,
+        chunks.append(provider(config=model_cfg, groups=groups, parallel=parallel_cfg,
                                pre_process=groups.is_pipeline_first_stage(vp_stage),
                                post_process=groups.is_pipeline_last_stage(vp_stage), layer_numbers=layer_numbers,
                                vp_stage=vp_stage, vocab_size=vocab_size, params_dtype=params_dtype, device=device,

@@ -5,18 +5,43 @@ Legend: ``[s, b, h]`` activations (``[s/tp, b, h]`` in/out under sequence parall
 (swiglu, Shazeer 2020), sharded on dim 0 (swiglu: each of gate and up sharded, so rank r holds
 [gate_r; up_r] and ``ShardSpec.interleave = 2``); fc2 weight ``[h, f]`` sharded on dim 1 with
 Megatron's scaled init std / sqrt(2L). No communication between fc1 and fc2.
+
+Spec tree (``model.transformer_layer.submodules.mlp``, kind `MLP_KIND`): ``linear_fc1``
+(column-parallel), ``activation`` (kind `ACTIVATION`, interface `ActivationFunction`), ``linear_fc2``
+(row-parallel). The default activation `Activation` reads ``model.activation`` (gelu | swiglu, the
+table `ACTIVATIONS`); a node naming another class (``torch.nn.SiLU``) ignores that key.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from mptrain.errors import ConfigError
-from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mptrain.components import ComponentKind
 from mptrain.layers.random import ParamInit
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
+
+KEY = "model.transformer_layer.submodules.mlp"
+
+
+class ActivationFunction(Protocol):
+    """The MLP's nonlinearity between fc1 and fc2.
+
+    Built as ``target(*, config)`` (only if it accepts ``config``; ``torch.nn.GELU`` is built bare).
+    ``forward(y [s, b, fc1_parts · f/tp]) -> [s, b, f/tp]``, elementwise within each rank's shard
+    (no communication: fc1's output is split on the last dim over TP). ``fc1_parts`` (attribute,
+    default 1 when absent): how many f-wide blocks fc1 produces; 2 for a gated unit ([gate_r; up_r]
+    on rank r, each block sharded separately, `ShardSpec.interleave`).
+    """
+
+    fc1_parts: int
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
+ACTIVATION = ComponentKind("activation", runtime_keywords=("config",), interface=ActivationFunction)
 
 
 def _swiglu(y: torch.Tensor) -> torch.Tensor:
@@ -24,35 +49,66 @@ def _swiglu(y: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-ACTIVATIONS = {"gelu": (F.gelu, 1), "swiglu": (_swiglu, 2)}  # name -> (fn, fc1 output parts)
+ACTIVATIONS = {"gelu": (F.gelu, 1), "swiglu": (_swiglu, 2)}
+"""``model.activation`` -> (function, fc1 output parts): the one table of that Megatron key."""
 
 
-def activation(name: str):
-    """(fn, parts) for ``model.activation``. Raises ConfigError listing the valid names."""
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ConfigError(f"model: activation={name!r} is not one of {sorted(ACTIVATIONS)}; pick one of them") from None
+def check_activation(model) -> None:
+    """``model.activation`` is a built-in name. Raises ConfigError naming the key and the options."""
+    check_choice("model.activation", model.activation, tuple(ACTIVATIONS))
+
+
+class Activation(torch.nn.Module):
+    """The default activation node: ``ACTIVATIONS[config.activation]`` (no parameters)."""
+
+    def __init__(self, *, config) -> None:
+        super().__init__()
+        self.fn, self.fc1_parts = ACTIVATIONS[config.activation]
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.fn(y)
 
 
 class MLP(torch.nn.Module):
-    """forward(x ``[s(/tp), b, h]``) -> ``[s(/tp), b, h]`` (fc2 bias added)."""
+    """forward(x ``[s(/tp), b, h]``) -> ``[s(/tp), b, h]`` (fc2 bias added).
 
-    def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool,
+    Args:
+        submodules: the spec node's ``submodules`` (linear_fc1, activation, linear_fc2); None = the default
+            `mptrain.config.model.MLPSubmodules`.
+        others: the runtime's (see `TransformerLayer`).
+    """
+
+    def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, submodules=None,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
                  async_grad_allreduce: bool = True, wgrad_transpose: bool = False) -> None:
         super().__init__()
-        self.act, parts = activation(config.activation)
+        if submodules is None:
+            from mptrain.config.model import MLPSubmodules
+
+            submodules = MLPSubmodules()
+        node = {"submodules": submodules}
+        act = build_module(f"{KEY}.submodules.activation", submodule(node, "activation"), ACTIVATION, config=config)
+        parts = int(getattr(act, "fc1_parts", 1))  # optional attribute of the interface (1: not gated)
         ffn = config.ffn_hidden_size or 4 * config.hidden_size
         prefix = f"decoder.layers.{layer_number}.mlp"
         common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
                       params_dtype=params_dtype, device=device, wgrad_transpose=wgrad_transpose)
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, parts * ffn, name=f"{prefix}.linear_fc1", parts=parts,
-                                               async_grad_allreduce=async_grad_allreduce, **common)
-        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, name=f"{prefix}.linear_fc2", input_is_parallel=True,
-                                            scaled_init=True, **common)
+        self.linear_fc1 = build_module(f"{KEY}.submodules.linear_fc1", submodule(node, "linear_fc1"),
+                                       COLUMN_PARALLEL_LINEAR, input_size=config.hidden_size, output_size=parts * ffn,
+                                       name=f"{prefix}.linear_fc1", parts=parts,
+                                       async_grad_allreduce=async_grad_allreduce, **common)
+        self.act = act
+        self.linear_fc2 = build_module(f"{KEY}.submodules.linear_fc2", submodule(node, "linear_fc2"),
+                                       ROW_PARALLEL_LINEAR, input_size=ffn, output_size=config.hidden_size,
+                                       name=f"{prefix}.linear_fc2", input_is_parallel=True, scaled_init=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.linear_fc1(x)  # [s, b, parts · f/tp]
         out, _ = self.linear_fc2(self.act(y))
         return out
+
+
+MLP_KIND = ComponentKind("MLP", methods=("forward",),
+                         runtime_keywords=("config", "groups", "layer_number", "init", "sequence_parallel", "submodules",
+                                           "params_dtype", "device", "async_grad_allreduce", "wgrad_transpose"),
+                         interface=MLP)

@@ -4,16 +4,42 @@ Norm params are replicated over TP. Under sequence parallelism each TP rank norm
 different sequence slice ``[s/tp, b, h]``, so its weight/bias grads are partial sums: their spec
 says ``sequence_parallel_grad`` and ``finalize_model_grads`` all-reduces them over TP
 (Korthikanti et al. 2022, §4.2.2). Weights start at ones, biases at zeros (layout-independent).
+
+The norm is a node of the layer spec tree (``model.transformer_layer.submodules.input_layernorm`` /
+``pre_mlp_layernorm``, kind `NORM`, interface `NormModule`). The default target `Norm` picks the class
+from ``model.normalization`` (LayerNorm | RMSNorm, the table `NORMALIZATIONS`), as Megatron-core's
+``WrappedTorchNorm``: that key stays the one switch between the built-ins, and a node whose
+``_target_`` names another class ignores it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
-from mptrain.errors import ConfigError
+from mptrain.components import ComponentKind
 from mptrain.layers.sharding import ShardSpec
+from mptrain.layers.spec import check_choice
+
+
+class NormModule(Protocol):
+    """A normalisation over the last dim h.
+
+    Built as ``target(hidden_size, *, config, eps, sequence_parallel, params_dtype, device)`` (only the
+    keywords it accepts). ``forward(x [s(/tp), b, h]) -> [s(/tp), b, h]``, same dtype. Its parameters
+    are replicated over TP; under sequence parallelism their grads are partial sums that
+    ``finalize_model_grads`` all-reduces over TP when the module's `local_shard_specs` marks them
+    ``sequence_parallel_grad`` (a module without `local_shard_specs` gets replicated specs: fine
+    without SP, wrong grads with SP). Weights should not depend on the layout.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+NORM = ComponentKind("norm", methods=("forward",),
+                     runtime_keywords=("hidden_size", "config", "eps", "sequence_parallel", "params_dtype", "device"),
+                     interface=NormModule)
 
 
 def _norm_specs(module: torch.nn.Module, sequence_parallel: bool) -> dict:
@@ -47,20 +73,17 @@ class RMSNorm(torch.nn.RMSNorm):
         return _norm_specs(self, self.sequence_parallel)
 
 
-NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
+NORMALIZATIONS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
+"""``model.normalization`` -> the built-in class (the one table of that Megatron key)."""
 
 
-def norm_class(name: str):
-    """The norm class for ``model.normalization``. Raises ConfigError listing the valid names."""
-    try:
-        return NORMS[name]
-    except KeyError:
-        raise ConfigError(f"model: normalization={name!r} is not one of {sorted(NORMS)}; pick one of them") from None
+def check_normalization(model) -> None:
+    """``model.normalization`` is a built-in name. Raises ConfigError naming the key and the options."""
+    check_choice("model.normalization", model.normalization, tuple(NORMALIZATIONS))
 
 
-def build_norm(config, *, sequence_parallel: bool, params_dtype: torch.dtype = torch.float32,
-               device: Optional[torch.device] = None) -> torch.nn.Module:
-    """``config.normalization`` over ``config.hidden_size`` with ``config.layernorm_epsilon``."""
-    return norm_class(config.normalization)(config.hidden_size, eps=config.layernorm_epsilon,
-                                            sequence_parallel=sequence_parallel, params_dtype=params_dtype,
-                                            device=device)
+def Norm(hidden_size: int, *, config, eps: float, sequence_parallel: bool, params_dtype: torch.dtype = torch.float32,
+         device: Optional[torch.device] = None) -> torch.nn.Module:  # noqa: N802 - a class-like factory (Megatron's WrappedTorchNorm)
+    """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, ...)``."""
+    return NORMALIZATIONS[config.normalization](hidden_size, eps=eps, sequence_parallel=sequence_parallel,
+                                                params_dtype=params_dtype, device=device)

@@ -13,45 +13,101 @@ Recomputation (DESIGN.md §1 keys, Megatron ``transformer_block.py::_checkpointe
 ``recompute_granularity=full`` with ``recompute_method=uniform`` checkpoints consecutive groups of
 ``recompute_num_layers`` layers; ``block`` checkpoints the first ``recompute_num_layers`` layers
 of each chunk one by one; ``selective`` recomputes only the attention core (`SelfAttention`).
+
+Spec tree: ``model.transformer_layer`` (kind `TRANSFORMER_LAYER`) with ``submodules``
+input_layernorm, self_attention, pre_mlp_layernorm, mlp (`mptrain.layers.spec`). The block's
+``final_layernorm`` is built from the ``input_layernorm`` node (one norm choice per model).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from mptrain.layers.attention import SelfAttention
-from mptrain.layers.mlp import MLP
-from mptrain.layers.norms import build_norm
+from mptrain.components import ComponentKind
+from mptrain.errors import ConfigError
+from mptrain.layers.attention import SELF_ATTENTION
+from mptrain.layers.mlp import MLP_KIND
+from mptrain.layers.norms import NORM
 from mptrain.layers.random import ParamInit, checkpoint
+from mptrain.layers.spec import LAYER_KEY, build_module, check_choice, submodule
+
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+"""``model.recompute_granularity`` (null | full | selective)."""
+RECOMPUTE_METHODS = (None, "uniform", "block")
+"""``model.recompute_method`` (null | uniform | block; with granularity full)."""
+
+
+def check_recompute(model) -> None:
+    """The recompute keys (Megatron's): closed choices and their combination.
+
+    Raises:
+        ConfigError: unknown granularity / method; full without a method; a method without full;
+            full with recompute_num_layers < 1.
+    """
+    check_choice("model.recompute_granularity", model.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    check_choice("model.recompute_method", model.recompute_method, RECOMPUTE_METHODS)
+    if model.recompute_granularity == "full" and model.recompute_method is None:
+        raise ConfigError(
+            "model.recompute_granularity=full needs model.recompute_method=uniform or block (and recompute_num_layers)")
+    if model.recompute_granularity != "full" and model.recompute_method is not None:
+        raise ConfigError(
+            f"model.recompute_method={model.recompute_method} needs model.recompute_granularity=full "
+            f"(got {model.recompute_granularity}); set model.recompute_method=null")
+    n = model.recompute_num_layers
+    if model.recompute_granularity == "full" and (n is None or n < 1):
+        raise ConfigError(f"model.recompute_num_layers={n} must be an integer >= 1")
+
+
+def _layer_submodules(submodules):
+    if submodules is None:
+        from mptrain.config.model import TransformerLayerSubmodules
+
+        submodules = TransformerLayerSubmodules()
+    return {"submodules": submodules}
+
+
+def build_norm_node(submodules, name: str, config, *, sequence_parallel: bool, params_dtype: torch.dtype,
+                    device: Optional[torch.device]) -> torch.nn.Module:
+    """The norm node ``submodules.<name>`` over h with ``model.layernorm_epsilon`` (kind NORM)."""
+    return build_module(f"{LAYER_KEY}.submodules.{name}", submodule(_layer_submodules(submodules), name), NORM,
+                        hidden_size=config.hidden_size, config=config, eps=config.layernorm_epsilon,
+                        sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
 
 
 class TransformerLayer(torch.nn.Module):
-    """One pre-LN layer; the registered component ``model.transformer_layer``.
+    """One pre-LN layer; the registered component ``model.transformer_layer`` (kind `TRANSFORMER_LAYER`).
 
     Args:
         config: ModelConfig. groups: ParallelGroups. parallel: ParallelConfig.
         layer_number: global 0-based index (names its params ``decoder.layers.<n>.*`` and seeds their init).
         init: ParamInit. rng_tracker: RNGStatesTracker.
+        submodules: the node's ``submodules`` (input_layernorm, self_attention, pre_mlp_layernorm, mlp);
+            None = the default `mptrain.config.model.TransformerLayerSubmodules`.
     forward(x ``[s(/tp), b, h]``, attention_mask) -> same shape.
     """
 
     def __init__(self, config, groups, *, parallel, layer_number: int, init: ParamInit, rng_tracker,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+                 submodules=None, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         sp = bool(parallel.sequence_parallel) and groups.tp_size > 1
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
+        node = _layer_submodules(submodules)
         kw = dict(params_dtype=params_dtype, device=device)
         linear_kw = dict(async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
                          wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
-        self.input_layernorm = build_norm(config, sequence_parallel=sp, **kw)
-        self.self_attention = SelfAttention(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp,
-                                            rng_tracker=rng_tracker, **linear_kw)
-        self.pre_mlp_layernorm = build_norm(config, sequence_parallel=sp, **kw)
-        self.mlp = MLP(config, groups, layer_number=layer_number, init=init, sequence_parallel=sp, **linear_kw)
+        inner = dict(config=config, groups=groups, layer_number=layer_number, init=init, sequence_parallel=sp,
+                     **linear_kw)
+        self.input_layernorm = build_norm_node(submodules, "input_layernorm", config, sequence_parallel=sp, **kw)
+        self.self_attention = build_module(f"{LAYER_KEY}.submodules.self_attention", submodule(node, "self_attention"),
+                                           SELF_ATTENTION, rng_tracker=rng_tracker, **inner)
+        self.pre_mlp_layernorm = build_norm_node(submodules, "pre_mlp_layernorm", config, sequence_parallel=sp, **kw)
+        self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
         self._compiled_body = torch.compile(self._body) if config.compile_layers else None
@@ -69,6 +125,15 @@ class TransformerLayer(torch.nn.Module):
         return self._body(x, attention_mask)
 
 
+TRANSFORMER_LAYER = ComponentKind(
+    "transformer layer", methods=("forward",),
+    runtime_keywords=("config", "groups", "parallel", "layer_number", "init", "rng_tracker", "submodules",
+                      "params_dtype", "device"),
+    interface=TransformerLayer)
+"""``forward(x [s(/tp), b, h], attention_mask [b, 1, s, s] bool | None) -> [s(/tp), b, h]``; parameters
+named relative to ``decoder.layers.<n>`` (checkpoints address them by name)."""
+
+
 class TransformerBlock(torch.nn.Module):
     """The layers of one model chunk (+ the final norm on the last stage).
 
@@ -76,12 +141,14 @@ class TransformerBlock(torch.nn.Module):
     (``decoder.layers.5.mlp.linear_fc1.weight``) are the same in every layout.
 
     Args:
-        layer_factory: ``partial`` of the registered layer class (called with the runtime objects).
-        layer_numbers: global indices of this chunk's layers. final_norm: add ``final_layernorm``.
+        layer_factory: builds one layer from the runtime keywords (config, groups, parallel, layer_number,
+            init, rng_tracker, params_dtype, device); default: the ``model.transformer_layer`` spec node.
+        layer_numbers: global indices of this chunk's layers. final_norm: add ``final_layernorm`` (built
+            from the layer spec's ``input_layernorm`` node).
     """
 
-    def __init__(self, config, groups, *, parallel, layer_factory: Callable, layer_numbers: list, init: ParamInit,
-                 rng_tracker, final_norm: bool, params_dtype: torch.dtype = torch.float32,
+    def __init__(self, config, groups, *, parallel, layer_numbers: list, init: ParamInit, rng_tracker,
+                 final_norm: bool, layer_factory: Optional[Callable] = None, params_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.sequence_parallel = bool(parallel.sequence_parallel) and groups.tp_size > 1
@@ -89,13 +156,18 @@ class TransformerBlock(torch.nn.Module):
         self.recompute = config.recompute_granularity == "full"
         self.recompute_method = config.recompute_method or "uniform"
         self.recompute_num_layers = config.recompute_num_layers or 1
+        spec = config.transformer_layer
+        if layer_factory is None:
+            layer_factory = functools.partial(build_module, LAYER_KEY, spec, TRANSFORMER_LAYER)
         self.layers = torch.nn.ModuleDict({
-            str(n): layer_factory(config, groups, parallel=parallel, layer_number=n, init=init, rng_tracker=rng_tracker,
-                                  params_dtype=params_dtype, device=device)
+            str(n): layer_factory(config=config, groups=groups, parallel=parallel, layer_number=n, init=init,
+                                  rng_tracker=rng_tracker, params_dtype=params_dtype, device=device)
             for n in layer_numbers
         })
-        self.final_layernorm = (build_norm(config, sequence_parallel=self.sequence_parallel,
-                                           params_dtype=params_dtype, device=device) if final_norm else None)
+        self.final_layernorm = (build_norm_node(getattr(spec, "submodules", None) if not isinstance(spec, dict)
+                                                else spec.get("submodules"), "input_layernorm", config,
+                                                sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
+                                                device=device) if final_norm else None)
 
     def _run(self, layers: list, x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         for layer in layers:

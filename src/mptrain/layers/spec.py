@@ -1,0 +1,143 @@
+"""Building the layer spec tree (Megatron-core's ``ModuleSpec`` / ``build_module``, written as config).
+
+The tree lives under ``model.transformer_layer`` (schema: `mptrain.config.model.TransformerLayerSpec`)::
+
+    transformer_layer          TransformerLayer            kind TRANSFORMER_LAYER (transformer.py)
+      input_layernorm          norms.Norm                  kind NORM              (norms.py)
+      self_attention           attention.SelfAttention     kind SELF_ATTENTION    (attention.py)
+        linear_qkv             linear.ColumnParallelLinear kind COLUMN_PARALLEL_LINEAR (here)
+        core_attention         attention.DotProductAttention kind CORE_ATTENTION  (attention.py)
+        linear_proj            linear.RowParallelLinear    kind ROW_PARALLEL_LINEAR (here)
+      pre_mlp_layernorm        norms.Norm                  kind NORM
+      mlp                      mlp.MLP                     kind MLP               (mlp.py)
+        linear_fc1             linear.ColumnParallelLinear kind COLUMN_PARALLEL_LINEAR
+        activation             mlp.Activation              kind ACTIVATION        (mlp.py)
+        linear_fc2             linear.RowParallelLinear    kind ROW_PARALLEL_LINEAR
+
+`build_module` is the one way a parent builds a child: `mptrain.components.build` (import,
+interface methods, the node's own keys checked against the target's signature) returns a partial,
+which is called with the runtime keywords the target accepts. Passing only the accepted ones lets
+a plain class such as ``torch.nn.GELU`` or ``torch.nn.LayerNorm`` sit in the tree unchanged.
+Runtime keywords win over the node's keys of the same name (sizes and groups are not the
+config's to choose). `check_spec_tree` runs the same import/interface/keyword checks on every node
+at start-up (`mptrain.config.validate.validate_config`), before any process group exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mptrain.components import ComponentKind, accepted_keywords, build, node_items, resolve
+from mptrain.errors import ConfigError
+from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+LAYER_KEY = "model.transformer_layer"
+SUBMODULES = "submodules"
+
+COLUMN_PARALLEL_LINEAR = ComponentKind(
+    "column-parallel linear", methods=("forward",),
+    runtime_keywords=("input_size", "output_size", "groups", "init", "name", "bias", "sequence_parallel", "parts",
+                      "params_dtype", "device", "async_grad_allreduce", "wgrad_transpose"),
+    interface=ColumnParallelLinear)
+"""linear_qkv / linear_fc1: ``forward(x [s(/tp), b, in]) -> (y [s, b, out/tp], bias or None)``; see
+`ColumnParallelLinear` (weight ``[out/tp, in]``, `local_shard_specs`, ``weight_main_grad``)."""
+
+ROW_PARALLEL_LINEAR = ComponentKind(
+    "row-parallel linear", methods=("forward",),
+    runtime_keywords=("input_size", "output_size", "groups", "init", "name", "bias", "sequence_parallel",
+                      "input_is_parallel", "scaled_init", "params_dtype", "device", "wgrad_transpose"),
+    interface=RowParallelLinear)
+"""linear_proj / linear_fc2: ``forward(x [s, b, in/tp]) -> (y [s(/tp), b, out], bias or None)``; see
+`RowParallelLinear` (weight ``[out, in/tp]``, reduce over TP, or reduce-scatter under SP)."""
+
+
+def check_choice(key: str, value: Any, choices: tuple) -> None:
+    """A closed Megatron choice (``model.normalization``): one line naming the key, the value and the options.
+
+    Raises:
+        ConfigError: `value` not in `choices`.
+    """
+    if value not in choices:
+        valid = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{key}: unknown option {value!r}; valid: {valid}; set {key} to one of them")
+
+
+def submodule(node: Any, name: str) -> Any:
+    """The child node ``node.submodules.<name>`` (schema dataclass or mapping)."""
+    subs = node_items(node).get(SUBMODULES)
+    child = subs.get(name) if isinstance(subs, dict) else getattr(subs, name, None)
+    if child is None:
+        raise ConfigError(f"{name}: the layer spec node has no submodules.{name}; add it (docs/COMPONENTS.md)")
+    return child
+
+
+def build_module(key: str, node: Any, kind: ComponentKind, **runtime: Any) -> Any:
+    """Build one spec node: ``target(**node keys, **runtime keywords it accepts[, submodules=...])``.
+
+    Args:
+        key: the node's config key, for messages (``model.transformer_layer.submodules.mlp``).
+        node: the spec node (``_target_``, ``_partial_``, optional ``submodules``, the target's own keys).
+        kind: the node's ComponentKind.
+        runtime: what the parent supplies (config, groups, sizes, init, dtype, ...); a node with
+            ``submodules`` also gets them as ``submodules=``.
+    Returns:
+        the built module (or whatever the target returns).
+    Raises:
+        ConfigError: bad target (see `mptrain.components`), or the target rejecting its arguments.
+    """
+    factory = build(key, node, kind, drop=(SUBMODULES,), partial=True)
+    subs = node_items(node).get(SUBMODULES)
+    if subs is not None:
+        runtime[SUBMODULES] = getattr(node, SUBMODULES, None) if not isinstance(node, dict) else subs
+    accepted = accepted_keywords(factory.func)
+    kwargs = runtime if accepted is None else {k: v for k, v in runtime.items() if k in accepted}
+    try:
+        return factory(**kwargs)
+    except TypeError as err:  # the call's own signature mismatch (a required argument we do not pass)
+        if err.__traceback__ is not None and err.__traceback__.tb_next is None:
+            raise ConfigError(f"{key}: {node_items(node).get('_target_')} cannot be built with the runtime keywords "
+                              f"({err}); it may take: {', '.join(sorted(kind.runtime_keywords))}") from None
+        raise
+
+
+def check_spec_node(key: str, node: Any, kinds: dict) -> None:
+    """`components.resolve` on `node` and, recursively, on its submodules (kinds: child name -> kind or dict).
+
+    `kinds` mirrors the tree: ``{"_kind": ComponentKind, "<child>": {...}}``.
+    """
+    resolve(key, node, kinds["_kind"], drop=(SUBMODULES,))
+    for name, child_kinds in kinds.items():
+        if name != "_kind":
+            check_spec_node(f"{key}.{SUBMODULES}.{name}", submodule(node, name), child_kinds)
+
+
+def spec_kinds() -> dict:
+    """The kind of every node of the default tree (nested like the config)."""
+    from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
+    from mptrain.layers.mlp import ACTIVATION, MLP_KIND
+    from mptrain.layers.norms import NORM
+    from mptrain.layers.transformer import TRANSFORMER_LAYER
+
+    return {
+        "_kind": TRANSFORMER_LAYER,
+        "input_layernorm": {"_kind": NORM},
+        "self_attention": {"_kind": SELF_ATTENTION, "linear_qkv": {"_kind": COLUMN_PARALLEL_LINEAR},
+                           "core_attention": {"_kind": CORE_ATTENTION}, "linear_proj": {"_kind": ROW_PARALLEL_LINEAR}},
+        "pre_mlp_layernorm": {"_kind": NORM},
+        "mlp": {"_kind": MLP_KIND, "linear_fc1": {"_kind": COLUMN_PARALLEL_LINEAR}, "activation": {"_kind": ACTIVATION},
+                "linear_fc2": {"_kind": ROW_PARALLEL_LINEAR}},
+    }
+
+
+def check_spec_tree(model) -> None:
+    """Start-up check of ``model.transformer_layer`` and every node under it (pure: imports and signatures).
+
+    A user's layer target without submodules is checked alone (its tree is its own business).
+    Raises:
+        ConfigError: the first bad node (no import, missing method, unknown keyword), naming its key.
+    """
+    node = model.transformer_layer
+    kinds = spec_kinds()
+    if node_items(node).get(SUBMODULES) is None:
+        kinds = {"_kind": kinds["_kind"]}
+    check_spec_node(LAYER_KEY, node, kinds)
