@@ -1,0 +1,139 @@
+"""The model provider and the layer spec tree are components: each node is selected by `_target_`
+from the config, a user's class plugs in, and a bad target is one ConfigError naming its key."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness import run_distributed
+from mptrain.config.validate import as_config, validate_config
+from mptrain.errors import ConfigError
+from mptrain.layers.gpt import GPTModel
+from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mptrain.layers.transformer import TransformerLayer
+from train_utils import compose, read_rows, run_job
+
+CORE = "model.transformer_layer.submodules.self_attention.submodules.core_attention"
+SUBS = "model.transformer_layer.submodules"
+SMALL = ["model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "model.vocab_size=64"]
+
+
+# --- user classes (importable as test_model_components.<Name>: tests/ is on the path) ---------------
+class MyGPT(GPTModel):
+    """A user's model provider: GPTModel with one extra keyword of its own."""
+
+    def __init__(self, *, tag: str = "", **kwargs):
+        super().__init__(kwargs.pop("config"), kwargs.pop("groups"), **kwargs)
+        self.tag = tag
+
+
+class MyLayer(TransformerLayer):
+    pass
+
+
+class MyColumn(ColumnParallelLinear):
+    pass
+
+
+class MyRow(RowParallelLinear):
+    pass
+
+
+def _outputs(rank, world, overrides):
+    """(logits, {module path: class name}) of the rank's model built from the composed config."""
+    from mptrain.groups import build_groups
+    from mptrain.layers.gpt import build_model_chunks
+
+    cfg = as_config(compose(SMALL + overrides))
+    g = build_groups(1, 1)
+    try:
+        (chunk,) = build_model_chunks(cfg.model, cfg.parallel, g, vocab_size=64, seed=3)
+        ids = torch.arange(32).remainder(64).view(2, 16)
+        with torch.no_grad():
+            logits = chunk(ids)
+        names = {n: type(m).__name__ for n, m in chunk.named_modules()}
+        return logits, names, sorted(dict(chunk.named_parameters())), getattr(chunk, "tag", None)
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("overrides, module, cls", [
+    (["model._target_=test_model_components.MyGPT", "+model.tag=mine"], "", "MyGPT"),
+    (["model.transformer_layer._target_=test_model_components.MyLayer"], "decoder.layers.1", "MyLayer"),
+    ([f"{SUBS}.self_attention.submodules.linear_qkv._target_=test_model_components.MyColumn",
+      f"{SUBS}.mlp.submodules.linear_fc1._target_=test_model_components.MyColumn"],
+     "decoder.layers.0.mlp.linear_fc1", "MyColumn"),
+    ([f"{SUBS}.self_attention.submodules.linear_proj._target_=test_model_components.MyRow",
+      f"{SUBS}.mlp.submodules.linear_fc2._target_=test_model_components.MyRow"],
+     "decoder.layers.1.self_attention.linear_proj", "MyRow"),
+    ([f"{SUBS}.mlp.submodules.activation._target_=torch.nn.GELU"], "decoder.layers.0.mlp.act", "GELU"),
+    ([f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention"],
+     "decoder.layers.0.self_attention.core_attention", "SlidingWindowAttention"),
+])
+def test_user_class_in_the_tree_equals_the_builtin(overrides, module, cls):
+    (ref, ref_names, ref_params, _), (out, names, params, tag) = (
+        run_distributed(_outputs, 1, [])[0], run_distributed(_outputs, 1, overrides)[0])
+    assert names[module] == cls and ref_names[module] != cls  # the user's class was built there
+    assert params == ref_params  # parameter names (checkpoints, export) unchanged
+    if overrides[-1] == "+model.tag=mine":
+        assert tag == "mine"  # the provider's own keyword reached it
+    # subclasses / torch.nn.GELU: the same ops -> bitwise; the explicit softmax core: fp32 rounding
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_user_norm_target_equals_the_normalization_key():
+    rms = [f"{SUBS}.input_layernorm._target_=mptrain.layers.norms.RMSNorm",
+           f"{SUBS}.pre_mlp_layernorm._target_=mptrain.layers.norms.RMSNorm"]
+    (a, names, _, _), (b, _, _, _) = (run_distributed(_outputs, 1, rms)[0],
+                                      run_distributed(_outputs, 1, ["model.normalization=RMSNorm"])[0])
+    assert names["decoder.final_layernorm"] == "RMSNorm"  # the final norm follows input_layernorm's node
+    assert torch.equal(a, b)
+
+
+def test_sliding_window_changes_the_output():
+    full = run_distributed(_outputs, 1, [f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention"])[0][0]
+    windowed = run_distributed(_outputs, 1, [f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention",
+                                             f"+{CORE}.window=4"])[0][0]
+    assert torch.equal(full[:, :4], windowed[:, :4])  # the first 4 positions see the same keys
+    assert not torch.allclose(full[:, 4:], windowed[:, 4:])
+
+
+def test_user_core_attention_trains_like_builtin_at_tp2_sp(tmp_path):
+    base = ["model=tiny", "train.train_iters=3", "train.eval_interval=null", "parallel=tp2pp1",
+            "parallel.sequence_parallel=true"]
+    run_distributed(run_job, 2, base + [f"run.dir={tmp_path / 'builtin'}"])
+    run_distributed(run_job, 2, base + [f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention",
+                                        f"run.dir={tmp_path / 'user'}"])
+    saved = OmegaConf.load(tmp_path / "user" / "config.yaml")
+    assert OmegaConf.select(saved, CORE + "._target_") == "mptrain_plugins.attention.SlidingWindowAttention"
+    a, b = read_rows(tmp_path / "builtin"), read_rows(tmp_path / "user")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):  # fp32, same math, different kernels: DESIGN.md §3 tolerances
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([f"{CORE}._target_=mptrain_plugins.no_such_module.Core"], f"{CORE}._target_=mptrain_plugins.no_such_module.Core"),
+    ([f"{CORE}._target_=collections.OrderedDict"], f"{CORE}._target_=collections.OrderedDict is not a valid core attention: it lacks forward"),
+    ([f"+{CORE}.windw=4"], f"{CORE}.windw: mptrain.layers.attention.DotProductAttention takes no keyword 'windw'"),
+    ([f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention", f"+{CORE}.windw=4"],
+     f"{CORE}.windw: mptrain_plugins.attention.SlidingWindowAttention takes no keyword 'windw'; it accepts: window"),
+    ([f"{SUBS}.mlp.submodules.linear_fc1._target_=mptrain.layers.nope.Linear"], f"{SUBS}.mlp.submodules.linear_fc1._target_"),
+    (["model._target_=mptrain.layers.gpt.pipeline_layer_ranges", "+model.foo=1"], "model.foo: mptrain.layers.gpt.pipeline_layer_ranges takes no keyword 'foo'"),
+    (["model.normalization=BatchNorm"], "model.normalization: unknown option 'BatchNorm'; valid: LayerNorm, RMSNorm"),
+    (["model.attention_backend=flash"], "model.attention_backend: unknown option 'flash'; valid: auto, sdpa, unfused"),
+])
+def test_bad_target_is_one_config_error_naming_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose(overrides), 1)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cfg_job_shows_the_spec_tree_targets():
+    text = OmegaConf.to_yaml(compose([]))
+    for target in ("mptrain.layers.gpt.GPTModel", "mptrain.layers.transformer.TransformerLayer",
+                   "mptrain.layers.norms.Norm", "mptrain.layers.attention.SelfAttention",
+                   "mptrain.layers.linear.ColumnParallelLinear", "mptrain.layers.attention.DotProductAttention",
+                   "mptrain.layers.linear.RowParallelLinear", "mptrain.layers.mlp.MLP", "mptrain.layers.mlp.Activation"):
+        assert f"_target_: {target}" in text
