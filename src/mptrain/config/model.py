@@ -135,10 +135,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the normal init; output projections use std / sqrt(2 × num_layers)."""
     normalization: str = "LayerNorm"
-    """LayerNorm | RMSNorm."""
+    """LayerNorm | RMSNorm: read by the default norm nodes (`mptrain.layers.norms.Norm`) of transformer_layer."""
     layernorm_epsilon: float = 1e-5
     activation: str = "gelu"
-    """gelu | swiglu."""
+    """gelu | swiglu: read by the default activation node (`mptrain.layers.mlp.Activation`)."""
     position_embedding_type: str = "learned_absolute"
     """learned_absolute | rope."""
     rotary_base: int = 10000
@@ -154,7 +154,8 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None
     """uniform: layers per recompute chunk; block: layers recomputed per stage."""
     attention_backend: str = "auto"
-    """auto | sdpa | unfused. auto: `scaled_dot_product_attention`, except fp16/bf16 on CUDA with a head dim
+    """auto | sdpa | unfused, read by the default core_attention node (`mptrain.layers.attention.DotProductAttention`).
+    auto: `scaled_dot_product_attention`, except fp16/bf16 on CUDA with a head dim
     above 256 (no flash / cuDNN kernel; SDPA would fall back to its slow memory-efficient or fp32 math
     kernels), where the unfused path runs: Q·Kᵀ GEMM, scale + causal mask + softmax (fp32 accumulation,
     half-precision in/out, as Megatron's fused softmax), P·V GEMM."""
