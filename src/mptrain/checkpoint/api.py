@@ -170,7 +170,8 @@ def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved
         if keys:
             shown = ", ".join(k.removeprefix("model/") for k in keys[:8])
             parts.append(f"{title}: {shown}" + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""))
-    saved_model, now = saved_cfg.get("model", {}), config_dict(cfg).get("model", {})
+    saved_model = saved_cfg.get("model", {})
+    now = (cfg if isinstance(cfg, dict) else config_dict(cfg)).get("model", {})
     diffs = [f"model.{k}={saved_model.get(k)!r} in the checkpoint vs {now.get(k)!r}" for k in SHAPE_KEYS
              if k in saved_model and saved_model.get(k) != now.get(k)]
     raise ConfigError(
@@ -279,6 +280,24 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     return {"iteration": iteration, "consumed_samples": int(common["consumed_samples"])}
 
 
+def load_model_weights(folder: Path, chunks: list, groups, saved_cfg: dict) -> None:
+    """Fill ``chunks`` (raw model chunks of any layout) with the weights of checkpoint ``folder``.
+
+    What `maybe_load_checkpoint` does for the model alone (fp32 params read the fp32 main params
+    when the checkpoint has them), for callers without an optimizer (`mptrain.generate`).
+    Collective on the default group.
+
+    Raises:
+        ConfigError: the checkpoint holds a different model (keys and shapes listed).
+    """
+    metadata = dcp_io.read_metadata(str(folder))
+    tkeys = dcp_io.tensor_keys(metadata)
+    records = param_records(chunks)
+    _check_model_matches(folder, records, tkeys, groups, saved_cfg, saved_cfg)
+    with torch.no_grad():
+        dcp_io.load_chunks(str(folder), model_chunks(records, tensor_keys=set(tkeys)), [])
+
+
 def atomic_meta(folder: Path) -> dict:
     """meta.json of a checkpoint folder ({} if unreadable)."""
     try:
@@ -287,4 +306,4 @@ def atomic_meta(folder: Path) -> dict:
         return {}
 
 
-__all__ = ["save_checkpoint", "maybe_load_checkpoint", "FORMAT", "config_dict"]
+__all__ = ["save_checkpoint", "maybe_load_checkpoint", "load_model_weights", "FORMAT", "config_dict"]
