@@ -64,6 +64,38 @@ def _cache_task(rank: int, world: int, ckpt: str, prompt: list) -> float:
         gen.groups.destroy()
 
 
+def _fresh_cache_task(rank: int, world: int, model_keys: dict) -> float:
+    """As `_cache_task`, on a randomly initialised model of ``model_keys`` (no checkpoint needed)."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.groups import build_groups
+    from mptrain.inference import KVCache, cached_forward, supports_kv_cache
+    from mptrain.layers.gpt import build_model_chunks
+
+    groups = build_groups(world, 1, None)
+    try:
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, **model_keys)
+        model = build_model_chunks(cfg, ParallelConfig(tensor_model_parallel_size=world), groups, vocab_size=VOCAB)[0]
+        model.eval()
+        assert supports_kv_cache(model)
+        ids = torch.tensor([PROMPT])
+        with torch.no_grad():
+            full = model(ids, torch.arange(len(PROMPT)).unsqueeze(0))
+            cache = KVCache.empty(model, batch_size=1, max_len=len(PROMPT))
+            parts = [cached_forward(model, ids[:, :3], 0, cache)]
+            for i in range(3, len(PROMPT)):
+                parts.append(cached_forward(model, ids[:, i:i + 1], i, cache))
+        return float((torch.cat(parts, dim=1) - full).abs().max())
+    finally:
+        groups.destroy()
+
+
+def test_kv_cache_with_rope_and_grouped_query_attention():
+    keys = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm", "activation": "swiglu"}
+    for world in (1, 2):
+        assert max(run_distributed(_fresh_cache_task, world, keys)) < 1e-5
+
+
 def test_kv_cache_equals_full_recompute(ckpt):
     for world in (1, 2):
         # fp32; SDPA sums a shorter or masked key range in another order: 1e-5 on O(1) logits
