@@ -12,7 +12,8 @@ by the completion, or with ``--json`` one object ``{"prompt_ids", "new_ids", "te
 What is loaded, from the checkpoint alone: the model config and tokenizer from its saved config
 (``config.yaml`` content in ``meta.json``: ``model.*``, ``data.tokenizer``), the weights resharded
 to this run's layout by the checkpoint module (fp32 master weights when the run kept them), built
-by the trainer's own `build_model_chunks`. Layout: tensor parallelism over
+by the trainer's own `build_model_chunks` (a relative ``data.tokenizer.tokenizer_json`` is read
+relative to the current folder, as training read it). Layout: tensor parallelism over
 ``--tensor-model-parallel-size`` ranks (default: the world size), pipeline parallelism 1 (one
 prompt decodes token by token, so pipeline stages would only wait on each other) and no data
 parallelism: the world size must equal the TP size. Decoding uses a KV cache
