@@ -2,8 +2,8 @@
 
 The consolidated export must equal the layout-independent full tensors exactly (it is a copy);
 the GPT-2 round trip (export → import) must be exact too (transposes and row regrouping only).
-The `transformers` check runs when `transformers` is importable (it is not in the shared venv:
-`PYTHONPATH=<dir with transformers + regex> pytest tests/test_export.py` runs it).
+The `transformers` checks (installed in the venv since issue 22) also cover the tokenizer files,
+eos/bos ids and file modes of the HF export.
 """
 
 from __future__ import annotations
@@ -140,3 +140,62 @@ def test_transformers_loads_and_generates(tmp_path):
             logits = ours(seq, torch.arange(seq.shape[1]).expand(seq.shape[0], -1))[:, -1, :VOCAB]
             seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, seq)
+
+
+BYTE = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
+        "data.vocab_size=200", "data.tokenizer._target_=mptrain.data.tokenizers.ByteTokenizer",
+        "~data.tokenizer.vocab_size"]
+
+
+def test_hf_export_with_the_byte_tokenizer_loads_in_transformers_as_is(tmp_path):
+    """Issue 22: tokenizer files (an exact byte-level tokenizer), eos/bos ids, normal file modes."""
+    transformers = pytest.importorskip("transformers")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    run_distributed(run_job, 1, BYTE + ["train.train_iters=1", f"run.dir={tmp_path / 'run'}", f"checkpoint.save={ckpt}"])
+    proc = _cli("--checkpoint", str(ckpt), "--output", str(out), "--format", "hf-gpt2")
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+                     "tokenizer.json", "tokenizer_config.json"]
+    for p in out.iterdir():
+        assert p.stat().st_mode & 0o777 == 0o644, p.name  # umask 022 here; 0600 before issue 22
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["vocab_size"]) == (256, 256, 257)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["eos_token_id"], gen["pad_token_id"]) == (256, 256)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert model.generation_config.eos_token_id == 256 and tok.eos_token_id == 256 and tok.bos_token_id == 256
+    from mptrain.data.tokenizers import ByteTokenizer
+
+    ours = ByteTokenizer()
+    for text in ("Hello, world!\n", "  two  spaces\tand tabs", "héllo wörld — ünïcode ✓ 日本", ""):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == ours.encode(text) == list(text.encode("utf-8")), text
+        assert tok.decode(ids) == ours.decode(ids) == text
+    assert tok.decode([104, 105, 256], skip_special_tokens=True) == ours.decode([104, 105, 256]) == "hi"
+    assert tok.decode([0xC3]) == ours.decode([0xC3]) == "\ufffd"  # a cut UTF-8 sequence: replaced alike
+
+
+def test_hf_export_copies_an_hf_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mptrain.data.tokenizers import HFTokenizer
+    from mptrain.export_tokenizer import write_tokenizer_files
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n"
+                              for i in range(50)))
+    tj = tmp_path / "tok.json"
+    proc = subprocess.run([sys.executable, "-m", "mptrain.data.train_tokenizer", "--input", str(corpus), "--vocab-size",
+                           "300", "--output", str(tj)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    spec = {"_target_": "mptrain.data.tokenizers.HFTokenizer", "tokenizer_json": str(tj)}
+    out = tmp_path / "hf"
+    out.mkdir()
+    eod, written, notes = write_tokenizer_files({"name": "indexed", "tokenizer": spec}, out, model_max_length=64)
+    ours = HFTokenizer(str(tj))
+    assert eod == ours.eod and not notes and (out / "tokenizer.json").read_bytes() == tj.read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "the lazy fox jumps 42 times"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == ours.encode(text) and tok.decode(ids) == ours.decode(ids) and tok.eos_token_id == ours.eod

@@ -13,8 +13,12 @@ unpadded tensor}, fp32 master weights when the run kept them) and ``config.json`
 GPTModel from it in a plain process.
 
 ``--format hf-gpt2`` (architecture must match GPT-2: LayerNorm, gelu, learned absolute positions,
-tied embeddings, biases, multi-head attention) writes ``model.safetensors`` with GPT-2 names and
-``config.json`` for ``transformers.GPT2LMHeadModel``. Mapping (HF's Conv1D stores ``[in, out]``,
+tied embeddings, biases, multi-head attention) writes ``model.safetensors`` with GPT-2 names,
+``config.json`` for ``transformers.GPT2LMHeadModel`` and ``generation_config.json`` (eos / bos /
+pad = the tokenizer's EOD), and the tokenizer files (`mptrain.export_tokenizer`: the training
+``tokenizer.json`` for HFTokenizer, an exact byte-level equivalent for ByteTokenizer), so that
+``AutoModelForCausalLM.from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)`` load it
+with no edits. Files get mode 0644 (less the umask). Mapping (HF's Conv1D stores ``[in, out]``,
 so every linear weight is transposed; our fused QKV rows are per head ``[q_i; k_i; v_i]``,
 GPT-2's ``c_attn`` columns are ``[q_all; k_all; v_all]``):
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 import warnings
@@ -115,6 +120,7 @@ def export_consolidated(checkpoint: str, output: str, iteration: Optional[int] =
     config = {"format": CONSOLIDATED_FORMAT, "iteration": meta["iteration"], "vocab_size": meta["vocab_size"],
               "model": meta["config"]["model"]}
     (out / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+    _normal_modes(out, ["model.safetensors", "config.json"])
     return out
 
 
@@ -261,9 +267,23 @@ def hf_gpt2_config(model: dict, vocab_size: int) -> dict:
     }
 
 
-def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None) -> Path:
-    """Write a `transformers`-loadable GPT-2 folder (model.safetensors + config.json)."""
+def _normal_modes(out: Path, names) -> None:
+    """rw-r--r-- (less the umask) on the files written: safetensors writes through a 0600 temp file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in names:
+        os.chmod(out / name, 0o644 & ~umask)
+
+
+def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None) -> tuple[Path, list]:
+    """Write a folder that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load as is.
+
+    Files: model.safetensors, config.json and generation_config.json (eos = bos = pad = EOD) and the
+    tokenizer (`mptrain.export_tokenizer`). Returns (the folder, notes for the user).
+    """
     from safetensors.torch import save_file
+
+    from mptrain.export_tokenizer import write_tokenizer_files
 
     state, meta = load_full_state(checkpoint, iteration)
     model = meta["config"]["model"]
@@ -271,9 +291,16 @@ def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None
     hf = to_hf_gpt2({k: v.float() for k, v in state.items()}, model)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
+    config = hf_gpt2_config(model, int(meta["vocab_size"]))
+    eod, written, notes = write_tokenizer_files(meta["config"].get("data", {}), out,
+                                                model_max_length=int(config["n_positions"]))
+    config["bos_token_id"] = config["eos_token_id"] = eod
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_gpt2_config(model, int(meta["vocab_size"])), indent=1))
-    return out
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    _normal_modes(out, ["model.safetensors", "config.json", "generation_config.json", *written])
+    return out, notes
 
 
 def import_hf_gpt2(hf_dir: str, output: str) -> tuple[Path, list]:
@@ -353,8 +380,12 @@ def main(argv: Optional[list] = None) -> int:
             return 0
         if not args.checkpoint:
             parser.error("--checkpoint is required (or --import-hf-gpt2)")
-        export = export_hf_gpt2 if args.format == "hf-gpt2" else export_consolidated
-        out = export(args.checkpoint, args.output, args.iteration)
+        if args.format == "hf-gpt2":
+            out, notes = export_hf_gpt2(args.checkpoint, args.output, args.iteration)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+        else:
+            out = export_consolidated(args.checkpoint, args.output, args.iteration)
         print(f"wrote {out} ({args.format})")
         return 0
     except (ConfigError, FileNotFoundError) as err:

@@ -170,7 +170,8 @@ def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved
         if keys:
             shown = ", ".join(k.removeprefix("model/") for k in keys[:8])
             parts.append(f"{title}: {shown}" + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""))
-    saved_model, now = saved_cfg.get("model", {}), config_dict(cfg).get("model", {})
+    saved_model = saved_cfg.get("model", {})
+    now = (cfg if isinstance(cfg, dict) else config_dict(cfg)).get("model", {})
     diffs = [f"model.{k}={saved_model.get(k)!r} in the checkpoint vs {now.get(k)!r}" for k in SHAPE_KEYS
              if k in saved_model and saved_model.get(k) != now.get(k)]
     raise ConfigError(
@@ -186,20 +187,29 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     Restores model chunks, fp32 main params, optimizer state, loss scaler, LR scheduler, skip
     counters, and this rank's RNG states (or re-derives them when the layout changed; the log
     says so). Any TP / PP / DP / distributed-optimizer / precision layout loads (resharding).
+    ``checkpoint.finetune`` loads the weights only (iteration 0, everything else as built);
+    ``checkpoint.load_optim=false`` skips the optimizer state and the loss scaler;
+    ``checkpoint.load_rng=false`` re-derives the RNG states (`mptrain.checkpoint.finetune`).
     Collective on all ranks.
 
     Returns:
-        {"iteration": int, "consumed_samples": int} (zeros when ``checkpoint.load`` is null or
-        holds no checkpoint).
+        {"iteration": int, "consumed_samples": int} (zeros when ``checkpoint.load`` is null, holds
+        no checkpoint, or ``checkpoint.finetune`` is set).
     Raises:
-        ConfigError: the checkpoint holds a different model (keys and shapes listed), or
-            ``checkpoint.load_iteration`` names no complete checkpoint.
+        ConfigError: the checkpoint holds a different model (keys and shapes listed),
+            ``checkpoint.load_iteration`` names no complete checkpoint, or the optimizer class or
+            its state shapes changed while ``checkpoint.load_optim`` is true.
     """
+    from mptrain.checkpoint.finetune import optimizer_change
+
     cfg, groups = built.cfg, built.groups
     fresh = {"iteration": 0, "consumed_samples": 0}
     root = cfg.checkpoint.load
     if not root:
         return fresh
+    finetune = bool(getattr(cfg.checkpoint, "finetune", False))
+    load_optim = bool(getattr(cfg.checkpoint, "load_optim", True)) and not finetune
+    load_rng = bool(getattr(cfg.checkpoint, "load_rng", True)) and not finetune
     try:
         folder, note = atomic.resolve_load_dir(root, cfg.checkpoint.load_iteration)
     except FileNotFoundError as err:
@@ -207,6 +217,9 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     if note:
         _log(recorder, note)
     if folder is None:
+        if finetune:  # fine-tuning from nothing is a mistake, not a fresh start
+            raise ConfigError(f"checkpoint.finetune=true: checkpoint.load={root} holds no complete checkpoint; "
+                              "point checkpoint.load at the checkpoint to fine-tune from")
         _log(recorder, f"checkpoint: nothing to load in {root}; starting from iteration 0")
         return fresh
     metadata = dcp_io.read_metadata(str(folder))
@@ -216,35 +229,73 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     records = param_records(built.chunks)
     _check_model_matches(folder, records, tkeys, groups, meta.get("config", {}), cfg)
     optimizer = _optimizer(built)
+    change = optimizer_change(optimizer.optimizer, meta.get("config", {}), config_dict(cfg), tkeys, okeys)
+    if change and load_optim:
+        raise ConfigError(f"checkpoint.load: {folder}: optimizer changed ({change}); set checkpoint.load_optim=false "
+                          "to resume with a fresh optimizer state, checkpoint.finetune=true to start a new run from "
+                          "the weights, or select the checkpoint's optimizer (optim / optim._target_)")
     chunks = model_chunks(records, tensor_keys=set(tkeys))
     opt_chunks, opt_objects, pending = optimizer_load_items(optimizer, records, set(tkeys), okeys)
+    if not load_optim:  # keep the main-param fills (they are weights); drop the optimizer state
+        opt_chunks = [c for c in opt_chunks if not c.key.startswith("optim/")]
+        opt_objects, pending = [], []
     my_rng = rng.rng_key(groups)
-    want = ["common"] + opt_objects + ([my_rng] if my_rng in okeys else [])
+    want = ["common"] + opt_objects + ([my_rng] if (load_rng and my_rng in okeys) else [])
     with torch.no_grad():
         objects = dcp_io.load_chunks(str(folder), chunks + opt_chunks, want)
-    install_optimizer_state(optimizer, pending, objects)
     common = objects["common"]
-    if built.scaler is not None:
-        if common.get("scaler") is not None:
-            built.scaler.load_state_dict(common["scaler"])
-        else:
-            _log(recorder, "checkpoint: no loss-scaler state saved (fp32/bf16 checkpoint); keeping the initial scale")
+    saved_layout = common.get("layout", {})
+    where = (f"from {folder}, saved at tp{saved_layout.get('tp')} pp{saved_layout.get('pp')} "
+             f"dp{saved_layout.get('dp')}")
+    if finetune:
+        _log(recorder, f"checkpoint: fine-tuning from the weights of iteration {common['iteration']} {where} "
+                       "(checkpoint.finetune=true): iteration 0, fresh optimizer, loss scaler, LR schedule and data order")
+        return fresh
+    if load_optim:
+        install_optimizer_state(optimizer, pending, objects)
+        if built.scaler is not None:
+            if common.get("scaler") is not None:
+                built.scaler.load_state_dict(common["scaler"])
+            else:
+                _log(recorder, "checkpoint: no loss-scaler state saved (fp32/bf16 checkpoint); keeping the initial scale")
+    else:
+        _log(recorder, "checkpoint: optimizer state and loss scaler not loaded (checkpoint.load_optim=false); "
+                       + (f"{change}; " if change else "") + "they start fresh")
     built.trainer.lr_scheduler.load_state_dict(common["lr_scheduler"])
     counters = common.get("counters", {})
     for key in ("skipped_iters_total", "nan_iters_total", "consecutive_skips"):
         if hasattr(optimizer, key):
             setattr(optimizer, key, int(counters.get(key, 0)))
     iteration = int(common["iteration"])
-    reason = rng.restore_or_rederive(objects.get(my_rng), common.get("layout", {}), seed=cfg.train.seed,
-                                     iteration=iteration, groups=groups, rng_tracker=built.rng_tracker)
+    if load_rng:
+        reason = rng.restore_or_rederive(objects.get(my_rng), common.get("layout", {}), seed=cfg.train.seed,
+                                         iteration=iteration, groups=groups, rng_tracker=built.rng_tracker)
+    else:
+        rng.rederive(cfg.train.seed, iteration, groups, built.rng_tracker)
+        reason = "checkpoint.load_rng=false"
     if reason is not None:
         _log(recorder, f"checkpoint: RNG states re-derived from train.seed={cfg.train.seed}, iteration {iteration} "
                        f"and each rank's (tp, pp, dp) coordinates: {reason}")
-    saved_layout = common.get("layout", {})
-    _log(recorder, f"checkpoint: loaded iteration {iteration} (consumed_samples {common['consumed_samples']}) "
-                   f"from {folder}, saved at tp{saved_layout.get('tp')} pp{saved_layout.get('pp')} "
-                   f"dp{saved_layout.get('dp')}")
+    _log(recorder, f"checkpoint: loaded iteration {iteration} (consumed_samples {common['consumed_samples']}) {where}")
     return {"iteration": iteration, "consumed_samples": int(common["consumed_samples"])}
+
+
+def load_model_weights(folder: Path, chunks: list, groups, saved_cfg: dict) -> None:
+    """Fill ``chunks`` (raw model chunks of any layout) with the weights of checkpoint ``folder``.
+
+    What `maybe_load_checkpoint` does for the model alone (fp32 params read the fp32 main params
+    when the checkpoint has them), for callers without an optimizer (`mptrain.generate`).
+    Collective on the default group.
+
+    Raises:
+        ConfigError: the checkpoint holds a different model (keys and shapes listed).
+    """
+    metadata = dcp_io.read_metadata(str(folder))
+    tkeys = dcp_io.tensor_keys(metadata)
+    records = param_records(chunks)
+    _check_model_matches(folder, records, tkeys, groups, saved_cfg, saved_cfg)
+    with torch.no_grad():
+        dcp_io.load_chunks(str(folder), model_chunks(records, tensor_keys=set(tkeys)), [])
 
 
 def atomic_meta(folder: Path) -> dict:
@@ -255,4 +306,4 @@ def atomic_meta(folder: Path) -> dict:
         return {}
 
 
-__all__ = ["save_checkpoint", "maybe_load_checkpoint", "FORMAT", "config_dict"]
+__all__ = ["save_checkpoint", "maybe_load_checkpoint", "load_model_weights", "FORMAT", "config_dict"]

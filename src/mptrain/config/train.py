@@ -50,6 +50,18 @@ class CheckpointConfig:
     load_iteration: Optional[int] = None
     save_interval: Optional[int] = None
     keep_last_n: Optional[int] = None
+    finetune: bool = False
+    """Megatron's --finetune: load only the weights of `checkpoint.load` (model + fp32 main params);
+    iteration, consumed samples, optimizer state, loss scaler, LR schedule and RNG start fresh (the run
+    starts at iteration 1 on the new data and schedule). To resume a fine-tuning job that saved its own
+    checkpoints, drop finetune and load from its checkpoint.save."""
+    load_optim: bool = True
+    """Megatron's --no-load-optim when false: resume (iteration, consumed samples, LR schedule, RNG) but
+    start the optimizer state and the loss scaler fresh; the way to change the optimizer class
+    (optim._target_) or its state shapes on resume, which load_optim=true refuses."""
+    load_rng: bool = True
+    """Megatron's --no-load-rng when false: do not restore the saved RNG states; re-derive them from
+    (train.seed, the iteration, the rank's coordinates), as when the layout changed."""
 
 
 @dataclasses.dataclass

@@ -304,6 +304,9 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
+    from mptrain.checkpoint.finetune import check_load_keys  # the load keys' rules live with the load
+
+    check_load_keys(c)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,

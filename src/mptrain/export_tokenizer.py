@@ -1,0 +1,83 @@
+"""The tokenizer files of a Hugging Face export (`python -m mptrain.export --format hf-gpt2`, issue 22).
+
+What `transformers.AutoTokenizer.from_pretrained(dir)` needs, per training tokenizer
+(``data.tokenizer`` of the checkpoint's saved config):
+
+| tokenizer | written | exact? |
+|---|---|---|
+| `HFTokenizer` | its ``tokenizer.json`` (copied), ``tokenizer_config.json``, ``special_tokens_map.json`` | the same file |
+| `ByteTokenizer` | a ``tokenizer.json`` built here: GPT-2's byte-level pre-tokenizer (each byte → one printable character) and a BPE with no merges whose vocabulary maps the character of byte b to id b, plus ``<|endoftext|>`` = 256 | yes: encode gives the UTF-8 bytes, decode inverts them (invalid UTF-8 replaced, as ours) |
+| `TiktokenTokenizer`, `NullTokenizer`, a user's | nothing (a note in the return value; the CLI prints it) | - |
+
+EOD is the export's ``eos_token`` and ``bos_token`` (GPT-2's convention: one ``<|endoftext|>``
+between documents), and the pad token of ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+BYTE_EOD_TOKEN = "<|endoftext|>"
+
+
+def byte_level_tokenizer_json() -> str:
+    """A `tokenizers` JSON equal to `ByteTokenizer` (ids 0..255 = bytes, 256 = EOD)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 characters GPT-2's byte-level mapping uses
+    byte_to_char = _bytes_to_unicode()
+    assert sorted(byte_to_char.values()) == sorted(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BYTE_EOD_TOKEN])  # id 256: the next free id
+    return tok.to_str()
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's byte → character table (Radford et al. 2019, ``encoder.py::bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int) -> tuple[Optional[int], list, list]:
+    """Write the tokenizer of ``data_cfg`` into ``out``.
+
+    Returns:
+        (EOD id or None when the tokenizer cannot be built, the files written, notes for the user).
+    """
+    from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
+    from mptrain.errors import ConfigError
+
+    try:
+        tokenizer = build_tokenizer(data_cfg)
+    except ConfigError as err:
+        return None, [], [f"no tokenizer files written: the checkpoint's tokenizer cannot be built here ({err})"]
+    spec = data_cfg.get("tokenizer") or {}
+    if isinstance(tokenizer, HFTokenizer):
+        shutil.copyfile(Path(str(spec["tokenizer_json"])).expanduser(), out / "tokenizer.json")
+        eod_token = str(spec.get("eod_token", "<|endoftext|>"))
+    elif isinstance(tokenizer, ByteTokenizer):
+        (out / "tokenizer.json").write_text(byte_level_tokenizer_json())
+        eod_token = BYTE_EOD_TOKEN
+    else:
+        return tokenizer.eod, [], [f"no tokenizer files written for {type(tokenizer).__name__} (only HFTokenizer and "
+                                   "ByteTokenizer have a transformers equivalent); eos/bos ids are set"]
+    special = {"bos_token": eod_token, "eos_token": eod_token}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": False, "add_prefix_space": False, **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1))
+    return tokenizer.eod, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"], []

@@ -1,0 +1,197 @@
+"""Generate text from a checkpoint (issue 22; nanoGPT's ``sample.py``, Megatron's text generation).
+
+    python -m mptrain.generate --checkpoint DIR --prompt TEXT --max-new-tokens N \\
+        [--temperature T --top-k K --top-p P --seed S] [--prompt-file F] [--iteration N] [--json]
+    torchrun --nproc_per_node=2 -m mptrain.generate --checkpoint DIR ...       # tp 2 (the world size)
+
+Greedy at ``--temperature 0`` (the default); the text goes to stdout (rank 0): the prompt followed
+by the completion, or with ``--json`` one object ``{"prompt_ids", "new_ids", "text",
+"completion"}``. Generation stops after ``--max-new-tokens`` tokens or at the tokenizer's EOD
+(not printed). An empty prompt starts from EOD (the document boundary the model was trained on).
+
+What is loaded, from the checkpoint alone: the model config and tokenizer from its saved config
+(``config.yaml`` content in ``meta.json``: ``model.*``, ``data.tokenizer``), the weights resharded
+to this run's layout by the checkpoint module (fp32 master weights when the run kept them), built
+by the trainer's own `build_model_chunks` (a relative ``data.tokenizer.tokenizer_json`` is read
+relative to the current folder, as training read it). Layout: tensor parallelism over
+``--tensor-model-parallel-size`` ranks (default: the world size), pipeline parallelism 1 (one
+prompt decodes token by token, so pipeline stages would only wait on each other) and no data
+parallelism: the world size must equal the TP size. Decoding uses a KV cache
+(`mptrain.inference`), and falls back to recomputing the prefix for layer classes it does not know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mptrain.errors import ConfigError
+
+
+@dataclasses.dataclass
+class Generator:
+    """A loaded model ready to decode: this rank's chunk, its groups, the tokenizer, the vocab size."""
+
+    model: torch.nn.Module
+    groups: object
+    tokenizer: object
+    vocab_size: int
+    max_positions: int
+    iteration: int
+
+
+def _saved_model_config(saved: dict, tp: int):
+    """ModelConfig from the checkpoint's saved ``model`` dict, with training-only switches off."""
+    from mptrain.export import model_config_from_dict
+
+    model = model_config_from_dict(saved["model"])
+    # torch.compile and recomputation change no math and would only slow a one-token step down
+    return dataclasses.replace(model, compile_layers=False, recompute_granularity=None)
+
+
+def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_model_parallel_size: Optional[int] = None,
+                   timeout_s: float = 600.0) -> Generator:
+    """Initialise distributed (a world of one without torchrun), build the model, load the weights.
+
+    Collective on every rank. Raises:
+        ConfigError: no checkpoint there, world size ≠ TP size, the model does not fit the layout,
+            or the saved tokenizer cannot be built.
+    """
+    from mptrain.checkpoint import atomic
+    from mptrain.checkpoint.api import atomic_meta, load_model_weights
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.groups import build_groups, init_distributed, read_dist_env
+    from mptrain.layers.gpt import build_model_chunks
+
+    folder = Path(checkpoint)
+    if not atomic.is_complete(folder):
+        try:
+            folder, _ = atomic.resolve_load_dir(checkpoint, iteration)
+        except FileNotFoundError as err:
+            raise ConfigError(f"--checkpoint: {err}") from None
+        if folder is None:
+            raise ConfigError(f"--checkpoint {checkpoint}: no complete checkpoint there; pass a checkpoint.save "
+                              "folder (with `latest`) or one iter_N folder")
+    meta = atomic_meta(folder)
+    saved = meta.get("config", {})
+    env = read_dist_env()
+    tp = tensor_model_parallel_size or env.world_size
+    if env.world_size != tp:
+        raise ConfigError(f"--tensor-model-parallel-size={tp} with world size {env.world_size}: generation runs one "
+                          f"model replica with pipeline size 1; launch with --nproc_per_node={tp}")
+    model_cfg = _saved_model_config(saved, tp)
+    tokenizer = build_tokenizer(saved.get("data", {}))
+    device = init_distributed(env, timeout_s=timeout_s)
+    groups = build_groups(tp, 1, None, device=device)
+    try:
+        model = build_model_chunks(model_cfg, ParallelConfig(tensor_model_parallel_size=tp), groups,
+                                   vocab_size=int(meta["vocab_size"]), seed=int(saved.get("train", {}).get("seed", 1234)),
+                                   params_dtype=torch.float32, device=device)[0]
+        load_model_weights(folder, [model], groups, saved)
+    except BaseException:
+        groups.destroy()
+        raise
+    model.eval()
+    max_positions = model_cfg.max_position_embeddings or model_cfg.seq_length
+    return Generator(model, groups, tokenizer, int(meta["vocab_size"]), int(max_positions), int(meta["iteration"]))
+
+
+@torch.no_grad()
+def generate_ids(gen: Generator, prompt_ids: list, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 1234, use_cache: bool = True) -> list:
+    """The new token ids (EOD excluded) after ``prompt_ids`` (collective over the TP group).
+
+    Raises:
+        ConfigError: prompt + max_new_tokens exceed the model's positions, or a bad sampling value.
+    """
+    from mptrain.inference import KVCache, cached_forward, gather_vocab, sample_next, supports_kv_cache
+
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 0:
+        raise ConfigError(f"--temperature={temperature} (>= 0), --top-p={top_p} (in (0, 1]), --top-k={top_k} (>= 0), "
+                          f"--max-new-tokens={max_new_tokens} (>= 0): fix the out-of-range value")
+    prompt = list(prompt_ids) or [gen.tokenizer.eod]
+    total = len(prompt) + max_new_tokens
+    if total > gen.max_positions:
+        raise ConfigError(f"--max-new-tokens={max_new_tokens} + prompt length {len(prompt)} = {total} exceeds the "
+                          f"model's {gen.max_positions} positions (model.max_position_embeddings / seq_length); lower "
+                          "--max-new-tokens or shorten the prompt")
+    model, groups = gen.model, gen.groups
+    device = next(model.parameters()).device
+    rng = torch.Generator().manual_seed(int(seed))
+    cached = use_cache and supports_kv_cache(model)
+    cache = KVCache.empty(model, batch_size=1, max_len=total) if cached else None
+    seq = torch.tensor([prompt], dtype=torch.int64, device=device)  # [1, s]
+    new: list = []
+    step_in, start = seq, 0
+    for _ in range(max_new_tokens):
+        if cached:
+            logits = cached_forward(model, step_in, start, cache)[:, -1]  # [1, V_pad/tp]
+            start = cache.length
+        else:
+            positions = torch.arange(seq.shape[1], device=device).unsqueeze(0)
+            logits = model(seq, positions)[:, -1]
+        token = sample_next(gather_vocab(logits, groups, gen.vocab_size), temperature=temperature, top_k=top_k,
+                            top_p=top_p, generator=rng)  # [1]
+        if groups.tp_size > 1:  # every rank drew the same token from the same logits; make it certain
+            dist.broadcast(token, src=groups.tp_src_rank, group=groups.tp_group)
+        t = int(token.item())
+        if t == gen.tokenizer.eod:
+            break
+        new.append(t)
+        step_in = token.view(1, 1)
+        seq = torch.cat([seq, step_in], dim=1)
+    return new
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mptrain.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="checkpoint.save folder (uses `latest`) or an iter_N folder")
+    parser.add_argument("--iteration", type=int, default=None, help="which iteration (default: latest)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="the prompt text")
+    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this file (UTF-8, as is)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the top tokens of mass p (1 = all)")
+    parser.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default: the world size")
+    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the prefix per token (for checks)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with ids and text")
+    args = parser.parse_args(argv)
+    gen = None
+    try:
+        text = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else (args.prompt or "")
+        gen = load_generator(args.checkpoint, iteration=args.iteration,
+                             tensor_model_parallel_size=args.tensor_model_parallel_size)
+        prompt_ids = gen.tokenizer.encode(text)
+        new = generate_ids(gen, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache)
+        if gen.groups.rank == 0:
+            completion = gen.tokenizer.decode(new)
+            if args.json:
+                print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new, "text": text + completion,
+                                  "completion": completion}))
+            else:
+                print(text + completion)
+        return 0
+    except (ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if gen is not None:
+            gen.groups.destroy()
+        if dist.is_initialized() and __name__ == "__main__":
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Issue 22: `mptrain.generate` (KV cache, greedy / sampling, TP) and its agreement with `transformers`.
+
+The checkpoint is trained at tp1pp2 (so every load below reshards: pp 2 -> 1, tp 1 -> 1 or 2) on
+mock data, with a vocabulary that pads differently at tp1 and tp2 (100 ids, divisible-by 64).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_distributed
+from train_utils import run_job
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 100
+SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=32", "train.eval_interval=null",
+         f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=64", f"data.vocab_size={VOCAB}",
+         "train.global_batch_size=8", "train.micro_batch_size=4"]
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gen")
+    run_distributed(run_job, 2, SMALL + ["parallel=tp1pp2", "train.train_iters=20", "optim.lr=1e-2",
+                                         f"run.dir={root / 'run'}", f"checkpoint.save={root / 'ckpt'}"])
+    return root / "ckpt"
+
+
+def _generate_task(rank: int, world: int, ckpt: str, prompt: list, kwargs: dict) -> list:
+    from mptrain.generate import generate_ids, load_generator
+
+    gen = load_generator(ckpt)  # tp = the world size
+    try:
+        return generate_ids(gen, prompt, **kwargs)
+    finally:
+        gen.groups.destroy()
+
+
+def _cache_task(rank: int, world: int, ckpt: str, prompt: list) -> float:
+    """max |cached - uncached| over the logits of every position (prefill 5, then one token at a time)."""
+    from mptrain.generate import load_generator
+    from mptrain.inference import KVCache, cached_forward, supports_kv_cache
+
+    gen = load_generator(ckpt)
+    try:
+        model = gen.model
+        assert supports_kv_cache(model)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            full = model(ids, torch.arange(len(prompt)).unsqueeze(0))  # [1, s, V_pad/tp], no cache
+            cache = KVCache.empty(model, batch_size=1, max_len=len(prompt))
+            parts = [cached_forward(model, ids[:, :5], 0, cache)]
+            for i in range(5, len(prompt)):
+                parts.append(cached_forward(model, ids[:, i:i + 1], i, cache))
+        return float((torch.cat(parts, dim=1) - full).abs().max())
+    finally:
+        gen.groups.destroy()
+
+
+def _fresh_cache_task(rank: int, world: int, model_keys: dict) -> float:
+    """As `_cache_task`, on a randomly initialised model of ``model_keys`` (no checkpoint needed)."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.groups import build_groups
+    from mptrain.inference import KVCache, cached_forward, supports_kv_cache
+    from mptrain.layers.gpt import build_model_chunks
+
+    groups = build_groups(world, 1, None)
+    try:
+        cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, **model_keys)
+        model = build_model_chunks(cfg, ParallelConfig(tensor_model_parallel_size=world), groups, vocab_size=VOCAB)[0]
+        model.eval()
+        assert supports_kv_cache(model)
+        ids = torch.tensor([PROMPT])
+        with torch.no_grad():
+            full = model(ids, torch.arange(len(PROMPT)).unsqueeze(0))
+            cache = KVCache.empty(model, batch_size=1, max_len=len(PROMPT))
+            parts = [cached_forward(model, ids[:, :3], 0, cache)]
+            for i in range(3, len(PROMPT)):
+                parts.append(cached_forward(model, ids[:, i:i + 1], i, cache))
+        return float((torch.cat(parts, dim=1) - full).abs().max())
+    finally:
+        groups.destroy()
+
+
+def test_kv_cache_with_rope_and_grouped_query_attention():
+    keys = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm", "activation": "swiglu"}
+    for world in (1, 2):
+        assert max(run_distributed(_fresh_cache_task, world, keys)) < 1e-5
+
+
+def test_kv_cache_equals_full_recompute(ckpt):
+    for world in (1, 2):
+        # fp32; SDPA sums a shorter or masked key range in another order: 1e-5 on O(1) logits
+        assert max(run_distributed(_cache_task, world, str(ckpt), PROMPT)) < 1e-5
+
+
+def test_greedy_tp1_tp2_and_transformers_agree(ckpt, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    greedy = {"max_new_tokens": 16}
+    tp1 = run_distributed(_generate_task, 1, str(ckpt), PROMPT, greedy)[0]
+    tp2 = run_distributed(_generate_task, 2, str(ckpt), PROMPT, greedy)
+    assert len(tp1) == 16 and tp2 == [tp1, tp1]
+    uncached = run_distributed(_generate_task, 1, str(ckpt), PROMPT, {**greedy, "use_cache": False})[0]
+    assert uncached == tp1
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "mptrain.export", "--checkpoint", str(ckpt), "--output", str(out),
+                           "--format", "hf-gpt2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        # eos = the NullTokenizer's EOD (99); our loop stops there too
+        seq = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)[0].tolist()
+    assert [t for t in seq[len(PROMPT):] if t != VOCAB - 1] == tp1  # HF keeps the EOD it stopped at
+
+
+def test_sampling_is_reproducible_and_uses_the_seed(ckpt):
+    kw = {"max_new_tokens": 12, "temperature": 1.5, "top_k": 20, "top_p": 0.95}
+    a, b, c = (run_distributed(_generate_task, 1, str(ckpt), PROMPT, {**kw, "seed": s})[0] for s in (1, 1, 2))
+    assert a == b and a != c
+    greedy = run_distributed(_generate_task, 1, str(ckpt), PROMPT, {"max_new_tokens": 12})[0]
+    assert a != greedy  # T = 1.5 over 20 tokens really samples
+
+
+def test_filter_logits_top_k_and_top_p():
+    from mptrain.inference import filter_logits, sample_next
+
+    # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (ids 3, 0, 4, 1, 2)
+    p = torch.tensor([[0.25, 0.0625, 0.0625, 0.5, 0.125]])
+    logits = p.log()
+    kept = lambda out: (out[0] > float("-inf")).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(filter_logits(logits, top_k=2)) == [0, 3]
+    assert kept(filter_logits(logits, top_k=4)) == [0, 1, 2, 3, 4]  # a tie at the 4th value keeps both
+    assert kept(filter_logits(logits, top_p=0.5)) == [3]  # 0.5 alone reaches p
+    assert kept(filter_logits(logits, top_p=0.6)) == [0, 3]  # 0.5 < 0.6: the next token joins
+    assert kept(filter_logits(logits, top_p=0.75)) == [0, 3]  # mass before id 4 is 0.75: dropped
+    assert kept(filter_logits(logits, top_p=0.8)) == [0, 3, 4]
+    assert kept(filter_logits(logits, top_p=0.01)) == [3]  # the most probable token always stays
+    # top_p acts on the top_k survivors renormalised (4/7, 2/7, 1/7): the mass before id 4 is 6/7
+    assert kept(filter_logits(logits, top_k=3, top_p=0.8)) == [0, 3]
+    assert kept(filter_logits(logits, top_k=3, top_p=0.9)) == [0, 3, 4]
+    assert torch.equal(filter_logits(logits, top_k=2)[0, [0, 3]], logits[0, [0, 3]])  # kept values unchanged
+    assert sample_next(logits).tolist() == [3]  # temperature 0: argmax
+    draws = [int(sample_next(logits, temperature=1.0, top_p=0.6, generator=torch.Generator().manual_seed(s)))
+             for s in range(200)]
+    assert set(draws) == {0, 3} and 0.55 < draws.count(3) / 200 < 0.8  # renormalised 2/3 : 1/3
+
+
+def test_cli_prints_json_and_rejects_a_long_request(ckpt):
+    want = run_distributed(_generate_task, 1, str(ckpt), [], {"max_new_tokens": 8})[0]
+    cmd = [sys.executable, "-m", "mptrain.generate", "--checkpoint", str(ckpt), "--max-new-tokens", "8", "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["prompt_ids"] == [] and row["new_ids"] == want  # an empty prompt starts from EOD
+    proc = subprocess.run(cmd[:5] + ["--prompt", "1 2 3", "--max-new-tokens", "40"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("error: --max-new-tokens=40 + prompt length 3 = 43 exceeds the model's 32 positions "
+                                   "(model.max_position_embeddings / seq_length); lower --max-new-tokens or shorten "
+                                   "the prompt")
