@@ -43,8 +43,6 @@ CHOICES: dict[str, tuple] = {
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
     "optim.impl": ("auto", "torch", "apex"),
     "data.name": ("mock", "indexed", "shakespeare"),
-    "logger.name": ("none", "wandb", "tensorboard"),
-    "logger.mode": ("online", "offline", "disabled"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.attention_backend": ("auto", "sdpa", "unfused"),
@@ -422,6 +420,9 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
+    from mptrain.training.loggers import check_logger_config
+
+    check_logger_config(c)  # logger.mode, and the logger.loggers.* components (import, methods, keywords, packages)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,
