@@ -39,6 +39,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import secrets
+import string
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -46,7 +48,8 @@ from mptrain.components import ComponentKind, accepted_keywords, build, resolve
 from mptrain.errors import ConfigError
 
 WANDB_MODES = ("online", "offline", "disabled")
-RUNTIME_KEYWORDS = ("run_dir", "config", "start_iteration")
+# (not `config`: hydra.utils.instantiate takes its node under that name)
+RUNTIME_KEYWORDS = ("run_dir", "run_config", "start_iteration")
 # The shared `logger.*` keys and the constructor keyword each one becomes (passed only when accepted).
 SHARED_KEYWORDS = {"project": "project", "entity": "entity", "run_name": "name", "group": "group", "tags": "tags",
                    "mode": "mode"}
@@ -58,7 +61,7 @@ class MetricsLogger(Protocol):
     """An experiment logger (rank 0 only).
 
     Constructor: any keywords of its own (from its config node), plus those of the runtime
-    keywords it accepts: ``run_dir`` (Path, the run folder, exists), ``config`` (dict, the
+    keywords it accepts: ``run_dir`` (Path, the run folder, exists), ``run_config`` (dict, the
     resolved config as plain containers: the run's config), ``start_iteration`` (int, 0 for a
     fresh run, the checkpoint's iteration on resume).
     """
@@ -155,7 +158,7 @@ class LoggerGroup:
             raise first
 
 
-def build_loggers(logger_cfg: Any, *, rank: int, run_dir: Path, config: Optional[dict] = None,
+def build_loggers(logger_cfg: Any, *, rank: int, run_dir: Path, run_config: Optional[dict] = None,
                   start_iteration: int = 0) -> LoggerGroup:
     """The loggers of `logger.loggers` (rank 0), or an empty group (other ranks: nothing imported).
 
@@ -163,14 +166,14 @@ def build_loggers(logger_cfg: Any, *, rank: int, run_dir: Path, config: Optional
         logger_cfg: the `logger` config node (checked by `check_logger_config`).
         rank: global rank.
         run_dir: the run folder.
-        config: the resolved config (plain containers), the run's config for the loggers.
+        run_config: the resolved config (plain containers), the run's config for the loggers.
         start_iteration: 0, or the checkpoint's iteration on resume.
     Raises:
         ConfigError: see `check_logger_config`; a target that rejects its arguments.
     """
     if rank != 0:
         return LoggerGroup()
-    runtime_all = {"run_dir": Path(run_dir), "config": config, "start_iteration": start_iteration}
+    runtime_all = {"run_dir": Path(run_dir), "run_config": run_config, "start_iteration": start_iteration}
     built = []
     for key, node in _nodes(logger_cfg).items():
         where = f"logger.loggers.{key}"
@@ -185,14 +188,14 @@ class TensorBoardLogger:
     """`logger=tensorboard`: scalars under `<run_dir>/tensorboard` (torch.utils.tensorboard), tag = metric name.
 
     Args:
-        run_dir, config, start_iteration: runtime (see `MetricsLogger`).
+        run_dir, run_config, start_iteration: runtime (see `MetricsLogger`).
         log_dir: the event folder; null = `<run_dir>/tensorboard` (a relative path is under run_dir).
         flush_secs: seconds between flushes of the event file.
     """
 
     required_packages = ("tensorboard",)
 
-    def __init__(self, *, run_dir: Path, config: Optional[dict] = None, start_iteration: int = 0,
+    def __init__(self, *, run_dir: Path, run_config: Optional[dict] = None, start_iteration: int = 0,
                  log_dir: Optional[str] = None, flush_secs: int = 30) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -201,8 +204,8 @@ class TensorBoardLogger:
         # (the redone iterations are logged again): purge_step = the first iteration of this attempt.
         purge = start_iteration + 1 if start_iteration > 0 else None
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge, flush_secs=flush_secs)
-        if config is not None and start_iteration == 0:
-            self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", 0)
+        if run_config is not None and start_iteration == 0:
+            self.writer.add_text("config", "```\n" + json.dumps(run_config, indent=1, default=str) + "\n```", 0)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -213,6 +216,11 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+def _new_run_id() -> str:
+    """A wandb-style run id: 8 characters of [a-z0-9] (wandb's own generator moved between releases)."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 class WandbLogger:
     """`logger=wandb`: one wandb run per training run, continued on resume; files under `<run_dir>/wandb`.
 
@@ -220,7 +228,7 @@ class WandbLogger:
     resumed attempt (wandb ``resume`` = `resume`), so one training run's curves stay in one wandb run.
 
     Args:
-        run_dir, config, start_iteration: runtime (see `MetricsLogger`); `config` becomes the run's config.
+        run_dir, run_config, start_iteration: runtime (see `MetricsLogger`); `run_config` becomes the run's config.
         project, entity, name, group, tags, mode: wandb.init's (from `logger.*`); name null = the
             run folder's name; mode online | offline | disabled.
         id: the wandb run id; null = `<run_dir>/wandb/run_id`, or a new one written there.
@@ -231,7 +239,7 @@ class WandbLogger:
     required_packages = ("wandb",)
     ID_FILE = "run_id"
 
-    def __init__(self, *, run_dir: Path, config: Optional[dict] = None, start_iteration: int = 0,
+    def __init__(self, *, run_dir: Path, run_config: Optional[dict] = None, start_iteration: int = 0,
                  project: str = "mptrain", entity: Optional[str] = None, name: Optional[str] = None,
                  group: Optional[str] = None, tags: Optional[Sequence[str]] = None, mode: str = "offline",
                  id: Optional[str] = None, resume: str = "allow", settings: Optional[Mapping[str, Any]] = None) -> None:
@@ -242,13 +250,13 @@ class WandbLogger:
         wandb_dir.mkdir(parents=True, exist_ok=True)
         id_file = wandb_dir / self.ID_FILE
         if id is None:
-            id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id = id_file.read_text().strip() if id_file.exists() else _new_run_id()
         id_file.write_text(id + "\n")
         # console="off": train.log holds the console; wandb's capture would also wrap the progress bar's stream
         base = {"console": "off", "save_code": False, "silent": True}
         self.run = wandb.init(
             dir=str(run_dir), id=id, resume=resume, project=project, entity=entity, name=name or run_dir.name,
-            group=group, tags=list(tags) if tags else None, mode=mode, config=config,
+            group=group, tags=list(tags) if tags else None, mode=mode, config=run_config,
             settings=wandb.Settings(**{**base, **dict(settings or {})}),
         )
 

@@ -103,7 +103,7 @@ class Recorder:
             self.writer.message(text)
         self.pending.clear()
         self.logger = build_loggers(self.cfg.logger, rank=self.groups.rank, run_dir=self.run_dir,
-                                    config=config_container(self.cfg) if self.is_writer else None,
+                                    run_config=config_container(self.cfg) if self.is_writer else None,
                                     start_iteration=start_iteration)
         d = self.derived
         self.log(
