@@ -56,11 +56,11 @@ def test_writer_rows_flushed_per_row_and_eval_ppl(tmp_path):
     assert rows[3]["lm_loss"] is None  # non-finite written as null (strict JSON)
     # log_interval=2 paces the console: iterations 2 and 3 (the last), not 1
     lines = out.getvalue().splitlines()
-    step_lines = [line for line in lines if line.startswith("iter ")]
+    step_lines = [line for line in lines if line.startswith("iter ") and " | samples " in line]  # not eval lines
     assert [line.split(" |")[0] for line in step_lines] == ["iter 2/3", "iter 3/3"]
-    assert any(line.startswith("valid at iteration 0 | lm_loss 2.000000 | ppl 7.389") for line in lines)
+    assert "iter 0/3 | valid lm_loss 2.000000 | ppl 7.389" in lines and "iter 3/3 | test lm_loss 1.500000 | ppl 4.482" in lines
     log = (tmp_path / "train.log").read_text().splitlines()
-    assert [line for line in log if line.startswith("iter ")] == step_lines
+    assert [line for line in log if line.startswith("iter ")] == [line for line in lines if line.startswith("iter ")]
 
 
 def test_non_zero_rank_writes_nothing(tmp_path):
@@ -97,14 +97,30 @@ def test_mptrain_logger_goes_to_train_log_while_open(tmp_path):
 def test_console_progress_bar_and_plain_lines():
     out = io.StringIO()
     c = Console(out, progress_bar=True, total_iters=10)
-    c.step(3, "lm_loss 1.0")
-    c.message("valid line")
-    assert c.bar.n == 3
+    c.step(3, "iter 3/10 | lm_loss 1.0", postfix="lm_loss=1.0000")
+    c.step(4, None, postfix="lm_loss=0.9000")  # unpaced: the bar moves, no line
+    c.message("iter 4/10 | valid lm_loss 2.0")
+    assert c.bar.n == 4
     c.close()
-    text = out.getvalue()
-    assert "valid line" in text and "3/10" in text
+    # every line is written whole on a line of its own (tqdm.write clears the bar first), bar redrawn after
+    screen = out.getvalue().replace("\r", "\n").splitlines()
+    assert "iter 3/10 | lm_loss 1.0" in screen and "iter 4/10 | valid lm_loss 2.0" in screen
+    bars = [line for line in screen if line.startswith("train:")]
+    assert bars and "4/10" in bars[-1] and "lm_loss=0.9000" in bars[-1]
     plain = io.StringIO()
     c = Console(plain, progress_bar=None, total_iters=10)  # StringIO is not a terminal: plain lines
     assert c.bar is None
     c.step(1, "iter 1")
+    c.step(2, None)
     assert plain.getvalue() == "iter 1\n"
+
+
+def test_writer_with_a_bar_prints_paced_step_lines_above_it(tmp_path):
+    out = io.StringIO()
+    with MetricsWriter(tmp_path, rank=0, log_interval=2, train_iters=4, progress_bar=True, stream=out) as w:
+        for i in range(1, 5):
+            w.write_train(_row(i))
+    screen = out.getvalue().replace("\r", "\n").splitlines()
+    steps = [line.split(" | ")[0] for line in screen if line.startswith("iter ")]
+    assert steps == ["iter 2/4", "iter 4/4"]  # the lines themselves, not the bar's postfix
+    assert [line for line in screen if line.startswith("train:")][-1].startswith("train: 100%")

@@ -1,17 +1,14 @@
-"""layout.json gather (world 4), FLOP formula (gpt_1.3b worked example), timers, loggers, sweep policy."""
+"""layout.json gather (world 4), FLOP formula (gpt_1.3b worked example), timers, sweep policy (loggers: test_loggers.py)."""
 
-import importlib.machinery
 import json
 import subprocess
 import sys
 import textwrap
 import time
-import types
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from harness import run_distributed
 from mptrain.errors import ConfigError
@@ -22,10 +19,11 @@ from mptrain.training.layout import (
     gather_and_write_layout,
     optimizer_state_bytes,
 )
-from mptrain.training.loggers import LOGGERS, NullLogger, WandbLogger, build_logger, logger_class
 from mptrain.training.sweep import (
     SweepJob,
     JobResult,
+    eval_summary,
+    start_sweep,
     command_line_overrides,
     job_subdir,
     read_summary,
@@ -149,50 +147,6 @@ def test_timers_levels_accumulate_and_reset():
         t.start()
 
 
-# --- loggers ------------------------------------------------------------------------------------
-def _logger_cfg(name, **kw):
-    return OmegaConf.create({"name": name, "project": "p", "mode": "offline", "entity": None, "run_name": None, "group": None, **kw})
-
-
-def test_logger_registry_is_exhaustive():
-    assert set(LOGGERS) == {"none", "tensorboard", "wandb"}
-    with pytest.raises(ConfigError, match="logger.name: unknown option 'mlflow'; valid: none, tensorboard, wandb"):
-        logger_class("mlflow")
-    assert isinstance(build_logger(_logger_cfg("none"), run_dir=Path("."), rank=0), NullLogger)
-
-
-def test_missing_package_is_a_config_error_on_every_rank(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed (find_spec raises on None → patch it)
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    for rank in (0, 1):
-        with pytest.raises(ConfigError, match="logger=wandb needs the 'wandb' package"):
-            build_logger(_logger_cfg("wandb"), run_dir=tmp_path, rank=rank)
-
-
-def test_wandb_logger_offline_one_run_per_job(tmp_path, monkeypatch):
-    calls = []
-
-    class FakeRun:
-        def log(self, data, step):
-            calls.append(("log", data, step))
-
-        def finish(self):
-            calls.append(("finish",))
-
-    fake = types.ModuleType("wandb")
-    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    assert isinstance(build_logger(_logger_cfg("wandb"), run_dir=tmp_path, rank=1), NullLogger)  # only rank 0
-    lg = build_logger(_logger_cfg("wandb"), run_dir=tmp_path / "job", rank=0, config={"a": 1})
-    assert isinstance(lg, WandbLogger)
-    lg.log_metrics({"split": "train", "iteration": 3, "lm_loss": 2.5, "grad_norm": None, "skipped_iter": False}, step=3)
-    lg.finish()
-    init = calls[0][1]
-    assert (init["mode"], init["name"], init["dir"], init["config"]) == ("offline", "job", str(tmp_path / "job"), {"a": 1})
-    assert calls[1:] == [("log", {"train/lm_loss": 2.5}, 3), ("finish",)]
-
-
 # --- sweeps -------------------------------------------------------------------------------------
 def test_swept_keys_from_the_command_line():
     argv = ["-m", "--config-name", "config", "model=tiny", "parallel=tp1pp1,tp2pp1", "precision=choice(fp32,bf16)",
@@ -226,9 +180,48 @@ def test_record_job_writes_summary_json_and_md(tmp_path):
     assert summary["jobs"][0]["overrides"] == ["parallel=tp2pp1", "train.train_iters=3"]
     assert (summary["completed"], summary["rejected"], summary["failed"]) == (1, 1, 0)
     md = (tmp_path / "summary.md").read_text().splitlines()
-    assert md[4] == "| 0 | `parallel=tp2pp1` | tp2 pp1 dp1, 4 mb, no_pipelining | 123.4 | - | - | 6.5000 | completed |"
+    assert md[4] == "| 0 | `parallel=tp2pp1` | tp2 pp1 dp1, 4 mb, no_pipelining | 123.4 | - | - | 6.5000 | - | - | completed |"
     assert md[5].startswith("| 1 | `parallel=tp8pp1` | - |") and "rejected: parallel: world size 2" in md[5]
     assert md[-1] == "2 jobs: 1 completed, 1 rejected, 0 failed."
+
+
+def test_summary_has_final_and_best_validation_loss_and_ppl(tmp_path):
+    rows = [{"split": "valid", "iteration": 0, "lm_loss": 5.5, "ppl": 244.7},
+            {"split": "train", "iteration": 1, "lm_loss": 5.0},
+            {"split": "valid", "iteration": 10, "lm_loss": 2.5, "ppl": 12.18},
+            {"split": "valid", "iteration": 20, "lm_loss": None, "ppl": None},  # diverged: null
+            {"split": "valid", "iteration": 30, "lm_loss": 2.75, "ppl": 15.64},
+            {"split": "test", "iteration": 30, "lm_loss": 1.0, "ppl": 2.7}]
+    ev = eval_summary(rows)
+    assert ev == {"final_valid_loss": 2.75, "final_valid_ppl": 15.64, "best_valid_loss": 2.5, "best_valid_ppl": 12.18,
+                  "best_valid_iteration": 10}
+    assert set(eval_summary([{"split": "train", "iteration": 1, "lm_loss": 1.0}]).values()) == {None}
+    job = SweepJob(root=str(tmp_path), subdir="optim.lr=0.001", num=0, overrides=("optim.lr=0.001",), swept=("optim.lr",))
+    record_job(job, status="completed", result=JobResult(final_loss=2.6, **ev))
+    assert read_summary(tmp_path)["jobs"][0]["best_valid_iteration"] == 10
+    md = (tmp_path / "summary.md").read_text().splitlines()
+    assert md[2] == ("| job | swept | layout | tokens/s/GPU | MFU | peak mem (GiB) | last train loss | final valid loss (ppl) "
+                     "| best valid loss (ppl) @ iter | status |")
+    assert md[4] == "| 0 | `optim.lr=0.001` | - | - | - | - | 2.6000 | 2.7500 (15.64) | 2.5000 (12.18) @ 10 | completed |"
+
+
+def test_a_second_sweep_into_the_same_root_appends_job_numbers(tmp_path):
+    def job(num, lr):
+        return SweepJob(root=str(tmp_path), subdir=f"optim.lr={lr}", num=num, overrides=(f"optim.lr={lr}",),
+                        swept=("optim.lr",))
+
+    assert start_sweep(tmp_path) == 0 and not (tmp_path / "summary.json").exists()  # an empty root: nothing written
+    record_job(job(0, 1), status="completed")
+    record_job(job(1, 2), status="completed")
+    assert start_sweep(tmp_path) == 2  # the second sweep: Hydra numbers its jobs 0, 1 again
+    record_job(job(0, 1), status="rejected", message="run.dir holds a run")
+    record_job(job(1, 3), status="completed")
+    record_job(job(1, 3), status="completed")  # the same job recorded again replaces its own entry only
+    jobs = read_summary(tmp_path)["jobs"]
+    assert [(j["job"], j["dir"], j["status"]) for j in jobs] == [
+        (0, "optim.lr=1", "completed"), (1, "optim.lr=2", "completed"), (2, "optim.lr=1", "rejected"),
+        (3, "optim.lr=3", "completed")]
+    assert (tmp_path / "summary.md").read_text().splitlines()[-1] == "4 jobs: 3 completed, 1 rejected, 0 failed."
 
 
 # A stand-in task using this module's pieces the way `run(cfg)` does (world size fixed at 2 for validation).
@@ -264,7 +257,7 @@ def _run_app(tmp_path, *args):
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     proc = subprocess.run([sys.executable, str(app), *args], cwd=work, capture_output=True, text=True, timeout=300,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src")})  # this checkout
     return proc, work
 
 
@@ -293,6 +286,18 @@ def test_sweep_rejected_job_recorded_sweep_goes_on_and_ends_non_zero(tmp_path):
     assert "sweep: 1 of 3 jobs rejected by validation" in proc.stderr
 
 
+def test_sweep_rerun_into_the_same_root_appends_new_job_numbers(tmp_path):
+    proc, work = _run_app(tmp_path, "-m", "train.seed=1,2", "train.train_iters=3", "run.dir=S")
+    assert proc.returncode == 0, proc.stderr
+    proc, work = _run_app(tmp_path, "-m", "train.seed=2,3", "train.train_iters=3", "run.dir=S")
+    assert proc.returncode == 1  # train.seed=2's folder already holds a run: that job is rejected
+    summary = json.loads((work / "S" / "summary.json").read_text())
+    assert [(j["job"], j["dir"], j["status"]) for j in summary["jobs"]] == [
+        (0, "train.seed=1", "completed"), (1, "train.seed=2", "completed"), (2, "train.seed=2", "rejected"),
+        (3, "train.seed=3", "completed")]
+    assert "sweep job 2 (train.seed=2) rejected" in proc.stderr
+
+
 def test_sweep_runtime_failure_aborts(tmp_path):
     proc, work = _run_app(tmp_path, "-m", "train.seed=1,99,2", "run.dir=S")
     assert proc.returncode == 1
@@ -301,33 +306,3 @@ def test_sweep_runtime_failure_aborts(tmp_path):
     assert summary["jobs"][1]["message"] == "RuntimeError: injected runtime failure"
     assert not (work / "S" / "train.seed=2").exists()  # the sweep stopped
     assert "injected runtime failure" in proc.stderr
-
-
-def test_tensorboard_logger_writes_scalars_under_run_dir(tmp_path, monkeypatch):
-    calls = []
-
-    class FakeWriter:
-        def __init__(self, log_dir):
-            calls.append(("init", log_dir))
-
-        def add_text(self, tag, text, step):
-            calls.append(("text", tag))
-
-        def add_scalar(self, tag, value, step):
-            calls.append(("scalar", tag, value, step))
-
-        def flush(self):
-            calls.append(("flush",))
-
-        def close(self):
-            calls.append(("close",))
-
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = FakeWriter
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)  # no tensorboard package needed
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
-    lg = build_logger(_logger_cfg("tensorboard"), run_dir=tmp_path, rank=0, config={"a": 1})
-    lg.log_metrics({"split": "valid", "iteration": 2, "lm_loss": 3.0, "ppl": 20.0}, step=2)
-    lg.finish()
-    assert calls == [("init", str(tmp_path / "tensorboard")), ("text", "config"), ("scalar", "valid/lm_loss", 3.0, 2),
-                     ("scalar", "valid/ppl", 20.0, 2), ("flush",), ("close",)]

@@ -26,6 +26,7 @@ Errors (`ConfigError`, one line naming the config key, the dotted path and the f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -203,9 +204,12 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
     items = node_items(node)
     is_partial = bool(items.get("_partial_", False)) if partial is None else partial
     spec = {"_target_": items["_target_"] if isinstance(items.get("_target_"), str) else _dotted(target),
-            "_convert_": "all", "_partial_": is_partial, **kwargs}
+            "_convert_": "all", "_partial_": True, **kwargs}
     try:
-        return instantiate(spec, **dict(runtime or {}))
+        # The runtime objects are bound outside instantiate: passed to it, they would be merged into
+        # the node (a dict holding `_target_`, e.g. the resolved config, would be instantiated too).
+        made = functools.partial(instantiate(spec), **dict(runtime or {}))
+        return made if is_partial else made()
     except Exception as err:  # noqa: BLE001 - hydra wraps the target's own error in __cause__
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
         if isinstance(cause, (TypeError, ValueError)) and not isinstance(cause, ConfigError):

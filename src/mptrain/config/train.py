@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclasses.dataclass
@@ -78,17 +78,25 @@ class RunConfig:
 
 @dataclasses.dataclass
 class LoggerConfig:
+    """Experiment loggers (components: `mptrain.training.loggers`). metrics.jsonl and train.log are always written."""
+
     name: str = "none"
-    """none | wandb | tensorboard."""
+    """The option file selected (none | wandb | tensorboard; with `logger=[wandb,tensorboard]` the last one)."""
+    loggers: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    """key → component node (`_target_` + the target's own keys); every node is built on rank 0, e.g.
+    `{wandb: {_target_: mptrain.training.loggers.WandbLogger}}`; empty = none."""
     project: str = "mptrain"
+    """wandb project (passed to every logger whose constructor takes `project`)."""
     mode: str = "offline"
-    """wandb: online | offline | disabled."""
+    """wandb: online | offline | disabled (passed as `mode`)."""
     entity: Optional[str] = None
     """wandb: team or user; null = the wandb default."""
     run_name: Optional[str] = None
-    """wandb / tensorboard run name; null = the run folder's name."""
+    """The run's display name (passed as `name`); null = the run folder's name."""
     group: Optional[str] = None
     """wandb: run group (e.g. one per sweep); null = none."""
+    tags: List[str] = dataclasses.field(default_factory=list)
+    """wandb: run tags."""
 
 
 @dataclasses.dataclass

@@ -44,8 +44,6 @@ CHOICES: dict[str, tuple] = {
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
     "optim.impl": ("auto", "torch", "apex"),
     "data.name": ("mock", "indexed", "shakespeare"),
-    "logger.name": ("none", "wandb", "tensorboard"),
-    "logger.mode": ("online", "offline", "disabled"),
     "debug.fail_where": ("forward", "data", "save"),
 }
 
@@ -307,6 +305,9 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
     from mptrain.checkpoint.finetune import check_load_keys  # the load keys' rules live with the load
 
     check_load_keys(c)
+    from mptrain.training.loggers import check_logger_config
+
+    check_logger_config(c)  # logger.mode, and the logger.loggers.* components (import, methods, keywords, packages)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,

@@ -1,9 +1,13 @@
-"""Console output of rank 0: a tqdm progress bar on interactive terminals, plain lines otherwise.
+"""Console output of rank 0: on a terminal, a tqdm progress bar at the bottom with the log lines above it.
 
-`train.log_interval` paces only this (metrics.jsonl gets every iteration). With a bar, each paced
-iteration updates the bar's position and its postfix (the step line); messages (evaluation,
-timers, warnings) are printed above the bar with `tqdm.write` so the bar is not torn. Without a bar
-(a pipe, a file, a batch job), each paced iteration prints one plain line.
+`run.progress_bar` (null = a bar only when stdout is a terminal) and `train.log_interval` (the
+pacing) decide what is shown; metrics.jsonl and train.log get the same lines either way.
+
+With a bar, every line (the paced step lines, evaluation, timers, warnings) is printed ABOVE the
+bar with `tqdm.write`, which clears the bar, prints the line and redraws the bar, so the loss
+history scrolls up like plain output while the bar stays on the last row; the bar itself shows
+the position, the rate, the time left and the last loss. Without a bar (a pipe, a file, a batch
+job) each line is printed as it is. Lines that belong to an iteration start with `iter N/T`.
 """
 
 from __future__ import annotations
@@ -45,9 +49,8 @@ class Console:
         if use_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total_iters, initial=start_iteration, file=self.stream, unit="it", dynamic_ncols=True, leave=True
-            )
+            self.bar = tqdm(total=total_iters, initial=start_iteration, file=self.stream, unit="it",
+                            dynamic_ncols=True, leave=True, desc="train")
 
     def message(self, text: str) -> None:
         """A line of its own (above the bar when there is one)."""
@@ -56,13 +59,20 @@ class Console:
         else:
             print(text, file=self.stream, flush=True)
 
-    def step(self, iteration: int, text: str) -> None:
-        """Iteration `iteration` finished: move the bar there with `text` as postfix, or print `text`."""
+    def step(self, iteration: int, text: Optional[str] = None, *, postfix: Optional[str] = None) -> None:
+        """Iteration `iteration` finished: print `text` (when given) and move the bar there.
+
+        Args:
+            text: the step line (printed above the bar, or plainly); None = only move the bar.
+            postfix: short text shown on the bar itself (e.g. ``lm_loss=2.4713``).
+        """
+        if text is not None:
+            self.message(text)
         if self.bar is not None:
             self.bar.update(max(0, iteration - self.bar.n))
-            self.bar.set_postfix_str(text, refresh=True)
-        else:
-            print(text, file=self.stream, flush=True)
+            if postfix is not None:
+                self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:

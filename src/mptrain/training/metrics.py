@@ -6,8 +6,10 @@ is flushed as soon as it is written, so a crash keeps every finished iteration. 
 are written as null (strict JSON has no NaN / Infinity); `nan_iters_total` counts them.
 
 `train.log` (same folder) gets the paced console lines, every message, and the records of the
-`mptrain` Python logger while the writer is open. The console shows a line (or moves a progress
-bar) every `train.log_interval` iterations and on the last one.
+`mptrain` Python logger while the writer is open. The console prints a step line every
+`train.log_interval` iterations and on the last one (above the progress bar, which moves every
+iteration, when there is one: `Console`). Every line of an iteration starts with `iter N/T`
+(`iteration_prefix`): step lines, evaluation lines, the timers line.
 
 On a resume, `start_iteration` drops rows after the checkpoint's iteration, so the file holds each
 iteration once.
@@ -189,15 +191,22 @@ class MetricsWriter:
         self._log.write(text + "\n")
         self._log.flush()
 
+    def iteration_prefix(self, iteration: int) -> str:
+        """``iter N/T`` (``iter N`` without a total): how every line of an iteration starts."""
+        return f"iter {iteration}" + (f"/{self.train_iters}" if self.train_iters is not None else "")
+
     def write_train(self, row: TrainRow) -> None:
         """Append a train row; print / log the step line every `log_interval` iterations and on the last."""
         if not self.active:
             return
         self._write_row(row.as_dict())
+        postfix = None if row.lm_loss is None else f"lm_loss={row.lm_loss:.4f}"
         if row.iteration % self.log_interval == 0 or row.iteration == self.train_iters:
             line = format_train_line(row, self.train_iters)
             self._log_line(line)
-            self.console.step(row.iteration, line)
+            self.console.step(row.iteration, line, postfix=postfix)
+        else:
+            self.console.step(row.iteration, None, postfix=postfix)  # the bar moves every iteration
 
     def write_eval(self, row: EvalRow) -> None:
         """Append a valid / test row and print its line."""
@@ -206,7 +215,7 @@ class MetricsWriter:
         data = row.as_dict()
         self._write_row(data)
         self.message(
-            f"{row.split} at iteration {row.iteration} | lm_loss {data['lm_loss']:.6f} | ppl {_fmt(data['ppl'], '.3f')}"
+            f"{self.iteration_prefix(row.iteration)} | {row.split} lm_loss {data['lm_loss']:.6f} | ppl {_fmt(data['ppl'], '.3f')}"
         )
 
     def message(self, text: str) -> None:

@@ -17,11 +17,11 @@ import torch
 
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, optimizer_state_bytes
-from mptrain.training.loggers import build_logger
-from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow
+from mptrain.training.loggers import LoggerGroup, build_loggers, logged_metrics
+from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow, read_metrics
 from mptrain.training.rundir import config_container, resolve_run_dir
 from mptrain.training.step import unwrap
-from mptrain.training.sweep import JobResult, current_sweep_job
+from mptrain.training.sweep import JobResult, current_sweep_job, eval_summary
 from mptrain.training.throughput import flops_per_iteration, memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 
 log = logging.getLogger("mptrain")
@@ -41,7 +41,7 @@ class Recorder:
     flops_per_iteration: int
     peak_tflops: Optional[float]
     t_start: float
-    logger: Any = None
+    logger: LoggerGroup = dataclasses.field(default_factory=LoggerGroup)
     counters: IterationCounters = dataclasses.field(default_factory=IterationCounters)
     writer: Optional[MetricsWriter] = None
     pending: list = dataclasses.field(default_factory=list)
@@ -67,10 +67,8 @@ class Recorder:
             padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, derived.tensor_model_parallel_size),
             tokens_per_iteration=cfg.train.global_batch_size * m.seq_length,
         )
-        logger = build_logger(cfg.logger, run_dir=run_dir, rank=groups.rank, config=config_container(cfg))
         return cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, flops_per_iteration=flops,
-                   peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start,
-                   logger=logger)
+                   peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start)
 
     def rates(self, elapsed_s: float):
         """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula)."""
@@ -91,7 +89,8 @@ class Recorder:
             self.writer.message(text)
 
     def start(self, start_iteration: int) -> None:
-        """Open metrics.jsonl / train.log (after a checkpoint load decided the start iteration)."""
+        """Open metrics.jsonl / train.log and build the experiment loggers (rank 0), after a checkpoint
+        load decided the start iteration (a resumed wandb run / TensorBoard log continues from it)."""
         self.writer = MetricsWriter(
             self.run_dir,
             self.groups.rank,
@@ -103,6 +102,9 @@ class Recorder:
         for text in self.pending:
             self.writer.message(text)
         self.pending.clear()
+        self.logger = build_loggers(self.cfg.logger, rank=self.groups.rank, run_dir=self.run_dir,
+                                    run_config=config_container(self.cfg) if self.is_writer else None,
+                                    start_iteration=start_iteration)
         d = self.derived
         self.log(
             f"job: model={self.cfg.model.name} tp={d.tensor_model_parallel_size} pp={d.pipeline_model_parallel_size} "
@@ -114,7 +116,7 @@ class Recorder:
     def eval_row(self, split: str, iteration: int, loss: float) -> None:
         row = EvalRow(split=split, iteration=iteration, lm_loss=loss)
         self.writer.write_eval(row)
-        self.logger.log_metrics({f"{split}/lm_loss": loss}, step=iteration)
+        self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)
 
     def train_row(self, iteration: int, consumed: int, metrics: dict, trainer, *, step_time_s: float) -> None:
         if self.t_first_step is None:
@@ -143,9 +145,9 @@ class Recorder:
             mem_allocated_gib=memory_allocated_gib(self.groups.device),
         )
         self.writer.write_train(row)
-        self.logger.log_metrics({f"train/{k}": v for k, v in row.as_dict().items() if k != "split"}, step=iteration)
+        self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)
         if trainer.timers is not None and iteration % self.cfg.train.log_interval == 0:
-            self.log(trainer.timers.report(normalizer=self.cfg.train.log_interval))
+            self.log(f"{self.writer.iteration_prefix(iteration)} | {trainer.timers.report(normalizer=self.cfg.train.log_interval)}")
 
     def finish(self, built, *, iteration: int, stopped: Optional[str]) -> dict:
         """Write layout.json (collective gather) and return the job summary (JobResult fields)."""
@@ -168,6 +170,7 @@ class Recorder:
             peak_memory_gib=peak,
             final_loss=self.last_loss,
             run_dir=str(self.run_dir),
+            **(eval_summary(read_metrics(self.run_dir)) if self.is_writer else {}),
         )
         return dataclasses.asdict(result)
 
@@ -206,10 +209,11 @@ class Recorder:
         )
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.logger is not None:
-            self.logger.finish()
+        try:
+            self.logger.finish()  # before the writer closes: a logger's own warnings still reach train.log
+        finally:
+            if self.writer is not None:
+                self.writer.close()
 
 
 def _max_over_ranks(value: Optional[float], device) -> Optional[float]:

@@ -11,7 +11,11 @@ process (the default process group is reused; each job builds and destroys its o
   only the keys swept on the command line (or in `hydra.sweeper.params`), sorted, `key=value`
   joined by commas (Hydra's override_dirname format); `/` in a value becomes `_`.
 - After every job, rank 0 rewrites `<root>/summary.json` and `<root>/summary.md` (per job: swept
-  keys, all overrides, layout, tokens/s/GPU, MFU, peak memory, final loss, status, message).
+  keys, all overrides, layout, tokens/s/GPU, MFU, peak memory, the last train loss, the final and
+  the best validation loss and perplexity (an LR sweep is judged on those), status, message).
+- A sweep run into a root that already holds one appends: its jobs are numbered after the ones
+  summary.json already lists (`job_offset`, fixed when the sweep starts), so no job number appears
+  twice and earlier jobs' rows stay (a job folder run again gets a second row with the new number).
 - Policy: a job rejected by validation (`ConfigError`) is recorded as `rejected` and the sweep goes
   on; the process exits 1 when the sweep ends. Any other failure is recorded as `failed` and ends
   the sweep at once (exit 1; torchrun then stops the other ranks).
@@ -207,8 +211,10 @@ class JobResult:
         tokens_per_s_per_gpu: tokens / s / process, averaged over the timed iterations.
         mfu: model FLOP utilisation (0-1), None on CPU.
         peak_memory_gib: peak allocated accelerator memory (GiB), None on CPU.
-        final_loss: lm_loss of the last iteration.
+        final_loss: lm_loss of the last training iteration.
         run_dir: the job's run folder.
+        final_valid_loss, final_valid_ppl: the last `valid` row of metrics.jsonl (nats per token, exp).
+        best_valid_loss, best_valid_ppl, best_valid_iteration: its lowest `valid` lm_loss, and where.
     """
 
     layout: Optional[dict] = None
@@ -217,6 +223,30 @@ class JobResult:
     peak_memory_gib: Optional[float] = None
     final_loss: Optional[float] = None
     run_dir: Optional[str] = None
+    final_valid_loss: Optional[float] = None
+    final_valid_ppl: Optional[float] = None
+    best_valid_loss: Optional[float] = None
+    best_valid_ppl: Optional[float] = None
+    best_valid_iteration: Optional[int] = None
+
+
+def eval_summary(rows: Sequence[Mapping[str, Any]]) -> dict:
+    """The final and the best validation numbers of a job's metrics.jsonl rows (JobResult fields).
+
+    Rows whose lm_loss is null (a non-finite loss) do not count for the best. All None without
+    `valid` rows (evaluation off).
+    """
+    valid = [r for r in rows if r.get("split") == "valid"]
+    out = dict.fromkeys(("final_valid_loss", "final_valid_ppl", "best_valid_loss", "best_valid_ppl",
+                         "best_valid_iteration"))
+    if not valid:
+        return out
+    out["final_valid_loss"], out["final_valid_ppl"] = valid[-1]["lm_loss"], valid[-1]["ppl"]
+    finite = [r for r in valid if r["lm_loss"] is not None]
+    if finite:
+        best = min(finite, key=lambda r: r["lm_loss"])
+        out.update(best_valid_loss=best["lm_loss"], best_valid_ppl=best["ppl"], best_valid_iteration=best["iteration"])
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -233,8 +263,26 @@ def read_summary(root: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+def start_sweep(root: str | os.PathLike) -> int:
+    """Fix this sweep's job numbering in `<root>/summary.json`; returns its `job_offset`. Rank 0, once per sweep.
+
+    A root without a summary starts at 0; a root holding an earlier sweep continues after its
+    highest job number (the jobs of this sweep are numbered offset + Hydra's job number).
+    """
+    root = Path(root)
+    summary = read_summary(root)
+    offset = max((j["job"] for j in summary["jobs"]), default=-1) + 1
+    if summary["jobs"]:
+        root.mkdir(parents=True, exist_ok=True)
+        summary["job_offset"] = offset
+        _atomic_write(root / SUMMARY_JSON, json.dumps(summary, indent=2) + "\n")
+    return offset
+
+
 def record_job(job: SweepJob, *, status: str, result: Optional[JobResult] = None, message: Optional[str] = None) -> dict:
-    """Add (or replace, by job folder) one job's entry and rewrite summary.json and summary.md. Rank 0 only.
+    """Add (or replace, by job number) one job's entry and rewrite summary.json and summary.md. Rank 0 only.
+
+    The entry's number is the summary's `job_offset` (`start_sweep`; 0 when absent) + `job.num`.
 
     Args:
         job: the job.
@@ -249,8 +297,9 @@ def record_job(job: SweepJob, *, status: str, result: Optional[JobResult] = None
     root = Path(job.root)
     root.mkdir(parents=True, exist_ok=True)
     summary = read_summary(root)
+    offset = int(summary.get("job_offset", 0))
     entry = {
-        "job": job.num,
+        "job": offset + job.num,
         "dir": job.subdir,
         "swept": {k: v for k, v in (o.split("=", 1) for o in job.overrides if "=" in o) if k.lstrip("+~") in job.swept},
         "overrides": list(job.overrides),
@@ -258,9 +307,9 @@ def record_job(job: SweepJob, *, status: str, result: Optional[JobResult] = None
         "message": message,
         **dataclasses.asdict(result or JobResult()),
     }
-    jobs = [j for j in summary["jobs"] if j["dir"] != job.subdir] + [entry]
+    jobs = [j for j in summary["jobs"] if j["job"] != entry["job"]] + [entry]
     jobs.sort(key=lambda j: j["job"])
-    summary = {"jobs": jobs, **{s: sum(j["status"] == s for j in jobs) for s in STATUSES}}
+    summary = {"jobs": jobs, "job_offset": offset, **{s: sum(j["status"] == s for j in jobs) for s in STATUSES}}
     _atomic_write(root / SUMMARY_JSON, json.dumps(summary, indent=2) + "\n")
     _atomic_write(root / SUMMARY_MD, summary_markdown(summary))
     return summary
@@ -284,20 +333,29 @@ def _layout_text(layout: Optional[dict]) -> str:
     return " ".join(parts) + f", {layout.get('num_microbatches')} mb, {layout.get('schedule')}"
 
 
+def _loss_ppl(loss: Optional[float], ppl: Optional[float], iteration: Optional[int] = None) -> str:
+    if loss is None:
+        return "-"
+    return f"{loss:.4f} ({_num(ppl, '.2f')})" + (f" @ {iteration}" if iteration is not None else "")
+
+
 def summary_markdown(summary: dict) -> str:
     """summary.md: one table row per job, then the status counts."""
     lines = [
         "# Sweep summary",
         "",
-        "| job | swept | layout | tokens/s/GPU | MFU | peak mem (GiB) | final loss | status |",
-        "|---|---|---|---|---|---|---|---|",
+        "| job | swept | layout | tokens/s/GPU | MFU | peak mem (GiB) | last train loss | final valid loss (ppl) "
+        "| best valid loss (ppl) @ iter | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for j in summary["jobs"]:
         status = j["status"] + (f": {j['message']}" if j.get("message") else "")
         status = status.replace("|", "\\|")
         lines.append(
             f"| {j['job']} | `{j['dir']}` | {_layout_text(j.get('layout'))} | {_num(j.get('tokens_per_s_per_gpu'), '.1f')} | "
-            f"{_num(j.get('mfu'), '.3f')} | {_num(j.get('peak_memory_gib'), '.2f')} | {_num(j.get('final_loss'), '.4f')} | {status} |"
+            f"{_num(j.get('mfu'), '.3f')} | {_num(j.get('peak_memory_gib'), '.2f')} | {_num(j.get('final_loss'), '.4f')} | "
+            f"{_loss_ppl(j.get('final_valid_loss'), j.get('final_valid_ppl'))} | "
+            f"{_loss_ppl(j.get('best_valid_loss'), j.get('best_valid_ppl'), j.get('best_valid_iteration'))} | {status} |"
         )
     counts = ", ".join(f"{summary.get(s, 0)} {s}" for s in STATUSES)
     lines += ["", f"{len(summary['jobs'])} jobs: {counts}.", ""]
@@ -347,6 +405,16 @@ class SweepCallback(_HydraCallback):
     def _get_rank(self) -> int:
         return _rank() if self.rank is None else self.rank
 
+    def _number(self, job: SweepJob) -> int:
+        """The job's number in summary.json (offset + Hydra's number); read on rank 0 only, which says it."""
+        return job.num + (int(read_summary(job.root).get("job_offset", 0)) if self._get_rank() == 0 else 0)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        """Rank 0 fixes the job numbering before any job runs (`start_sweep`: a root that holds an
+        earlier sweep gets new numbers after its jobs)."""
+        if self._get_rank() == 0:
+            start_sweep(config.hydra.sweep.dir)
+
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
@@ -370,7 +438,7 @@ class SweepCallback(_HydraCallback):
             self.rejected += 1
             if is_rank0:
                 record_job(job, status="rejected", message=message)
-            self._say(f"sweep job {job.num} ({job.subdir}) rejected: {message}")
+            self._say(f"sweep job {self._number(job)} ({job.subdir}) rejected: {message}")
             # Let the basic sweeper carry on: it raises on the first FAILED job after the batch.
             job_return.status = JobStatus.COMPLETED
             job_return.return_value = None
@@ -378,7 +446,7 @@ class SweepCallback(_HydraCallback):
         if is_rank0:
             record_job(job, status="failed", message=f"{type(error).__name__}: {message}")
         traceback.print_exception(type(error), error, error.__traceback__, file=self.stream or sys.stderr)
-        self._say(f"sweep job {job.num} ({job.subdir}) failed, aborting the sweep: {type(error).__name__}: {message}")
+        self._say(f"sweep job {self._number(job)} ({job.subdir}) failed, aborting the sweep: {type(error).__name__}: {message}")
         raise SystemExit(1)  # BaseException: Hydra's callback wrapper and launcher let it through
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
