@@ -27,6 +27,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from mptrain.config.schema import Config
+from mptrain.data.provider import check_data_config
 from mptrain.errors import ConfigError
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
@@ -42,7 +43,6 @@ CHOICES: dict[str, tuple] = {
     "optim.name": ("adam", "adamw", "sgd"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
     "optim.impl": ("auto", "torch", "apex"),
-    "data.name": ("mock", "indexed", "shakespeare"),
     "logger.name": ("none", "wandb", "tensorboard"),
     "logger.mode": ("online", "offline", "disabled"),
     "model.normalization": ("LayerNorm", "RMSNorm"),
@@ -422,6 +422,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
+    check_data_config(c.data)  # data._target_, data.tokenizer._target_, corpora, split (mptrain.data.provider)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,
