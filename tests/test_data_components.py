@@ -45,7 +45,7 @@ def texts(tmp_path_factory):
 
 def _text_overrides(texts, *extra) -> list:
     files = ",".join(str(p) for p in texts["files"])
-    return ["model=tiny", "model.num_layers=4", f"model.seq_length={SEQ}", "data=shakespeare", TEXT, CHAR,
+    return ["model=tiny", "model.num_layers=2", f"model.seq_length={SEQ}", "data=shakespeare", TEXT, CHAR,
             f"+data.files=[{files}]", f"+data.valid_files=[{texts['heldout']}]", "train.train_iters=3",
             "train.eval_interval=2", "train.eval_iters=1", *extra]
 
