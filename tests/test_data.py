@@ -23,7 +23,6 @@ from mptrain.data.tokenizers import (
     NullTokenizer,
     build_tokenizer,
     check_vocab,
-    tokenizer_from_spec,
 )
 from mptrain.data.train_tokenizer import train_bpe
 from mptrain.errors import ConfigError
@@ -56,18 +55,38 @@ def test_byte_tokenizer_round_trip_and_ids():
     assert tok.encode_array(text).tolist() == ids
 
 
-def test_null_tokenizer_and_registry():
-    tok = build_tokenizer({"name": "mock", "tokenizer": None, "vocab_size": 50})
+def tokenizer_from_spec(spec: dict):
+    return build_tokenizer({"tokenizer": spec})
+
+
+def test_null_tokenizer_and_target_errors():
+    tok = tokenizer_from_spec({"_target_": "mptrain.data.tokenizers.NullTokenizer", "vocab_size": 50})
     assert isinstance(tok, NullTokenizer) and (tok.vocab_size, tok.eod) == (50, 49)
     assert tok.encode("3 4 5") == [3, 4, 5] and tok.decode([3, 4]) == "3 4"
     assert isinstance(tokenizer_from_spec({"_target_": "mptrain.data.tokenizers.ByteTokenizer"}), ByteTokenizer)
-    assert isinstance(tokenizer_from_spec({"_target_": "ByteTokenizer"}), ByteTokenizer)
-    with pytest.raises(ConfigError, match=r"_target_='foo.Bar' is not a registered tokenizer; use one of: .*ByteTokenizer"):
+    with pytest.raises(ConfigError, match=r"^data.tokenizer._target_=foo.Bar does not import"):
         tokenizer_from_spec({"_target_": "foo.Bar"})
-    with pytest.raises(ConfigError, match=r"ByteTokenizer does not accept \['vocab_size'\]"):
-        tokenizer_from_spec({"_target_": "ByteTokenizer", "vocab_size": 3})
-    with pytest.raises(ConfigError, match="data.tokenizer is null for data=indexed"):
+    with pytest.raises(ConfigError, match=r"^data.tokenizer._target_=mptrain.data.tokenizers.Nope: module mptrain.data.tokenizers has no Nope"):
+        tokenizer_from_spec({"_target_": "mptrain.data.tokenizers.Nope"})
+    with pytest.raises(ConfigError, match=r"^data.tokenizer.vocab_size: mptrain.data.tokenizers.ByteTokenizer takes no keyword 'vocab_size'"):
+        tokenizer_from_spec({"_target_": "mptrain.data.tokenizers.ByteTokenizer", "vocab_size": 3})
+    with pytest.raises(ConfigError, match=r"^data.tokenizer._target_=collections.OrderedDict is not a valid tokenizer: it lacks encode, decode"):
+        tokenizer_from_spec({"_target_": "collections.OrderedDict"})
+    # methods present, attributes missing: found on the built instance
+    with pytest.raises(ConfigError, match=r"^data.tokenizer._target_=test_data.NoVocab is not a valid tokenizer: its instance lacks vocab_size"):
+        tokenizer_from_spec({"_target_": "test_data.NoVocab"})
+    with pytest.raises(ConfigError, match="^data.tokenizer is null; set data.tokenizer._target_"):
         build_tokenizer({"name": "indexed", "tokenizer": None})
+
+
+class NoVocab:
+    """Has the methods of a tokenizer but no vocab_size / eod / fingerprint."""
+
+    def encode(self, text):
+        return []
+
+    def decode(self, ids):
+        return ""
 
 
 def test_tiktoken_without_local_files_is_a_clear_error():
@@ -79,7 +98,7 @@ def test_tiktoken_without_local_files_is_a_clear_error():
     except ImportError:
         pass
     with pytest.raises(ConfigError, match="TiktokenTokenizer needs the `tiktoken` package"):
-        tokenizer_from_spec({"_target_": "TiktokenTokenizer", "encoding": "gpt2"})
+        tokenizer_from_spec({"_target_": "mptrain.data.tokenizers.TiktokenTokenizer", "encoding": "gpt2"})
 
 
 def test_check_vocab_names_vocab_size():
@@ -101,7 +120,7 @@ def test_preprocess_round_trip_byte(tmp_path, workers):
     for d, text in enumerate(texts):
         assert ds[d].tolist() == tok.encode(text) + [tok.eod]
     assert ds.num_tokens == sum(len(t.encode()) + 1 for t in texts)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out.bin", "out.idx"]  # no temp files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out.bin", "out.idx", "out.tokenizer.json"]  # no temp files left
 
 
 def test_preprocess_round_trip_hf_bpe_gz_and_text_file(tmp_path):

@@ -1,8 +1,10 @@
-"""Data, part 2: GPTDataset epochs, blends, mock data, masks, the sampler and DataProvider —
+"""Data, part 2: GPTDataset epochs, blends, mock data, masks, the sampler and the shipped providers —
 coverage of one epoch, the same global batches for any dp / micro-batch split and run length,
 exact resume, determinism, and the collective construction on 2 gloo ranks (issue 8)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ import torch
 
 from harness import run_distributed
 from mptrain.config.data import DataConfig
-from mptrain.data import DataError, DataProvider, build_tokenizer
+from mptrain.data import DataError, build_provider, build_tokenizer
+from mptrain.data.provider import GPTDataProvider
 from mptrain.data.blended import BlendedDataset, blend_indices
 from mptrain.data.collate import collate
 from mptrain.data.gpt_dataset import GPTDataset
@@ -37,13 +40,17 @@ def corpus(tmp_path_factory):
 
 
 def _cfg(prefixes, **kw) -> DataConfig:
-    return DataConfig(name="indexed", prefixes=list(prefixes), split="6,1,1", seed=7, tokenizer={"_target_": "ByteTokenizer"}, **kw)
+    return DataConfig(_target_=INDEXED, name="indexed", prefixes=list(prefixes), split="6,1,1", seed=7, tokenizer=BYTE, **kw)
 
 
-def _provider(cfg, cache, *, dp=1, r=0, mbs=2, gbs=8, needs_data=True) -> DataProvider:
-    return DataProvider(
-        cfg, tokenizer=build_tokenizer(cfg), seq_length=SEQ, micro_batch_size=mbs, global_batch_size=gbs,
-        dp_rank=r, dp_size=dp, needs_data=needs_data, cache_root=str(cache),
+INDEXED = "mptrain.data.provider.IndexedDataProvider"
+BYTE = {"_target_": "mptrain.data.tokenizers.ByteTokenizer"}
+
+
+def _provider(cfg, cache, *, dp=1, r=0, mbs=2, gbs=8, needs_data=True) -> GPTDataProvider:
+    return build_provider(
+        dataclasses.replace(cfg, cache_dir=str(cache)), tokenizer=build_tokenizer(cfg), seq_length=SEQ,
+        micro_batch_size=mbs, global_batch_size=gbs, dp_rank=r, dp_size=dp, needs_data=needs_data,
     )
 
 
@@ -149,7 +156,7 @@ def test_blended_provider_serves_component_samples(corpus, tmp_path):
 
 def test_mock_data_deterministic_learnable_and_split_dependent(tmp_path):
     def first(seed, split="train", dp=1, r=0):
-        cfg = DataConfig(name="mock", seed=seed, vocab_size=97)
+        cfg = DataConfig(name="mock", seed=seed, vocab_size=97, tokenizer={"_target_": "mptrain.data.tokenizers.NullTokenizer", "vocab_size": 97})
         p = _provider(cfg, tmp_path, dp=dp, r=r, mbs=4 // dp)
         it = p.train_iterator(0) if split == "train" else p.eval_iterator(split)
         return [next(it) for _ in range(3)]
@@ -202,7 +209,7 @@ def test_sampler_table_and_state():
         PretrainingSampler(micro_batch_size=2, dp_rank=0, dp_size=2, consumed_samples=6)
 
 
-# --- DataProvider -----------------------------------------------------------------------------------
+# --- the shipped providers -----------------------------------------------------------------------------------
 def test_same_global_batches_for_any_dp_split_and_run_length(corpus, tmp_path):
     cfg = _cfg([corpus["a"]])
     ref = global_batches(cfg, tmp_path / "r", dp=1, mbs=4, iters=100)  # crosses into epoch 1 (~470 samples/epoch)
@@ -254,9 +261,9 @@ def test_provider_config_and_data_errors(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"data.prefixes is empty"):
         _provider(_cfg([]), tmp_path)
     with pytest.raises(ConfigError, match=r"data.vocab_size=300 exceeds the tokenizer's vocab_size=257"):
-        DataProvider(DataConfig(name="mock", vocab_size=300), tokenizer=ByteTokenizer(), seq_length=8, micro_batch_size=1,
-                     global_batch_size=1, dp_rank=0, dp_size=1, needs_data=True)
-    p = _provider(DataConfig(name="indexed", prefixes=[corpus["a"]], split="1,0,0", tokenizer={"_target_": "ByteTokenizer"}), tmp_path)
+        build_provider(DataConfig(name="mock", vocab_size=300), tokenizer=ByteTokenizer(), seq_length=8, micro_batch_size=1,
+                       global_batch_size=1, dp_rank=0, dp_size=1, needs_data=True)
+    p = _provider(DataConfig(_target_=INDEXED, name="indexed", prefixes=[corpus["a"]], split="1,0,0", tokenizer=BYTE), tmp_path)
     assert p.has_split("train") and not p.has_split("valid")
     with pytest.raises(DataError, match=r"data.split='1,0,0' leaves the valid split no documents"):
         p.eval_iterator("valid")
@@ -275,7 +282,7 @@ def test_data_shakespeare_from_hydra(tmp_path):
     data = OmegaConf.to_object(cfg).data
     tok = build_tokenizer(data)
     assert isinstance(tok, ByteTokenizer)
-    p = DataProvider(data, tokenizer=tok, seq_length=SEQ, micro_batch_size=2, global_batch_size=4, dp_rank=0, dp_size=1, needs_data=True)
+    p = build_provider(data, tokenizer=tok, seq_length=SEQ, micro_batch_size=2, global_batch_size=4, dp_rank=0, dp_size=1, needs_data=True)
     assert [(s, p.splits[s].doc_begin, p.splits[s].doc_end) for s in ("train", "valid", "test")] == [
         ("train", 0, 38), ("valid", 38, 40), ("test", 40, 42)
     ]
@@ -283,7 +290,8 @@ def test_data_shakespeare_from_hydra(tmp_path):
     batch = next(p.eval_iterator("valid"))
     assert tok.decode(batch["tokens"][0].tolist()) == docs[38]["text"][:SEQ]  # troilus_and_cressida, in file order
     built = sorted(x.name for x in tmp_path.iterdir())
-    assert built == ["index", "shakespeare-byte-2007947.bin", "shakespeare-byte-2007947.idx"]
+    assert built == ["index", "shakespeare-byte-2007947.bin", "shakespeare-byte-2007947.idx",
+                     "shakespeare-byte-2007947.tokenizer.json"]
 
 
 # --- collective construction on 2 gloo ranks -----------------------------------------------------------

@@ -53,12 +53,12 @@ def _base(corpus) -> list:
 
 def _masked_counts(rank, world, overrides):
     """Loss tokens (loss_mask sum) and EOD inputs of each of the first STEPS*GBS training samples (dp 1, b 1)."""
-    from mptrain.data.provider import DataProvider
+    from mptrain.data.provider import build_provider
     from mptrain.data.tokenizers import build_tokenizer
 
     cfg = compose(overrides)
     tok = build_tokenizer(cfg.data)
-    provider = DataProvider(cfg.data, tokenizer=tok, seq_length=SEQ, micro_batch_size=1, global_batch_size=GBS,
+    provider = build_provider(cfg.data, tokenizer=tok, seq_length=SEQ, micro_batch_size=1, global_batch_size=GBS,
                             dp_rank=0, dp_size=1, needs_data=True)
     it = provider.train_iterator(0)
     out = []

@@ -8,19 +8,37 @@ from typing import Any, List, Optional
 
 @dataclasses.dataclass
 class DataConfig:
+    """The `data` group: a dataset provider component (`data._target_`, docs/COMPONENTS.md "Dataset
+    provider") and the shared data keys, each passed to the provider only when its `__init__` takes
+    it (`mptrain.data.provider.build_provider`); a user provider's own keys are added with `+data.<key>`."""
+
+    _target_: str = "mptrain.data.provider.MockDataProvider"
+    """The provider class (or factory): mptrain.data.provider.MockDataProvider (data=mock) |
+    IndexedDataProvider (data=indexed) | ShakespeareDataProvider (data=shakespeare) | a user's class."""
     name: str = "mock"
-    """mock | indexed | shakespeare (a registry in `mptrain.data.provider.SOURCES`)."""
+    """The option's name (mock | indexed | shakespeare): a label for summaries; it selects nothing."""
     seed: int = 1234
     """Sample order (separate from train.seed): the per-epoch shuffles and the mock starts."""
-    split: str = "969,30,1"
-    """train,valid,test weights over document ranges (Megatron's rounding); a split may be empty."""
+    split: Any = "969,30,1"
+    """train,valid,test weights over document ranges of data.prefixes (Megatron's rounding): the
+    string "969,30,1" (quote it on the command line: 'data.split="90,8,2"') or a list [90, 8, 2];
+    a split may be empty. Not used with data.train_prefixes."""
     prefixes: List[Any] = dataclasses.field(default_factory=list)
     """indexed: [prefix, ...] (equal weights) or [weight, prefix, weight, prefix, ...] for a blend;
     a prefix is the preprocessing --output-prefix (files PREFIX.bin + PREFIX.idx)."""
+    train_prefixes: List[Any] = dataclasses.field(default_factory=list)
+    """indexed: separate training corpus (a prefix list or blend as data.prefixes), used whole instead
+    of cutting data.prefixes by data.split (Megatron's --train-data-path); exclusive with data.prefixes."""
+    valid_prefixes: List[Any] = dataclasses.field(default_factory=list)
+    """indexed: held-out validation corpus (Megatron's --valid-data-path); empty: no valid rows.
+    Needs data.train_prefixes."""
+    test_prefixes: List[Any] = dataclasses.field(default_factory=list)
+    """indexed: held-out test corpus (Megatron's --test-data-path); empty: no test rows."""
     tokenizer: Optional[Any] = None
-    """A registered tokenizer: {_target_: mptrain.data.tokenizers.<ByteTokenizer | HFTokenizer |
-    TiktokenTokenizer | NullTokenizer>, **args}; null = the option's default (mock: NullTokenizer
-    of data.vocab_size; shakespeare: ByteTokenizer; indexed: required)."""
+    """The tokenizer component: {_target_: any class with the tokenizer interface
+    (mptrain.data.tokenizers.TokenizerProtocol), **its keywords}; shipped: mptrain.data.tokenizers.
+    ByteTokenizer | HFTokenizer | TiktokenTokenizer | NullTokenizer. Each option's YAML sets one;
+    null is an error."""
     vocab_size: int = 1000
     """mock: ids are below this (and the default NullTokenizer has this size)."""
     corpus: Optional[str] = None

@@ -27,6 +27,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from mptrain.config.schema import Config
+from mptrain.data.provider import check_data_config
 from mptrain.errors import ConfigError
 from mptrain.layers.gpt import check_model_components, check_model_config
 
@@ -43,7 +44,6 @@ CHOICES: dict[str, tuple] = {
     "optim.name": ("adam", "adamw", "sgd"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"),
     "optim.impl": ("auto", "torch", "apex"),
-    "data.name": ("mock", "indexed", "shakespeare"),
     "debug.fail_where": ("forward", "data", "save"),
 }
 
@@ -308,6 +308,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
     from mptrain.training.loggers import check_logger_config
 
     check_logger_config(c)  # logger.mode, and the logger.loggers.* components (import, methods, keywords, packages)
+    check_data_config(c.data)  # data._target_, data.tokenizer._target_, corpora, split (mptrain.data.provider)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,

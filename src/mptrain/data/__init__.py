@@ -1,10 +1,12 @@
 """Data: tokenizers, preprocessing, indexed datasets, GPTDataset, blends, mock data, sampler.
 
-The trainer uses `build_tokenizer`, `check_vocab` and `DataProvider` (docs/ARCHITECTURE.md "Batch").
+The trainer uses `build_tokenizer`, `check_vocab` and `build_provider` (docs/COMPONENTS.md
+"Dataset provider" and "Tokenizer", docs/ARCHITECTURE.md "Batch").
 """
 
 from mptrain.data.errors import DataError
-from mptrain.data.provider import DataProvider
-from mptrain.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
+from mptrain.data.provider import DatasetProvider, build_provider
+from mptrain.data.tokenizers import Tokenizer, TokenizerProtocol, build_tokenizer, check_vocab
 
-__all__ = ["DataError", "DataProvider", "Tokenizer", "build_tokenizer", "check_vocab"]
+__all__ = ["DataError", "DatasetProvider", "Tokenizer", "TokenizerProtocol", "build_provider", "build_tokenizer",
+           "check_vocab"]

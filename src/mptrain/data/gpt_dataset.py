@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -42,25 +42,32 @@ _INDEX_VERSION = 1
 _KEEP_EPOCHS = 2  # epochs kept in memory (the current one and its neighbour)
 
 
-def parse_split(split: str) -> list[float]:
-    """`"969,30,1"` (or `"969/30/1"`) → normalised weights [train, valid, test].
+def parse_split(split: Any) -> list[float]:
+    """`"969,30,1"` (or `"969/30/1"`), or a list `[969, 30, 1]` → normalised weights [train, valid, test].
 
     Raises:
         ConfigError: not 1-3 non-negative numbers with a positive sum (names `data.split`).
     """
-    parts = [p for p in str(split).replace("/", ",").split(",") if p.strip()]
+    if isinstance(split, str):
+        parts: list = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    elif isinstance(split, Sequence) or hasattr(split, "__iter__"):  # a list, or OmegaConf's ListConfig
+        split = list(split)
+        parts = split
+    else:
+        parts = [split]
     try:
-        weights = [float(p) for p in parts]
-    except ValueError:
+        weights = [float(p) for p in parts if not isinstance(p, bool)]
+    except (TypeError, ValueError):
         weights = []
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"data.split={split!r}: give train,valid,test weights such as 969,30,1 (non-negative, sum > 0)")
+    if len(weights) != len(parts) or not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"data.split={split!r}: give train,valid,test weights (non-negative, sum > 0) as a list, "
+                          "data.split=[969,30,1], or a quoted string, 'data.split=\"969,30,1\"'")
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     return [w / total for w in weights]
 
 
-def split_document_ranges(split: str, num_documents: int) -> dict[str, tuple[int, int]]:
+def split_document_ranges(split: Any, num_documents: int) -> dict[str, tuple[int, int]]:
     """Document ranges [begin, end) per split (Megatron's `get_split_indices`: rounded cumulative
     sums, the rounding error taken off the later boundaries so the last one is num_documents).
 

@@ -1,7 +1,7 @@
 """Corpus → indexed dataset (after Megatron's `tools/preprocess_data.py`).
 
     python -m mptrain.data.preprocess --input corpus.jsonl[.gz] [more ...] --json-keys text \\
-        --tokenizer byte|hf:PATH|tiktoken:NAME|null:N --output-prefix out --workers 2 [--overwrite]
+        --tokenizer byte|hf:PATH|tiktoken:NAME|null:N|class:module.Class --output-prefix out --workers 2 [--overwrite]
 
 Inputs: JSON Lines (`.jsonl`, `.json`, optionally `.gz`): one object per line, the text under
 each `--json-keys` key, one document per line (blank lines are skipped); any other file
@@ -9,6 +9,9 @@ each `--json-keys` key, one document per line (blank lines are skipped); any oth
 followed by the tokenizer's EOD. One key writes `<prefix>.bin/.idx`; several keys write
 `<prefix>_<key>.bin/.idx` each (Megatron's naming). Existing outputs are refused unless
 `--overwrite`; outputs are written to temporary files renamed at the end (`IndexedDatasetWriter`).
+Beside each index goes `<prefix>.tokenizer.json` (the tokenizer's class, fingerprint, vocab_size
+and eod; `mptrain.data.tokenizers.write_tokenizer_record`): reading the data with another
+tokenizer is then one `ConfigError` naming `data.tokenizer`. The .idx stays Megatron's format.
 
 Errors (`DataError`, one line): a line that is not JSON or not an object, a missing key or a
 non-string value (file:line and the keys found), an empty corpus, an existing output.
@@ -30,7 +33,7 @@ import numpy as np
 
 from mptrain.data.errors import DataError
 from mptrain.data.indexed import IndexedDatasetWriter, token_dtype
-from mptrain.data.tokenizers import Tokenizer, parse_cli_tokenizer
+from mptrain.data.tokenizers import Tokenizer, encode_array, parse_cli_tokenizer, write_tokenizer_record
 from mptrain.errors import ConfigError
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -89,7 +92,7 @@ def _encode_document(item: tuple[str, int, bytes, bool], *, tokenizer: Tokenizer
         texts = [text]
     out = []
     for t in texts:
-        ids = tokenizer.encode_array(t)
+        ids = encode_array(tokenizer, t)
         out.append(np.concatenate([ids, np.asarray([tokenizer.eod], dtype=ids.dtype)]))
     return out
 
@@ -158,6 +161,8 @@ def preprocess(
             raise DataError(f"{', '.join(map(str, inputs))}: empty corpus ({num_docs} documents, all empty text)")
         for writer in writers:
             writer.finalize()
+        for prefix in prefixes:  # the tokenizer the ids come from (checked when the data is read)
+            write_tokenizer_record(prefix, tokenizer)
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -179,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.data.preprocess", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="JSONL(.gz) or text files")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | tiktoken:NAME | null:N")
+    parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | tiktoken:NAME | null:N | class:module.Class")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")

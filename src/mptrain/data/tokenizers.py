@@ -1,35 +1,71 @@
-"""Tokenizers as registered components (`data.tokenizer._target_`), after Megatron's
+"""Tokenizers: one interface (`TokenizerProtocol`), built from `data.tokenizer._target_` by
+`build_tokenizer` with `mptrain.components.build`; after Megatron's
 `megatron/training/tokenizer/tokenizer.py` (`_NullTokenizer`, `_HuggingFaceTokenizer`, `_TikTokenizer`).
 
-Every tokenizer has `vocab_size` (ids are in [0, vocab_size)), `eod` (the end-of-document id that
-preprocessing appends to each document), `encode(str) -> list[int]`, `decode(ids) -> str`,
-`encode_array(str) -> np.ndarray` (a fast path for preprocessing) and `fingerprint` (a short
-string that changes when the id mapping changes; it keys the preprocessed caches).
+Any importable class implementing the interface plugs in (docs/COMPONENTS.md "Tokenizer"), e.g.
+`data.tokenizer._target_=mptrain_plugins.tokenizers.CharTokenizer`; the shipped ones:
 
-| `_target_` (or its last part) | files | vocab_size | eod |
+| `_target_` | files | vocab_size | eod |
 |---|---|---|---|
 | `mptrain.data.tokenizers.ByteTokenizer` | none | 257 (UTF-8 bytes + EOD) | 256 |
 | `mptrain.data.tokenizers.HFTokenizer` | `tokenizer_json` | the file's, added tokens included | id of `eod_token` |
 | `mptrain.data.tokenizers.TiktokenTokenizer` | tiktoken's local cache | `n_vocab` | `<|endoftext|>` |
 | `mptrain.data.tokenizers.NullTokenizer` | none | `vocab_size` | `vocab_size - 1` |
 
-`build_tokenizer(data_cfg)` looks `_target_` up in `TOKENIZERS` (an exhaustive registry: an unknown
-name raises `ConfigError` listing the valid ones) and passes the other keys as arguments.
+Preprocessing records the tokenizer beside the index (`<prefix>.tokenizer.json`:
+`write_tokenizer_record`), and the indexed providers refuse data made with another one
+(`check_tokenizer_record`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from mptrain.components import ComponentKind, build, node_items, resolve
 from mptrain.errors import ConfigError
 
 
+@runtime_checkable
+class TokenizerProtocol(Protocol):
+    """What the trainer and the data pipeline read from a tokenizer (nothing else).
+
+    Attributes (on the instance):
+        vocab_size: int, the number of ids; every id `encode` returns is in [0, vocab_size). The
+            model's vocabulary is `model.vocab_size`, or this when null (padded per layout).
+        eod: int in [0, vocab_size), the end-of-document id preprocessing appends after each
+            document (and that `data.eod_mask_loss` / `reset_*` look for).
+        fingerprint: str, short, changes whenever the text → id mapping changes; it names the
+            preprocessed caches and is recorded beside each preprocessed index.
+    Methods:
+        encode(text: str) -> list[int]: ids of `text`, no EOD added.
+        decode(ids: Sequence[int]) -> str: text of `ids` (EOD dropped or rendered, the class decides).
+        encode_array(text) -> np.ndarray (optional): a fast path for preprocessing; without it
+            `encode` is used.
+    """
+
+    vocab_size: int
+    eod: int
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+TOKENIZER = ComponentKind("tokenizer", methods=("encode", "decode"), interface=TokenizerProtocol)
+"""`data.tokenizer`: built with no runtime keywords (its arguments are its node's keys)."""
+
+
 class Tokenizer:
-    """Base class: the interface the data pipeline and the trainer use."""
+    """Base class of the shipped tokenizers (a user's tokenizer need not derive from it: `TokenizerProtocol`)."""
 
     vocab_size: int
     """Number of ids; every id is in [0, vocab_size)."""
@@ -188,78 +224,132 @@ class NullTokenizer(Tokenizer):
         return f"null:{self.vocab_size}"
 
 
-TOKENIZERS: dict[str, type[Tokenizer]] = {
-    "ByteTokenizer": ByteTokenizer,
-    "HFTokenizer": HFTokenizer,
-    "TiktokenTokenizer": TiktokenTokenizer,
-    "NullTokenizer": NullTokenizer,
-}
-"""The registry `data.tokenizer._target_` is looked up in (full dotted path or class name)."""
-
-_DEFAULT_BY_DATA = {"mock": "NullTokenizer", "shakespeare": "ByteTokenizer"}
-
-
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
 
 
-def tokenizer_from_spec(spec: Mapping[str, Any] | None, *, data_name: str = "", data_vocab_size: int = 1000) -> Tokenizer:
-    """Build a tokenizer from a `{_target_: ..., **kwargs}` mapping (None: the default for `data_name`).
+def tokenizer_node(data_cfg: Any) -> Any:
+    """`data.tokenizer` of a data config (DataConfig, DictConfig or dict).
 
     Raises:
-        ConfigError: unknown `_target_` (lists the valid names), bad arguments, or no default.
+        ConfigError: it is null or not a mapping with ``_target_``.
     """
-    if spec is None:
-        name = _DEFAULT_BY_DATA.get(data_name)
-        if name is None:
-            raise ConfigError(
-                f"data.tokenizer is null for data={data_name}; set data.tokenizer._target_ to one of "
-                f"{sorted(TOKENIZERS)} (e.g. mptrain.data.tokenizers.HFTokenizer with tokenizer_json=PATH)"
-            )
-        spec = {"_target_": name, **({"vocab_size": data_vocab_size} if name == "NullTokenizer" else {})}
-    spec = dict(spec)
-    target = str(spec.pop("_target_", ""))
-    name = target.rsplit(".", 1)[-1]
-    if name not in TOKENIZERS or target not in (name, f"{__name__}.{name}"):
-        valid = ", ".join(f"{__name__}.{n}" for n in sorted(TOKENIZERS))
-        raise ConfigError(f"data.tokenizer._target_={target!r} is not a registered tokenizer; use one of: {valid}")
-    kwargs = {k: v for k, v in spec.items() if not k.startswith("_")}
+    node = _cfg_get(data_cfg, "tokenizer")
+    if node is None:
+        raise ConfigError("data.tokenizer is null; set data.tokenizer._target_ to a tokenizer class, e.g. "
+                          "mptrain.data.tokenizers.ByteTokenizer or mptrain.data.tokenizers.HFTokenizer "
+                          "+data.tokenizer.tokenizer_json=PATH")
+    if isinstance(node, str) or not (isinstance(node, Mapping) or hasattr(node, "keys")):
+        raise ConfigError(f"data.tokenizer={node!r} must be a mapping with _target_ (data.tokenizer._target_=module.Class)")
+    return node
+
+
+def resolve_tokenizer(data_cfg: Any) -> None:
+    """The start-up check of `data.tokenizer` (import, methods, keywords; nothing is built).
+
+    Raises:
+        ConfigError: one line naming `data.tokenizer._target_` (or the bad keyword) and the fix.
+    """
+    resolve("data.tokenizer", tokenizer_node(data_cfg), TOKENIZER)
+
+
+def build_tokenizer(data_cfg: Any) -> TokenizerProtocol:
+    """The one place a tokenizer is built: `data.tokenizer` with `mptrain.components.build`, then its
+    attributes checked (`vocab_size` an int >= 1, `eod` an id below it, `fingerprint` a string).
+
+    Args:
+        data_cfg: the `data` config (DataConfig, DictConfig or a dict holding ``tokenizer``).
+    Raises:
+        ConfigError: null / not importable / missing method / bad keyword / missing or bad
+            attribute, naming `data.tokenizer._target_`; and the tokenizer's own errors.
+    """
+    node = tokenizer_node(data_cfg)
+    tok = build("data.tokenizer", node, TOKENIZER)
+    target = node_items(node).get("_target_")
+    problems = []
+    for attr, kind in (("vocab_size", int), ("eod", int), ("fingerprint", str)):
+        value = getattr(tok, attr, None)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            problems.append(f"{attr} ({kind.__name__}; got {type(value).__name__})")
+    if problems:
+        raise ConfigError(f"data.tokenizer._target_={target} is not a valid tokenizer: its instance lacks "
+                          f"{', '.join(problems)}; the tokenizer interface ({__name__}.TokenizerProtocol) needs "
+                          "vocab_size, eod, fingerprint, encode, decode")
+    if not (tok.vocab_size >= 1 and 0 <= tok.eod < tok.vocab_size):
+        raise ConfigError(f"data.tokenizer._target_={target}: eod={tok.eod} must be an id in [0, vocab_size="
+                          f"{tok.vocab_size}); fix the tokenizer")
+    return tok
+
+
+def encode_array(tokenizer: Any, text: str) -> np.ndarray:
+    """`tokenizer.encode_array(text)` when the tokenizer has that fast path, else `encode` as int64."""
+    fast = getattr(tokenizer, "encode_array", None)  # optional member of the interface
+    return fast(text) if fast is not None else np.asarray(tokenizer.encode(text), dtype=np.int64)
+
+
+# --- the record of the tokenizer a preprocessed dataset was made with ---------------------------------
+RECORD_SUFFIX = ".tokenizer.json"
+"""`<prefix>.tokenizer.json`, beside `<prefix>.bin/.idx` (Megatron's .idx format stays untouched)."""
+
+
+def tokenizer_record(tokenizer: Any) -> dict:
+    """What `mptrain.data.preprocess` writes beside the index: class, fingerprint, vocab_size, eod."""
+    cls = type(tokenizer)
+    return {"tokenizer": f"{cls.__module__}.{cls.__qualname__}", "fingerprint": str(tokenizer.fingerprint),
+            "vocab_size": int(tokenizer.vocab_size), "eod": int(tokenizer.eod)}
+
+
+def write_tokenizer_record(prefix: str, tokenizer: Any) -> Path:
+    """Write `<prefix>.tokenizer.json` (through a temporary file and a rename)."""
+    path = Path(f"{prefix}{RECORD_SUFFIX}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(tokenizer_record(tokenizer), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
+    """Compare the record of `prefix` with the configured tokenizer.
+
+    Returns:
+        None when they match; a warning line when `prefix` has no record (an older mptrain or
+        Megatron's own preprocessing): the data is accepted, and only the token-id range check
+        (`IndexedDataset.max_token_id`) guards it.
+    Raises:
+        ConfigError: the record names another tokenizer (fingerprint differs), or is unreadable.
+    """
+    path = Path(f"{prefix}{RECORD_SUFFIX}")
+    if not path.is_file():
+        return (f"data: {prefix}.idx has no {path.name} (preprocessed by an older mptrain or by Megatron): the "
+                f"tokenizer it was made with is unknown, so data.tokenizer is trusted; re-run "
+                f"`python -m mptrain.data.preprocess` to record it")
     try:
-        return TOKENIZERS[name](**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"data.tokenizer: {name} does not accept {sorted(kwargs)} ({exc}); fix data.tokenizer.*") from exc
-
-
-def build_tokenizer(data_cfg: Any) -> Tokenizer:
-    """The trainer's entry point: the tokenizer selected by `data.tokenizer` (a `DataConfig`,
-    DictConfig or dict). `data.tokenizer: null` takes the default of the data option
-    (mock: NullTokenizer(data.vocab_size); shakespeare: ByteTokenizer).
-
-    Raises:
-        ConfigError: see `tokenizer_from_spec` and the tokenizer constructors.
-    """
-    spec = _cfg_get(data_cfg, "tokenizer")
-    if spec is not None and not isinstance(spec, Mapping):
-        try:  # an OmegaConf DictConfig
-            from omegaconf import OmegaConf
-
-            spec = OmegaConf.to_container(spec, resolve=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ConfigError(f"data.tokenizer={spec!r} must be a mapping with _target_") from exc
-    return tokenizer_from_spec(
-        spec, data_name=str(_cfg_get(data_cfg, "name", "")), data_vocab_size=int(_cfg_get(data_cfg, "vocab_size", 1000))
-    )
+        record = json.loads(path.read_text())
+        made_with, fingerprint = str(record["tokenizer"]), str(record["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"data.tokenizer: {path} is unreadable ({type(exc).__name__}: {exc}); re-run "
+                          "`python -m mptrain.data.preprocess ... --overwrite`") from None
+    if fingerprint != str(tokenizer.fingerprint):
+        mine = tokenizer_record(tokenizer)
+        raise ConfigError(
+            f"data.tokenizer: {prefix} was preprocessed with {made_with} (fingerprint {fingerprint}) but "
+            f"data.tokenizer is {mine['tokenizer']} (fingerprint {mine['fingerprint']}); set "
+            f"data.tokenizer._target_={made_with} (and its arguments), or re-run preprocessing with this tokenizer")
+    return None
 
 
 def parse_cli_tokenizer(text: str) -> Tokenizer:
-    """The preprocessing command's `--tokenizer`: `byte`, `hf:PATH`, `tiktoken:NAME` or `null:N`.
+    """The preprocessing command's `--tokenizer`: `byte`, `hf:PATH`, `tiktoken:NAME`, `null:N`, or
+    `class:module.Class` (any tokenizer class built without arguments, e.g. a user's).
 
     Raises:
-        ConfigError: an unknown form.
+        ConfigError: an unknown form, or a class that is not a tokenizer.
     """
     kind, _, arg = text.partition(":")
+    if kind == "class" and arg:
+        return build_tokenizer({"tokenizer": {"_target_": arg}})
     if kind == "byte" and not arg:
         return ByteTokenizer()
     if kind == "hf" and arg:
@@ -268,7 +358,8 @@ def parse_cli_tokenizer(text: str) -> Tokenizer:
         return TiktokenTokenizer(arg)
     if kind == "null" and arg:
         return NullTokenizer(int(arg))
-    raise ConfigError(f"--tokenizer {text!r}: use byte, hf:PATH/tokenizer.json, tiktoken:ENCODING or null:VOCAB_SIZE")
+    raise ConfigError(f"--tokenizer {text!r}: use byte, hf:PATH/tokenizer.json, tiktoken:ENCODING, null:VOCAB_SIZE "
+                      "or class:module.Class")
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: Optional[int]) -> int:

@@ -3,18 +3,121 @@
 Only TP rank 0 of a stage that needs data reads from the data iterator; it broadcasts the tensors to
 the other TP ranks of its group. Stages that need no data (middle pipeline stages, middle virtual
 chunks) read nothing and receive nothing. Shapes are known from the config, so no shape exchange.
+
+The reading rank checks each batch against the config before it is broadcast (`CheckedProvider`,
+`check_batch`: shape [b, s], dtypes, ids < vocab), and the first tensor it broadcasts carries a
+status word: tokens, labels and position_ids travel packed in one int64 buffer
+``[status, tokens (b·s), labels (b·s), position_ids (b·s)]``. When the read fails (a bad batch, or
+the provider raising), the reader sends status 1 and then its error line; every TP rank raises the
+same `BatchError`, so no rank is left in a broadcast of the wrong size (which gloo aborts on with
+"Received data size doesn't match expected size", or NCCL hangs on). Packing makes that status
+free: 2 broadcasts per micro-batch (int64 buffer, loss_mask) instead of the 4 of one per tensor.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from mptrain.data.errors import DataError
 from mptrain.groups import ParallelGroups
 
 _INT_KEYS = ("tokens", "labels", "position_ids")
+
+
+class BatchError(DataError):
+    """A micro-batch that does not match the config (one line naming `data._target_` and the shapes)."""
+
+
+def check_batch(batch: Any, *, micro_batch_size: int, seq_length: int, vocab_size: int, with_attention_mask: bool,
+                source: str) -> None:
+    """The reading rank's check of one micro-batch against the config (`DatasetProvider` batches).
+
+    Args:
+        batch: what the provider yielded.
+        micro_batch_size, seq_length: b and s: tokens / labels / position_ids / loss_mask must be [b, s].
+        vocab_size: the model's (unpadded) vocabulary; ids of tokens and labels must be in [0, vocab_size).
+        with_attention_mask: `data.reset_attention_mask`: the batch must carry a [b, 1, s, s] mask.
+        source: the provider's `data._target_`, for the message.
+    Raises:
+        BatchError: one line: the provider, the key, expected vs got.
+    """
+    where = f"data._target_={source} yielded a bad micro-batch"
+    if not isinstance(batch, dict):
+        raise BatchError(f"{where}: expected a dict with tokens, labels, loss_mask, position_ids, got {type(batch).__name__}")
+    shape = (micro_batch_size, seq_length)
+    expected = {"tokens": torch.int64, "labels": torch.int64, "position_ids": torch.int64, "loss_mask": None}
+    for key, dtype in expected.items():
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor):
+            raise BatchError(f"{where}: {key} is {type(t).__name__}, expected a tensor of shape {list(shape)} "
+                             "(micro_batch_size × seq_length)")
+        if tuple(t.shape) != shape:
+            raise BatchError(f"{where}: {key} has shape {list(t.shape)}, expected {list(shape)} (train.micro_batch_size "
+                             f"× model.seq_length = {micro_batch_size} × {seq_length})")
+        if dtype is not None and t.dtype != dtype:
+            raise BatchError(f"{where}: {key} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and not t.dtype.is_floating_point:
+            raise BatchError(f"{where}: {key} has dtype {t.dtype}, expected a floating dtype (torch.float32)")
+    for key in ("tokens", "labels"):
+        t = batch[key]
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab_size:
+            raise BatchError(f"{where}: {key} holds ids in [{lo}, {hi}], expected ids in [0, {vocab_size}) "
+                             "(the model's vocab_size); check data.tokenizer")
+    if with_attention_mask:
+        mask = batch.get("attention_mask")
+        want = [micro_batch_size, 1, seq_length, seq_length]
+        if not isinstance(mask, torch.Tensor) or list(mask.shape) != want:
+            got = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise BatchError(f"{where}: attention_mask is {got}, expected {want} bool (data.reset_attention_mask=true)")
+
+
+class CheckedProvider:
+    """The trainer's view of a dataset provider: its iterators with every batch checked
+    (`check_batch`) and the training samples read counted (`samples_read`, for layout.json).
+
+    Args:
+        provider: the built `DatasetProvider`.
+        source: its `data._target_`.
+        micro_batch_size, seq_length, vocab_size, with_attention_mask: see `check_batch`.
+    """
+
+    def __init__(self, provider: Any, *, source: str, micro_batch_size: int, seq_length: int, vocab_size: int,
+                 with_attention_mask: bool) -> None:
+        self.provider, self.source = provider, source
+        self.expect = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, vocab_size=vocab_size,
+                           with_attention_mask=with_attention_mask, source=source)
+        self.samples_read = 0
+        """Training samples this rank has read (batches checked and handed to the model)."""
+
+    def _checked(self, batches: Iterator, *, count: bool) -> Iterator[dict]:
+        for batch in batches:
+            check_batch(batch, **self.expect)
+            if count:
+                self.samples_read += int(batch["tokens"].shape[0])
+            yield batch
+
+    def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
+        return self._checked(iter(self.provider.train_iterator(consumed_samples)), count=True)
+
+    def eval_iterator(self, split: str) -> Iterator[dict]:
+        return self._checked(iter(self.provider.eval_iterator(split)), count=False)
+
+    def has_split(self, split: str) -> bool:
+        return bool(self.provider.has_split(split))
+
+    def state_dict(self) -> dict:
+        return self.provider.state_dict()
+
+
+def _read(data_iterator: Iterator) -> tuple[Optional[dict], Optional[BaseException]]:
+    try:
+        return next(data_iterator), None
+    except Exception as exc:  # noqa: BLE001 - the other TP ranks must learn of it, whatever it is
+        return None, exc
 
 
 def get_batch(
@@ -26,32 +129,63 @@ def get_batch(
     with_attention_mask: bool,
     device: torch.device,
 ) -> dict:
-    """Next micro-batch on this rank, broadcast within the TP group.
+    """Next micro-batch on this rank, broadcast within the TP group (module docstring: the packing).
 
     Returns:
         {"tokens", "labels", "position_ids": [b, s] int64, "loss_mask": [b, s] float32,
          "attention_mask": None or [b, 1, s, s] bool (True = masked)}.
+    Raises:
+        BatchError (every TP rank alike): the reader's batch failed `check_batch`; the reader's
+            iterator raised: the reader re-raises that exception, the other TP ranks a `BatchError`
+            carrying its message.
     """
     shape = (micro_batch_size, seq_length)
+    n = micro_batch_size * seq_length
     reader = groups.tp_rank == 0
+    distributed = groups.tp_size > 1
+    if not reader:
+        packed = torch.empty(1 + 3 * n, dtype=torch.int64, device=device)
+    else:
+        batch, error = _read(data_iterator)
+        if error is not None and not distributed:
+            raise error
+        if error is None:
+            ints = [batch[k].to(device, torch.int64, non_blocking=True).reshape(-1) for k in _INT_KEYS]
+            packed = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *ints])
+        else:
+            packed = torch.zeros(1 + 3 * n, dtype=torch.int64, device=device)
+            packed[0] = 1
+    if distributed:
+        dist.broadcast(packed, src=groups.tp_src_rank, group=groups.tp_group)
+        # one host sync per micro-batch on the status word (Megatron's broadcast_data syncs on its size exchange too)
+        if int(packed[0].item()):
+            _fail(groups, reader, error if reader else None)
+    tensors: dict[str, Any] = {k: packed[1 + i * n: 1 + (i + 1) * n].view(shape) for i, k in enumerate(_INT_KEYS)}
     if reader:
-        batch = next(data_iterator)
-        tensors = {k: batch[k].to(device, non_blocking=True) for k in (*_INT_KEYS, "loss_mask")}
+        tensors["loss_mask"] = batch["loss_mask"].to(device, torch.float32, non_blocking=True)
         mask = batch.get("attention_mask")
         # bool is not a gloo dtype: the mask travels as uint8
         tensors["attention_mask"] = mask.to(device, torch.uint8) if (with_attention_mask and mask is not None) else None
     else:
-        tensors = {k: torch.empty(shape, dtype=torch.int64, device=device) for k in _INT_KEYS}
         tensors["loss_mask"] = torch.empty(shape, dtype=torch.float32, device=device)
         tensors["attention_mask"] = (
             torch.empty((micro_batch_size, 1, seq_length, seq_length), dtype=torch.uint8, device=device)
             if with_attention_mask
             else None
         )
-    if groups.tp_size > 1:
-        for key in (*_INT_KEYS, "loss_mask", "attention_mask"):
+    if distributed:
+        for key in ("loss_mask", "attention_mask"):
             if tensors[key] is not None:
                 dist.broadcast(tensors[key], src=groups.tp_src_rank, group=groups.tp_group)
     if tensors["attention_mask"] is not None:
         tensors["attention_mask"] = tensors["attention_mask"].bool()
     return tensors
+
+
+def _fail(groups: ParallelGroups, reader: bool, error: Optional[BaseException]) -> None:
+    """Status 1 was broadcast: the reader sends its error line, and every TP rank raises."""
+    box = [f"{error}" if isinstance(error, DataError) else f"{type(error).__name__}: {error}"] if reader else [None]
+    dist.broadcast_object_list(box, src=groups.tp_src_rank, group=groups.tp_group)
+    if reader:
+        raise error
+    raise BatchError(f"{box[0]} (read by TP rank 0, global rank {groups.tp_src_rank}, of this TP group)")

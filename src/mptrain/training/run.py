@@ -22,7 +22,7 @@ import torch
 
 from mptrain.config.schema import Config
 from mptrain.config.validate import as_config, check_vocab_size, validate_config
-from mptrain.data.provider import DataProvider
+from mptrain.data.provider import build_provider, provider_target
 from mptrain.data.tokenizers import build_tokenizer
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.distrib_optimizer import DistributedOptimizer
@@ -38,6 +38,7 @@ from mptrain.precision.module import Float16Module
 from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer, TooManySkippedStepsError
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleStats, get_forward_backward_func
+from mptrain.training.batch import CheckedProvider
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
@@ -54,7 +55,7 @@ class Built:
     cfg: Config
     groups: ParallelGroups
     trainer: Trainer
-    provider: DataProvider
+    provider: CheckedProvider
     chunks: list
     rng_tracker: Any
     scaler: Any
@@ -114,7 +115,7 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
-def _data_iterators(provider: DataProvider, chunks: list, groups: ParallelGroups, make, with_mask: bool) -> list:
+def _data_iterators(provider: CheckedProvider, chunks: list, groups: ParallelGroups, make, with_mask: bool) -> list:
     """One iterator per chunk: real on the TP-rank-0 reader of a chunk that needs data, None elsewhere."""
     return [make() if (groups.tp_rank == 0 and chunk_needs_data(c, with_mask)) else None for c in chunks]
 
@@ -124,7 +125,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     chunks, optimizer, lr_scheduler, rng_tracker, scaler = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
     with_mask = bool(cfg.data.reset_attention_mask)
     needs = groups.tp_rank == 0 and (groups.is_first_stage or groups.is_last_stage or with_mask)
-    provider = DataProvider(
+    provider = build_provider(  # data._target_ (collective: every rank builds it here)
         cfg.data,
         tokenizer=tokenizer,
         seq_length=cfg.model.seq_length,
@@ -134,6 +135,9 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         dp_size=groups.dp_size,
         needs_data=needs,
     )
+    # the reading rank checks every batch against the config before the TP broadcast (training/batch.py)
+    provider = CheckedProvider(provider, source=provider_target(cfg.data), micro_batch_size=cfg.train.micro_batch_size,
+                               seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask)
     faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
                            fail_where=cfg.debug.fail_where)
     timers = Timers(cfg.train.timing_log_level, groups.device)
