@@ -26,6 +26,7 @@ Errors (`ConfigError`, one line naming the config key, the dotted path and the f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -202,9 +203,13 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
     target, kwargs = resolve(key, node, kind, mapped=mapped, drop=drop)
     items = node_items(node)
     is_partial = bool(items.get("_partial_", False)) if partial is None else partial
-    spec = {"_target_": items["_target_"] if isinstance(items.get("_target_"), str) else _dotted(target),
-            "_convert_": "all", "_partial_": is_partial, **kwargs}
+    spec = {"_target_": items.get("_target_"), "_convert_": "all", "_partial_": is_partial, **kwargs}
     try:
+        if not isinstance(spec["_target_"], str):
+            # a callable given from Python (not from a config): its dotted path may not import, and its
+            # keywords are Python objects already, so it is called as it is
+            call = functools.partial(target, **kwargs, **dict(runtime or {}))
+            return call if is_partial else call()
         return instantiate(spec, **dict(runtime or {}))
     except Exception as err:  # noqa: BLE001 - hydra wraps the target's own error in __cause__
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
