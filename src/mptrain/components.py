@@ -203,12 +203,16 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
     target, kwargs = resolve(key, node, kind, mapped=mapped, drop=drop)
     items = node_items(node)
     is_partial = bool(items.get("_partial_", False)) if partial is None else partial
-    spec = {"_target_": items["_target_"] if isinstance(items.get("_target_"), str) else _dotted(target),
-            "_convert_": "all", "_partial_": True, **kwargs}
+    spec = {"_target_": items.get("_target_"), "_convert_": "all", "_partial_": True, **kwargs}
     try:
-        # The runtime objects are bound outside instantiate: passed to it, they would be merged into
-        # the node (a dict holding `_target_`, e.g. the resolved config, would be instantiated too).
-        made = functools.partial(instantiate(spec), **dict(runtime or {}))
+        if not isinstance(spec["_target_"], str):
+            # a callable given from Python (not from a config): its dotted path may not import, and its
+            # keywords are Python objects already, so it is called as it is
+            made = functools.partial(target, **kwargs, **dict(runtime or {}))
+        else:
+            # The runtime objects are bound outside instantiate: passed to it, they would be merged into
+            # the node (a dict holding `_target_`, e.g. the resolved config, would be instantiated too).
+            made = functools.partial(instantiate(spec), **dict(runtime or {}))
         return made if is_partial else made()
     except Exception as err:  # noqa: BLE001 - hydra wraps the target's own error in __cause__
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
@@ -218,7 +222,3 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
         if isinstance(cause, ConfigError):
             raise cause from None
         raise
-
-
-def _dotted(obj: Any) -> str:
-    return f"{obj.__module__}.{obj.__qualname__}"

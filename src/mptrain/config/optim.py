@@ -1,6 +1,11 @@
-"""Schema of the `optim` config group: optimizer and LR schedule (DESIGN.md §1).
+"""Schema of the `optim` config group: the optimizer and the LR schedule (DESIGN.md §1 "Components").
 
-Built by `mptrain.optim.build_optimizer_factory(cfg)` and `mptrain.optim.OptimizerParamScheduler`.
+Both are components (`mptrain.components`): ``optim._target_`` is the optimizer class (built by
+`mptrain.optim.builders.build_optimizer_factory`, the runtime passes the param groups) and
+``optim.lr_scheduler._target_`` the LR schedule (built by `mptrain.optim.lr_scheduler.build_lr_scheduler`,
+the runtime passes the optimizer). The Megatron keys below are mapped onto a target's keywords
+only where its signature accepts them; keys a user adds with ``+optim.<key>=...`` go to the
+optimizer as they are (checked against its signature at start-up).
 """
 
 from __future__ import annotations
@@ -8,26 +13,56 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+LR_SCHEDULER_TARGET = "mptrain.optim.lr_scheduler.OptimizerParamScheduler"
+
+
+@dataclasses.dataclass
+class LRSchedulerConfig:
+    """The LR schedule component. Its Megatron keys live in `optim` (``optim.lr_decay_style``, ...);
+    keys a user adds here (``+optim.lr_scheduler.cycle_iters=100``) go to the target as they are."""
+
+    _target_: str = LR_SCHEDULER_TARGET
+    """The schedule class (`mptrain.optim.lr_scheduler.LRScheduler` interface); called with ``optimizer=``."""
+    _partial_: bool = True
+
 
 @dataclasses.dataclass
 class OptimConfig:
+    _target_: Optional[str] = None
+    """The optimizer class (torch.optim.Optimizer interface), e.g. torch.optim.AdamW or torch.optim.RMSprop;
+    the shipped options set it. null (Python-made configs only): the built-in optimizer of `name`."""
+    _partial_: bool = True
+    """The runtime passes ``params`` (the weight-decay / no-decay groups of the fp32 main params)."""
     name: str = "adam"
-    """adam | adamw | sgd (torch.optim.Adam / AdamW / SGD)."""
+    """The option's label (adam | adamw | sgd for the shipped files); selects only when _target_ is null."""
     lr: float = 1e-3
-    """Peak learning rate (after warmup)."""
+    """Peak learning rate (after warmup), >= 0. Passed as ``lr``."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay (<= lr)."""
     weight_decay: float = 0.0
-    """Applied to weights only: biases and norm params are in a no-decay group."""
+    """Applied to weights only: biases and norm params are in a no-decay group. Passed as ``weight_decay`` (>= 0)."""
     adam_beta1: float = 0.9
+    """Passed as ``betas[0]`` (in [0, 1))."""
     adam_beta2: float = 0.999
+    """Passed as ``betas[1]`` (in [0, 1))."""
     adam_eps: float = 1e-8
+    """Passed as ``eps`` (> 0)."""
     sgd_momentum: float = 0.0
+    """Passed as ``momentum``."""
     lr_warmup_iters: int = 0
     """Iterations of linear warmup from 0 (iteration 1 runs at lr 0 when > 0, as Megatron)."""
     lr_decay_iters: Optional[int] = None
-    """Iteration at which the decay reaches min_lr (warmup included); null: no decay (style must be constant)."""
+    """Iteration at which the decay reaches min_lr (warmup included); null: no decay (constant, or
+    inverse-square-root without the final cut to min_lr)."""
     lr_decay_style: str = "constant"
-    """constant | linear | cosine. Skipped (overflow / non-finite) iterations do not advance the schedule (Megatron)."""
+    """constant | linear | cosine | inverse-square-root | WSD. Skipped (overflow / non-finite) iterations do not advance the schedule (Megatron)."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """WSD: iterations of the final decay (the last ones before lr_decay_iters); the stable phase runs at lr before them."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD: shape of the final decay: exponential | linear | cosine | minus_sqrt (Megatron's --lr-wsd-decay-style)."""
     impl: str = "auto"
-    """auto | torch | apex: apex FusedAdam/FusedSGD when asked for (error if not importable); torch fused (CUDA or CPU) otherwise (foreach for params on other or mixed devices)."""
+    """auto | torch | apex: for the built-in Adam / AdamW / SGD, apex FusedAdam/FusedSGD when asked for (error if
+    not importable), torch fused (CUDA or CPU) otherwise (foreach for params on other or mixed devices). A user
+    target gets ``fused`` / ``foreach`` only if its signature accepts them."""
+    lr_scheduler: LRSchedulerConfig = dataclasses.field(default_factory=LRSchedulerConfig)
+    """The LR schedule component (its own ``_target_``)."""

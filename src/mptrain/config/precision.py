@@ -1,28 +1,41 @@
-"""Schemas of the `precision` and `loss_scaler` config groups (DESIGN.md §1).
+"""Schemas of the `precision` and `loss_scaler` config groups (DESIGN.md §1 "Components").
 
-Built by `mptrain.precision.params_dtype(name)` and `mptrain.precision.build_loss_scaler(cfg, precision)`;
-the pair check (fp16 needs a scaler, dynamic needs fp16) is `mptrain.precision.resolve_loss_scaler_name`.
+``precision._target_`` is the optimizer wrapper (FP32Optimizer / MixedPrecisionOptimizer; the rule
+for ``parallel.use_distributed_optimizer`` is `mptrain.precision.optimizer.wrapper_target`);
+``loss_scaler._target_`` the loss scaler (`mptrain.precision.scaler.build_loss_scaler`; auto is the
+function `mptrain.precision.scaler.auto_loss_scaler`, which decides on the params dtype).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass
 class PrecisionConfig:
+    _target_: str = "mptrain.precision.optimizer.FP32Optimizer"
+    """The optimizer wrapper class (`mptrain.precision.optimizer.OptimizerWrapper` interface): FP32Optimizer
+    for fp32, MixedPrecisionOptimizer for bf16 / fp16. With parallel.use_distributed_optimizer=true a
+    built-in wrapper is replaced by mptrain.distributed.DistributedOptimizer (`wrapper_target`)."""
+    _partial_: bool = True
+    """The runtime passes the inner optimizer factory, the params (or model chunks), groups and scaler."""
     name: str = "fp32"
-    """fp32 | bf16 | fp16: the dtype of model params and activations (main params stay fp32)."""
+    """fp32 | bf16 | fp16: the dtype of model params and activations (main params stay fp32; `mptrain.precision.PARAM_DTYPES`)."""
     allow_tf32: bool = False
     """fp32 only: let CUDA matmuls / convolutions use TF32 tensor cores."""
 
 
 @dataclasses.dataclass
 class LossScalerConfig:
-    """One schema for every option; `name` picks the scaler (auto: dynamic for fp16, none otherwise)."""
+    """One schema for every option; `_target_` picks the scaler. Each key reaches the target only if
+    its signature takes it (the dynamic keys go to DynamicLossScaler, `scale` to ConstantLossScaler)."""
 
+    _target_: Optional[str] = None
+    """The scaler class or factory (`mptrain.precision.scaler.LossScaler` interface; a factory may return
+    None = no loss scaling). The shipped options set it; null (Python-made configs only): the built-in of `name`."""
     name: str = "auto"
-    """auto | dynamic | constant | none. fp16 + none is rejected; dynamic needs fp16."""
+    """The option's label: auto | dynamic | constant | none. fp16 without a scaler is rejected; a dynamic scaler needs fp16."""
     initial_scale: float = 2.0**32
     """dynamic: starting loss scale S (a power of two)."""
     min_scale: float = 1.0
@@ -38,4 +51,4 @@ class LossScalerConfig:
     scale: float = 4096.0
     """constant: the fixed scale (> 0)."""
     max_consecutive_skips: int = 100
-    """End the run with an error after more than this many skipped steps in a row (0 = never)."""
+    """End the run with an error after more than this many skipped steps in a row (0 = never); read by the wrapper."""

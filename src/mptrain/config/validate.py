@@ -39,11 +39,6 @@ SCHEDULES = ("auto", "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
 # listed here is rejected before anything runs; adding a component means adding its name here too.
 CHOICES: dict[str, tuple] = {
     "schedule.name": SCHEDULES,
-    "precision.name": ("fp32", "bf16", "fp16"),
-    "loss_scaler.name": ("auto", "dynamic", "constant", "none"),
-    "optim.name": ("adam", "adamw", "sgd"),
-    "optim.lr_decay_style": ("constant", "linear", "cosine"),
-    "optim.impl": ("auto", "torch", "apex"),
     "debug.fail_where": ("forward", "data", "save"),
 }
 
@@ -227,14 +222,25 @@ def check_batch(cfg: Config, dp: int) -> int:
 
 
 def resolve_loss_scaler(cfg: Config) -> str:
-    """The scaler that runs (auto → dynamic for fp16, none otherwise); the rule lives in `mptrain.precision.scaler`.
+    """Start-up check of the precision / optimizer components (their rules live in their modules):
+    precision name, loss scaler (built once: the fp16 rule), optimizer (a throwaway instance), LR
+    schedule (a throwaway instance on it), wrapper class. Returns the scaling that runs (none |
+    dynamic | constant).
 
     Raises:
-        ConfigError: fp16 with loss_scaler=none; dynamic with bf16/fp32; unknown names.
+        ConfigError: one line naming the key, the dotted path and the fix.
     """
-    from mptrain.precision.scaler import resolve_loss_scaler_name
+    from mptrain.optim.builders import check_optimizer
+    from mptrain.optim.lr_scheduler import check_lr_scheduler
+    from mptrain.precision import params_dtype
+    from mptrain.precision.optimizer import wrapper_target
+    from mptrain.precision.scaler import build_loss_scaler, scaler_label
 
-    return resolve_loss_scaler_name(cfg.loss_scaler.name, cfg.precision.name)
+    params_dtype(cfg.precision.name)
+    label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
+    check_lr_scheduler(cfg.optim, cfg.train.train_iters, optimizer=check_optimizer(cfg.optim))
+    wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
+    return label
 
 
 def check_training_keys(cfg: Config) -> None:

@@ -1,6 +1,23 @@
-"""Optimizer builders (param groups, torch fused/foreach or apex kernels) and LR schedules."""
+"""The optimizer and LR schedule components (built from ``optim._target_`` / ``optim.lr_scheduler._target_``)."""
 
-from mptrain.optim.builders import OPTIMIZERS, build_optimizer_factory, param_groups
-from mptrain.optim.lr_scheduler import LR_DECAY_STYLES, OptimizerParamScheduler
+from mptrain.optim.builders import (
+    OPTIMIZER,
+    OPTIMIZERS,
+    Optimizer,
+    build_optimizer_factory,
+    check_optimizer,
+    param_groups,
+)
+from mptrain.optim.lr_scheduler import (
+    LR_DECAY_STYLES,
+    LR_SCHEDULER,
+    LR_WSD_DECAY_STYLES,
+    LRScheduler,
+    OptimizerParamScheduler,
+    build_lr_scheduler,
+    check_lr_scheduler,
+)
 
-__all__ = ["OPTIMIZERS", "build_optimizer_factory", "param_groups", "LR_DECAY_STYLES", "OptimizerParamScheduler"]
+__all__ = ["OPTIMIZER", "OPTIMIZERS", "Optimizer", "build_optimizer_factory", "check_optimizer", "param_groups",
+           "LR_DECAY_STYLES", "LR_SCHEDULER", "LR_WSD_DECAY_STYLES", "LRScheduler", "OptimizerParamScheduler",
+           "build_lr_scheduler", "check_lr_scheduler"]

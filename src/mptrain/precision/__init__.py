@@ -5,7 +5,7 @@ from mptrain.precision.module import Float16Module
 from mptrain.precision.optimizer import (
     FP32Optimizer,
     MainParamEntry,
-    OPTIMIZER_WRAPPERS,
+    OPTIMIZER_WRAPPER,
     MixedPrecisionOptimizer,
     OptimizerWrapper,
     StepResult,
@@ -15,10 +15,15 @@ from mptrain.precision.scaler import (
     ConstantLossScaler,
     DynamicLossScaler,
     LossScaler,
+    LOSS_SCALER,
+    auto_loss_scaler,
     build_loss_scaler,
+    check_scaler_for_precision,
+    no_loss_scaler,
     resolve_loss_scaler_name,
 )
 
+# precision.name -> params dtype: the one table of precision options (a closed Megatron choice, --fp16 / --bf16)
 PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -39,7 +44,8 @@ def params_dtype(precision: str):
 
 __all__ = [
     "ConstantLossScaler", "DynamicLossScaler", "LossScaler", "build_loss_scaler", "resolve_loss_scaler_name",
-    "Float16Module", "FP32Optimizer", "MainParamEntry", "MixedPrecisionOptimizer", "OPTIMIZER_WRAPPERS", "OptimizerWrapper",
+    "LOSS_SCALER", "auto_loss_scaler", "no_loss_scaler", "check_scaler_for_precision",
+    "Float16Module", "FP32Optimizer", "MainParamEntry", "MixedPrecisionOptimizer", "OPTIMIZER_WRAPPER", "OptimizerWrapper",
     "StepResult", "TooManySkippedStepsError", "clip_grads_by_total_norm", "count_zeros_fp32",
     "get_grad_norm_fp32", "PARAM_DTYPES", "params_dtype",
 ]

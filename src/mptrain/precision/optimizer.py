@@ -50,6 +50,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from mptrain.components import ComponentKind, build, extra_keys, resolve
+from mptrain.errors import ConfigError
 from mptrain.optim.builders import param_groups as build_param_groups
 from mptrain.precision.clip_grads import (
     all_reduce_over,
@@ -418,5 +420,55 @@ class FP32Optimizer(OptimizerWrapper):
         return param
 
 
-# precision.name -> wrapper class (the distributed optimizer replaces both when use_distributed_optimizer).
-OPTIMIZER_WRAPPERS: dict[str, type] = {"fp32": FP32Optimizer, "bf16": MixedPrecisionOptimizer, "fp16": MixedPrecisionOptimizer}
+OPTIMIZER_WRAPPER = ComponentKind(
+    "optimizer wrapper", methods=("step", "zero_grad", "state_dict", "load_state_dict", "get_loss_scale",
+                                  "reload_model_params"),
+    interface=OptimizerWrapper)
+_BUILTIN_WRAPPERS = (FP32Optimizer, MixedPrecisionOptimizer)
+
+
+def wrapper_target(precision_cfg, use_distributed_optimizer: bool):
+    """The wrapper class that runs, the one rule: ``precision._target_``, except that with
+    ``parallel.use_distributed_optimizer=true`` a built-in wrapper (FP32Optimizer / MixedPrecisionOptimizer)
+    is replaced by `mptrain.distributed.DistributedOptimizer` (ZeRO-1 shards fp32 main params of any
+    params dtype); a user wrapper must then itself be a DistributedOptimizer subclass.
+
+    Raises:
+        ConfigError: the target does not import or lacks a method; a user wrapper that cannot shard
+            with use_distributed_optimizer=true.
+    """
+    from mptrain.distributed.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - it imports this module
+
+    target, _ = resolve("precision", {"_target_": precision_cfg._target_}, OPTIMIZER_WRAPPER)
+    if not use_distributed_optimizer:
+        return target
+    if target in _BUILTIN_WRAPPERS:
+        return DistributedOptimizer
+    if isinstance(target, type) and issubclass(target, DistributedOptimizer):
+        return target
+    raise ConfigError(f"precision._target_={precision_cfg._target_} is not a DistributedOptimizer, but "
+                      "parallel.use_distributed_optimizer=true shards the optimizer; subclass "
+                      "mptrain.distributed.DistributedOptimizer or set parallel.use_distributed_optimizer=false")
+
+
+def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, build_optimizer, model_chunks: list,
+                            groups, scaler, clip_grad: float, max_consecutive_skips: int):
+    """The optimizer wrapper over this rank's DDP ``model_chunks`` (the one place it is built).
+
+    The runtime offers ``build_optimizer`` (param groups -> inner optimizer), the flat ``params`` /
+    ``specs`` / ``grad_fn`` (the DDP main grad of each param), ``model_chunks``, ``groups``, ``scaler``,
+    ``clip_grad``, ``max_consecutive_skips``; a wrapper gets those its signature takes (FP32Optimizer
+    and MixedPrecisionOptimizer the flat lists, DistributedOptimizer the chunks).
+    """
+    params, specs, owner = [], [], {}
+    for chunk in model_chunks:
+        for name, param in chunk.module.named_parameters():
+            params.append(param)
+            specs.append(chunk.specs[name])
+            owner[param] = chunk
+    target = wrapper_target(precision_cfg, use_distributed_optimizer)
+    node = {"_target_": target, **extra_keys(precision_cfg)}
+    offered = dict(build_optimizer=build_optimizer, params=params, specs=specs, grad_fn=lambda p: owner[p].main_grad(p),
+                   model_chunks=list(model_chunks), groups=groups, scaler=scaler, clip_grad=clip_grad,
+                   max_consecutive_skips=max_consecutive_skips)
+    return build("precision", node, OPTIMIZER_WRAPPER, mapped=offered, partial=False)

@@ -1,4 +1,8 @@
-"""Loss scalers for fp16 (and optionally bf16) training: constant and dynamic, plus the config registry.
+"""The loss scaler component: `LossScaler` (interface), constant and dynamic scalers, `build_loss_scaler`.
+
+Selected by ``loss_scaler._target_`` (dynamic: `DynamicLossScaler`, constant: `ConstantLossScaler`,
+none: `no_loss_scaler`, auto: `auto_loss_scaler`, which picks dynamic when the params are float16
+and none otherwise: DESIGN.md's auto, decided on the params dtype, not on a name).
 
 fp16 has a 5-bit exponent: gradients below ~6e-8 flush to zero. Multiplying the loss by a scale S
 before backward shifts every gradient up by S; the optimizer multiplies the fp32 main grads by
@@ -24,17 +28,23 @@ to the grads' device. Powers of two (the defaults) are exact in float32.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
 
+from mptrain import components
+from mptrain.components import ComponentKind
 from mptrain.errors import ConfigError
-
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class LossScaler:
-    """Base class: a scale S (float32 [1] tensor) and its update rule.
+    """The loss scaler interface (base class): a scale S (float32 [1] tensor) and its update rule.
+
+    A user scaler (``loss_scaler._target_=my_pkg.MyScaler``) provides ``scale`` and ``inv_scale``
+    (float32 tensors of shape [1], CPU; the optimizer moves them to the grads' device), ``dynamic``
+    (bool), ``update(found_inf: bool)`` (called once per iteration, skipped ones included, with the
+    all-reduced verdict), ``state_dict()`` / ``load_state_dict()`` (saved in every checkpoint).
 
     Attributes:
         dynamic: whether `update` changes the scale (a skipped step is then expected, not a NaN).
@@ -168,63 +178,104 @@ class DynamicLossScaler(LossScaler):
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
 
 
-def _dynamic(cfg) -> LossScaler:
-    return DynamicLossScaler(
-        initial_scale=cfg.initial_scale,
-        min_scale=cfg.min_scale,
-        growth_factor=cfg.growth_factor,
-        backoff_factor=cfg.backoff_factor,
-        growth_interval=cfg.growth_interval,
-        hysteresis=cfg.hysteresis,
-    )
+def auto_loss_scaler(*, params_dtype, initial_scale: float, min_scale: float, growth_factor: float,
+                     backoff_factor: float, growth_interval: int, hysteresis: int) -> Optional[LossScaler]:
+    """``loss_scaler=auto`` (DESIGN.md §1): a `DynamicLossScaler` when the params are float16, none otherwise.
+
+    The choice is made on the params dtype the runtime passes (``params_dtype``, a torch.dtype), not
+    on an option name: float16's 5-bit exponent flushes small grads to zero, bfloat16 / float32
+    have float32's exponent range and need no scaling.
+    """
+    if params_dtype != torch.float16:
+        return None
+    return DynamicLossScaler(initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+                             backoff_factor=backoff_factor, growth_interval=growth_interval, hysteresis=hysteresis)
 
 
-def _constant(cfg) -> LossScaler:
-    return ConstantLossScaler(cfg.scale)
-
-
-def _none(cfg) -> None:
+def no_loss_scaler() -> None:
+    """``loss_scaler=none``: no loss scaling (the factory returns None)."""
     return None
 
 
-# name -> builder(cfg); "auto" is resolved by `resolve_loss_scaler_name` before the lookup.
-LOSS_SCALERS: dict[str, Callable] = {"dynamic": _dynamic, "constant": _constant, "none": _none}
-_AUTO = {"fp16": "dynamic", "bf16": "none", "fp32": "none"}
+LOSS_SCALER = ComponentKind("loss scaler", methods=("update", "state_dict", "load_state_dict"),
+                            interface=LossScaler)
+
+# The built-in options, the one table of them: label -> target. Used only for Python-made configs
+# without a _target_ (LossScalerConfig(name="constant")); the shipped conf/loss_scaler/*.yaml set
+# `_target_` to these (tests/test_optim_components.py checks they agree).
+LOSS_SCALERS: dict[str, Callable] = {"auto": auto_loss_scaler, "dynamic": DynamicLossScaler,
+                                     "constant": ConstantLossScaler, "none": no_loss_scaler}
+# keys of LossScalerConfig that belong to the wrapper or are labels: never passed to a scaler
+_NOT_SCALER_KEYS = ("name", "max_consecutive_skips")
 
 
-def resolve_loss_scaler_name(name: str, precision: str) -> str:
-    """The scaler a (loss_scaler.name, precision.name) pair selects; pure, usable by config validation.
-
-    auto -> dynamic for fp16, none otherwise. Rejected: fp16 without a scaler (grads underflow),
-    dynamic with bf16/fp32 (their exponent range is fp32's, nothing to adapt; use constant).
-    Raises:
-        ConfigError: unknown names or a rejected pair (names `loss_scaler` and `precision`).
-    """
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision: unknown precision={precision!r}; pick one of {', '.join(PRECISIONS)}")
-    valid = ("auto",) + tuple(LOSS_SCALERS)
-    if name not in valid:
-        raise ConfigError(f"loss_scaler: unknown loss_scaler={name!r}; pick one of {', '.join(valid)}")
-    resolved = _AUTO[precision] if name == "auto" else name
-    if precision == "fp16" and resolved == "none":
-        raise ConfigError(
-            "loss_scaler: precision=fp16 with loss_scaler=none would underflow small fp16 gradients to zero; "
-            "use loss_scaler=auto (dynamic) or loss_scaler=dynamic or loss_scaler=constant"
-        )
-    if precision != "fp16" and resolved == "dynamic":
-        raise ConfigError(
-            f"loss_scaler: loss_scaler=dynamic is for precision=fp16 (got precision={precision}, whose exponent "
-            "range never needs a dynamic scale); use loss_scaler=auto (none) or loss_scaler=constant"
-        )
-    return resolved
+def scaler_label(scaler: Optional[LossScaler]) -> str:
+    """none | dynamic | constant: what scaling runs (`DerivedLayout.loss_scaler`), from the built object."""
+    return "none" if scaler is None else ("dynamic" if scaler.dynamic else "constant")
 
 
 def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
-    """Build the scaler selected by a `LossScalerConfig` for ``precision`` (fp32 | bf16 | fp16).
+    """Build ``loss_scaler._target_`` for ``precision`` (fp32 | bf16 | fp16), the one place it is built,
+    and apply the precision rules (`check_scaler_for_precision`).
 
+    Keywords: the `LossScalerConfig` keys the target's signature takes (``initial_scale`` ...,
+    ``scale``) and ``params_dtype`` (torch.dtype) if it takes it; keys a user added with ``+`` as they are.
     Returns:
         a `LossScaler`, or None when no loss scaling is used (auto with bf16/fp32, or none).
     Raises:
-        ConfigError: see `resolve_loss_scaler_name` and the scalers' constructors.
+        ConfigError: unknown precision; the component checks; the scalers' constructors; rejected pairs.
     """
-    return LOSS_SCALERS[resolve_loss_scaler_name(cfg.name, precision)](cfg)
+    from mptrain.config.precision import LossScalerConfig
+    from mptrain.precision import params_dtype
+
+    dtype = params_dtype(precision)
+    target = getattr(cfg, "_target_", None)
+    name = getattr(cfg, "name", None)
+    if target is None:
+        if name not in LOSS_SCALERS:
+            raise ConfigError(f"loss_scaler: unknown loss_scaler={name!r}; pick one of {', '.join(LOSS_SCALERS)}")
+        target = LOSS_SCALERS[name]
+    node = {"_target_": target, **components.extra_keys(cfg)}
+    extras = components.extra_keys(cfg)
+    # the schema's keys (its defaults under what cfg sets: a partial namespace gets the defaults too)
+    values = {**{f.name: f.default for f in dataclasses.fields(LossScalerConfig)}, **vars(cfg)}
+    fields = {k: v for k, v in values.items()
+              if k not in components.RESERVED_KEYS and k not in _NOT_SCALER_KEYS and k not in extras}
+    scaler = components.build("loss_scaler", node, LOSS_SCALER, mapped={**fields, "params_dtype": dtype})
+    check_scaler_for_precision(scaler, precision, name if name is not None else str(target))
+    return scaler
+
+
+def check_scaler_for_precision(scaler: Optional[LossScaler], precision: str, label: str) -> None:
+    """The precision rules of loss scaling, once: fp16 needs a scaler (grads underflow), a dynamic one
+    is for fp16 only (bf16/fp32 have fp32's exponent range: nothing to adapt; use constant).
+
+    Raises:
+        ConfigError: naming `loss_scaler` and `precision`.
+    """
+    from mptrain.precision import params_dtype
+
+    half = params_dtype(precision) == torch.float16
+    if half and scaler is None:
+        raise ConfigError(
+            f"loss_scaler: precision={precision} with loss_scaler={label} would underflow small fp16 gradients to zero; "
+            "use loss_scaler=auto (dynamic) or loss_scaler=dynamic or loss_scaler=constant"
+        )
+    if not half and scaler is not None and scaler.dynamic:
+        raise ConfigError(
+            f"loss_scaler: loss_scaler={label} is for precision=fp16 (a dynamic scale; got precision={precision}, whose "
+            "exponent range never needs a dynamic scale); use loss_scaler=auto (none) or loss_scaler=constant"
+        )
+
+
+def resolve_loss_scaler_name(name: str, precision: str) -> str:
+    """The scaling a built-in (loss_scaler.name, precision.name) pair selects: none | dynamic | constant.
+
+    Raises:
+        ConfigError: unknown names or a rejected pair (names `loss_scaler` and `precision`).
+    """
+    from mptrain.config.precision import LossScalerConfig
+    from mptrain.precision import params_dtype
+
+    params_dtype(precision)
+    return scaler_label(build_loss_scaler(LossScalerConfig(name=name), precision))

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import sys
 import time
 import traceback
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from mptrain.config.schema import Config
@@ -25,7 +27,6 @@ from mptrain.config.validate import as_config, check_vocab_size, validate_config
 from mptrain.data.provider import build_provider, provider_target
 from mptrain.data.tokenizers import build_tokenizer
 from mptrain.distributed.ddp import DistributedDataParallel
-from mptrain.distributed.distrib_optimizer import DistributedOptimizer
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.errors import ConfigError
 from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
@@ -33,9 +34,10 @@ from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.optim.builders import build_optimizer_factory
-from mptrain.optim.lr_scheduler import OptimizerParamScheduler
+from mptrain.optim.lr_scheduler import build_lr_scheduler
+from mptrain.precision import params_dtype as precision_params_dtype
 from mptrain.precision.module import Float16Module
-from mptrain.precision.optimizer import FP32Optimizer, MixedPrecisionOptimizer, TooManySkippedStepsError
+from mptrain.precision.optimizer import TooManySkippedStepsError, build_optimizer_wrapper
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleStats, get_forward_backward_func
 from mptrain.training.batch import CheckedProvider
@@ -45,7 +47,6 @@ from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make
 from mptrain.training.watchdog import StepWatchdog, StopSignal
 
 CONFIG_ERROR_GRACE_S = 5.0  # seconds a rank waits after printing a config error, before exiting (see hydra_main)
-PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass
@@ -61,9 +62,25 @@ class Built:
     scaler: Any
 
 
+def seed_host_rngs(seed: int, groups: ParallelGroups) -> None:
+    """Seed Python's `random` and NumPy's global RNG as Megatron's ``_set_random_seed`` does
+    (``seed + 100 * pp_rank``; torch is seeded with the same number by `init_rng_tracker`), so a
+    user component drawing from them is reproducible. A resume then restores or re-derives them
+    from the checkpoint (`mptrain.checkpoint.rng`)."""
+    host_seed = (seed + 100 * groups.pp_rank) % 2**32
+    random.seed(host_seed)
+    np.random.seed(host_seed)
+
+
 def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, vocab_size: int):
-    """Model chunks wrapped as DDP(Float16Module(GPTModel)), the optimizer wrapper and the LR scheduler."""
-    params_dtype = PARAMS_DTYPES[cfg.precision.name]
+    """Model chunks wrapped as DDP(Float16Module(GPTModel)), the optimizer wrapper and the LR scheduler.
+
+    Components (`mptrain.components`): the loss scaler (``loss_scaler._target_``), the inner optimizer
+    (``optim._target_``), the wrapper (``precision._target_``, `wrapper_target`'s rule for ZeRO-1) and
+    the LR schedule (``optim.lr_scheduler._target_``), each built in its one place.
+    """
+    seed_host_rngs(cfg.train.seed, groups)
+    params_dtype = precision_params_dtype(cfg.precision.name)
     if cfg.parallel.tp_comm_overlap:
         enable_tp_comm_overlap(groups.tp_group)
     raw_chunks = build_model_chunks(
@@ -91,27 +108,11 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
             )
         )
     scaler = build_loss_scaler(cfg.loss_scaler, cfg.precision.name)
-    factory = build_optimizer_factory(cfg.optim)
-    common = dict(scaler=scaler, clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
-    if cfg.parallel.use_distributed_optimizer:
-        optimizer = DistributedOptimizer(factory, chunks, groups, **common)
-    else:
-        params, specs, owner = [], [], {}
-        for chunk in chunks:
-            for name, param in chunk.module.named_parameters():
-                params.append(param)
-                specs.append(chunk.specs[name])
-                owner[param] = chunk
-        wrapper = FP32Optimizer if params_dtype == torch.float32 else MixedPrecisionOptimizer
-        optimizer = wrapper(factory, params, specs, lambda p: owner[p].main_grad(p), groups, **common)
-    lr_scheduler = OptimizerParamScheduler(
-        optimizer,
-        lr=cfg.optim.lr,
-        min_lr=cfg.optim.min_lr,
-        lr_warmup_iters=cfg.optim.lr_warmup_iters,
-        lr_decay_iters=cfg.optim.lr_decay_iters,
-        lr_decay_style=cfg.optim.lr_decay_style,
-    )
+    optimizer = build_optimizer_wrapper(
+        cfg.precision, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        build_optimizer=build_optimizer_factory(cfg.optim), model_chunks=chunks, groups=groups, scaler=scaler,
+        clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
+    lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters)
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
@@ -162,7 +163,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         global_batch_size=cfg.train.global_batch_size,
         seq_length=cfg.model.seq_length,
         hidden_size=cfg.model.hidden_size,
-        dtype=PARAMS_DTYPES[cfg.precision.name],
+        dtype=precision_params_dtype(cfg.precision.name),
         sequence_parallel=derived.sequence_parallel,
         device=groups.device,
         stats=ScheduleStats(timers=timers),

@@ -1,0 +1,214 @@
+"""Optimizer, LR schedule, loss scaler and optimizer wrapper as `_target_` components (issue #19).
+
+A user's class in each kind, from CLI-style overrides: torch.optim.RMSprop (+ its own keyword) trains
+and resumes bitwise (tp1pp1 in-process; tp2pp2 under torchrun), the example LR schedule sets the
+expected `lr` values, a user scaler / wrapper subclass equals the built-in, and every bad plug-in is
+one ConfigError line naming the key. Also: python `random` / NumPy seeded from train.seed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harness import run_distributed
+from mptrain.config.validate import validate_config
+from mptrain.errors import ConfigError
+from mptrain.precision.optimizer import MixedPrecisionOptimizer
+from mptrain.precision.scaler import ConstantLossScaler
+from train_utils import compose, read_rows, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model=tiny", "model.num_layers=4", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
+         "train.global_batch_size=8", "train.micro_batch_size=2"]
+RMSPROP = ["optim._target_=torch.optim.RMSprop", "+optim.alpha=0.9"]
+KEYS = ("lm_loss", "grad_norm", "loss_scale", "lr")
+
+
+# --- user classes (module level: the pool workers import them by dotted path) -------------------------
+class ScaledConstant(ConstantLossScaler):
+    """A user scaler with its own keyword: scale = base * multiplier."""
+
+    def __init__(self, base: float, multiplier: float = 1.0) -> None:
+        super().__init__(base * multiplier)
+
+
+class CountingWrapper(MixedPrecisionOptimizer):
+    """A user wrapper: the built-in mixed-precision one, counting its steps."""
+
+    def step(self, grad_scale=None):
+        self.steps_taken = getattr(self, "steps_taken", 0) + 1
+        return super().step(grad_scale)
+
+
+class DrawingRMSprop(torch.optim.RMSprop):
+    """Draws from python `random` and NumPy when built (what an unseeded user component would break)."""
+
+    drawn: list = []
+
+    def __init__(self, params, lr: float = 0.01, alpha: float = 0.99, eps: float = 1e-8, foreach=None) -> None:
+        DrawingRMSprop.drawn.append((random.random(), float(np.random.random())))
+        super().__init__(params, lr=lr, alpha=alpha, eps=eps, foreach=foreach)
+
+
+def _draws_task(rank, world, overrides):
+    run_job(rank, world, overrides)
+    return DrawingRMSprop.drawn[-1]  # the last build is the training one (validate_config builds a throwaway first)
+
+
+def _rows(run_dir) -> dict:
+    return {r["iteration"]: r for r in read_rows(run_dir)}
+
+
+def _pick(rows: dict, iterations) -> list:
+    return [{k: rows[i][k] for k in KEYS} for i in iterations]
+
+
+# --- config ------------------------------------------------------------------------------------------
+def test_cfg_job_shows_targets_and_yamls_agree_with_the_builtin_tables():
+    from omegaconf import OmegaConf
+
+    from mptrain.optim.builders import OPTIMIZERS
+    from mptrain.precision.scaler import LOSS_SCALERS
+
+    text = OmegaConf.to_yaml(compose(["precision=bf16"]))
+    for target in ("torch.optim.Adam", "mptrain.optim.lr_scheduler.OptimizerParamScheduler",
+                   "mptrain.precision.optimizer.MixedPrecisionOptimizer", "mptrain.precision.scaler.auto_loss_scaler"):
+        assert f"_target_: {target}" in text
+    for name, row in OPTIMIZERS.items():
+        assert compose([f"optim={name}"]).optim._target_ == f"torch.optim.{row[0].__name__}"
+    for name, target in LOSS_SCALERS.items():
+        assert compose([f"loss_scaler={name}"]).loss_scaler._target_ == f"{target.__module__}.{target.__name__}"
+
+
+def test_rmsprop_from_overrides_is_built_with_mapped_and_own_keywords():
+    from mptrain.config.validate import as_config
+    from mptrain.optim import build_optimizer_factory
+
+    cfg = as_config(compose(RMSPROP + ["optim.lr=0.01", "optim.weight_decay=0.1"]))
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = build_optimizer_factory(cfg.optim)([{"params": [p]}])
+    assert type(opt) is torch.optim.RMSprop
+    d = opt.defaults
+    assert (d["lr"], d["alpha"], d["weight_decay"], d["eps"], d["momentum"], d["foreach"]) == (0.01, 0.9, 0.1, 1e-8, 0.0, True)
+
+
+BAD = [
+    (["optim._target_=no_such_pkg.Opt"], "optim._target_=no_such_pkg.Opt does not import"),
+    (["optim._target_=torch.nn.Linear"], "optim._target_=torch.nn.Linear is not a valid optimizer: it lacks step"),
+    (["+optim.foo=1"], "optim.foo: torch.optim.Adam takes no keyword 'foo'"),
+    (RMSPROP[:1] + ["+optim.alpha=abc"], "optim: torch.optim.RMSprop rejected its arguments"),
+    (["optim.lr=-1"], "optim.lr=-1.0 must be >= 0"),
+    (["optim.min_lr=0.1", "optim.lr=0.01"], "optim.min_lr=0.1 must be <= optim.lr=0.01"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
+    (["optim.adam_beta1=1.0"], r"optim.adam_beta1=1.0 must be in \[0, 1\)"),
+    (["optim.adam_beta2=-0.5"], r"optim.adam_beta2=-0.5 must be in \[0, 1\)"),
+    (["optim.adam_eps=0"], "optim.adam_eps=0.0 must be > 0"),
+    (["optim.impl=cuda"], "unknown optim.impl='cuda'"),
+    (["optim.lr_decay_style=step"], "unknown optim.lr_decay_style='step'"),
+    (["optim.lr_scheduler._target_=no_such_pkg.Sched"], "optim.lr_scheduler._target_=no_such_pkg.Sched does not import"),
+    (["optim.lr_scheduler._target_=torch.nn.Linear"], "optim.lr_scheduler._target_=torch.nn.Linear is not a valid LR schedule"),
+    (["optim.lr_scheduler._target_=mptrain_plugins.lr_schedules.CosineWithRestarts"],
+     "optim.lr_scheduler: mptrain_plugins.lr_schedules.CosineWithRestarts rejected its arguments .*cycle_iters"),
+    (["+optim.lr_scheduler.cycle_iters=3"], "optim.lr_scheduler.cycle_iters: .*OptimizerParamScheduler takes no keyword"),
+    (["loss_scaler._target_=no_such_pkg.S"], "loss_scaler._target_=no_such_pkg.S does not import"),
+    (["loss_scaler._target_=torch.nn.Linear"], "loss_scaler._target_=torch.nn.Linear is not a valid loss scaler"),
+    (["loss_scaler=constant", "+loss_scaler.foo=1"], "loss_scaler.foo: .*ConstantLossScaler takes no keyword 'foo'"),
+    (["precision=fp16", "loss_scaler=none"], "loss_scaler: precision=fp16 with loss_scaler=none"),
+    (["precision._target_=no_such_pkg.W"], "precision._target_=no_such_pkg.W does not import"),
+    (["precision._target_=torch.nn.Linear"], "precision._target_=torch.nn.Linear is not a valid optimizer wrapper"),
+    (["precision=bf16", "precision._target_=test_optim_components.CountingWrapper",
+      "parallel.use_distributed_optimizer=true"], "precision._target_=test_optim_components.CountingWrapper is not a DistributedOptimizer"),
+]
+
+
+@pytest.mark.parametrize("overrides, match", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_plugins_are_one_config_error_line_naming_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        validate_config(compose(overrides), 1)
+    assert "\n" not in str(err.value)
+
+
+def test_distributed_optimizer_replaces_the_builtin_wrappers_only():
+    from mptrain.config.validate import as_config
+    from mptrain.distributed import DistributedOptimizer
+    from mptrain.precision.optimizer import FP32Optimizer, wrapper_target
+
+    for precision, plain in (("fp32", FP32Optimizer), ("bf16", MixedPrecisionOptimizer), ("fp16", MixedPrecisionOptimizer)):
+        node = as_config(compose([f"precision={precision}"])).precision
+        assert wrapper_target(node, False) is plain
+        assert wrapper_target(node, True) is DistributedOptimizer
+    user = as_config(compose(["precision=bf16", "precision._target_=test_optim_components.CountingWrapper"])).precision
+    assert wrapper_target(user, False) is CountingWrapper
+
+
+# --- end to end (gloo pool, one process) -------------------------------------------------------------
+def test_rmsprop_trains_and_resumes_bitwise(tmp_path):
+    common = SMALL + RMSPROP + ["train.train_iters=6", "optim.lr=3e-3"]
+    run_distributed(run_job, 1, common + [f"run.dir={tmp_path / 'straight'}"])
+    ckpt = tmp_path / "ckpt"
+    split = [f"run.dir={tmp_path / 'split'}", f"checkpoint.save={ckpt}"]
+    run_distributed(run_job, 1, common + split + ["train.exit_interval=3"])
+    run_distributed(run_job, 1, common + split + [f"checkpoint.load={ckpt}"])
+    want, got = _rows(tmp_path / "straight"), _rows(tmp_path / "split")
+    assert sorted(got) == list(range(1, 7))
+    assert _pick(got, range(1, 7)) == _pick(want, range(1, 7))  # bitwise: RMSprop's square_avg crossed the checkpoint
+    assert want[6]["lm_loss"] < want[1]["lm_loss"]  # it trains
+
+
+def test_user_lr_schedule_sets_the_expected_lr(tmp_path):
+    run_distributed(run_job, 1, SMALL + [
+        "train.train_iters=7", "optim.lr=0.01", "optim.min_lr=0.001", "optim.lr_warmup_iters=2",
+        "optim.lr_scheduler._target_=mptrain_plugins.lr_schedules.CosineWithRestarts", "+optim.lr_scheduler.cycle_iters=3",
+        f"run.dir={tmp_path}"])
+    lrs = [r["lr"] for r in read_rows(tmp_path)]
+    # iteration i runs at the LR after i - 1 steps: warmup 0, 0.005, 0.01, then restarts every 3 steps
+    cos = [0.001 + (0.01 - 0.001) * 0.5 * (1 + math.cos(math.pi * t / 3)) for t in (0, 1, 2)]
+    assert lrs == [0.0, 0.005, 0.01] + cos[1:] + cos[:2]
+
+
+def test_user_scaler_and_wrapper_equal_the_builtins(tmp_path):
+    common = SMALL + ["precision=fp16", "train.train_iters=3"]
+    run_distributed(run_job, 1, common + ["loss_scaler=constant", "loss_scaler.scale=512", f"run.dir={tmp_path / 'a'}"])
+    run_distributed(run_job, 1, common + [
+        "loss_scaler._target_=test_optim_components.ScaledConstant", "+loss_scaler.base=128", "+loss_scaler.multiplier=4",
+        "precision._target_=test_optim_components.CountingWrapper", f"run.dir={tmp_path / 'b'}"])
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert [r["loss_scale"] for r in b.values()] == [512.0] * 3
+    assert _pick(b, range(1, 4)) == _pick(a, range(1, 4))
+
+
+def test_fresh_run_seeds_python_and_numpy_from_train_seed(tmp_path):
+    got = run_distributed(_draws_task, 1, SMALL + ["train.train_iters=1", "train.seed=77",
+                                                   "optim._target_=test_optim_components.DrawingRMSprop",
+                                                   f"run.dir={tmp_path}"])[0]
+    random.seed(77)
+    np.random.seed(77)  # Megatron's _set_random_seed: seed + 100 * pp_rank (pp_rank 0)
+    assert tuple(got) == (random.random(), float(np.random.random()))
+
+
+# --- acceptance: torchrun tp2pp2 ----------------------------------------------------------------------
+def test_torchrun_tp2pp2_rmsprop_resumes_bitwise(tmp_path):
+    """Reference and first half in the pool (4 ranks); the resume is one real torchrun launch."""
+    common = SMALL + ["parallel=tp2pp2", "train.train_iters=4"] + RMSPROP
+    run_distributed(run_job, 4, common + [f"run.dir={tmp_path / 'straight'}"])
+    ckpt, split = tmp_path / "ckpt", tmp_path / "split"
+    run_distributed(run_job, 4, common + [f"run.dir={split}", f"checkpoint.save={ckpt}", "train.exit_interval=2"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "examples/plugins"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "train.py",
+                           *common, f"run.dir={split}", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = _rows(tmp_path / "straight"), _rows(split)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert _pick(got, range(1, 5)) == _pick(want, range(1, 5))
