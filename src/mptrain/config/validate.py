@@ -131,7 +131,7 @@ def _fmt(choices: tuple) -> str:
 
 
 def check_choices(cfg: Config) -> None:
-    """Reject option names the code does not know (`schedule.name=foo`, `model.activation=relu`).
+    """Reject option names the code does not know (`precision.name=foo`, `model.activation=relu`).
 
     Raises:
         ConfigError: naming the key, the value and the valid names.

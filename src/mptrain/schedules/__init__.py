@@ -18,7 +18,7 @@ shared forward/backward step and the loss normalisation in `common.py`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from mptrain import components
 from mptrain.errors import ConfigError

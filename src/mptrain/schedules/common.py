@@ -72,14 +72,10 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
                           sequence_parallel: bool) -> tuple[int, int, int]:
     """Shape of the activations exchanged between stages: ``[s/tp if sequence_parallel else s, b, h]``.
 
-    Raises:
-        ConfigError: sequence parallelism with ``seq_length`` not divisible by the TP size.
+    ``seq_length % tp == 0`` under sequence parallelism is a config rule checked once, by
+    `mptrain.config.validate.validate_config` (naming the keys); here it is an invariant.
     """
-    if sequence_parallel and seq_length % tp_size != 0:
-        raise ConfigError(
-            f"model.seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp_size} under "
-            "parallel.sequence_parallel=true; pick a seq_length that is a multiple of tp or turn sequence_parallel off"
-        )
+    assert not sequence_parallel or seq_length % tp_size == 0, (seq_length, tp_size)
     seq = seq_length // tp_size if sequence_parallel else seq_length
     return (seq, micro_batch_size, hidden_size)
 
