@@ -22,7 +22,7 @@ from mptrain.groups import build_groups
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.optim import build_optimizer_factory
 from mptrain.precision import Float16Module, FP32Optimizer, MixedPrecisionOptimizer, get_grad_norm_fp32
-from mptrain.schedules import get_forward_backward_func
+from schedule_utils import make_spec, schedule_fn
 
 VOCAB, SEQ, MBS, HIDDEN, LAYERS, M = 101, 16, 2, 32, 4, 4
 
@@ -68,10 +68,10 @@ def _step(rank, world, tp, pp, clip_grad, precision="fp32"):
                   for c in gpts]
         max_tokens = M * MBS * SEQ
         schedule = "no_pipelining" if pp == 1 else "1f1b"
-        _, num_tokens = get_forward_backward_func(schedule, groups)(
-            forward_step_func=_forward_step, data_iterator=iter(_batches()), model=chunks, num_microbatches=M,
-            seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups, dtype=dtype,
-            sequence_parallel=False, max_tokens=max_tokens)
+        spec = make_spec(groups, num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                         dtype=dtype, max_tokens=max_tokens)
+        _, num_tokens = schedule_fn(schedule)(spec, forward_step_func=_forward_step, data_iterator=iter(_batches()),
+                                              model=chunks)
         finalize_model_grads(chunks, groups, num_tokens=num_tokens, max_tokens=max_tokens)
         owner, params, specs = {}, [], []
         for chunk in chunks:

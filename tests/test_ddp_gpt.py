@@ -21,7 +21,7 @@ from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.optim.builders import build_optimizer_factory
 from mptrain.precision.optimizer import FP32Optimizer
-from mptrain.schedules import get_forward_backward_func
+from schedule_utils import make_spec, schedule_fn
 
 VOCAB, SEQ, MBS, HIDDEN, LAYERS, M = 101, 16, 2, 32, 4, 4  # M micro-batches in the global batch
 
@@ -73,7 +73,7 @@ def _train_gpt(rank, world, pp, distopt, overlap):
             main_grad = {p: ch.main_grad for ch in chunks for p in ch.module.parameters()}
             opt = FP32Optimizer(build, params, specs, lambda p: main_grad[p](p), groups, scaler=None, clip_grad=1.0,
                                 max_consecutive_skips=0)
-        fb = get_forward_backward_func("auto", groups)
+        fb = schedule_fn("auto")
         m_local = M // groups.dp_size
         losses, norms, tied_equal = [], [], []
         for step in range(5):
@@ -81,10 +81,10 @@ def _train_gpt(rank, world, pp, distopt, overlap):
                 c.zero_grad_buffer()
             opt.zero_grad()
             batches = _batches(step)[groups.dp_rank * m_local:(groups.dp_rank + 1) * m_local]
-            reports, num_tokens = fb(forward_step_func=_forward_step, data_iterator=iter(batches), model=chunks,
-                                     num_microbatches=m_local, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
-                                     groups=groups, dtype=torch.float32, sequence_parallel=False,
-                                     max_tokens=M * MBS * SEQ, no_sync_func=chunks[0].no_sync)
+            spec = make_spec(groups, num_microbatches=m_local, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                             max_tokens=M * MBS * SEQ)
+            reports, num_tokens = fb(spec, forward_step_func=_forward_step, data_iterator=iter(batches), model=chunks,
+                                     no_sync_func=chunks[0].no_sync)
             total = finalize_model_grads(chunks, groups, num_tokens=num_tokens, max_tokens=M * MBS * SEQ)
             norms.append(opt.step().grad_norm)
             if groups.is_last_stage:

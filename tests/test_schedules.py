@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from harness import run_distributed
 from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
-from mptrain.schedules import ScheduleStats, get_forward_backward_func, resolve_schedule_name
+from mptrain.schedules import PipelineLayout, ScheduleStats, resolve_schedule, select_for_layout
+from schedule_utils import make_spec, schedule_fn
 
 VOCAB, HIDDEN, SEQ, MBS = 37, 16, 8, 2
 
@@ -142,13 +143,14 @@ def _run_schedule(rank, world, schedule, pp, vpp, m, sizes_kw, loss_scale=1.0):
         chunks = build_chunks(groups.pp_rank, pp, vpp or 1, sizes)
         batches = make_batches(m)
         iters = [iter(batches) for _ in chunks]
-        fn = get_forward_backward_func(schedule, groups)
+        fn = schedule_fn(schedule)
         stats = ScheduleStats()
         max_tokens = m * MBS * SEQ
+        spec = make_spec(groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                         max_tokens=max_tokens)
         reports, num_tokens = fn(
-            forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-            dtype=torch.float32, sequence_parallel=False, max_tokens=max_tokens, stats=stats, loss_scale=loss_scale,
+            spec, forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
+            stats=stats, loss_scale=loss_scale,
         )
         ref_loss, ref_grads, ref_tokens = reference(batches, num_layers)
         # finalize_model_grads' rescale: grads were of Σ loss_sum / max_tokens
@@ -237,21 +239,34 @@ def test_interleaved_uneven_split():
 
 # --- selection and rejection ----------------------------------------------------------------------------------
 
-def test_auto_and_registry():
+def _layout(pp, vpp, m=4, dp=1):
+    return PipelineLayout(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vpp, data_parallel_size=dp, num_microbatches=m,
+                          micro_batch_size=MBS)
+
+
+def _node(option, **extra):
+    return {"name": option, "_target_": schedule_fn(option).__module__ + "." + schedule_fn(option).__qualname__,
+            **extra}
+
+
+def test_auto_and_layout_rules():
     table = [((1, None), "no_pipelining"), ((2, None), "1f1b"), ((4, None), "1f1b"), ((2, 2), "interleaved_1f1b")]
     for (pp, vpp), name in table:
-        assert resolve_schedule_name("auto", pp_size=pp, vpp_size=vpp) == name
-    assert resolve_schedule_name("gpipe", pp_size=2, vpp_size=None) == "gpipe"
+        assert resolve_schedule(_node("auto"), _layout(pp, vpp)).name == name
+        assert select_for_layout(_layout(pp, vpp)) is schedule_fn(name)
+    assert resolve_schedule(_node("gpipe"), _layout(2, None)).fn is schedule_fn("gpipe")
+    assert resolve_schedule(_node("gpipe"), _layout(1, None)).name == "no_pipelining"  # one stage degenerates
     bad = [
-        ("zero_bubble", 2, None, "unknown schedule 'zero_bubble'; valid: auto, no_pipelining, gpipe, 1f1b, interleaved_1f1b"),
-        ("no_pipelining", 2, None, "needs pipeline_model_parallel_size=1 (got 2)"),
-        ("interleaved_1f1b", 2, None, "needs virtual_pipeline_model_parallel_size > 1 (got None)"),
-        ("1f1b", 2, 2, "virtual_pipeline_model_parallel_size=2; use schedule=interleaved_1f1b"),
-        ("gpipe", 4, 2, "virtual_pipeline_model_parallel_size=2; use schedule=interleaved_1f1b"),
+        ("no_pipelining", 2, None, 4, "schedule=no_pipelining cannot run pipeline_model_parallel_size=2"),
+        ("interleaved_1f1b", 2, None, 4, "virtual_pipeline_model_parallel_size is null but schedule=interleaved_1f1b"),
+        ("1f1b", 2, 2, 4, "virtual_pipeline_model_parallel_size=2 needs schedule=interleaved_1f1b or auto (got schedule=1f1b)"),
+        ("gpipe", 4, 2, 4, "virtual_pipeline_model_parallel_size=2 needs schedule=interleaved_1f1b or auto (got schedule=gpipe)"),
+        ("auto", 4, 2, 6, "needs num_microbatches % pipeline_model_parallel_size == 0, got 6"),
     ]
-    for name, pp, vpp, msg in bad:
+    for name, pp, vpp, m, msg in bad:
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")) as e:
-            resolve_schedule_name(name, pp_size=pp, vpp_size=vpp)
+            resolve_schedule(_node(name), _layout(pp, vpp, m))
         assert "\n" not in str(e.value)
 
 
@@ -259,12 +274,12 @@ def _rejected(rank, world, schedule, pp, vpp, m):
     groups = build_groups(1, pp, vpp)
     try:
         chunks = build_chunks(groups.pp_rank, pp, vpp or 1, stage_sizes(8, pp * (vpp or 1)))
-        fn = get_forward_backward_func(schedule, groups)
+        fn = schedule_fn(schedule)
         iters = [iter(make_batches(max(m, 1))) for _ in chunks]
         try:
-            fn(forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
-               num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-               dtype=torch.float32, sequence_parallel=False, max_tokens=max(m, 1) * MBS * SEQ)
+            spec = make_spec(groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                             max_tokens=max(m, 1) * MBS * SEQ)
+            fn(spec, forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks)
         except ConfigError as e:
             return str(e)
         return None
@@ -275,8 +290,10 @@ def _rejected(rank, world, schedule, pp, vpp, m):
 @pytest.mark.parametrize("world, pp, m", [(2, 2, 1), (2, 2, 3), (4, 4, 1), (4, 4, 2), (4, 4, 3), (4, 4, 6)])
 def test_interleaved_rejects_microbatch_counts(world, pp, m):
     msgs = run_distributed(_rejected, world, "interleaved_1f1b", pp, 2, m, timeout_s=60)
-    expected = (f"schedule=interleaved_1f1b: num_microbatches={m} (global_batch_size / (micro_batch_size × dp)) must "
-                f"be a multiple of pipeline_model_parallel_size={pp}; change train.global_batch_size or use schedule=1f1b")
+    # the one copy of the rule (interleaved's check_layout; validate_config raises the same line at start-up)
+    expected = (f"schedule=interleaved_1f1b needs num_microbatches % pipeline_model_parallel_size == 0, got {m} "
+                f"micro-batches (train.global_batch_size={m * MBS} / (micro_batch_size {MBS} × dp 1)) and pp={pp}; "
+                f"make global_batch_size a multiple of {MBS * pp}")
     assert msgs == [expected] * world  # every rank, before any communication: no hang
 
 
@@ -296,10 +313,11 @@ def _forward_only(rank, world, schedule, pp, vpp, m):
         batches = make_batches(m)
         iters = [iter(batches) for _ in chunks]
         stats = ScheduleStats()
-        reports, num_tokens = get_forward_backward_func(schedule, groups)(
-            forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-            dtype=torch.float32, sequence_parallel=False, forward_only=True, max_tokens=None, stats=stats)
+        spec = make_spec(groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                         max_tokens=None)
+        reports, num_tokens = schedule_fn(schedule)(
+            spec, forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
+            forward_only=True, stats=stats)
         assert all(p.grad is None for c in chunks for p in c.parameters())
         assert stats == ScheduleStats()  # evaluation does not count toward per-iteration stats
         if not groups.is_last_stage:
@@ -353,10 +371,10 @@ def _no_sync(rank, world, schedule, pp, vpp, m):
             p.register_hook(lambda g, c=c: log.append((c, flags[c].enabled)))
         iters = [iter(make_batches(m)) for _ in chunks]
         no_sync_func = [f.no_sync for f in flags] if vpp else flags[0].no_sync
-        get_forward_backward_func(schedule, groups)(
-            forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-            dtype=torch.float32, sequence_parallel=False, max_tokens=m * MBS * SEQ, no_sync_func=no_sync_func)
+        spec = make_spec(groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                         max_tokens=m * MBS * SEQ)
+        schedule_fn(schedule)(spec, forward_step_func=forward_step, data_iterator=iters if vpp else iters[0],
+                              model=chunks, no_sync_func=no_sync_func)
         return [[enabled for cc, enabled in log if cc == c] for c in range(len(chunks))]
     finally:
         groups.destroy()
@@ -406,10 +424,10 @@ def _saved_activations(rank, world, m):
             chunks = build_chunks(groups.pp_rank, world, 1, stage_sizes(8, world))
             meter, stats = _SavedBytes(), ScheduleStats()
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                get_forward_backward_func(schedule, groups)(
-                    forward_step_func=forward_step, data_iterator=iter(make_batches(mb)), model=chunks,
-                    num_microbatches=mb, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-                    dtype=torch.float32, sequence_parallel=False, max_tokens=mb * MBS * SEQ, stats=stats)
+                spec = make_spec(groups, num_microbatches=mb, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                                 max_tokens=mb * MBS * SEQ)
+                schedule_fn(schedule)(spec, forward_step_func=forward_step, data_iterator=iter(make_batches(mb)),
+                                      model=chunks, stats=stats)
             assert meter.current == 0  # everything saved was freed by the backwards
             out[(schedule, mb)] = (meter.peak, stats.max_inflight_microbatches)
         return out

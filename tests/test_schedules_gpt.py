@@ -19,7 +19,8 @@ from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.sharding import collect_shard_specs, place_shard
-from mptrain.schedules import ScheduleStats, get_forward_backward_func
+from mptrain.schedules import ScheduleStats
+from schedule_utils import make_spec, schedule_fn
 
 VOCAB, SEQ, MBS, HIDDEN, LAYERS = 101, 16, 2, 32, 8
 
@@ -69,10 +70,10 @@ def _run(rank, world, tp, pp, vpp, schedule, m, sequence_parallel=False):
         iters = [iter(batches) for _ in chunks]
         stats = ScheduleStats()
         try:
-            reports, num_tokens = get_forward_backward_func(schedule, groups)(
-                forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks,
-                num_microbatches=m_local, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN, groups=groups,
-                dtype=torch.float32, sequence_parallel=sequence_parallel, max_tokens=max_tokens, stats=stats)
+            spec = make_spec(groups, num_microbatches=m_local, seq_length=SEQ, micro_batch_size=MBS, hidden_size=HIDDEN,
+                             sequence_parallel=sequence_parallel, max_tokens=max_tokens)
+            reports, num_tokens = schedule_fn(schedule)(
+                spec, forward_step_func=forward_step, data_iterator=iters if vpp else iters[0], model=chunks, stats=stats)
         except ConfigError as e:
             return {"error": str(e)}
         grads = {}
@@ -153,9 +154,10 @@ def test_gpt_pp4(schedule, m):
 def test_gpt_interleaved_vpp2(world, m):
     results = run_distributed(_run, world, 1, world, 2, "interleaved_1f1b", m)
     if m % world:
-        expected = (f"schedule=interleaved_1f1b: num_microbatches={m} (global_batch_size / (micro_batch_size × dp)) "
-                    f"must be a multiple of pipeline_model_parallel_size={world}; change train.global_batch_size or "
-                    "use schedule=1f1b")
+        # the one copy of the rule (interleaved's check_layout; validate_config raises the same line at start-up)
+        expected = (f"schedule=interleaved_1f1b needs num_microbatches % pipeline_model_parallel_size == 0, got {m} "
+                    f"micro-batches (train.global_batch_size={m * MBS} / (micro_batch_size {MBS} × dp 1)) and "
+                    f"pp={world}; make global_batch_size a multiple of {MBS * world}")
         assert [r.get("error") for r in results] == [expected] * world  # rejected on every rank, one line
     else:
         check_against_reference(results, m)

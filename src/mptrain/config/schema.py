@@ -10,13 +10,8 @@ from mptrain.config.model import ModelConfig
 from mptrain.config.optim import OptimConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.config.precision import LossScalerConfig, PrecisionConfig
+from mptrain.config.schedule import ScheduleConfig
 from mptrain.config.train import CheckpointConfig, DebugConfig, LoggerConfig, RunConfig, TrainConfig
-
-
-@dataclasses.dataclass
-class ScheduleConfig:
-    name: str = "auto"
-    """auto | no_pipelining | gpipe | 1f1b | interleaved_1f1b."""
 
 
 @dataclasses.dataclass

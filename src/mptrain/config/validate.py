@@ -6,13 +6,9 @@ no files, no environment), so every rank reaches the same verdict and raises the
 never join. It returns the facts derived from the layout (`DerivedLayout`).
 
 Decisions recorded here (beyond DESIGN.md):
-- `schedule=gpipe` / `schedule=1f1b` with pipeline_model_parallel_size = 1 is accepted and
-  degenerates to `no_pipelining` (Megatron's `get_forward_backward_func` does the same for pp = 1);
-  `DerivedLayout.schedule` says so. `schedule=no_pipelining` with pp > 1 is an error.
-- A virtual pipeline (vpp > 1) needs the interleaved schedule: `auto` picks it; an explicit
-  `gpipe` / `1f1b` / `no_pipelining` with vpp > 1 is an error, as is `interleaved_1f1b` without vpp.
-- `interleaved_1f1b` needs num_microbatches % pp == 0 (Megatron core_v0.5-0.9; with the default
-  microbatch group size N = pp the newer rule is the same).
+- Schedule-vs-layout rules live with each schedule (`mptrain.schedules.resolve_schedule`, the
+  schedule's ``check_layout``): gpipe / 1f1b with pp = 1 degenerate to no_pipelining, vpp needs the
+  interleaved schedule (which needs num_microbatches % pp == 0), no_pipelining needs pp = 1.
 - `sequence_parallel=true` with tp = 1 is allowed and does nothing (`DerivedLayout.sequence_parallel`
   is False); with tp > 1 it needs seq_length % tp == 0 (activations are split along s).
 - A loss scaler with fp32 / bf16 is allowed (it only multiplies the loss); fp16 without one is an error.
@@ -29,16 +25,15 @@ from omegaconf import DictConfig, OmegaConf
 from mptrain.config.schema import Config
 from mptrain.data.provider import check_data_config
 from mptrain.errors import ConfigError
+from mptrain.groups import validate_layout
 from mptrain.layers.gpt import check_model_components, check_model_config
+from mptrain.schedules import PipelineLayout, resolve_schedule
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
-
-SCHEDULES = ("auto", "no_pipelining", "gpipe", "1f1b", "interleaved_1f1b")
 
 # The option names the code dispatches on (registries elsewhere list the same names). A name not
 # listed here is rejected before anything runs; adding a component means adding its name here too.
 CHOICES: dict[str, tuple] = {
-    "schedule.name": SCHEDULES,
     "debug.fail_where": ("forward", "data", "save"),
 }
 
@@ -54,8 +49,8 @@ class DerivedLayout:
         data_parallel_size: world_size / (tp × pp).
         num_microbatches: global_batch_size / (micro_batch_size × dp), micro-batches per DP rank
             per iteration.
-        schedule: the schedule that runs: no_pipelining | gpipe | 1f1b | interleaved_1f1b
-            (`auto` and the pp = 1 degenerations resolved).
+        schedule: the schedule that runs: no_pipelining | gpipe | 1f1b | interleaved_1f1b (`auto` and
+            the pp = 1 degenerations resolved), or a user schedule's dotted path (`mptrain.schedules.schedule_name`).
         sequence_parallel: True only when asked for and tp > 1.
         loss_scaler: the scaler that runs: none | dynamic | constant (`auto` resolved).
     """
@@ -148,57 +143,16 @@ def check_parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, Option
     """World size vs tp × pp, and the virtual pipeline size; returns (tp, pp, vpp or None, dp).
 
     Raises:
-        ConfigError: sizes below 1; world size not divisible by tp × pp (the DESIGN.md §5 line);
-            vpp > 1 with pp = 1.
+        ConfigError: sizes below 1 (naming the key); world size not divisible by tp × pp (the
+            DESIGN.md §5 line) or vpp > 1 with pp = 1 (`mptrain.groups.validate_layout`).
     """
     par = cfg.parallel
     tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     _positive("parallel.tensor_model_parallel_size", tp)
     _positive("parallel.pipeline_model_parallel_size", pp)
     _positive("parallel.virtual_pipeline_model_parallel_size", vpp, allow_none=True)
-    if world_size < 1:
-        raise ConfigError(f"world size {world_size} must be >= 1")
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(
-            f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size × "
-            f"pipeline_model_parallel_size = {tp} × {pp} = {tp * pp}; run with --nproc_per_node={tp * pp} or "
-            f"{2 * tp * pp}, or pick another parallel="
-        )
-    if vpp is not None and vpp > 1 and pp == 1:
-        raise ConfigError(
-            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
-            f"(got 1); set parallel.virtual_pipeline_model_parallel_size=null or pick parallel=tp1pp2vpp2"
-        )
+    validate_layout(world_size, tp, pp, vpp)  # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
-
-
-def resolve_schedule(name: str, pp: int, vpp: Optional[int]) -> str:
-    """The schedule that runs for `schedule.name` (auto → no_pipelining / 1f1b / interleaved_1f1b).
-
-    Raises:
-        ConfigError: interleaved without vpp; vpp with a non-interleaved schedule; no_pipelining
-            with pp > 1.
-    """
-    if name == "auto":
-        return "no_pipelining" if pp == 1 else ("interleaved_1f1b" if vpp else "1f1b")
-    if name == "interleaved_1f1b" and not vpp:
-        raise ConfigError(
-            f"parallel.virtual_pipeline_model_parallel_size is {'null' if vpp is None else vpp} but schedule=interleaved_1f1b "
-            f"needs it > 1 (with pipeline_model_parallel_size={pp}); pick parallel=tp1pp2vpp2 (or another vpp layout) "
-            f"or schedule=1f1b"
-        )
-    if vpp and name != "interleaved_1f1b":
-        raise ConfigError(
-            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs schedule=interleaved_1f1b or auto "
-            f"(got schedule={name}); pick schedule=auto or a parallel= without vpp"
-        )
-    if name == "no_pipelining" and pp > 1:
-        raise ConfigError(
-            f"schedule=no_pipelining cannot run pipeline_model_parallel_size={pp}; pick schedule=auto, 1f1b or gpipe"
-        )
-    if pp == 1:
-        return "no_pipelining"  # gpipe / 1f1b with one stage: no warmup, no p2p (Megatron does the same)
-    return name
 
 
 def check_batch(cfg: Config, dp: int) -> int:
@@ -289,14 +243,9 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
     num_microbatches = check_batch(c, dp)
-    schedule = resolve_schedule(c.schedule.name, pp, vpp)
-    if schedule == "interleaved_1f1b" and num_microbatches % pp != 0:
-        raise ConfigError(
-            f"schedule=interleaved_1f1b needs num_microbatches % pipeline_model_parallel_size == 0, got "
-            f"{num_microbatches} micro-batches (train.global_batch_size={c.train.global_batch_size} / "
-            f"(micro_batch_size {c.train.micro_batch_size} × dp {dp})) and pp={pp}; make global_batch_size a multiple "
-            f"of {c.train.micro_batch_size * dp * pp}"
-        )
+    schedule = resolve_schedule(c.schedule, PipelineLayout(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        data_parallel_size=dp, num_microbatches=num_microbatches, micro_batch_size=c.train.micro_batch_size)).name
     sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)  # seq_length % tp: check_model_config
     if c.parallel.tp_comm_overlap and not (sequence_parallel and c.model.compile_layers):
         missing = [need for need, ok in (("tensor_model_parallel_size > 1", tp > 1),

@@ -28,6 +28,7 @@ import copy
 import dataclasses
 from typing import Optional
 
+from mptrain.config.schedule import ScheduleConfig
 from mptrain.config.validate import as_config, validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
@@ -66,7 +67,7 @@ def layout_config(cfg, layout: PlanLayout):
     m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
     m.recompute_method = "uniform" if layout.recompute == "full" else None
     m.recompute_num_layers = (m.recompute_num_layers or 1) if layout.recompute == "full" else None
-    c.schedule.name = "auto"
+    c.schedule = ScheduleConfig()  # auto: the schedule the layout implies
     return c
 
 

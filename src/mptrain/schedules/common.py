@@ -72,26 +72,25 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
                           sequence_parallel: bool) -> tuple[int, int, int]:
     """Shape of the activations exchanged between stages: ``[s/tp if sequence_parallel else s, b, h]``.
 
-    Raises:
-        ConfigError: sequence parallelism with ``seq_length`` not divisible by the TP size.
+    ``seq_length % tp == 0`` under sequence parallelism is a config rule checked once, by
+    `mptrain.config.validate.validate_config` (naming the keys); here it is an invariant.
     """
-    if sequence_parallel and seq_length % tp_size != 0:
-        raise ConfigError(
-            f"model.seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp_size} under "
-            "parallel.sequence_parallel=true; pick a seq_length that is a multiple of tp or turn sequence_parallel off"
-        )
+    assert not sequence_parallel or seq_length % tp_size == 0, (seq_length, tp_size)
     seq = seq_length // tp_size if sequence_parallel else seq_length
     return (seq, micro_batch_size, hidden_size)
 
 
-def validate_common(*, name: str, model: Sequence[torch.nn.Module], num_microbatches: int, max_tokens: int,
-                    expected_chunks: int, forward_only: bool = False) -> None:
-    """Checks every schedule makes before its first communication (identical on every rank, so no hang).
+def validate_common(spec: Any, *, name: str, model: Sequence[torch.nn.Module], expected_chunks: int,
+                    forward_only: bool = False) -> None:
+    """Checks of the call every schedule makes before its first communication (identical on every rank, so no hang).
 
+    Args:
+        spec: the `mptrain.schedules.ScheduleSpec` of the call.
     Raises:
-        ConfigError: ``num_microbatches`` < 1 or not an int, ``max_tokens`` < 1 on a training call,
-            or the number of model chunks differs from what the schedule runs (1, or vpp for interleaved).
+        ConfigError: ``spec.num_microbatches`` < 1 or not an int, ``spec.max_tokens`` < 1 on a training
+            call, or the number of model chunks differs from what the schedule runs (1, or vpp for interleaved).
     """
+    num_microbatches, max_tokens = spec.num_microbatches, spec.max_tokens
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ConfigError(
             f"schedule={name}: num_microbatches={num_microbatches!r} must be an int >= 1; make "
@@ -104,6 +103,31 @@ def validate_common(*, name: str, model: Sequence[torch.nn.Module], num_microbat
             f"schedule={name}: got {len(model)} model chunks, expected {expected_chunks} "
             "(parallel.virtual_pipeline_model_parallel_size); use schedule=auto"
         )
+
+
+def one_chunk_layout_rule(name: str) -> Callable:
+    """The `check_layout` of a schedule that runs one model chunk per rank (gpipe, 1f1b).
+
+    The returned rule: a virtual pipeline (vpp > 1) needs the interleaved schedule (ConfigError naming
+    ``virtual_pipeline_model_parallel_size``); with one stage the schedule degenerates to no_pipelining
+    (no warmup, no p2p; Megatron's ``get_forward_backward_func`` does the same), which it returns.
+    """
+
+    def check_layout(layout) -> Optional[Callable]:
+        vpp = layout.virtual_pipeline_model_parallel_size
+        if vpp:
+            raise ConfigError(
+                f"parallel.virtual_pipeline_model_parallel_size={vpp} needs schedule=interleaved_1f1b or auto "
+                f"(got schedule={name}); pick schedule=auto or a parallel= without vpp"
+            )
+        if layout.pipeline_model_parallel_size == 1:
+            from mptrain.schedules.no_pipelining import forward_backward_no_pipelining
+
+            return forward_backward_no_pipelining
+        return None
+
+    check_layout.__qualname__ = check_layout.__name__ = f"check_{name}_layout"
+    return check_layout
 
 
 def set_input_tensor(chunk: torch.nn.Module, tensor: Optional[torch.Tensor]) -> None:

@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from mptrain.errors import ConfigError
-from mptrain.groups import ParallelGroups
 from mptrain.schedules import p2p
 from mptrain.schedules.common import (
     InflightCounter,
@@ -26,46 +25,43 @@ from mptrain.schedules.common import (
     forward_step,
     new_step_state,
     no_sync_context,
-    pipeline_tensor_shape,
     validate_common,
 )
+from mptrain.schedules.interface import PipelineLayout, ScheduleSpec
 
 
-def validate_interleaved(*, pp_size: int, vpp_size: Optional[int], num_microbatches: int) -> None:
-    """Reject what the interleaved table cannot schedule (before any communication).
+def check_interleaved_layout(layout: PipelineLayout) -> None:
+    """What the interleaved table can schedule (`ForwardBackwardFunc.check_layout`; also checked per call).
 
     Raises:
-        ConfigError: pp = 1, vpp unset or 1, or ``num_microbatches`` not a multiple of pp.
+        ConfigError: vpp unset or 1 (pp = 1 with vpp is rejected with the layout, `mptrain.groups.validate_layout`),
+            or ``num_microbatches`` not a multiple of pp.
     """
-    if pp_size < 2 or (vpp_size or 1) < 2:
+    pp, vpp, m = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size, layout.num_microbatches
+    if not vpp or vpp < 2 or pp < 2:
         raise ConfigError(
-            f"schedule=interleaved_1f1b needs pipeline_model_parallel_size > 1 and "
-            f"virtual_pipeline_model_parallel_size > 1 (got pp={pp_size}, vpp={vpp_size}); "
-            "pick parallel=tp1pp2vpp2 or schedule=1f1b"
+            f"parallel.virtual_pipeline_model_parallel_size is {'null' if vpp is None else vpp} but schedule=interleaved_1f1b "
+            f"needs it > 1 (with pipeline_model_parallel_size={pp}); pick parallel=tp1pp2vpp2 (or another vpp layout) "
+            f"or schedule=1f1b"
         )
-    if num_microbatches % pp_size != 0:
+    if m % pp != 0:
+        mbs, dp = layout.micro_batch_size, layout.data_parallel_size
         raise ConfigError(
-            f"schedule=interleaved_1f1b: num_microbatches={num_microbatches} (global_batch_size / "
-            f"(micro_batch_size × dp)) must be a multiple of pipeline_model_parallel_size={pp_size}; "
-            "change train.global_batch_size or use schedule=1f1b"
+            f"schedule=interleaved_1f1b needs num_microbatches % pipeline_model_parallel_size == 0, got "
+            f"{m} micro-batches (train.global_batch_size={layout.global_batch_size} / "
+            f"(micro_batch_size {mbs} × dp {dp})) and pp={pp}; make global_batch_size a multiple "
+            f"of {mbs * dp * pp}"
         )
 
 
 def forward_backward_interleaved_1f1b(
+    spec: ScheduleSpec,
     *,
     forward_step_func: Callable,
     data_iterator: Any,
     model: list,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    groups: ParallelGroups,
-    dtype: torch.dtype,
-    sequence_parallel: bool,
     forward_only: bool = False,
     loss_scale: float = 1.0,
-    max_tokens: int,
     no_sync_func: Any = None,
     stats: Optional[ScheduleStats] = None,
 ) -> tuple[list, torch.Tensor]:
@@ -74,20 +70,18 @@ def forward_backward_interleaved_1f1b(
     ``no_sync_func``: one factory for all chunks or a list (one per chunk); the last backward of
     each chunk runs with DP sync enabled.
 
-    Args / Returns: see `mptrain.schedules.get_forward_backward_func`.
+    Args / Returns: see `mptrain.schedules.ForwardBackwardFunc`.
     Raises:
-        ConfigError: see `validate_interleaved`; the number of chunks or data iterators is not vpp.
+        ConfigError: see `check_interleaved_layout`; the number of chunks or data iterators is not vpp.
     """
+    groups, num_microbatches, max_tokens = spec.groups, spec.num_microbatches, spec.max_tokens
     pp, vpp, rank = groups.pp_size, groups.vpp_size, groups.pp_rank
-    validate_interleaved(pp_size=pp, vpp_size=vpp, num_microbatches=num_microbatches)
-    validate_common(name="interleaved_1f1b", model=model, num_microbatches=num_microbatches, max_tokens=max_tokens,
-                    expected_chunks=vpp, forward_only=forward_only)
+    validate_common(spec, name="interleaved_1f1b", model=model, expected_chunks=vpp or 1, forward_only=forward_only)
+    check_interleaved_layout(spec.layout)
     stats = None if forward_only else stats  # stats describe training iterations only
     if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != vpp:
         raise ConfigError(f"schedule=interleaved_1f1b: data_iterator must be a list of {vpp} iterators (one per chunk)")
-    shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp_size=groups.tp_size,
-                                  sequence_parallel=sequence_parallel)
-    cfg = p2p.P2PConfig(groups=groups, tensor_shape=shape, dtype=dtype, stats=stats)
+    cfg = p2p.P2PConfig(groups=groups, tensor_shape=spec.tensor_shape, dtype=spec.dtype, stats=stats)
     state = new_step_state(groups.device)
     inflight = InflightCounter(stats)
     m = num_microbatches
@@ -210,3 +204,6 @@ def forward_backward_interleaved_1f1b(
     if stats is not None:
         stats.calls += 1
     return state.reports, state.num_tokens
+
+
+forward_backward_interleaved_1f1b.check_layout = check_interleaved_layout

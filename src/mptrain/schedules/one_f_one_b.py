@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mptrain.groups import ParallelGroups
 from mptrain.schedules import p2p
 from mptrain.schedules.common import (
     InflightCounter,
@@ -22,38 +21,30 @@ from mptrain.schedules.common import (
     forward_step,
     new_step_state,
     no_sync_context,
+    one_chunk_layout_rule,
     validate_common,
 )
+from mptrain.schedules.interface import ScheduleSpec
 
 
 def forward_backward_1f1b(
+    spec: ScheduleSpec,
     *,
     forward_step_func: Callable,
     data_iterator: Any,
     model: list,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    groups: ParallelGroups,
-    dtype: torch.dtype,
-    sequence_parallel: bool,
     forward_only: bool = False,
     loss_scale: float = 1.0,
-    max_tokens: int,
     no_sync_func: Optional[Callable] = None,
     stats: Optional[ScheduleStats] = None,
 ) -> tuple[list, torch.Tensor]:
     """The non-interleaved 1F1B schedule over ``num_microbatches`` micro-batches (any m >= 1).
 
-    Args / Returns / Raises: see `mptrain.schedules.get_forward_backward_func`.
+    Args / Returns / Raises: see `mptrain.schedules.ForwardBackwardFunc`.
     """
-    validate_common(name="1f1b", model=model, num_microbatches=num_microbatches, max_tokens=max_tokens,
-                    expected_chunks=1, forward_only=forward_only)
-    setup = p2p.single_chunk_setup(model=model, data_iterator=data_iterator, groups=groups, seq_length=seq_length,
-                                   micro_batch_size=micro_batch_size, hidden_size=hidden_size,
-                                   sequence_parallel=sequence_parallel, dtype=dtype, stats=stats,
-                                   forward_only=forward_only)
+    validate_common(spec, name="1f1b", model=model, expected_chunks=1, forward_only=forward_only)
+    setup = p2p.single_chunk_setup(spec, model=model, data_iterator=data_iterator, stats=stats, forward_only=forward_only)
+    groups, num_microbatches, max_tokens = spec.groups, spec.num_microbatches, spec.max_tokens
     chunk, data_iterator, cfg, is_last, stats = setup.chunk, setup.data_iterator, setup.cfg, setup.is_last, setup.stats
     state = new_step_state(groups.device)
     inflight = InflightCounter(stats)
@@ -121,3 +112,6 @@ def forward_backward_1f1b(
     if stats is not None:
         stats.calls += 1
     return state.reports, state.num_tokens
+
+
+forward_backward_1f1b.check_layout = one_chunk_layout_rule("1f1b")  # no vpp; pp = 1 runs no_pipelining

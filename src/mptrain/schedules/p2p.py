@@ -12,7 +12,7 @@ direction has its own tag, so that with pp = 2 — where next and prev are the s
 activation and a grad travelling together between the same pair are never swapped (NCCL matches
 per peer in posting order, gloo by tag).
 
-Shapes come from the config (`pipeline_tensor_shape`), so no shape exchange is needed; receive
+Shapes come from the config (`ScheduleSpec.tensor_shape`), so no shape exchange is needed; receive
 buffers are fresh tensors (the received activation is a leaf with ``requires_grad=True`` so its
 ``.grad`` is the input grad to send back).
 """
@@ -200,21 +200,21 @@ class SingleChunkSetup:
     stats: Optional[ScheduleStats]
 
 
-def single_chunk_setup(*, model: list, data_iterator, groups: ParallelGroups, seq_length: int, micro_batch_size: int,
-                       hidden_size: int, sequence_parallel: bool, dtype: torch.dtype,
-                       stats: Optional[ScheduleStats], forward_only: bool) -> SingleChunkSetup:
-    """The shared start of `forward_backward_gpipe` and `forward_backward_1f1b` (after validation)."""
-    from mptrain.schedules.common import pipeline_tensor_shape
+def single_chunk_setup(spec, *, model: list, data_iterator, stats: Optional[ScheduleStats],
+                       forward_only: bool) -> SingleChunkSetup:
+    """The shared start of `forward_backward_gpipe` and `forward_backward_1f1b` (after validation).
 
+    Args:
+        spec: the call's `mptrain.schedules.ScheduleSpec` (groups, ``tensor_shape``, dtype).
+    """
     stats = None if forward_only else stats
     if isinstance(data_iterator, (list, tuple)):
         data_iterator = data_iterator[0]
-    shape = pipeline_tensor_shape(seq_length, micro_batch_size, hidden_size, tp_size=groups.tp_size,
-                                  sequence_parallel=sequence_parallel)
+    groups = spec.groups
     return SingleChunkSetup(
         chunk=model[0],
         data_iterator=data_iterator,
-        cfg=P2PConfig(groups=groups, tensor_shape=shape, dtype=dtype, stats=stats),
+        cfg=P2PConfig(groups=groups, tensor_shape=spec.tensor_shape, dtype=spec.dtype, stats=stats),
         is_last=groups.pp_rank == groups.pp_size - 1,
         stats=stats,
     )

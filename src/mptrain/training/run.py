@@ -39,7 +39,7 @@ from mptrain.precision import params_dtype as precision_params_dtype
 from mptrain.precision.module import Float16Module
 from mptrain.precision.optimizer import TooManySkippedStepsError, build_optimizer_wrapper
 from mptrain.precision.scaler import build_loss_scaler
-from mptrain.schedules import ScheduleStats, get_forward_backward_func
+from mptrain.schedules import ScheduleSpec, ScheduleStats, build_schedule
 from mptrain.training.batch import CheckedProvider
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
@@ -142,12 +142,18 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
                            fail_where=cfg.debug.fail_where)
     timers = Timers(cfg.train.timing_log_level, groups.device)
+    schedule_spec = ScheduleSpec(groups=groups, num_microbatches=derived.num_microbatches,
+                                 seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
+                                 hidden_size=cfg.model.hidden_size, dtype=precision_params_dtype(cfg.precision.name),
+                                 sequence_parallel=derived.sequence_parallel,
+                                 max_tokens=cfg.train.global_batch_size * cfg.model.seq_length)
     trainer = Trainer(
         groups=groups,
         chunks=chunks,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        forward_backward_func=get_forward_backward_func(derived.schedule, groups),
+        forward_backward_func=build_schedule(cfg.schedule, schedule_spec),
+        schedule_spec=schedule_spec,
         forward_step=make_forward_step(
             groups,
             micro_batch_size=cfg.train.micro_batch_size,
@@ -158,13 +164,6 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
             timers=timers,
         ),
         finalize_model_grads=finalize_model_grads,
-        num_microbatches=derived.num_microbatches,
-        micro_batch_size=cfg.train.micro_batch_size,
-        global_batch_size=cfg.train.global_batch_size,
-        seq_length=cfg.model.seq_length,
-        hidden_size=cfg.model.hidden_size,
-        dtype=precision_params_dtype(cfg.precision.name),
-        sequence_parallel=derived.sequence_parallel,
         device=groups.device,
         stats=ScheduleStats(timers=timers),
         timers=timers,

@@ -128,16 +128,10 @@ class Trainer:
     chunks: list  # DDP-wrapped model chunks (one per virtual stage)
     optimizer: Any
     lr_scheduler: Any
-    forward_backward_func: Callable
+    forward_backward_func: Callable  # the built schedule (`mptrain.schedules.ForwardBackwardFunc`)
+    schedule_spec: Any  # its `mptrain.schedules.ScheduleSpec`: shapes, dtype, groups, num_microbatches, max_tokens
     forward_step: Callable
     finalize_model_grads: Callable
-    num_microbatches: int
-    micro_batch_size: int
-    global_batch_size: int
-    seq_length: int
-    hidden_size: int
-    dtype: torch.dtype
-    sequence_parallel: bool
     device: torch.device
     timers: Any  # mptrain.training.timers.Timers
     stats: Any = None
@@ -147,23 +141,26 @@ class Trainer:
     @property
     def max_tokens(self) -> int:
         """Tokens of a full global batch: the constant the per-micro-batch backward divides by."""
-        return self.global_batch_size * self.seq_length
+        return self.schedule_spec.max_tokens
 
-    def _schedule_kwargs(self, data_iterators: list, forward_only: bool) -> dict:
-        return dict(
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule_spec.num_microbatches
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.schedule_spec.dtype
+
+    def _schedule(self, data_iterators: list, forward_only: bool, **call) -> tuple:
+        """One schedule call: the run's spec plus this call's arguments."""
+        return self.forward_backward_func(
+            self.schedule_spec,
             forward_step_func=self.forward_step,
             data_iterator=data_iterators if len(self.chunks) > 1 else data_iterators[0],
             model=self.chunks,
-            num_microbatches=self.num_microbatches,
-            seq_length=self.seq_length,
-            micro_batch_size=self.micro_batch_size,
-            hidden_size=self.hidden_size,
-            groups=self.groups,
-            dtype=self.dtype,
-            sequence_parallel=self.sequence_parallel,
             forward_only=forward_only,
-            max_tokens=self.max_tokens,
             stats=self.stats,
+            **call,
         )
 
     def train_step(self, data_iterators: list) -> dict:
@@ -171,11 +168,10 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        kwargs = self._schedule_kwargs(data_iterators, forward_only=False)
-        kwargs["loss_scale"] = self.optimizer.get_loss_scale()
-        kwargs["no_sync_func"] = self._no_sync_func()
         with self.timers("forward-backward"):
-            reports, num_tokens = self.forward_backward_func(**kwargs)
+            reports, num_tokens = self._schedule(data_iterators, forward_only=False,
+                                                 loss_scale=self.optimizer.get_loss_scale(),
+                                                 no_sync_func=self._no_sync_func())
         with self.timers("grads-all-reduce"):  # DP sync, SP / tied-embedding grads, token normalisation
             total = self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens,
                                               max_tokens=self.max_tokens, scale_grads=False)
@@ -216,7 +212,7 @@ class Trainer:
         iterators = make_iterators()
         total_loss, total_tokens = 0.0, 0.0
         for _ in range(eval_iters):
-            reports, _ = self.forward_backward_func(**self._schedule_kwargs(iterators, forward_only=True))
+            reports, _ = self._schedule(iterators, forward_only=True)
             loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
             total_loss, total_tokens = total_loss + loss_sum, total_tokens + tokens
         for chunk in self.chunks:
