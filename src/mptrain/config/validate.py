@@ -45,7 +45,7 @@ CHOICES: dict[str, tuple] = {
     "data.name": ("mock", "indexed", "shakespeare"),
     "logger.name": ("none", "wandb", "tensorboard"),
     "logger.mode": ("online", "offline", "disabled"),
-    "model.normalization": ("LayerNorm", "RMSNorm"),
+    "model.normalization": ("LayerNorm", "RMSNorm", "ApexFusedLayerNorm", "ApexFusedRMSNorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.attention_backend": ("auto", "sdpa", "unfused"),
     "model.position_embedding_type": ("learned_absolute", "rope"),
