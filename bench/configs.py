@@ -38,6 +38,14 @@ MODEL_SHAPES = {
     "gpt_1.3b": ModelShape(24, 2048, 16, 2048, 50257),
     "gpt_125m": ModelShape(12, 768, 12, 2048, 50257),
     "tiny": ModelShape(4, 64, 4, 64, 1000),  # CPU tests only (vocab = data=mock's default)
+    "gpt_350m": ModelShape(24, 1024, 16, 2048, 50257),
+}
+
+# Bench-only shapes of issue 20's table (no conf/model preset of their own): name -> (the preset
+# they override, the shape). `mptrain_overrides` passes their sizes as model.* overrides.
+BENCH_SHAPES = {
+    "gpt_11m_s256": ("gpt_125m", ModelShape(6, 384, 6, 256, 50257)),
+    "gpt_124m_s1024": ("gpt_125m", ModelShape(12, 768, 12, 1024, 50257)),
 }
 
 # mptrain variants: name -> extra Hydra overrides (each measured change is a variant); an item
@@ -111,10 +119,16 @@ class BenchConfig:
     timeout_s: int = 150
     variants: tuple = ("base",)
     peer: bool = True
+    reference: bool = False  # also run the plain-PyTorch GPT (`bench/peer/torch_ceiling.py`) at this shape
 
     @property
     def shape(self) -> ModelShape:
-        return MODEL_SHAPES[self.model]
+        return BENCH_SHAPES[self.model][1] if self.model in BENCH_SHAPES else MODEL_SHAPES[self.model]
+
+    @property
+    def preset(self) -> str:
+        """The conf/model preset `train.py` starts from (the model itself unless bench-only)."""
+        return BENCH_SHAPES[self.model][0] if self.model in BENCH_SHAPES else self.model
 
     @property
     def dp(self) -> int:
@@ -195,7 +209,23 @@ def _quick(gpus: int) -> list:
     return [c for c in configs if c.gpus <= gpus]
 
 
-SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: []}
+def _small(gpus: int) -> list:
+    """Issue 20's table: mptrain (compiled layers) against the compiled plain-PyTorch GPT at each shape,
+    both in one call (ratios only within a call). Ordered by priority."""
+    small = dict(gpus=1, tp=1, pp=1, precision="bf16", warmup=3, iters=10, variants=("compile",), peer=False,
+                 reference=True)
+    configs = [
+        BenchConfig("s_gpt11m_s256_mb64", "gpt_11m_s256", micro_batch_size=64, num_microbatches=1, timeout_s=120, **small),
+        BenchConfig("s_gpt124m_s1024_mb12", "gpt_124m_s1024", micro_batch_size=12, num_microbatches=1, timeout_s=120,
+                    **small),
+        BenchConfig("s_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, timeout_s=150,
+                    **{**small, "iters": 8}),
+        BenchConfig("s_gpt350m_mb8", "gpt_350m", micro_batch_size=8, num_microbatches=1, timeout_s=120, **small),
+    ]
+    return [c for c in configs if c.gpus <= gpus]
+
+
+SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small}
 
 
 def suite(name: str, gpus: int, only: Optional[list] = None) -> list:
@@ -222,7 +252,7 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
     AdamW(lr 1e-4, wd 0.01), clip 1.0, dropout 0, no evaluation, no checkpoints."""
     s = cfg.shape
     o = [
-        f"model={cfg.model}",
+        f"model={cfg.preset}",
         f"parallel=tp{cfg.tp}pp{cfg.pp}",
         f"precision={cfg.precision}",
         "data=mock",
@@ -240,11 +270,22 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         "run.progress_bar=false",
         f"run.dir={run_dir}",
     ]
+    if cfg.model in BENCH_SHAPES:
+        o += [f"model.num_layers={s.num_layers}", f"model.hidden_size={s.hidden_size}",
+              f"model.num_attention_heads={s.num_attention_heads}", f"model.seq_length={s.seq_length}"]
     if cfg.precision == "fp32":
         o.append(f"precision.allow_tf32={'true' if cfg.tf32 else 'false'}")
     if cfg.pp > 1:
         o.append("schedule=1f1b")
     return o + [item for item in VARIANTS[variant] if not item.startswith("env:")]
+
+
+def reference_env(cfg: BenchConfig) -> dict:
+    """Environment of `bench/peer/torch_ceiling.py` for `cfg`'s shape and batch (AdamW, clip 1.0 as mptrain)."""
+    s = cfg.shape
+    return {"LAYERS": str(s.num_layers), "HIDDEN": str(s.hidden_size), "HEADS": str(s.num_attention_heads),
+            "SEQ": str(s.seq_length), "MBS": str(cfg.micro_batch_size), "M": str(cfg.num_microbatches),
+            "CLIP": "1.0", "ITERS": str(cfg.iters), "WARMUP": str(cfg.warmup)}
 
 
 def peer_args(cfg: BenchConfig, out_file: str) -> list:

@@ -40,7 +40,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from configs import (  # noqa: E402
-    PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, suite, variant_env)
+    PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, reference_env, suite,
+    variant_env)
 
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -153,6 +154,15 @@ def ceiling_row(result: dict, *, env: dict, call_id: str) -> dict:
     }
 
 
+def reference_row(cfg: BenchConfig, result: dict, *, env: dict, call_id: str) -> dict:
+    """A ``torch-reference`` row: `torch_ceiling.py` at `cfg`'s shape and batch, FLOPs by the same formula."""
+    row = base_row(cfg, trainer="torch-reference", variant=result["name"], env=env, call_id=call_id)
+    _fill_rates(row, cfg, float(result["iter_s"]))
+    row.update(peak_mem_gib=_round(result.get("peak_gib"), 2), loss_first_last=[None, result.get("loss")],
+               clip=result.get("clip"), torch=result.get("torch", row["torch"]))
+    return row
+
+
 def failed_row(cfg: Optional[BenchConfig], *, trainer: str, variant: str, env: dict, call_id: str, status: str,
                detail: str) -> dict:
     """A row for a run that failed, timed out or was skipped (numbers null)."""
@@ -198,6 +208,10 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                                      timeout_s=timeout_s, env=variant_env(variant), profile_file=prof_file,
                                      argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py",
                                                    ["--bench-profile", str(prof_file), *prof_args])))
+        if cfg.reference:  # the compiled plain-PyTorch GPT at this shape, right after mptrain
+            jobs.append(dict(kind="reference", cfg=cfg, trainer="torch-reference", variant="compile_amp",
+                             timeout_s=cfg.timeout_s, env=reference_env(cfg),
+                             argv=[python, str(HERE / "peer" / "torch_ceiling.py"), "compile_amp"]))
         if "megatron-core" in trainers and cfg.peer:
             result_file = log_dir / f"peer_{cfg.name}.jsonl"
             jobs.append(dict(kind="peer", cfg=cfg, trainer="megatron-core", variant="base", result_file=result_file,
@@ -263,6 +277,9 @@ def collect(job: dict, *, env: dict, call_id: str) -> list:
     if kind == "peer":
         lines = [l for l in Path(job["result_file"]).read_text().splitlines() if l.strip()]
         return [peer_row(cfg, json.loads(lines[-1]), env=env, call_id=call_id)]
+    if kind == "reference":
+        out = [json.loads(l) for l in job["log"].read_text().splitlines() if l.startswith("{")]
+        return [reference_row(cfg, out[-1], env=env, call_id=call_id)]
     if kind == "ceiling":
         out = [json.loads(l) for l in job["log"].read_text().splitlines() if l.startswith("{")]
         return [ceiling_row(r, env=env, call_id=call_id) for r in out]
@@ -367,7 +384,7 @@ def probe_sdpa(out_file: str) -> None:
 # --------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("quick", "full", "ceiling"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small"), default="quick")
     p.add_argument("--out", default=str(ROOT / "bench" / "results.jsonl"), help="JSONL file to append rows to")
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")

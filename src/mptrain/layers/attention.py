@@ -125,8 +125,9 @@ class DotProductAttention(torch.nn.Module):
         s, b, np_local, hn = q.shape
         rep = np_local // k.shape[2]
         q = q.permute(1, 2, 0, 3)  # [b, np/tp, s, hn]
-        k = k.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)  # [b, np/tp, s, hn]
-        v = v.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
+        k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, ng/tp, s, hn]
+        if rep > 1:  # GQA; at rep 1 repeat_interleave would only copy (two copies a layer, and their backward)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [b, np/tp, s, hn]
         dropout_p = self.attention_dropout if self.training else 0.0
         fork = dropout_p > 0 and not self.sequence_parallel
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
@@ -222,8 +223,10 @@ class SelfAttention(torch.nn.Module):
         qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp · (np/ng + 2) · hn]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.ng_local, self.np // self.ng + 2, self.hn)  # per local group: q..q, k, v
-        q = qkv[:, :, :, :-2].reshape(s, b, self.np_local, self.hn)  # [s, b, np/tp, hn]
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng/tp, hn]
+        # one split (its backward is one cat) rather than three slices (three zero-filled full-size grads + adds)
+        q, k, v = torch.split(qkv, [self.np // self.ng, 1, 1], dim=3)
+        q = q.reshape(s, b, self.np_local, self.hn)  # [s, b, np/tp, hn]
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, hn]
         if self.rope:
             cos, sin = rope_cos_sin(s, self.hn, self.rotary_base, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -49,7 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         col = torch.arange(start, start + n_local, device=x.device)
         padded = col >= vocab_size  # [V_pad/tp]
         x = x.masked_fill(padded, float("-inf")) if start + n_local > vocab_size else x.clone()  # no host sync
-        x_max = x.max(dim=-1).values
+        x_max = x.amax(dim=-1)  # the same values as max(dim).values, without the index pass
         if tp > 1:
             dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
         x.sub_(x_max.unsqueeze(-1))  # x ≤ 0; padded stay −inf

@@ -19,6 +19,7 @@ from typing import Optional, Protocol
 import torch
 
 from mptrain.components import ComponentKind
+from mptrain.errors import ConfigError
 from mptrain.layers.sharding import ShardSpec
 from mptrain.layers.spec import check_choice
 
@@ -73,7 +74,46 @@ class RMSNorm(torch.nn.RMSNorm):
         return _norm_specs(self, self.sequence_parallel)
 
 
-NORMALIZATIONS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
+def _apex_norm_functions():
+    """apex's fused norm autograd functions (``apex.normalization.fused_layer_norm``).
+
+    Raises:
+        ConfigError: apex (with its CUDA extension) is not importable.
+    """
+    try:
+        from apex.normalization import fused_layer_norm as fln  # noqa: PLC0415 - optional dependency
+    except ImportError as err:
+        raise ConfigError(
+            f"model: normalization=ApexFused* needs NVIDIA apex built with its CUDA extension ({err}); build it "
+            "(bench/build_apex.sh) or use normalization=LayerNorm / RMSNorm") from None
+    return fln
+
+
+class ApexFusedLayerNorm(LayerNorm):
+    """`LayerNorm` (same params, state dict and specs) computed by apex's ``FusedLayerNorm`` kernels
+    (Megatron's default when apex is present). CUDA only; same math, rounding differs by ulps."""
+
+    def __init__(self, hidden_size: int, **kwargs) -> None:
+        super().__init__(hidden_size, **kwargs)
+        self._fln = _apex_norm_functions()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fln.fused_layer_norm_affine(x, self.weight, self.bias, self.normalized_shape, self.eps)
+
+
+class ApexFusedRMSNorm(RMSNorm):
+    """`RMSNorm` computed by apex's ``FusedRMSNorm`` kernels (same params, state dict and specs)."""
+
+    def __init__(self, hidden_size: int, **kwargs) -> None:
+        super().__init__(hidden_size, **kwargs)
+        self._fln = _apex_norm_functions()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fln.fused_rms_norm_affine(x, self.weight, self.normalized_shape, self.eps)
+
+
+NORMALIZATIONS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm, "ApexFusedLayerNorm": ApexFusedLayerNorm,
+                  "ApexFusedRMSNorm": ApexFusedRMSNorm}
 """``model.normalization`` -> the built-in class (the one table of that Megatron key)."""
 
 
