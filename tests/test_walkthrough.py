@@ -10,7 +10,6 @@ ARGS` run the same overrides through `mptrain.training.run.run` on an N-rank glo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -37,26 +36,6 @@ def _blocks() -> list:
             out += [("bash", line) for line in body.splitlines() if line.strip()]
         else:
             out.append(("python", body))
-    return out
-
-
-def _has_separate_corpora() -> bool:
-    from mptrain.config.data import DataConfig
-
-    return "valid_prefixes" in {f.name for f in dataclasses.fields(DataConfig)}
-
-
-def _pre_merge(args: list) -> list:
-    """LEAD: delete this rewrite once data.train_prefixes / data.valid_prefixes (the data helper's
-    issue-22 part) are merged; until then the walkthrough's train corpus is cut by data.split."""
-    if _has_separate_corpora():
-        return args
-    out = []
-    for a in args:
-        if a.startswith("data.train_prefixes="):
-            out += ["data.prefixes=" + a.split("=", 1)[1], "data.split='90,10,0'"]
-        elif not a.startswith("data.valid_prefixes="):
-            out.append(a)
     return out
 
 
@@ -102,7 +81,7 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
         world = int(argv[1].split("=")[1]) if argv[0] == "torchrun" else 1
         rest = argv[2:] if argv[0] == "torchrun" else argv[1:]
         if rest[0] == "train.py":
-            run_distributed(_train_task, world, str(tmp_path), _pre_merge(rest[1:]))
+            run_distributed(_train_task, world, str(tmp_path), rest[1:])
         elif rest[:2] == ["-m", "mptrain.generate"] and world > 1:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
             launcher = str(Path(sys.executable).with_name("torchrun"))
