@@ -125,6 +125,9 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     common = _common_state(built, iteration, consumed_samples)
     objects["common"] = common
     objects[rng.rng_key(groups)] = rng.capture(built.rng_tracker)
+    faults = getattr(built.trainer, "faults", None)
+    if faults is not None:
+        faults.maybe_fail("save_write")  # debug: die while iter_N.tmp is being written
     dcp_io.save_chunks(str(tmp), chunks + opt_chunks, objects)
     removed = []
     if groups.rank == 0:

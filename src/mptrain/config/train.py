@@ -84,7 +84,11 @@ class DebugConfig:
     fail_rank: Optional[int] = None
     fail_iteration: Optional[int] = None
     fail_where: str = "forward"
-    """forward | data | save."""
+    """forward | data | save (before the save starts) | save_write (inside the save: iter_N.tmp exists,
+    this rank's shards are not written)."""
+    fail_kind: str = "raise"
+    """raise (RuntimeError) | sigkill (the rank SIGKILLs itself). Either fires on torchrun's first attempt
+    only (TORCHELASTIC_RESTART_COUNT=0), so a restarted job runs through."""
     nonfinite_grad_rank: Optional[int] = None
     nonfinite_grad_iteration: Optional[int] = None
     sleep_rank: Optional[int] = None

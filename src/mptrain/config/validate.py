@@ -51,7 +51,8 @@ CHOICES: dict[str, tuple] = {
     "model.position_embedding_type": ("learned_absolute", "rope"),
     "model.recompute_granularity": (None, "full", "selective"),
     "model.recompute_method": (None, "uniform", "block"),
-    "debug.fail_where": ("forward", "data", "save"),
+    "debug.fail_where": ("forward", "data", "save", "save_write"),
+    "debug.fail_kind": ("raise", "sigkill"),
 }
 
 

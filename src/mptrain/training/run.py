@@ -135,7 +135,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         needs_data=needs,
     )
     faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
-                           fail_where=cfg.debug.fail_where)
+                           fail_where=cfg.debug.fail_where, fail_kind=cfg.debug.fail_kind,
+                           attempt=read_dist_env().restart_count)
     timers = Timers(cfg.train.timing_log_level, groups.device)
     trainer = Trainer(
         groups=groups,
