@@ -238,9 +238,13 @@ def run(cfg: Any) -> dict:
     from mptrain.training.recorder import Recorder
 
     t_start = time.time()
-    cfg = as_config(cfg)
     env = read_dist_env()
-    derived = validate_config(cfg, env.world_size)
+    try:
+        cfg = as_config(cfg)
+        derived = validate_config(cfg, env.world_size)
+    except ConfigError as err:
+        err.symmetric = True  # config + world size only: every rank raises the same line (hydra_main prints one)
+        raise
     _check_checkpoint_paths(cfg)
     tokenizer = build_tokenizer(cfg.data)
     vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size)
@@ -404,11 +408,22 @@ def hydra_main(cfg) -> Any:
     try:
         return run(cfg)
     except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
-        _one_line(f"error: {err}")
-        if read_dist_env().world_size > 1:
-            # torchrun stops the other workers as soon as one exits; a rank still importing would
-            # die without its line. Every rank hits the same error within about a second of the
-            # others, so a short grace lets each one report before the first exit (no collective).
+        env = read_dist_env()
+        # A start-up config error (`validate_config`: config + world size only) and the skip limit
+        # (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
+        # torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may
+        # differ between ranks: every failing rank prints its own.
+        symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
+        if env.rank == 0 or not symmetric:
+            _one_line(f"error: {err}")
+        if env.world_size > 1:
+            # torchrun stops the other workers (SIGTERM) as soon as one exits; a rank still
+            # importing would die without its line. Every rank hits the same error within about a
+            # second of the others, so a short grace lets each one report before the first exit
+            # (no collective); torchrun's SIGTERM during the grace is an exit 1 too.
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
             time.sleep(CONFIG_ERROR_GRACE_S)
         sys.exit(1)
     except BaseException as err:  # noqa: BLE001
