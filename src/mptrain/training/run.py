@@ -274,6 +274,10 @@ def run(cfg: Any) -> dict:
             state = maybe_load_checkpoint(built, recorder)  # {"iteration", "consumed_samples"} (zeros when fresh)
         iteration, consumed = state["iteration"], state["consumed_samples"]
         recorder.start(iteration)
+        if iteration >= cfg.train.train_iters and iteration > 0:
+            # nothing to train: exit 0 (the job is done), but say so rather than end silently
+            recorder.log(f"checkpoint.load={cfg.checkpoint.load} is at iteration {iteration} >= train.train_iters="
+                         f"{cfg.train.train_iters}: nothing to train; raise train.train_iters to continue")
         iteration_ref = [iteration]
         trainer.poison_grads = _poison_grads_fn(built, iteration_ref)
         with_mask = bool(cfg.data.reset_attention_mask)
