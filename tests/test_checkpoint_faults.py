@@ -146,3 +146,55 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert 3 <= last < 100000
     assert (root / "latest").read_text().strip() == str(last)
     assert (root / f"iter_{last:07d}" / ".metadata").is_file()
+
+
+# python train.py, with (when no tmpfs can be mounted) DCP's file writes failing with ENOSPC from iteration 8 on
+_FULL_DISK = r'''
+import errno, sys
+sys.path.insert(0, {src!r})
+if {simulate!r}:
+    import torch.distributed.checkpoint.filesystem as fs
+    original = fs.FileSystemWriter.write_data
+    def write_data(self, plan, planner):
+        if "iter_0000008" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, plan, planner)
+    fs.FileSystemWriter.write_data = write_data
+sys.argv[0] = {train!r}
+import runpy
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (one tiny checkpoint of ~3.7 MB fits, two do not); None when mounting is not allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True).returncode == 0
+    yield disk, mounted
+    if mounted:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_full_disk_at_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    """checkpoint.save on a full disk: one stderr line (and in train.log) naming the folder, the cause and the fix,
+    exit 1; iter_0000008.tmp removed; `latest` still 4 and that checkpoint loads. A real 6 MiB tmpfs when the
+    test may mount one (root), else ENOSPC injected into DCP's FileSystemWriter."""
+    disk, mounted = small_disk
+    script = tmp_path / "full_disk.py"
+    script.write_text(_FULL_DISK.format(src=str(REPO / "src"), simulate=not mounted, train=str(REPO / "train.py")))
+    common = ["model=tiny", "train.eval_interval=null", "run.progress_bar=false"]
+    out = subprocess.run([sys.executable, str(script), *common, "train.train_iters=8", "checkpoint.save_interval=4",
+                          f"checkpoint.save={disk}", f"run.dir={tmp_path}/r"], cwd=REPO, env=_clean_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint.save={disk}: saving iteration 8 failed: no space left on device; "
+                               "iter_0000008.tmp removed and the previous checkpoint (iteration 4) is intact"), lines
+    assert lines[0] in (tmp_path / "r" / "train.log").read_text().splitlines()
+    assert sorted(p.name for p in disk.iterdir() if p.name != "lost+found") == ["iter_0000004", "latest"]
+    rows = run_distributed(run_job, 1, common + ["train.train_iters=5", f"checkpoint.load={disk}", f"run.dir={tmp_path}/r2"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "r2")] == [5]  # resumed from iteration 4
+    del rows

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mptrain.checkpoint import atomic, dcp_io, rng
+from mptrain.checkpoint import atomic, dcp_io, integrity, rng
 from mptrain.checkpoint.reshard import check_coverage
 from mptrain.checkpoint.state import (
     install_optimizer_state,
@@ -28,10 +28,11 @@ from mptrain.checkpoint.state import (
     optimizer_save_items,
     param_records,
 )
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, StorageError
 from mptrain.training.step import unwrap
 
 FORMAT = "mptrain-dcp-1"
+FULL_DISK_BYTES = 1 << 20  # a failed save with less free space than this on checkpoint.save is reported as a full disk
 # Model-config keys that decide parameter shapes (listed in the mismatch error when they differ).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
               "vocab_size", "max_position_embeddings", "seq_length", "normalization", "activation",
@@ -104,7 +105,9 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     Returns:
         the published folder (None when ``checkpoint.save`` is null).
     Raises:
-        RuntimeError: publishing failed on rank 0 (raised on every rank).
+        StorageError: a write failed on any rank (disk full, unwritable): raised on every rank, one
+            line naming the folder, the cause and the fix; ``iter_N.tmp`` is removed and the
+            previous checkpoint and ``latest`` are untouched.
     """
     cfg, groups = built.cfg, built.groups
     root = cfg.checkpoint.save
@@ -118,7 +121,7 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
         except OSError as err:
             ok, error = False, err
     if not _all_ok(ok, groups.device):
-        raise RuntimeError(f"checkpoint: could not create {tmp} on rank 0: {error}")
+        raise _save_error(root, iteration, tmp, error, recorder)
     records = param_records(built.chunks)
     chunks = model_chunks(records)
     opt_chunks, objects = optimizer_save_items(_optimizer(built), records)
@@ -128,7 +131,19 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     faults = getattr(built.trainer, "faults", None)
     if faults is not None:
         faults.maybe_fail("save_write")  # debug: die while iter_N.tmp is being written
-    dcp_io.save_chunks(str(tmp), chunks + opt_chunks, objects)
+    shards = None
+    try:
+        dcp_io.save_chunks(str(tmp), chunks + opt_chunks, objects)
+        shards = integrity.own_shards(tmp, groups.rank)  # this rank's files, checksummed in parallel
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) holds every rank's error
+        ok, error = False, err
+    # DCP raises alike on every rank when one rank's write failed; the flag makes sure of it
+    if not _all_ok(ok, groups.device):
+        raise _save_error(root, iteration, tmp, error, recorder)
+    gathered: list = [None] * groups.world_size
+    dist.all_gather_object(gathered, shards)
     removed = []
     if groups.rank == 0:
         try:
@@ -136,15 +151,95 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
                                             "param_dtype", "torch_version")}
             meta["config"] = common["config"]
             atomic.write_json(tmp / atomic.META_FILE, meta)
+            integrity.write_manifest(tmp, gathered)  # before the rename and `latest`
             removed = atomic.publish(root, iteration, cfg.checkpoint.keep_last_n)
         except OSError as err:
             ok, error = False, err
     if not _all_ok(ok, groups.device):
-        raise RuntimeError(f"checkpoint: publishing iteration {iteration} in {root} failed on rank 0: {error}")
+        raise _save_error(root, iteration, tmp, error, recorder)
     folder = Path(root) / atomic.iter_dir_name(iteration)
     _log(recorder, f"checkpoint: saved iteration {iteration} to {folder}"
          + (f" (removed iterations {removed}: keep_last_n={cfg.checkpoint.keep_last_n})" if removed else ""))
     return folder
+
+
+def _root_oserror(err: BaseException) -> Optional[OSError]:
+    """The OSError behind ``err`` (DCP's CheckpointException keeps each rank's exception in ``failures``)."""
+    seen = 0
+    stack = [err]
+    while stack and seen < 50:
+        e = stack.pop()
+        seen += 1
+        if isinstance(e, OSError):
+            return e
+        for inner in getattr(e, "failures", {}).values() if isinstance(getattr(e, "failures", None), dict) else ():
+            stack.append(inner[0] if isinstance(inner, tuple) else inner)
+        for inner in (getattr(e, "__cause__", None), getattr(e, "__context__", None)):
+            if inner is not None:
+                stack.append(inner)
+    return None
+
+
+def _save_error(root: str, iteration: int, tmp: Path, error: Optional[BaseException], recorder) -> StorageError:
+    """Rank 0 removes ``iter_N.tmp``; every rank gets the same one-line `StorageError` (also in train.log).
+
+    The message is built from what every rank knows (rank 0 alone prints it): the folder, the
+    previous checkpoint, and the cause when this rank saw it.
+    """
+    import errno
+    import shutil
+
+    free = None
+    try:  # before removing the .tmp: torch's zip writer hides ENOSPC ("unexpected pos ..."), the free space does not
+        free = shutil.disk_usage(root).free
+    except OSError:
+        pass
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        Path(root, "latest.tmp").unlink(missing_ok=True)
+    os_err = _root_oserror(error) if error is not None else None
+    if (os_err is not None and os_err.errno == errno.ENOSPC) or (free is not None and free < FULL_DISK_BYTES):
+        cause, fix = "no space left on device", "free space there or point checkpoint.save= at a folder with room"
+    elif os_err is not None and os_err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause, fix = f"not writable ({os_err.strerror})", "fix its permissions or point checkpoint.save= elsewhere"
+    elif os_err is not None:
+        cause, fix = os_err.strerror or str(os_err), "check the storage or point checkpoint.save= elsewhere"
+    else:
+        cause, fix = "a write failed on another rank", "check that rank's storage or point checkpoint.save= elsewhere"
+    previous = atomic.read_latest(root)
+    kept = f"the previous checkpoint (iteration {previous}) is intact" if previous is not None else "no earlier checkpoint"
+    msg = (f"checkpoint.save={root}: saving iteration {iteration} failed: {cause}; {tmp.name} removed and {kept}; "
+           f"{fix}")
+    _log(recorder, f"error: {msg}")
+    return StorageError(msg, all_ranks=True)
+
+
+def _verified_folder(root: str, folder: Path, note: Optional[str], cfg, groups, recorder) -> Path:
+    """``folder`` when its files match its manifest; else (loading ``latest``) the newest intact older one.
+
+    Collective (one all_gather per folder tried). Raises ConfigError naming the bad file when
+    ``checkpoint.load_iteration`` was asked for, or when no intact checkpoint is left.
+    """
+    def gather(obj):
+        out: list = [None] * groups.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    problem = integrity.verify_folder(folder, groups.rank, groups.world_size, gather)
+    if problem is None:
+        return folder
+    if cfg.checkpoint.load_iteration is not None:
+        raise ConfigError(f"checkpoint.load_iteration={cfg.checkpoint.load_iteration}: {problem}; load another "
+                          f"iteration (or restore the file)")
+    first_problem = problem
+    for it in reversed([i for i in atomic.list_iterations(root) if i < int(folder.name.split("_")[1])]):
+        candidate = Path(root) / atomic.iter_dir_name(it)
+        problem = integrity.verify_folder(candidate, groups.rank, groups.world_size, gather)
+        if problem is None:
+            _log(recorder, f"checkpoint: {first_problem}; loading iteration {it}, the newest intact checkpoint")
+            return candidate
+    raise ConfigError(f"checkpoint.load={root}: {first_problem}, and no older checkpoint there is intact; restore "
+                      "the file, or set checkpoint.load=null to start fresh")
 
 
 def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved_cfg: dict, cfg) -> None:
@@ -212,6 +307,7 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     if folder is None:
         _log(recorder, f"checkpoint: nothing to load in {root}; starting from iteration 0")
         return fresh
+    folder = _verified_folder(root, folder, note, cfg, groups, recorder)  # checksums (checkpoint/integrity.py)
     metadata = dcp_io.read_metadata(str(folder))
     tkeys = dcp_io.tensor_keys(metadata)
     okeys = set(dcp_io.object_keys(metadata))

@@ -354,8 +354,10 @@ def run(cfg: Any) -> dict:
         result = recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
         clean_exit = True
         return result
-    except (ConfigError, TooManySkippedStepsError):
-        clean_exit = True  # raised alike on every rank (validation, data, checkpoint shape, skips): no peer waits
+    except (ConfigError, TooManySkippedStepsError) as err:
+        # raised alike on every rank (validation, data, checkpoint shape, a failed save, skips): no peer
+        # waits; a StorageError of rank 0's metrics writes is this rank's alone (all_ranks False)
+        clean_exit = getattr(err, "all_ranks", True)
         raise
     finally:
         stop.uninstall()
