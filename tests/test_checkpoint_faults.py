@@ -198,3 +198,31 @@ def test_full_disk_at_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     rows = run_distributed(run_job, 1, common + ["train.train_iters=5", f"checkpoint.load={disk}", f"run.dir={tmp_path}/r2"])
     assert [r["iteration"] for r in read_rows(tmp_path / "r2")] == [5]  # resumed from iteration 4
     del rows
+
+
+def test_corrupt_or_truncated_shard_is_one_line_and_latest_falls_back(tmp_path):
+    """Every checkpoint has a CRC32 manifest; a flipped byte in iter_0000008's shard: loading `latest` falls back
+    to iteration 4 and the log names the file; checkpoint.load_iteration=8 is one ConfigError naming the file;
+    a truncated shard likewise."""
+    import json
+
+    ck = tmp_path / "ck"
+    common = SMALL + [f"checkpoint.save={ck}"]
+    run_distributed(run_job, 1, common + ["train.train_iters=8", "checkpoint.save_interval=4", f"run.dir={tmp_path}/a"])
+    manifest = json.loads((ck / "iter_0000008" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "meta.json"]
+    shard = ck / "iter_0000008" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    load = [f"checkpoint.load={ck}", "checkpoint.save=null", "train.train_iters=9"]
+    run_distributed(run_job, 1, SMALL + load + [f"run.dir={tmp_path}/b"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "b")] == [5, 6, 7, 8, 9]  # resumed from iteration 4
+    log = (tmp_path / "b" / "train.log").read_text()
+    assert f"checkpoint: {shard} is corrupt (crc32 " in log and "loading iteration 4, the newest intact checkpoint" in log
+    # (the pool re-raises a rank's exception as DistributedTestError with its traceback: match the ConfigError line)
+    with pytest.raises(Exception, match=rf"ConfigError: checkpoint.load_iteration=8: {shard} is corrupt \(crc32 "):
+        run_distributed(run_job, 1, SMALL + load + ["checkpoint.load_iteration=8", f"run.dir={tmp_path}/c"])
+    shard.write_bytes(bytes(data[:100]))
+    with pytest.raises(Exception, match=rf"ConfigError: checkpoint.load_iteration=8: {shard} is truncated or padded \(100 bytes"):
+        run_distributed(run_job, 1, SMALL + load + ["checkpoint.load_iteration=8", f"run.dir={tmp_path}/d"])
