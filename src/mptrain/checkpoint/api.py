@@ -88,40 +88,99 @@ def _common_state(built, iteration: int, consumed_samples: int) -> dict:
     }
 
 
-def _all_ok(ok: bool, device) -> bool:
+def _all_ok(ok: bool, device, group=None) -> bool:
     """MIN over all ranks of a success flag (so a failure on rank 0 raises everywhere, never hangs)."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _stage_to_cpu(chunks: list, objects: dict) -> tuple[list, dict]:
+    """Copies of every chunk view (on the host) and of the objects: what an async save writes while training
+    goes on. The only part of an async save that blocks the loop (the device-to-host copy)."""
+    import copy
+
+    staged = [dataclasses.replace(c, view=c.view.detach().to("cpu", copy=True)) for c in chunks]
+    return staged, copy.deepcopy(objects)
+
+
+class AsyncSaves:
+    """``checkpoint.async_save``: at most one save in flight, written by a background thread.
+
+    The thread runs the same write + checksum + publish as a blocking save, over a gloo group of
+    its own (created once, collectively, at the first async save) so that its collectives never
+    interleave with the training loop's. `wait` (called before the next save, and by the loop
+    before the job ends) joins it and re-raises its error on the main thread; ``latest`` is only
+    rewritten by the thread, after every rank's files are written and checksummed.
+    """
+
+    def __init__(self) -> None:
+        self.group = None
+        self.thread = None
+        self.error: Optional[BaseException] = None
+        self.message: Optional[str] = None
+
+    def start(self, fn) -> None:
+        import threading
+
+        def target():
+            try:
+                self.message = fn()
+            except BaseException as err:  # noqa: BLE001 - re-raised by wait() on the main thread
+                self.error = err
+
+        self.thread = threading.Thread(target=target, name="mptrain-async-save", daemon=False)
+        self.thread.start()
+
+    def wait(self, recorder=None) -> None:
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.thread = None
+        error, message, self.error, self.message = self.error, self.message, None, None
+        if error is not None:
+            raise error
+        _log(recorder, message)
+
+
+def wait_for_saves(built, recorder=None) -> None:
+    """Block until a pending ``checkpoint.async_save`` is published (no-op otherwise). Collective-free."""
+    saves = getattr(built, "async_saves", None)
+    if saves is not None:
+        saves.wait(recorder)
 
 
 def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=None) -> Optional[Path]:
     """Save iteration ``iteration`` to ``cfg.checkpoint.save`` (collective on all ranks).
 
     Writes ``iter_<N>.tmp`` (DCP: model, main params, optimizer state; objects: common state and
-    this rank's RNG), then rank 0 renames it to ``iter_<N>``, rewrites ``latest`` and prunes
-    beyond ``checkpoint.keep_last_n`` (`mptrain.checkpoint.atomic`).
+    this rank's RNG) and its CRC32 manifest, then rank 0 renames it to ``iter_<N>``, rewrites
+    ``latest`` and prunes beyond ``checkpoint.keep_last_n`` (`mptrain.checkpoint.atomic`).
+
+    With ``checkpoint.async_save``: the previous async save is waited for, the state is copied to
+    host memory (the only blocking part), and a background thread does the rest
+    (`AsyncSaves`); the returned folder is published once `wait_for_saves` returns.
 
     Returns:
-        the published folder (None when ``checkpoint.save`` is null).
+        the (to be) published folder (None when ``checkpoint.save`` is null).
     Raises:
         StorageError: a write failed on any rank (disk full, unwritable): raised on every rank, one
             line naming the folder, the cause and the fix; ``iter_N.tmp`` is removed and the
-            previous checkpoint and ``latest`` are untouched.
+            previous checkpoint and ``latest`` are untouched (async: raised by the next save or
+            `wait_for_saves`).
     """
     cfg, groups = built.cfg, built.groups
     root = cfg.checkpoint.save
     if not root:
         return None
-    tmp = atomic.tmp_dir(root, iteration)
-    ok, error = True, None
-    if groups.rank == 0:
-        try:
-            atomic.prepare_tmp(root, iteration)
-        except OSError as err:
-            ok, error = False, err
-    if not _all_ok(ok, groups.device):
-        raise _save_error(root, iteration, tmp, error, recorder)
+    asynchronous = bool(getattr(cfg.checkpoint, "async_save", False))
+    saves = None
+    if asynchronous:
+        saves = getattr(built, "async_saves", None)
+        if saves is None:
+            saves = built.async_saves = AsyncSaves()
+            saves.group = dist.new_group(backend="gloo")  # collective, same point on every rank
+        saves.wait(recorder)
     records = param_records(built.chunks)
     chunks = model_chunks(records)
     opt_chunks, objects = optimizer_save_items(_optimizer(built), records)
@@ -129,23 +188,48 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     objects["common"] = common
     objects[rng.rng_key(groups)] = rng.capture(built.rng_tracker)
     faults = getattr(built.trainer, "faults", None)
+    chunks = chunks + opt_chunks
+    folder = Path(root) / atomic.iter_dir_name(iteration)
+    if not asynchronous:
+        message = _write_and_publish(root, iteration, chunks, objects, common, cfg, groups.rank, groups.world_size,
+                                     groups.device, None, faults, recorder)
+        _log(recorder, message)
+        return folder
+    chunks, objects = _stage_to_cpu(chunks, objects)
+    saves.start(lambda: _write_and_publish(root, iteration, chunks, objects, objects["common"], cfg, groups.rank,
+                                           groups.world_size, torch.device("cpu"), saves.group, faults, recorder))
+    return folder
+
+
+def _write_and_publish(root, iteration, chunks, objects, common, cfg, rank, world_size, device, group, faults,
+                       recorder) -> str:
+    """The save proper (collective over ``group``): tmp folder, DCP write, checksums, meta + manifest, publish."""
+    tmp = atomic.tmp_dir(root, iteration)
+    ok, error = True, None
+    if rank == 0:
+        try:
+            atomic.prepare_tmp(root, iteration)
+        except OSError as err:
+            ok, error = False, err
+    if not _all_ok(ok, device, group):
+        raise _save_error(root, iteration, tmp, error, recorder)
     if faults is not None:
         faults.maybe_fail("save_write")  # debug: die while iter_N.tmp is being written
     shards = None
     try:
-        dcp_io.save_chunks(str(tmp), chunks + opt_chunks, objects)
-        shards = integrity.own_shards(tmp, groups.rank)  # this rank's files, checksummed in parallel
+        dcp_io.save_chunks(str(tmp), chunks, objects, process_group=group)
+        shards = integrity.own_shards(tmp, rank)  # this rank's files, checksummed in parallel
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) holds every rank's error
         ok, error = False, err
     # DCP raises alike on every rank when one rank's write failed; the flag makes sure of it
-    if not _all_ok(ok, groups.device):
+    if not _all_ok(ok, device, group):
         raise _save_error(root, iteration, tmp, error, recorder)
-    gathered: list = [None] * groups.world_size
-    dist.all_gather_object(gathered, shards)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, shards, group=group)
     removed = []
-    if groups.rank == 0:
+    if rank == 0:
         try:
             meta = {k: common[k] for k in ("format", "iteration", "consumed_samples", "layout", "vocab_size",
                                             "param_dtype", "torch_version")}
@@ -155,12 +239,11 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
             removed = atomic.publish(root, iteration, cfg.checkpoint.keep_last_n)
         except OSError as err:
             ok, error = False, err
-    if not _all_ok(ok, groups.device):
+    if not _all_ok(ok, device, group):
         raise _save_error(root, iteration, tmp, error, recorder)
     folder = Path(root) / atomic.iter_dir_name(iteration)
-    _log(recorder, f"checkpoint: saved iteration {iteration} to {folder}"
-         + (f" (removed iterations {removed}: keep_last_n={cfg.checkpoint.keep_last_n})" if removed else ""))
-    return folder
+    return (f"checkpoint: saved iteration {iteration} to {folder}"
+            + (f" (removed iterations {removed}: keep_last_n={cfg.checkpoint.keep_last_n})" if removed else ""))
 
 
 def _root_oserror(err: BaseException) -> Optional[OSError]:
@@ -210,7 +293,10 @@ def _save_error(root: str, iteration: int, tmp: Path, error: Optional[BaseExcept
     kept = f"the previous checkpoint (iteration {previous}) is intact" if previous is not None else "no earlier checkpoint"
     msg = (f"checkpoint.save={root}: saving iteration {iteration} failed: {cause}; {tmp.name} removed and {kept}; "
            f"{fix}")
-    _log(recorder, f"error: {msg}")
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # an async save's error is logged by wait()
+        _log(recorder, f"error: {msg}")
     return StorageError(msg, all_ranks=True)
 
 

@@ -50,6 +50,10 @@ class CheckpointConfig:
     load_iteration: Optional[int] = None
     save_interval: Optional[int] = None
     keep_last_n: Optional[int] = None
+    async_save: bool = False
+    """Training blocks only while the state is copied to host memory; a background thread writes,
+    checksums and publishes it (`latest` after it completed); the next save and the end of the run wait
+    for it. Needs host memory for one copy of the checkpointed state."""
 
 
 @dataclasses.dataclass

@@ -347,6 +347,10 @@ def run(cfg: Any) -> dict:
                 if exiting or stop_now:
                     exit_code_reason = "exit_interval" if exiting else "signal"
                     break
+        if cfg.checkpoint.save:
+            from mptrain.checkpoint.api import wait_for_saves
+
+            wait_for_saves(built, recorder)  # checkpoint.async_save: the last save is published before the end
         step_timeout.end()  # no more training steps: the final evaluation and the layout gather
         if exit_code_reason is None and eval_on and iteration > state["iteration"]:
             evaluate("valid")
