@@ -173,6 +173,9 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     root = cfg.checkpoint.save
     if not root:
         return None
+    import time
+
+    t0 = time.perf_counter()
     asynchronous = bool(getattr(cfg.checkpoint, "async_save", False))
     saves = None
     if asynchronous:
@@ -193,11 +196,13 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     if not asynchronous:
         message = _write_and_publish(root, iteration, chunks, objects, common, cfg, groups.rank, groups.world_size,
                                      groups.device, None, faults, recorder)
-        _log(recorder, message)
+        _log(recorder, f"{message}; training blocked {time.perf_counter() - t0:.3f} s")
         return folder
     chunks, objects = _stage_to_cpu(chunks, objects)
     saves.start(lambda: _write_and_publish(root, iteration, chunks, objects, objects["common"], cfg, groups.rank,
                                            groups.world_size, torch.device("cpu"), saves.group, faults, recorder))
+    _log(recorder, f"checkpoint: iteration {iteration} copied to host memory, writing in the background; "
+                   f"training blocked {time.perf_counter() - t0:.3f} s")
     return folder
 
 
