@@ -129,7 +129,9 @@ class AsyncSaves:
             except BaseException as err:  # noqa: BLE001 - re-raised by wait() on the main thread
                 self.error = err
 
-        self.thread = threading.Thread(target=target, name="mptrain-async-save", daemon=False)
+        # daemon: a job failing with a save in flight must not hang at exit in that save's collectives (the
+        # previous checkpoint stays the loadable one)
+        self.thread = threading.Thread(target=target, name="mptrain-async-save", daemon=True)
         self.thread.start()
 
     def wait(self, recorder=None) -> None:
