@@ -247,3 +247,17 @@ def test_async_save_resumes_bitwise(tmp_path):
     assert f"checkpoint: saved iteration 8 to {ck / 'iter_0000008'}" in log
     run_distributed(run_job, 2, tp2 + [f"checkpoint.load={ck}", "checkpoint.load_iteration=4", f"run.dir={tmp_path}/b"])
     assert strip(read_rows(tmp_path / "b")) == strip(read_rows(tmp_path / "a"))[4:]
+
+
+def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+    """An async save that dies while iter_0000008.tmp is being written (debug.fail_where=save_write, in the
+    background thread): the job fails when the end of the run waits for it, `latest` still names 4, and that
+    checkpoint loads."""
+    ck = tmp_path / "ck"
+    with pytest.raises(Exception, match="injected failure on rank 0 at iteration 8 in save_write"):
+        run_distributed(run_job, 1, SMALL + ["train.train_iters=8", f"checkpoint.save={ck}", "checkpoint.save_interval=4",
+                                             "checkpoint.async_save=true", "debug.fail_rank=0", "debug.fail_iteration=8",
+                                             "debug.fail_where=save_write", f"run.dir={tmp_path}/a"])
+    assert (ck / "latest").read_text() == "4\n" and not (ck / "iter_0000008").exists()
+    run_distributed(run_job, 1, SMALL + ["train.train_iters=5", f"checkpoint.load={ck}", f"run.dir={tmp_path}/b"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "b")] == [5]

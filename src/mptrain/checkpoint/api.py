@@ -201,6 +201,7 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
         _log(recorder, f"{message}; training blocked {time.perf_counter() - t0:.3f} s")
         return folder
     chunks, objects = _stage_to_cpu(chunks, objects)
+    faults = dataclasses.replace(faults) if faults is not None else None  # its iteration frozen: the loop moves on
     saves.start(lambda: _write_and_publish(root, iteration, chunks, objects, objects["common"], cfg, groups.rank,
                                            groups.world_size, torch.device("cpu"), saves.group, faults, recorder))
     _log(recorder, f"checkpoint: iteration {iteration} copied to host memory, writing in the background; "
