@@ -308,7 +308,7 @@ def _save_error(root: str, iteration: int, tmp: Path, error: Optional[BaseExcept
     return StorageError(msg, all_ranks=True)
 
 
-def _verified_folder(root: str, folder: Path, note: Optional[str], cfg, groups, recorder) -> Path:
+def _verified_folder(root: str, folder: Path, cfg, groups, recorder) -> Path:
     """``folder`` when its files match its manifest; else (loading ``latest``) the newest intact older one.
 
     Collective (one all_gather per folder tried). Raises ConfigError naming the bad file when
@@ -401,7 +401,7 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     if folder is None:
         _log(recorder, f"checkpoint: nothing to load in {root}; starting from iteration 0")
         return fresh
-    folder = _verified_folder(root, folder, note, cfg, groups, recorder)  # checksums (checkpoint/integrity.py)
+    folder = _verified_folder(root, folder, cfg, groups, recorder)  # checksums (checkpoint/integrity.py)
     metadata = dcp_io.read_metadata(str(folder))
     tkeys = dcp_io.tensor_keys(metadata)
     okeys = set(dcp_io.object_keys(metadata))
