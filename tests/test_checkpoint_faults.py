@@ -146,3 +146,118 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     assert 3 <= last < 100000
     assert (root / "latest").read_text().strip() == str(last)
     assert (root / f"iter_{last:07d}" / ".metadata").is_file()
+
+
+# python train.py, with (when no tmpfs can be mounted) DCP's file writes failing with ENOSPC from iteration 8 on
+_FULL_DISK = r'''
+import errno, sys
+sys.path.insert(0, {src!r})
+if {simulate!r}:
+    import torch.distributed.checkpoint.filesystem as fs
+    original = fs.FileSystemWriter.write_data
+    def write_data(self, plan, planner):
+        if "iter_0000008" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, plan, planner)
+    fs.FileSystemWriter.write_data = write_data
+sys.argv[0] = {train!r}
+import runpy
+runpy.run_path({train!r}, run_name="__main__")
+'''
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (one tiny checkpoint of ~3.7 MB fits, two do not); None when mounting is not allowed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True).returncode == 0
+    yield disk, mounted
+    if mounted:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_full_disk_at_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    """checkpoint.save on a full disk: one stderr line (and in train.log) naming the folder, the cause and the fix,
+    exit 1; iter_0000008.tmp removed; `latest` still 4 and that checkpoint loads. A real 6 MiB tmpfs when the
+    test may mount one (root), else ENOSPC injected into DCP's FileSystemWriter."""
+    disk, mounted = small_disk
+    script = tmp_path / "full_disk.py"
+    script.write_text(_FULL_DISK.format(src=str(REPO / "src"), simulate=not mounted, train=str(REPO / "train.py")))
+    common = ["model=tiny", "train.eval_interval=null", "run.progress_bar=false"]
+    out = subprocess.run([sys.executable, str(script), *common, "train.train_iters=8", "checkpoint.save_interval=4",
+                          f"checkpoint.save={disk}", f"run.dir={tmp_path}/r"], cwd=REPO, env=_clean_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint.save={disk}: saving iteration 8 failed: no space left on device; "
+                               "iter_0000008.tmp removed and the previous checkpoint (iteration 4) is intact"), lines
+    assert lines[0] in (tmp_path / "r" / "train.log").read_text().splitlines()
+    assert sorted(p.name for p in disk.iterdir() if p.name != "lost+found") == ["iter_0000004", "latest"]
+    rows = run_distributed(run_job, 1, common + ["train.train_iters=5", f"checkpoint.load={disk}", f"run.dir={tmp_path}/r2"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "r2")] == [5]  # resumed from iteration 4
+    del rows
+
+
+def test_corrupt_or_truncated_shard_is_one_line_and_latest_falls_back(tmp_path):
+    """Every checkpoint has a CRC32 manifest; a flipped byte in iter_0000008's shard: loading `latest` falls back
+    to iteration 4 and the log names the file; checkpoint.load_iteration=8 is one ConfigError naming the file;
+    a truncated shard likewise."""
+    import json
+
+    ck = tmp_path / "ck"
+    common = SMALL + [f"checkpoint.save={ck}"]
+    run_distributed(run_job, 1, common + ["train.train_iters=8", "checkpoint.save_interval=4", f"run.dir={tmp_path}/a"])
+    manifest = json.loads((ck / "iter_0000008" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "meta.json"]
+    shard = ck / "iter_0000008" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    load = [f"checkpoint.load={ck}", "checkpoint.save=null", "train.train_iters=9"]
+    run_distributed(run_job, 1, SMALL + load + [f"run.dir={tmp_path}/b"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "b")] == [5, 6, 7, 8, 9]  # resumed from iteration 4
+    log = (tmp_path / "b" / "train.log").read_text()
+    assert f"checkpoint: {shard} is corrupt (crc32 " in log and "loading iteration 4, the newest intact checkpoint" in log
+    # (the pool re-raises a rank's exception as DistributedTestError with its traceback: match the ConfigError line)
+    with pytest.raises(Exception, match=rf"ConfigError: checkpoint.load_iteration=8: {shard} is corrupt \(crc32 "):
+        run_distributed(run_job, 1, SMALL + load + ["checkpoint.load_iteration=8", f"run.dir={tmp_path}/c"])
+    shard.write_bytes(bytes(data[:100]))
+    with pytest.raises(Exception, match=rf"ConfigError: checkpoint.load_iteration=8: {shard} is truncated or padded \(100 bytes"):
+        run_distributed(run_job, 1, SMALL + load + ["checkpoint.load_iteration=8", f"run.dir={tmp_path}/d"])
+
+
+def test_async_save_resumes_bitwise(tmp_path):
+    """checkpoint.async_save=true at tp2 (world 2): the saves of iterations 4 and 8 are written by a background
+    thread over a gloo group of their own and published (manifest, `latest` = 8) before the job ends; resuming from
+    the async-saved iteration 4 gives rows 5-8 equal to an uninterrupted run's bitwise."""
+    import json
+
+    volatile = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in volatile} for r in rows]
+    ck = tmp_path / "ck"
+    tp2 = SMALL + ["parallel=tp2pp1", "train.train_iters=8"]
+    run_distributed(run_job, 2, tp2 + [f"checkpoint.save={ck}", "checkpoint.save_interval=4", "checkpoint.async_save=true",
+                                       f"run.dir={tmp_path}/a"])
+    assert (ck / "latest").read_text() == "8\n"
+    assert sorted(json.loads((ck / "iter_0000004" / "manifest.json").read_text())["files"]) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
+    log = (tmp_path / "a" / "train.log").read_text()
+    assert f"checkpoint: saved iteration 8 to {ck / 'iter_0000008'}" in log
+    run_distributed(run_job, 2, tp2 + [f"checkpoint.load={ck}", "checkpoint.load_iteration=4", f"run.dir={tmp_path}/b"])
+    assert strip(read_rows(tmp_path / "b")) == strip(read_rows(tmp_path / "a"))[4:]
+
+
+def test_crash_during_async_save_keeps_the_previous_checkpoint(tmp_path):
+    """An async save that dies while iter_0000008.tmp is being written (debug.fail_where=save_write, in the
+    background thread): the job fails when the end of the run waits for it, `latest` still names 4, and that
+    checkpoint loads."""
+    ck = tmp_path / "ck"
+    with pytest.raises(Exception, match="injected failure on rank 0 at iteration 8 in save_write"):
+        run_distributed(run_job, 1, SMALL + ["train.train_iters=8", f"checkpoint.save={ck}", "checkpoint.save_interval=4",
+                                             "checkpoint.async_save=true", "debug.fail_rank=0", "debug.fail_iteration=8",
+                                             "debug.fail_where=save_write", f"run.dir={tmp_path}/a"])
+    assert (ck / "latest").read_text() == "4\n" and not (ck / "iter_0000008").exists()
+    run_distributed(run_job, 1, SMALL + ["train.train_iters=5", f"checkpoint.load={ck}", f"run.dir={tmp_path}/b"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "b")] == [5]

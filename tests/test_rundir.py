@@ -130,3 +130,37 @@ def test_world2_config_mismatch_raised_on_every_rank_before_the_folder(tmp_path)
     assert out[0] == out[1]
     assert "rank 1's resolved config differs from rank 0's at train.seed (rank 0: 1234, rank 1: 99)" in out[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_failed_start_then_corrected_start_in_the_same_run_dir(tmp_path):
+    """A start that fails after the folder was written (here: the first step raises) leaves config.yaml,
+    train.log and an empty metrics.jsonl; the corrected start in the same run.dir reuses the folder."""
+    from train_utils import compose, read_rows
+
+    from mptrain.training.run import run
+
+    d = tmp_path / "r"
+    base = ["model=tiny", "train.train_iters=2", "train.eval_interval=null", f"run.dir={d}"]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(compose(base + ["debug.fail_rank=0", "debug.fail_iteration=1"]))
+    assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "metrics.jsonl", "train.log"]
+    run(compose(base))
+    assert [r["iteration"] for r in read_rows(d)] == [1, 2]
+    assert "debug" in yaml.safe_load((d / "config.yaml").read_text())
+    assert yaml.safe_load((d / "config.yaml").read_text())["debug"]["fail_rank"] is None  # the corrected config
+    with pytest.raises(ConfigError, match="already holds a run"):  # a run with rows is still protected
+        run(compose(base))
+
+
+def test_resume_at_or_past_train_iters_says_so(tmp_path, capsys):
+    """Resuming from a checkpoint at iteration >= train.train_iters: exit 0 (nothing to do) with one line."""
+    from train_utils import compose
+
+    from mptrain.training.run import run
+
+    ck = tmp_path / "ck"
+    common = ["model=tiny", "train.eval_interval=null", f"checkpoint.save={ck}", f"checkpoint.load={ck}"]
+    run(compose(common + ["train.train_iters=2", f"run.dir={tmp_path}/a"]))
+    run(compose(common + ["train.train_iters=1", f"run.dir={tmp_path}/a"]))
+    line = f"checkpoint.load={ck} is at iteration 2 >= train.train_iters=1: nothing to train; raise train.train_iters to continue"
+    assert line in (tmp_path / "a" / "train.log").read_text().splitlines()

@@ -56,25 +56,62 @@ def test_torchrun_layout_sweep_three_jobs_and_summary(tmp_path):
     assert (root / "summary.md").exists()
 
 
+LAUNCH = [sys.executable, "-m", "mptrain.launch", "--standalone"]
+
+
 @pytest.mark.parametrize(
-    "nproc,overrides,key",
+    "launcher,nproc,overrides,key",
     [
         # world size 2 is not divisible by tp 4 × pp 1 (every other §5 combination is checked in-process
-        # by tests/test_config.py; here: the exit code and one line per rank of a real torchrun job)
-        (2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
-        (2, ["parallel=tp2pp1", "precision=fp16", "loss_scaler=none"], "loss_scaler"),
+        # by tests/test_config.py; here: the exit code and the one line of a real torchrun job)
+        ("torchrun", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
+        # the README's quiet launcher: the one line is all of stderr
+        ("launch", 3, ["parallel=tp2pp1"], "tensor_model_parallel_size"),
     ],
 )
-def test_invalid_config_exits_1_on_every_rank_with_one_line(tmp_path, nproc, overrides, key):
+def test_invalid_config_exits_1_with_one_line_in_all(tmp_path, launcher, nproc, overrides, key):
+    """A start-up config error is the same on every rank: rank 0 alone prints it (not one line per rank)."""
     t0 = time.monotonic()
-    out = _run([*TORCHRUN, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides, f"run.dir={tmp_path}/r"], timeout_s=60)
+    cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
+    out = subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides, f"run.dir={tmp_path}/r"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert time.monotonic() - t0 < 60  # hang guard (the design asks for < 30 s on an idle machine)
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == nproc, out.stderr[-2000:]  # one line per rank
-    assert all(key in line for line in errors)
+    assert len(errors) == 1 and key in errors[0], out.stderr[-2000:]
     # no Python traceback from our code (torchrun's own launcher prints its ChildFailedError report)
     assert "mptrain/" not in out.stderr and 'train.py", line' not in out.stderr
+    if launcher == "launch":
+        assert out.stderr.splitlines() == errors, out.stderr[-2000:]
+    assert not (tmp_path / "r").exists()  # nothing written before validation
+
+
+RESTART = [*TINY, "parallel=tp2pp1", "train.train_iters=12", "checkpoint.save_interval=4", "run.progress_bar=false"]
+
+
+def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
+    """`torchrun --max-restarts=1 ... checkpoint.save=D checkpoint.load=D`: rank 1 SIGKILLs itself on the first
+    attempt (mid-step at iteration 6; or while iter_0000008.tmp is being written); torchrun restarts both
+    workers, they resume from D's newest complete checkpoint (4 in both cases) and finish with exit 0; the
+    metrics rows equal an uninterrupted run's bitwise (fp32, dropout 0), one row per iteration."""
+    ref = _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *RESTART, f"run.dir={tmp_path}/ref",
+                f"checkpoint.save={tmp_path}/D_ref"])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    volatile = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in volatile} for r in rows]
+    ref_rows = strip(read_rows(tmp_path / "ref"))
+    for where, iteration in (("forward", 6), ("save_write", 8)):
+        d, run_dir = tmp_path / f"D_{where}", tmp_path / f"r_{where}"
+        out = _run([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", "train.py", *RESTART, f"run.dir={run_dir}",
+                    f"checkpoint.save={d}", f"checkpoint.load={d}", "debug.fail_rank=1",
+                    f"debug.fail_iteration={iteration}", f"debug.fail_where={where}", "debug.fail_kind=sigkill"])
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "checkpoint: loaded iteration 4 " in out.stdout, out.stdout[-3000:]
+        assert sorted(p.name for p in d.iterdir()) == ["iter_0000004", "iter_0000008", "iter_0000012", "latest"]
+        rows = strip(read_rows(run_dir))
+        assert [r["iteration"] for r in rows] == list(range(1, 13))
+        assert rows == ref_rows
 
 
 def test_stalled_rank_ends_the_job_through_the_step_timeout(tmp_path):

@@ -51,6 +51,11 @@ class DistEnv:
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
     launcher: str = "none"
+    restart_count: int = 0
+    """torchrun's TORCHELASTIC_RESTART_COUNT: 0 on the first attempt, k after k restarts."""
+    agent_store: bool = False
+    """torchrun's TORCHELASTIC_USE_AGENT_STORE: MASTER_ADDR:MASTER_PORT is the agent's TCPStore,
+    which outlives the workers and is shared by every attempt (see `init_distributed`)."""
 
     @property
     def init_method(self) -> Optional[str]:
@@ -121,6 +126,8 @@ def read_dist_env(environ: Optional[dict] = None, *, first_host=slurm_first_host
             master_addr=env.get("MASTER_ADDR"),
             master_port=int(port) if port else None,
             launcher="torchrun" if "RANK" in env else "none",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
     world_size = int(env.get("SLURM_NTASKS", 1))
     addr = env.get("MASTER_ADDR")
@@ -173,6 +180,9 @@ def init_distributed(env: DistEnv, *, timeout_s: float = 600.0, device_type: Opt
         kwargs = {"device_id": device} if device_type == "cuda" else {}
         if env.init_method is not None:  # SLURM: no torchrun agent store, rank 0 hosts a TCP store
             kwargs["init_method"] = env.init_method
+        elif env.agent_store and env.master_addr is not None and env.master_port is not None:
+            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+            kwargs["store"] = dist.PrefixStore(f"mptrain/attempt_{env.restart_count}", store)
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return device
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mptrain.checkpoint import atomic, dcp_io, rng
+from mptrain.checkpoint import atomic, dcp_io, integrity, rng
 from mptrain.checkpoint.reshard import check_coverage
 from mptrain.checkpoint.state import (
     install_optimizer_state,
@@ -28,10 +28,11 @@ from mptrain.checkpoint.state import (
     optimizer_save_items,
     param_records,
 )
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, StorageError
 from mptrain.training.step import unwrap
 
 FORMAT = "mptrain-dcp-1"
+FULL_DISK_BYTES = 1 << 20  # a failed save with less free space than this on checkpoint.save is reported as a full disk
 # Model-config keys that decide parameter shapes (listed in the mismatch error when they differ).
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
               "vocab_size", "max_position_embeddings", "seq_length", "normalization", "activation",
@@ -87,61 +88,252 @@ def _common_state(built, iteration: int, consumed_samples: int) -> dict:
     }
 
 
-def _all_ok(ok: bool, device) -> bool:
+def _all_ok(ok: bool, device, group=None) -> bool:
     """MIN over all ranks of a success flag (so a failure on rank 0 raises everywhere, never hangs)."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _stage_to_cpu(chunks: list, objects: dict) -> tuple[list, dict]:
+    """Copies of every chunk view (on the host) and of the objects: what an async save writes while training
+    goes on. The only part of an async save that blocks the loop (the device-to-host copy)."""
+    import copy
+
+    staged = [dataclasses.replace(c, view=c.view.detach().to("cpu", copy=True)) for c in chunks]
+    return staged, copy.deepcopy(objects)
+
+
+class AsyncSaves:
+    """``checkpoint.async_save``: at most one save in flight, written by a background thread.
+
+    The thread runs the same write + checksum + publish as a blocking save, over a gloo group of
+    its own (created once, collectively, at the first async save) so that its collectives never
+    interleave with the training loop's. `wait` (called before the next save, and by the loop
+    before the job ends) joins it and re-raises its error on the main thread; ``latest`` is only
+    rewritten by the thread, after every rank's files are written and checksummed.
+    """
+
+    def __init__(self) -> None:
+        self.group = None
+        self.thread = None
+        self.error: Optional[BaseException] = None
+        self.message: Optional[str] = None
+
+    def start(self, fn) -> None:
+        import threading
+
+        def target():
+            try:
+                self.message = fn()
+            except BaseException as err:  # noqa: BLE001 - re-raised by wait() on the main thread
+                self.error = err
+
+        # daemon: a job failing with a save in flight must not hang at exit in that save's collectives (the
+        # previous checkpoint stays the loadable one)
+        self.thread = threading.Thread(target=target, name="mptrain-async-save", daemon=True)
+        self.thread.start()
+
+    def wait(self, recorder=None) -> None:
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.thread = None
+        error, message, self.error, self.message = self.error, self.message, None, None
+        if error is not None:
+            raise error
+        _log(recorder, message)
+
+
+def wait_for_saves(built, recorder=None) -> None:
+    """Block until a pending ``checkpoint.async_save`` is published (no-op otherwise). Collective-free."""
+    saves = getattr(built, "async_saves", None)
+    if saves is not None:
+        saves.wait(recorder)
 
 
 def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=None) -> Optional[Path]:
     """Save iteration ``iteration`` to ``cfg.checkpoint.save`` (collective on all ranks).
 
     Writes ``iter_<N>.tmp`` (DCP: model, main params, optimizer state; objects: common state and
-    this rank's RNG), then rank 0 renames it to ``iter_<N>``, rewrites ``latest`` and prunes
-    beyond ``checkpoint.keep_last_n`` (`mptrain.checkpoint.atomic`).
+    this rank's RNG) and its CRC32 manifest, then rank 0 renames it to ``iter_<N>``, rewrites
+    ``latest`` and prunes beyond ``checkpoint.keep_last_n`` (`mptrain.checkpoint.atomic`).
+
+    With ``checkpoint.async_save``: the previous async save is waited for, the state is copied to
+    host memory (the only blocking part), and a background thread does the rest
+    (`AsyncSaves`); the returned folder is published once `wait_for_saves` returns.
 
     Returns:
-        the published folder (None when ``checkpoint.save`` is null).
+        the (to be) published folder (None when ``checkpoint.save`` is null).
     Raises:
-        RuntimeError: publishing failed on rank 0 (raised on every rank).
+        StorageError: a write failed on any rank (disk full, unwritable): raised on every rank, one
+            line naming the folder, the cause and the fix; ``iter_N.tmp`` is removed and the
+            previous checkpoint and ``latest`` are untouched (async: raised by the next save or
+            `wait_for_saves`).
     """
     cfg, groups = built.cfg, built.groups
     root = cfg.checkpoint.save
     if not root:
         return None
-    tmp = atomic.tmp_dir(root, iteration)
-    ok, error = True, None
-    if groups.rank == 0:
-        try:
-            atomic.prepare_tmp(root, iteration)
-        except OSError as err:
-            ok, error = False, err
-    if not _all_ok(ok, groups.device):
-        raise RuntimeError(f"checkpoint: could not create {tmp} on rank 0: {error}")
+    import time
+
+    t0 = time.perf_counter()
+    asynchronous = bool(getattr(cfg.checkpoint, "async_save", False))
+    saves = None
+    if asynchronous:
+        saves = getattr(built, "async_saves", None)
+        if saves is None:
+            saves = built.async_saves = AsyncSaves()
+            saves.group = dist.new_group(backend="gloo")  # collective, same point on every rank
+        saves.wait(recorder)
     records = param_records(built.chunks)
     chunks = model_chunks(records)
     opt_chunks, objects = optimizer_save_items(_optimizer(built), records)
     common = _common_state(built, iteration, consumed_samples)
     objects["common"] = common
     objects[rng.rng_key(groups)] = rng.capture(built.rng_tracker)
-    dcp_io.save_chunks(str(tmp), chunks + opt_chunks, objects)
+    faults = getattr(built.trainer, "faults", None)
+    chunks = chunks + opt_chunks
+    folder = Path(root) / atomic.iter_dir_name(iteration)
+    if not asynchronous:
+        message = _write_and_publish(root, iteration, chunks, objects, common, cfg, groups.rank, groups.world_size,
+                                     groups.device, None, faults, recorder)
+        _log(recorder, f"{message}; training blocked {time.perf_counter() - t0:.3f} s")
+        return folder
+    chunks, objects = _stage_to_cpu(chunks, objects)
+    faults = dataclasses.replace(faults) if faults is not None else None  # its iteration frozen: the loop moves on
+    saves.start(lambda: _write_and_publish(root, iteration, chunks, objects, objects["common"], cfg, groups.rank,
+                                           groups.world_size, torch.device("cpu"), saves.group, faults, recorder))
+    _log(recorder, f"checkpoint: iteration {iteration} copied to host memory, writing in the background; "
+                   f"training blocked {time.perf_counter() - t0:.3f} s")
+    return folder
+
+
+def _write_and_publish(root, iteration, chunks, objects, common, cfg, rank, world_size, device, group, faults,
+                       recorder) -> str:
+    """The save proper (collective over ``group``): tmp folder, DCP write, checksums, meta + manifest, publish."""
+    tmp = atomic.tmp_dir(root, iteration)
+    ok, error = True, None
+    if rank == 0:
+        try:
+            atomic.prepare_tmp(root, iteration)
+        except OSError as err:
+            ok, error = False, err
+    if not _all_ok(ok, device, group):
+        raise _save_error(root, iteration, tmp, error, recorder)
+    if faults is not None:
+        faults.maybe_fail("save_write")  # debug: die while iter_N.tmp is being written
+    shards = None
+    try:
+        dcp_io.save_chunks(str(tmp), chunks, objects, process_group=group)
+        shards = integrity.own_shards(tmp, rank)  # this rank's files, checksummed in parallel
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException (a BaseException) holds every rank's error
+        ok, error = False, err
+    # DCP raises alike on every rank when one rank's write failed; the flag makes sure of it
+    if not _all_ok(ok, device, group):
+        raise _save_error(root, iteration, tmp, error, recorder)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, shards, group=group)
     removed = []
-    if groups.rank == 0:
+    if rank == 0:
         try:
             meta = {k: common[k] for k in ("format", "iteration", "consumed_samples", "layout", "vocab_size",
                                             "param_dtype", "torch_version")}
             meta["config"] = common["config"]
             atomic.write_json(tmp / atomic.META_FILE, meta)
+            integrity.write_manifest(tmp, gathered)  # before the rename and `latest`
             removed = atomic.publish(root, iteration, cfg.checkpoint.keep_last_n)
         except OSError as err:
             ok, error = False, err
-    if not _all_ok(ok, groups.device):
-        raise RuntimeError(f"checkpoint: publishing iteration {iteration} in {root} failed on rank 0: {error}")
+    if not _all_ok(ok, device, group):
+        raise _save_error(root, iteration, tmp, error, recorder)
     folder = Path(root) / atomic.iter_dir_name(iteration)
-    _log(recorder, f"checkpoint: saved iteration {iteration} to {folder}"
-         + (f" (removed iterations {removed}: keep_last_n={cfg.checkpoint.keep_last_n})" if removed else ""))
-    return folder
+    return (f"checkpoint: saved iteration {iteration} to {folder}"
+            + (f" (removed iterations {removed}: keep_last_n={cfg.checkpoint.keep_last_n})" if removed else ""))
+
+
+def _root_oserror(err: BaseException) -> Optional[OSError]:
+    """The OSError behind ``err`` (DCP's CheckpointException keeps each rank's exception in ``failures``)."""
+    seen = 0
+    stack = [err]
+    while stack and seen < 50:
+        e = stack.pop()
+        seen += 1
+        if isinstance(e, OSError):
+            return e
+        for inner in getattr(e, "failures", {}).values() if isinstance(getattr(e, "failures", None), dict) else ():
+            stack.append(inner[0] if isinstance(inner, tuple) else inner)
+        for inner in (getattr(e, "__cause__", None), getattr(e, "__context__", None)):
+            if inner is not None:
+                stack.append(inner)
+    return None
+
+
+def _save_error(root: str, iteration: int, tmp: Path, error: Optional[BaseException], recorder) -> StorageError:
+    """Rank 0 removes ``iter_N.tmp``; every rank gets the same one-line `StorageError` (also in train.log).
+
+    The message is built from what every rank knows (rank 0 alone prints it): the folder, the
+    previous checkpoint, and the cause when this rank saw it.
+    """
+    import errno
+    import shutil
+
+    free = None
+    try:  # before removing the .tmp: torch's zip writer hides ENOSPC ("unexpected pos ..."), the free space does not
+        free = shutil.disk_usage(root).free
+    except OSError:
+        pass
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        Path(root, "latest.tmp").unlink(missing_ok=True)
+    os_err = _root_oserror(error) if error is not None else None
+    if (os_err is not None and os_err.errno == errno.ENOSPC) or (free is not None and free < FULL_DISK_BYTES):
+        cause, fix = "no space left on device", "free space there or point checkpoint.save= at a folder with room"
+    elif os_err is not None and os_err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        cause, fix = f"not writable ({os_err.strerror})", "fix its permissions or point checkpoint.save= elsewhere"
+    elif os_err is not None:
+        cause, fix = os_err.strerror or str(os_err), "check the storage or point checkpoint.save= elsewhere"
+    else:
+        cause, fix = "a write failed on another rank", "check that rank's storage or point checkpoint.save= elsewhere"
+    previous = atomic.read_latest(root)
+    kept = f"the previous checkpoint (iteration {previous}) is intact" if previous is not None else "no earlier checkpoint"
+    msg = (f"checkpoint.save={root}: saving iteration {iteration} failed: {cause}; {tmp.name} removed and {kept}; "
+           f"{fix}")
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # an async save's error is logged by wait()
+        _log(recorder, f"error: {msg}")
+    return StorageError(msg, all_ranks=True)
+
+
+def _verified_folder(root: str, folder: Path, cfg, groups, recorder) -> Path:
+    """``folder`` when its files match its manifest; else (loading ``latest``) the newest intact older one.
+
+    Collective (one all_gather per folder tried). Raises ConfigError naming the bad file when
+    ``checkpoint.load_iteration`` was asked for, or when no intact checkpoint is left.
+    """
+    def gather(obj):
+        out: list = [None] * groups.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    problem = integrity.verify_folder(folder, groups.rank, groups.world_size, gather)
+    if problem is None:
+        return folder
+    if cfg.checkpoint.load_iteration is not None:
+        raise ConfigError(f"checkpoint.load_iteration={cfg.checkpoint.load_iteration}: {problem}; load another "
+                          f"iteration (or restore the file)")
+    first_problem = problem
+    for it in reversed([i for i in atomic.list_iterations(root) if i < int(folder.name.split("_")[1])]):
+        candidate = Path(root) / atomic.iter_dir_name(it)
+        problem = integrity.verify_folder(candidate, groups.rank, groups.world_size, gather)
+        if problem is None:
+            _log(recorder, f"checkpoint: {first_problem}; loading iteration {it}, the newest intact checkpoint")
+            return candidate
+    raise ConfigError(f"checkpoint.load={root}: {first_problem}, and no older checkpoint there is intact; restore "
+                      "the file, or set checkpoint.load=null to start fresh")
 
 
 def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved_cfg: dict, cfg) -> None:
@@ -222,6 +414,7 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
                               "point checkpoint.load at the checkpoint to fine-tune from")
         _log(recorder, f"checkpoint: nothing to load in {root}; starting from iteration 0")
         return fresh
+    folder = _verified_folder(root, folder, cfg, groups, recorder)  # checksums (checkpoint/integrity.py)
     metadata = dcp_io.read_metadata(str(folder))
     tkeys = dcp_io.tensor_keys(metadata)
     okeys = set(dcp_io.object_keys(metadata))

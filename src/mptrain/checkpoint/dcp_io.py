@@ -133,13 +133,15 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the destination: DCP copied straight into it
 
 
-def save_chunks(path: str, chunks: list, objects: dict, *, no_dist: bool = False) -> None:
-    """Write ``chunks`` and ``objects`` ({key: picklable}) to folder ``path`` (collective on the default group).
+def save_chunks(path: str, chunks: list, objects: dict, *, no_dist: bool = False, process_group=None) -> None:
+    """Write ``chunks`` and ``objects`` ({key: picklable}) to folder ``path`` (collective on ``process_group``,
+    default: the default group).
 
     Every rank passes its own chunks and objects; a key may be given by several ranks (identical
     boxes / values: one copy is kept).
     """
-    dcp.save(dict(objects), storage_writer=dcp.FileSystemWriter(path), planner=ChunkSavePlanner(chunks), no_dist=no_dist)
+    dcp.save(dict(objects), storage_writer=dcp.FileSystemWriter(path), planner=ChunkSavePlanner(chunks), no_dist=no_dist,
+             process_group=process_group)
 
 
 def load_chunks(path: str, chunks: list, object_keys: list, *, no_dist: bool = False) -> dict:

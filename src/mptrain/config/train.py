@@ -62,6 +62,10 @@ class CheckpointConfig:
     load_rng: bool = True
     """Megatron's --no-load-rng when false: do not restore the saved RNG states; re-derive them from
     (train.seed, the iteration, the rank's coordinates), as when the layout changed."""
+    async_save: bool = False
+    """Training blocks only while the state is copied to host memory; a background thread writes,
+    checksums and publishes it (`latest` after it completed); the next save and the end of the run wait
+    for it. Needs host memory for one copy of the checkpointed state."""
 
 
 @dataclasses.dataclass
@@ -104,7 +108,11 @@ class DebugConfig:
     fail_rank: Optional[int] = None
     fail_iteration: Optional[int] = None
     fail_where: str = "forward"
-    """forward | data | save."""
+    """forward | data | save (before the save starts) | save_write (inside the save: iter_N.tmp exists,
+    this rank's shards are not written)."""
+    fail_kind: str = "raise"
+    """raise (RuntimeError) | sigkill (the rank SIGKILLs itself). Either fires on torchrun's first attempt
+    only (TORCHELASTIC_RESTART_COUNT=0), so a restarted job runs through."""
     nonfinite_grad_rank: Optional[int] = None
     nonfinite_grad_iteration: Optional[int] = None
     sleep_rank: Optional[int] = None

@@ -34,7 +34,8 @@ MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and g
 # The option names the code dispatches on (registries elsewhere list the same names). A name not
 # listed here is rejected before anything runs; adding a component means adding its name here too.
 CHOICES: dict[str, tuple] = {
-    "debug.fail_where": ("forward", "data", "save"),
+    "debug.fail_where": ("forward", "data", "save", "save_write"),
+    "debug.fail_kind": ("raise", "sigkill"),
 }
 
 
@@ -201,7 +202,9 @@ def check_training_keys(cfg: Config) -> None:
     """Iteration counts, intervals and checkpoint keys.
 
     Raises:
-        ConfigError: non-positive counts/intervals/timeouts; exit_interval or save_interval without checkpoint.save.
+        ConfigError: non-positive counts/intervals/timeouts; keep_last_n < 0; clip_grad < 0 or not finite;
+            load_iteration < 0 or without checkpoint.load; exit_interval or save_interval without
+            checkpoint.save.
     """
     t, ck = cfg.train, cfg.checkpoint
     if t.train_iters < 0:
@@ -217,6 +220,15 @@ def check_training_keys(cfg: Config) -> None:
         if seconds is not None and not 0 < seconds <= MAX_TIMEOUT_S:
             raise ConfigError(f"{key}={seconds} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}"
                               + (" or null (no step timeout)" if "step" in key else ""))
+    if not (t.clip_grad >= 0 and t.clip_grad != float("inf")):  # also rejects NaN
+        raise ConfigError(f"train.clip_grad={t.clip_grad} must be a finite number >= 0 (0 = no clipping)")
+    if ck.keep_last_n is not None and ck.keep_last_n < 0:
+        raise ConfigError(f"checkpoint.keep_last_n={ck.keep_last_n} must be >= 1, or 0 / null (keep every checkpoint)")
+    if ck.load_iteration is not None and ck.load_iteration < 0:
+        raise ConfigError(f"checkpoint.load_iteration={ck.load_iteration} must be >= 0, or null (the folder's latest)")
+    if ck.load_iteration is not None and not ck.load:
+        raise ConfigError(f"checkpoint.load_iteration={ck.load_iteration} needs checkpoint.load=<folder>; set it, or "
+                          "checkpoint.load_iteration=null")
     if t.timing_log_level not in (0, 1, 2):
         raise ConfigError(f"train.timing_log_level={t.timing_log_level} must be 0, 1 or 2")
     for key, value in (("train.exit_interval", t.exit_interval), ("checkpoint.save_interval", ck.save_interval)):

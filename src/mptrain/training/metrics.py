@@ -184,12 +184,36 @@ class MetricsWriter:
 
     def _write_row(self, row: dict) -> None:
         clean = {k: _finite_or_none(v) for k, v in row.items()}
-        self._metrics.write(json.dumps(clean, allow_nan=False) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps(clean, allow_nan=False) + "\n")
+            self._metrics.flush()
+        except OSError as err:
+            raise self._storage_error(METRICS_FILE, err, row.get("iteration")) from None
 
     def _log_line(self, text: str) -> None:
-        self._log.write(text + "\n")
-        self._log.flush()
+        try:
+            self._log.write(text + "\n")
+            self._log.flush()
+        except OSError as err:
+            raise self._storage_error(LOG_FILE, err, None) from None
+
+    def _storage_error(self, name: str, err: OSError, iteration: Optional[int]):
+        """One line for a failed write (disk full, unwritable): the file, the cause, the fix."""
+        import errno
+
+        from mptrain.errors import StorageError
+
+        cause = "no space left on device" if err.errno == errno.ENOSPC else (err.strerror or str(err))
+        at = f" at iteration {iteration}" if iteration is not None else ""
+        msg = (f"run.dir={self.run_dir}: writing {name}{at} failed: {cause}; free space there or pick another "
+               "run.dir= (the rows already written are kept)")
+        if name != LOG_FILE:  # train.log may still take the line (a quota on one file, or a few bytes left)
+            try:
+                self._log.write(f"error: {msg}\n")
+                self._log.flush()
+            except OSError:
+                pass
+        return StorageError(msg, all_ranks=False)
 
     def iteration_prefix(self, iteration: int) -> str:
         """``iter N/T`` (``iter N`` without a total): how every line of an iteration starts."""

@@ -140,7 +140,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     provider = CheckedProvider(provider, source=provider_target(cfg.data), micro_batch_size=cfg.train.micro_batch_size,
                                seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask)
     faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
-                           fail_where=cfg.debug.fail_where)
+                           fail_where=cfg.debug.fail_where, fail_kind=cfg.debug.fail_kind,
+                           attempt=read_dist_env().restart_count)
     timers = Timers(cfg.train.timing_log_level, groups.device)
     schedule_spec = ScheduleSpec(groups=groups, num_microbatches=derived.num_microbatches,
                                  seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
@@ -241,9 +242,13 @@ def run(cfg: Any) -> dict:
     from mptrain.training.recorder import Recorder
 
     t_start = time.time()
-    cfg = as_config(cfg)
     env = read_dist_env()
-    derived = validate_config(cfg, env.world_size)
+    try:
+        cfg = as_config(cfg)
+        derived = validate_config(cfg, env.world_size)
+    except ConfigError as err:
+        err.symmetric = True  # config + world size only: every rank raises the same line (hydra_main prints one)
+        raise
     _check_checkpoint_paths(cfg)
     tokenizer = build_tokenizer(cfg.data)
     vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size)
@@ -273,6 +278,10 @@ def run(cfg: Any) -> dict:
             state = maybe_load_checkpoint(built, recorder)  # {"iteration", "consumed_samples"} (zeros when fresh)
         iteration, consumed = state["iteration"], state["consumed_samples"]
         recorder.start(iteration)
+        if iteration >= cfg.train.train_iters and iteration > 0:
+            # nothing to train: exit 0 (the job is done), but say so rather than end silently
+            recorder.log(f"checkpoint.load={cfg.checkpoint.load} is at iteration {iteration} >= train.train_iters="
+                         f"{cfg.train.train_iters}: nothing to train; raise train.train_iters to continue")
         iteration_ref = [iteration]
         trainer.poison_grads = _poison_grads_fn(built, iteration_ref)
         with_mask = bool(cfg.data.reset_attention_mask)
@@ -342,6 +351,10 @@ def run(cfg: Any) -> dict:
                 if exiting or stop_now:
                     exit_code_reason = "exit_interval" if exiting else "signal"
                     break
+        if cfg.checkpoint.save:
+            from mptrain.checkpoint.api import wait_for_saves
+
+            wait_for_saves(built, recorder)  # checkpoint.async_save: the last save is published before the end
         step_timeout.end()  # no more training steps: the final evaluation and the layout gather
         if exit_code_reason is None and eval_on and iteration > state["iteration"]:
             evaluate("valid")
@@ -349,8 +362,10 @@ def run(cfg: Any) -> dict:
         result = recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
         clean_exit = True
         return result
-    except (ConfigError, TooManySkippedStepsError):
-        clean_exit = True  # raised alike on every rank (validation, data, checkpoint shape, skips): no peer waits
+    except (ConfigError, TooManySkippedStepsError) as err:
+        # raised alike on every rank (validation, data, checkpoint shape, a failed save, skips): no peer
+        # waits; a StorageError of rank 0's metrics writes is this rank's alone (all_ranks False)
+        clean_exit = getattr(err, "all_ranks", True)
         raise
     finally:
         stop.uninstall()
@@ -407,11 +422,22 @@ def hydra_main(cfg) -> Any:
     try:
         return run(cfg)
     except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
-        _one_line(f"error: {err}")
-        if read_dist_env().world_size > 1:
-            # torchrun stops the other workers as soon as one exits; a rank still importing would
-            # die without its line. Every rank hits the same error within about a second of the
-            # others, so a short grace lets each one report before the first exit (no collective).
+        env = read_dist_env()
+        # A start-up config error (`validate_config`: config + world size only) and the skip limit
+        # (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
+        # torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may
+        # differ between ranks: every failing rank prints its own.
+        symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
+        if env.rank == 0 or not symmetric:
+            _one_line(f"error: {err}")
+        if env.world_size > 1:
+            # torchrun stops the other workers (SIGTERM) as soon as one exits; a rank still
+            # importing would die without its line. Every rank hits the same error within about a
+            # second of the others, so a short grace lets each one report before the first exit
+            # (no collective); torchrun's SIGTERM during the grace is an exit 1 too.
+            import signal
+
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
             time.sleep(CONFIG_ERROR_GRACE_S)
         sys.exit(1)
     except BaseException as err:  # noqa: BLE001

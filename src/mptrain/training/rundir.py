@@ -11,7 +11,9 @@ Order (every rank runs `resolve_run_dir`; it is collective over the default grou
 
 Existing-folder policy: a missing folder is created; an existing empty folder is used; a folder
 that already holds a run (config.yaml, metrics.jsonl, layout.json or train.log) is appended to only
-when the run resumes from a checkpoint; anything else is refused with one line naming `run.dir`.
+when the run resumes from a checkpoint, or when that run is a failed start (no metrics row, no
+layout.json: `is_failed_start`), which the new start replaces; anything else is refused with one
+line naming `run.dir`. Nothing is written before `validate_config` passed (it runs first).
 """
 
 from __future__ import annotations
@@ -93,12 +95,29 @@ def run_dir_decision(path: str | os.PathLike, *, resuming: bool) -> Optional[str
     run_files = [f for f in RUN_FILES if f in entries]
     if run_files and resuming:
         return None
+    if run_files and is_failed_start(p):
+        return None
     if run_files:
         return (
             f"run.dir={p} already holds a run ({', '.join(run_files)}) and this run does not resume from a "
             f"checkpoint; pick a new run.dir=, delete the folder, or resume with checkpoint.load="
         )
     return f"run.dir={p} exists, is not empty ({entries[0]}, ...) and is not a run folder; pick an empty or new run.dir="
+
+
+def is_failed_start(path: Path) -> bool:
+    """A folder whose only run is a start that failed before its first iteration was recorded.
+
+    config.yaml is written once the config validated and the folder was agreed, but the start can
+    still fail after it (an optimizer rejecting its arguments, a checkpoint of another model, a data
+    file, the first step): such a folder has no layout.json and no metrics row, holds nothing
+    worth keeping, and the corrected start reuses it (its train.log is appended to).
+    """
+    names = {e.name for e in path.iterdir()}
+    if "config.yaml" not in names or "layout.json" in names or not names <= set(RUN_FILES) | {"config.yaml.tmp"}:
+        return False
+    metrics = path / "metrics.jsonl"
+    return not metrics.exists() or not metrics.read_text().strip()
 
 
 def _torch_broadcast(obj: Any) -> Any:

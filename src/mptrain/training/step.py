@@ -38,16 +38,29 @@ def chunk_needs_data(chunk: torch.nn.Module, with_attention_mask: bool) -> bool:
 
 @dataclasses.dataclass
 class FaultInjector:
-    """The debug.* fault injection of DESIGN.md §1 for this rank (all None = off)."""
+    """The debug.* fault injection of DESIGN.md §1 for this rank (all None = off).
+
+    `fail_kind`: "raise" (a RuntimeError) or "sigkill" (the process kills itself with SIGKILL, as a
+    lost node or the OOM killer would). It fires on torchrun's first attempt only (`attempt` =
+    TORCHELASTIC_RESTART_COUNT = 0), so a job restarted by ``--max-restarts`` runs through.
+    """
 
     rank: int
     fail_rank: Optional[int] = None
     fail_iteration: Optional[int] = None
     fail_where: str = "forward"
+    fail_kind: str = "raise"
+    attempt: int = 0
     iteration: int = 0
 
     def maybe_fail(self, where: str) -> None:
-        if self.fail_rank == self.rank and self.fail_iteration == self.iteration and self.fail_where == where:
+        if (self.fail_rank == self.rank and self.fail_iteration == self.iteration and self.fail_where == where
+                and self.attempt == 0):
+            if self.fail_kind == "sigkill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"debug: injected failure on rank {self.rank} at iteration {self.iteration} in {where}")
 
 
