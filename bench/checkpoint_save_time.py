@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--interval", type=int, default=2)
     ap.add_argument("--save-dir", default=None, help="checkpoint folder root (default: a temporary folder)")
+    ap.add_argument("--cleanup", action="store_true", help="remove each mode's checkpoints once measured")
     ap.add_argument("extra", nargs="*")
     args = ap.parse_args()
 
@@ -66,6 +67,8 @@ def main() -> None:
                           "async_save": async_save, "blocking_s": blocked,
                           "blocking_s_median": statistics.median(blocked) if blocked else None,
                           "checkpoint_bytes": nbytes, "save_dir": str(ck)}), flush=True)
+        if args.cleanup:
+            shutil.rmtree(ck, ignore_errors=True)  # a gpt_1.3b checkpoint is ~18 GB: keep one mode's on disk at a time
 
 
 if __name__ == "__main__":
