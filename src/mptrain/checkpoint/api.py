@@ -95,12 +95,31 @@ def _all_ok(ok: bool, device, group=None) -> bool:
     return bool(flag.item())
 
 
-def _stage_to_cpu(chunks: list, objects: dict) -> tuple[list, dict]:
+def _stage_to_cpu(chunks: list, objects: dict, buffers: dict) -> tuple[list, dict]:
     """Copies of every chunk view (on the host) and of the objects: what an async save writes while training
-    goes on. The only part of an async save that blocks the loop (the device-to-host copy)."""
+    goes on. The only part of an async save that blocks the loop (the device-to-host copy).
+
+    Device tensors go into page-locked host buffers kept in ``buffers`` across saves (keyed by position,
+    shape and dtype) and copied with one stream sync at the end: allocating and faulting in ~18 GB of
+    pageable memory per save is what made the first measurement block 13 s for gpt_1.3b on an H200
+    (BENCHMARKS.md "Checkpoint save time"). Reuse is safe: the previous save is waited for first."""
     import copy
 
-    staged = [dataclasses.replace(c, view=c.view.detach().to("cpu", copy=True)) for c in chunks]
+    staged, on_device = [], False
+    for i, c in enumerate(chunks):
+        view = c.view.detach()
+        if view.device.type == "cpu":
+            host = view.clone()  # the loop keeps updating the params in place
+        else:
+            key = (i, tuple(view.shape), view.dtype)
+            host = buffers.get(key)
+            if host is None:
+                host = buffers[key] = torch.empty(view.shape, dtype=view.dtype, pin_memory=True)
+            host.copy_(view, non_blocking=True)
+            on_device = True
+        staged.append(dataclasses.replace(c, view=host))
+    if on_device:
+        torch.cuda.synchronize()  # the non-blocking copies above must land before the writer thread reads them
     return staged, copy.deepcopy(objects)
 
 
@@ -116,6 +135,7 @@ class AsyncSaves:
 
     def __init__(self) -> None:
         self.group = None
+        self.buffers: dict = {}  # pinned host copies reused by every save (`_stage_to_cpu`)
         self.thread = None
         self.error: Optional[BaseException] = None
         self.message: Optional[str] = None
@@ -200,7 +220,7 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
                                      groups.device, None, faults, recorder)
         _log(recorder, f"{message}; training blocked {time.perf_counter() - t0:.3f} s")
         return folder
-    chunks, objects = _stage_to_cpu(chunks, objects)
+    chunks, objects = _stage_to_cpu(chunks, objects, saves.buffers)
     faults = dataclasses.replace(faults) if faults is not None else None  # its iteration frozen: the loop moves on
     saves.start(lambda: _write_and_publish(root, iteration, chunks, objects, objects["common"], cfg, groups.rank,
                                            groups.world_size, torch.device("cpu"), saves.group, faults, recorder))
