@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
+from mptrain.errors import ConfigError
 from mptrain.groups import ParallelGroups
 from mptrain.training.batch import get_batch
 
@@ -36,6 +37,22 @@ def chunk_needs_data(chunk: torch.nn.Module, with_attention_mask: bool) -> bool:
     return inner.pre_process or inner.post_process or with_attention_mask
 
 
+FAULT_SITES = ("forward", "data", "save")
+"""Where ``debug.fail_where`` can inject a failure: the `FaultInjector.maybe_fail` call sites (the forward
+step, the batch read, the checkpoint save in `mptrain.training.run`)."""
+
+
+def check_fault_config(debug) -> None:
+    """``debug.fail_where`` is one of `FAULT_SITES`; pure (called by `validate_config`).
+
+    Raises:
+        ConfigError: naming the key, the value and the valid sites.
+    """
+    if debug.fail_where not in FAULT_SITES:
+        raise ConfigError(f"debug.fail_where: unknown option {debug.fail_where!r}; valid: {', '.join(FAULT_SITES)}; "
+                          "set debug.fail_where to one of them")
+
+
 @dataclasses.dataclass
 class FaultInjector:
     """The debug.* fault injection of DESIGN.md §1 for this rank (all None = off)."""
@@ -47,6 +64,7 @@ class FaultInjector:
     iteration: int = 0
 
     def maybe_fail(self, where: str) -> None:
+        assert where in FAULT_SITES, where  # a new call site is added to FAULT_SITES too
         if self.fail_rank == self.rank and self.fail_iteration == self.iteration and self.fail_where == where:
             raise RuntimeError(f"debug: injected failure on rank {self.rank} at iteration {self.iteration} in {where}")
 
