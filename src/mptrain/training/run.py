@@ -272,7 +272,7 @@ def run(cfg: Any) -> dict:
 
             state = maybe_load_checkpoint(built, recorder)  # {"iteration", "consumed_samples"} (zeros when fresh)
         iteration, consumed = state["iteration"], state["consumed_samples"]
-        recorder.start(iteration)
+        recorder.start(iteration, built)  # logs the job, the kernels that run, the start-up time
         iteration_ref = [iteration]
         trainer.poison_grads = _poison_grads_fn(built, iteration_ref)
         with_mask = bool(cfg.data.reset_attention_mask)
