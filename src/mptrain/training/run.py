@@ -24,7 +24,7 @@ import torch
 
 from mptrain.config.schema import Config
 from mptrain.config.validate import as_config, check_vocab_size, validate_config
-from mptrain.data.provider import build_provider, provider_target
+from mptrain.data.provider import build_provider, empty_split_reason, provider_target
 from mptrain.data.tokenizers import build_tokenizer
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
@@ -298,7 +298,7 @@ def run(cfg: Any) -> dict:
 
         for split in ("valid", "test"):
             if eval_on and not provider.has_split(split):
-                recorder.log(f"data.split={cfg.data.split!r} leaves the {split} split empty: no {split} rows")
+                recorder.log(f"{empty_split_reason(cfg.data, split)}: no {split} rows")
         if eval_on and iteration == 0:
             evaluate("valid")
         stop.install()
