@@ -80,7 +80,7 @@ def _step(rank, world, tp, pp, clip_grad, precision="fp32"):
                 params.append(p)
                 specs.append(chunk.specs[name])
         wrapper = FP32Optimizer if dtype == torch.float32 else MixedPrecisionOptimizer
-        opt = wrapper(build_optimizer_factory(OptimConfig(name="sgd", lr=1.0)), params, specs,
+        opt = wrapper(build_optimizer_factory(OptimConfig(_target_="torch.optim.SGD", lr=1.0)), params, specs,
                             lambda p: owner[p].main_grad(p), groups, scaler=None, clip_grad=clip_grad,
                             max_consecutive_skips=0)
         before = [m.detach().clone() for m in opt.main_params()]

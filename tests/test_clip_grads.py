@@ -111,7 +111,7 @@ def _norm_on_layout(rank, world, tp, pp, clip, dtype_name):
         triples = _local_params(tp, pp, groups.tp_rank, groups.pp_rank, dtype)
         grads = {id(p): g for p, _, g in triples}
         wrapper = FP32Optimizer if dtype == torch.float32 else MixedPrecisionOptimizer
-        opt = wrapper(build_optimizer_factory(OptimConfig(name="sgd", lr=1.0)), [p for p, _, _ in triples],
+        opt = wrapper(build_optimizer_factory(OptimConfig(_target_="torch.optim.SGD", lr=1.0)), [p for p, _, _ in triples],
                       [s for _, s, _ in triples], lambda p: grads[id(p)], groups,
                       scaler=None, clip_grad=clip, max_consecutive_skips=0, log_num_zeros=True)
         # the function alone, on counted grads only

@@ -159,6 +159,7 @@ INVALID = [
     (["schedule.name=zigzag"], 1, "schedule.name: unknown option 'zigzag'"),
     (["model.activation=relu"], 1, "model.activation: unknown option 'relu'"),
     (["logger.mode=loud"], 1, "logger.mode: unknown option 'loud'"),
+    (["debug.fail_where=backward"], 1, "debug.fail_where: unknown option 'backward'; valid: forward, data, save"),
     (["model.num_query_groups=3"], 1, "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
     (["parallel=tp4pp1", "model.num_query_groups=2"], 4, "model.num_query_groups=2 is not divisible by parallel.tensor_model_parallel_size=4"),
     (["model.recompute_granularity=full"], 1, "model.recompute_granularity=full needs model.recompute_method"),

@@ -147,6 +147,8 @@ def test_valid_prefixes_evaluate_on_the_held_out_corpus(corpora, tmp_path):
     (train_b, valid_b, test_b), (train_a, valid_a, _) = rows["heldout_b"], rows["heldout_a"]
     assert [r["lm_loss"] for r in train_b] == [r["lm_loss"] for r in train_a]  # the valid corpus does not touch training
     assert test_b == []  # no test_prefixes: no test rows
+    log = (tmp_path / "heldout_b" / "train.log").read_text()
+    assert "data.test_prefixes is empty: no test rows" in log and "data.split" not in log  # split is not used here
     assert [r["iteration"] for r in valid_b] == [0, 6]
     # after training on English, digits are far less likely than held-back English text
     assert valid_b[-1]["lm_loss"] > valid_a[-1]["lm_loss"] + 0.5, (valid_b, valid_a)
@@ -157,6 +159,10 @@ def test_valid_prefixes_evaluate_on_the_held_out_corpus(corpora, tmp_path):
                        dp_size=1, needs_data=True)
     batch = next(p.eval_iterator("valid"))
     assert set(batch["tokens"].flatten().tolist()) <= set(b"0123456789") and not p.has_split("test")
+    from mptrain.data.errors import DataError
+
+    with pytest.raises(DataError, match=r"^data.test_prefixes is empty \(data=indexed\); set data.test_prefixes=\[PREFIX\]"):
+        p.eval_iterator("test")
 
 
 def test_split_as_list_or_string_and_corpus_rules(corpora):

@@ -109,7 +109,7 @@ def global_name(name: str) -> str:
 
 
 def train(rank, world, pp=1, steps=5, overlap=False, distopt=False, bucket_size=None, clip=1.0, lr=1e-2,
-          fp32_reduce=False, optim="adam", return_state=False):
+          fp32_reduce=False, optim="torch.optim.Adam", return_state=False):
     """One run of the toy LM; returns {"losses", "norms", "params", "tied_equal", "opt_bytes", ...}."""
     groups = build_groups(1, pp)
     try:
@@ -119,7 +119,7 @@ def train(rank, world, pp=1, steps=5, overlap=False, distopt=False, bucket_size=
         ddp = DistributedDataParallel(stage, groups, specs=stage.specs(), grad_reduce_in_fp32=fp32_reduce,
                                       overlap_grad_reduce=overlap, bucket_size=bucket_size,
                                       use_distributed_optimizer=distopt)
-        build = build_optimizer_factory(OptimConfig(name=optim, lr=lr))
+        build = build_optimizer_factory(OptimConfig(_target_=optim, lr=lr))
         if distopt:
             opt = DistributedOptimizer(build, [ddp], groups, scaler=None, clip_grad=clip, max_consecutive_skips=0)
         else:

@@ -60,7 +60,7 @@ def _train_gpt(rank, world, pp, distopt, overlap):
         raw = build_model_chunks(model_cfg, parallel, groups, vocab_size=VOCAB, seed=5)
         chunks = [DistributedDataParallel(c, groups, grad_reduce_in_fp32=False, overlap_grad_reduce=overlap,
                                           bucket_size=2000, use_distributed_optimizer=distopt) for c in raw]
-        build = build_optimizer_factory(OptimConfig(name="adam", lr=3e-3))
+        build = build_optimizer_factory(OptimConfig(_target_="torch.optim.Adam", lr=3e-3))
         if distopt:
             opt = DistributedOptimizer(build, chunks, groups, clip_grad=1.0)
         else:

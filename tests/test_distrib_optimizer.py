@@ -31,7 +31,7 @@ def _reload(rank, world, merged, params, param_groups):
             p.data.copy_(params[n])
         ddp = DistributedDataParallel(stage, groups, specs=stage.specs(), grad_reduce_in_fp32=False,
                                       overlap_grad_reduce=False, bucket_size=200, use_distributed_optimizer=True)
-        opt = DistributedOptimizer(build_optimizer_factory(OptimConfig(name="adam", lr=1e-2)), [ddp], groups)
+        opt = DistributedOptimizer(build_optimizer_factory(OptimConfig(_target_="torch.optim.Adam", lr=1e-2)), [ddp], groups)
         opt.load_state_dict({"params": [merged], "param_groups": param_groups, "scaler": None,
                              "counters": {"skipped_iters_total": 2}})
         return opt.state_dict(), opt.skipped_iters_total

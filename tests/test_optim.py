@@ -1,4 +1,4 @@
-"""Optimizer builders (registry, param groups, kernels) and the LR schedule (values per style, state_dict)."""
+"""Optimizer builders (by _target_, param groups, kernels) and the LR schedule (values per style, state_dict)."""
 
 import math
 import types
@@ -79,6 +79,25 @@ def test_lr_schedule_rejects(kwargs, match):
         OptimizerParamScheduler(_opt(), **{**base, **kwargs})
 
 
+class Recorder:
+    """A user optimizer (by dotted path) that records the keywords it was built with; takes fused and foreach
+    as torch's Adam does."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=None, foreach=None):
+        self.param_groups = list(params)
+        self.kwargs = {k: v for k, v in dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,
+                                               foreach=foreach).items() if v is not None}
+
+    def step(self, closure=None): ...
+
+    def zero_grad(self, set_to_none=True): ...
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict): ...
+
+
 def _params_and_specs():
     w = torch.nn.Parameter(torch.randn(4, 3))
     b = torch.nn.Parameter(torch.randn(4))
@@ -101,7 +120,7 @@ def test_param_groups_split_by_no_weight_decay():
 @pytest.mark.parametrize("name, cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)])
 def test_factory_builds_each_optimizer_with_fused_kernels_on_cpu(name, cls):
     params, specs = _params_and_specs()
-    cfg = OptimConfig(name=name, lr=0.5, weight_decay=0.01, sgd_momentum=0.9)
+    cfg = OptimConfig(_target_=f"torch.optim.{cls.__name__}", lr=0.5, weight_decay=0.01, sgd_momentum=0.9)
     opt = build_optimizer_factory(cfg)(param_groups(params, specs))
     assert type(opt) is cls
     assert opt.defaults["fused"] is True and not opt.defaults["foreach"]  # CPU params: the fused kernels, as on CUDA
@@ -117,7 +136,7 @@ def test_factory_matches_a_plain_torch_optimizer():
     torch.manual_seed(0)
     params, specs = _params_and_specs()
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    cfg = OptimConfig(name="adamw", lr=0.1, weight_decay=0.1)
+    cfg = OptimConfig(_target_="torch.optim.AdamW", lr=0.1, weight_decay=0.1)
     ours = build_optimizer_factory(cfg)(param_groups(params, specs))
     theirs = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": ref[1:], "weight_decay": 0.0}],
                                lr=0.1, foreach=False)
@@ -135,7 +154,10 @@ def test_factory_matches_a_plain_torch_optimizer():
 @pytest.mark.parametrize(
     "override, match",
     [
-        ({"name": "lion"}, "unknown optimizer optim.name='lion'; pick one of adam, adamw, sgd"),
+        ({"_target_": "torch.optim.Lion"}, r"^optim._target_=torch.optim.Lion: module torch.optim has no Lion; fix the "
+                                           r"dotted path"),
+        ({"_target_": "torch.optim.RMSprop", "impl": "apex"}, r"^optim.impl=apex: apex has fused kernels only for "
+         r"torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, not optim._target_=torch.optim.RMSprop"),
         ({"impl": "cuda"}, "unknown optim.impl='cuda'; pick one of auto, torch, apex"),
         ({"lr": 1e-3, "min_lr": 1e-2}, "min_lr"),
     ],
@@ -143,6 +165,26 @@ def test_factory_matches_a_plain_torch_optimizer():
 def test_factory_rejects(override, match):
     with pytest.raises(ConfigError, match=match):
         build_optimizer_factory(OptimConfig(**override))
+
+
+def test_the_label_does_not_select():
+    """``optim.name`` is a label: `_target_` alone decides what is built (no name -> class table)."""
+    opt = build_optimizer_factory(OptimConfig(name="sgd", lr=0.5))(param_groups(*_params_and_specs()))
+    assert type(opt) is torch.optim.Adam and opt.defaults["betas"] == (0.9, 0.999)  # the schema's default target
+    opt = build_optimizer_factory(OptimConfig(_target_="torch.optim.SGD", name="adam", lr=0.5, sgd_momentum=0.9))(
+        param_groups(*_params_and_specs()))
+    assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.9
+
+
+def test_optimizer_kernel_names_class_and_kernel():
+    from mptrain.optim import optimizer_kernel
+
+    groups = param_groups(*_params_and_specs())
+    assert optimizer_kernel(build_optimizer_factory(OptimConfig(_target_="torch.optim.AdamW"))(groups)) == \
+        "torch.optim.AdamW (fused=True)"
+    assert optimizer_kernel(torch.optim.SGD(groups, lr=0.1, foreach=True)) == "torch.optim.SGD (foreach=True)"
+    assert optimizer_kernel(torch.optim.SGD(groups, lr=0.1, foreach=False)) == "torch.optim.SGD (for-loop)"
+    assert optimizer_kernel(Recorder(groups)) == "test_optim.Recorder"
 
 
 def test_apex_requested_but_missing_is_a_config_error():
@@ -158,19 +200,10 @@ def test_apex_requested_but_missing_is_a_config_error():
 
 @pytest.mark.parametrize("devices, kernel", [(("cuda", "cuda"), "fused"), (("cpu",), "fused"), (("cpu", "cuda"), "foreach"),
                                              (("meta",), "foreach")])
-def test_factory_picks_the_kernel_by_device(monkeypatch, devices, kernel):
-    from mptrain.optim import builders
-
-    seen = {}
-
-    class Recorder:
-        def __init__(self, groups, **kwargs):
-            seen.update(kwargs)
-
-    monkeypatch.setitem(builders.OPTIMIZERS, "adam", (Recorder, builders._adam_kwargs, None))
+def test_factory_picks_the_kernel_by_device(devices, kernel):
     params = [types.SimpleNamespace(device=torch.device(d)) for d in devices]
-    build_optimizer_factory(OptimConfig())([{"params": params}])
-    assert seen == {**seen, kernel: True} and len({"fused", "foreach"} & set(seen)) == 1
+    opt = build_optimizer_factory(OptimConfig(_target_="test_optim.Recorder"))([{"params": params}])
+    assert opt.kwargs == {**opt.kwargs, kernel: True} and len({"fused", "foreach"} & set(opt.kwargs)) == 1
 
 
 def test_hydra_composes_every_optim_option():

@@ -73,20 +73,23 @@ def _pick(rows: dict, iterations) -> list:
 
 
 # --- config ------------------------------------------------------------------------------------------
-def test_cfg_job_shows_targets_and_yamls_agree_with_the_builtin_tables():
+def test_cfg_job_shows_targets_and_the_schema_defaults_are_the_default_options():
     from omegaconf import OmegaConf
 
-    from mptrain.optim.builders import OPTIMIZERS
-    from mptrain.precision.scaler import LOSS_SCALERS
+    from mptrain.config.optim import OptimConfig
+    from mptrain.config.precision import LossScalerConfig
 
     text = OmegaConf.to_yaml(compose(["precision=bf16"]))
     for target in ("torch.optim.Adam", "mptrain.optim.lr_scheduler.OptimizerParamScheduler",
                    "mptrain.precision.optimizer.MixedPrecisionOptimizer", "mptrain.precision.scaler.auto_loss_scaler"):
         assert f"_target_: {target}" in text
-    for name, row in OPTIMIZERS.items():
-        assert compose([f"optim={name}"]).optim._target_ == f"torch.optim.{row[0].__name__}"
-    for name, target in LOSS_SCALERS.items():
-        assert compose([f"loss_scaler={name}"]).loss_scaler._target_ == f"{target.__module__}.{target.__name__}"
+    assert {name: compose([f"optim={name}"]).optim._target_ for name in ("adam", "adamw", "sgd")} == {
+        "adam": "torch.optim.Adam", "adamw": "torch.optim.AdamW", "sgd": "torch.optim.SGD"}
+    # a Python-made config (no YAML) builds what the default options build: the schemas carry their targets
+    default = compose([])
+    assert (OptimConfig()._target_, OptimConfig().name) == (default.optim._target_, default.optim.name)
+    assert (LossScalerConfig()._target_, LossScalerConfig().name) == (default.loss_scaler._target_,
+                                                                      default.loss_scaler.name)
 
 
 def test_rmsprop_from_overrides_is_built_with_mapped_and_own_keywords():

@@ -31,9 +31,9 @@ def _model(dtype, seed=0):
     return [w, b], [ShardSpec((4, 3)), ShardSpec((4,), no_weight_decay=True)]
 
 
-def _wrap(params, specs, *, scaler=None, clip=0.0, max_skips=0, name="adamw", groups=SOLO, wd=0.1):
+def _wrap(params, specs, *, scaler=None, clip=0.0, max_skips=0, target="torch.optim.AdamW", groups=SOLO, wd=0.1):
     cls = FP32Optimizer if params[0].dtype == torch.float32 else MixedPrecisionOptimizer
-    factory = build_optimizer_factory(OptimConfig(name=name, lr=0.01, weight_decay=wd))
+    factory = build_optimizer_factory(OptimConfig(_target_=target, lr=0.01, weight_decay=wd))
     return cls(factory, params, specs, lambda p: p.grad, groups, scaler=scaler, clip_grad=clip,
                max_consecutive_skips=max_skips)
 
@@ -145,7 +145,7 @@ def test_folded_step_equals_the_five_pass_step(dtype, clip, with_grad_scale):
     params, specs = _model(dtype)
     ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = _wrap(params, specs, clip=clip)
-    factory = build_optimizer_factory(OptimConfig(name="adamw", lr=0.01, weight_decay=0.1))
+    factory = build_optimizer_factory(OptimConfig(_target_="torch.optim.AdamW", lr=0.01, weight_decay=0.1))
     cls = type(opt)
     ref = cls(factory, ref_params, specs, lambda p: p.grad, SOLO, scaler=None, clip_grad=clip, max_consecutive_skips=0,
               fold_into_fused_step=False)
@@ -174,7 +174,7 @@ def test_folded_step_only_where_it_applies():
     params, specs = _model(torch.bfloat16)
     assert _wrap(params, specs).folded_step
     assert not _wrap(params, specs, scaler=ConstantLossScaler(1.0)).folded_step
-    assert not _wrap(params, specs, name="sgd").folded_step
+    assert not _wrap(params, specs, target="torch.optim.SGD").folded_step
     f16, s16 = _model(torch.float16)
     assert not _wrap(f16, s16, scaler=ConstantLossScaler(8.0)).folded_step
 
@@ -231,7 +231,7 @@ def test_fp32_optimizer_rejects_half_params_and_has_no_copies():
 def test_grad_fn_with_an_fp32_buffer_for_bf16_params():
     params, specs = _model(torch.bfloat16)
     buffers = {id(p): torch.zeros(p.shape, dtype=torch.float32) for p in params}  # grad_reduce_in_fp32 main_grad
-    opt = MixedPrecisionOptimizer(build_optimizer_factory(OptimConfig(name="sgd", lr=1.0)), params, specs,
+    opt = MixedPrecisionOptimizer(build_optimizer_factory(OptimConfig(_target_="torch.optim.SGD", lr=1.0)), params, specs,
                                   lambda p: buffers[id(p)], SOLO, scaler=None, clip_grad=0.0, max_consecutive_skips=0)
     before = [m.detach().clone() for m in opt.main_params()]
     for b in buffers.values():

@@ -39,7 +39,7 @@ def _train(groups, precision, steps, scaler_args):
     params = [p for _, p in model.named_parameters()]
     scaler = DynamicLossScaler(**scaler_args) if scaler_args else None
     wrapper = FP32Optimizer if dtype == torch.float32 else MixedPrecisionOptimizer
-    opt = wrapper(build_optimizer_factory(OptimConfig(name="adam", lr=3e-3)), params, [specs[n] for n in names],
+    opt = wrapper(build_optimizer_factory(OptimConfig(_target_="torch.optim.Adam", lr=3e-3)), params, [specs[n] for n in names],
                   lambda p: p.grad, groups, scaler=scaler, clip_grad=1.0, max_consecutive_skips=50)
     initial = [p.detach().clone() for p in params]
     log = []

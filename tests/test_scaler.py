@@ -12,8 +12,13 @@ from mptrain.precision.scaler import (
     ConstantLossScaler,
     DynamicLossScaler,
     build_loss_scaler,
-    resolve_loss_scaler_name,
+    scaler_label,
 )
+
+# What conf/loss_scaler/<name>.yaml sets (test_hydra_composes_every_scaler_and_precision_option composes them).
+TARGETS = {name: f"mptrain.precision.scaler.{fn}" for name, fn in (
+    ("auto", "auto_loss_scaler"), ("dynamic", "DynamicLossScaler"), ("constant", "ConstantLossScaler"),
+    ("none", "no_loss_scaler"))}
 
 # initial 16, floor 2, grow x2 after 3 clean steps, back off x0.5 once 2 overflows happened since the last growth.
 TABLE_ARGS = dict(initial_scale=16.0, min_scale=2.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2)
@@ -70,7 +75,7 @@ def test_dynamic_scaler_state_dict_round_trip(split):
 
 
 def test_megatron_defaults_start_at_2_pow_32_and_back_off_after_two_overflows():
-    s = build_loss_scaler(LossScalerConfig(name="auto"), "fp16")
+    s = build_loss_scaler(LossScalerConfig(), "fp16")  # the schema's default _target_: auto_loss_scaler
     assert isinstance(s, DynamicLossScaler)
     assert s.scale.item() == 2.0**32
     s.update(True)
@@ -117,8 +122,8 @@ def test_inv_scale_of_non_power_of_two():
         ("none", "fp32", None),
     ],
 )
-def test_build_loss_scaler_registry(name, precision, expected):
-    s = build_loss_scaler(LossScalerConfig(name=name), precision)
+def test_build_loss_scaler_by_target(name, precision, expected):
+    s = build_loss_scaler(LossScalerConfig(_target_=TARGETS[name], name=name), precision)
     if expected is None:
         assert s is None
     else:
@@ -128,17 +133,29 @@ def test_build_loss_scaler_registry(name, precision, expected):
 @pytest.mark.parametrize(
     "name, precision, match",
     [
-        ("none", "fp16", r"loss_scaler: precision=fp16 with loss_scaler=none"),
-        ("dynamic", "bf16", r"loss_scaler=dynamic is for precision=fp16"),
-        ("bogus", "fp16", r"unknown loss_scaler='bogus'; pick one of auto, dynamic, constant, none"),
+        ("none", "fp16", r"^loss_scaler: precision=fp16 with loss_scaler=none \(_target_=mptrain.precision.scaler."
+                         r"no_loss_scaler\) would underflow"),
+        ("dynamic", "bf16", r"loss_scaler=dynamic \(_target_=mptrain.precision.scaler.DynamicLossScaler\) is for "
+                            r"precision=fp16"),
+        ("bogus", "fp16", r"^loss_scaler._target_=mptrain.precision.scaler.bogus: module mptrain.precision.scaler has no "
+                          r"bogus; fix the dotted path"),
         ("auto", "fp8", r"unknown precision='fp8'; pick one of fp32, bf16, fp16"),
     ],
 )
 def test_rejected_pairs(name, precision, match):
+    target = TARGETS.get(name, f"mptrain.precision.scaler.{name}")
     with pytest.raises(ConfigError, match=match):
-        resolve_loss_scaler_name(name, precision)
-    with pytest.raises(ConfigError, match=match):
-        build_loss_scaler(types.SimpleNamespace(name=name), precision)
+        build_loss_scaler(LossScalerConfig(_target_=target, name=name), precision)
+    with pytest.raises(ConfigError, match=match):  # a partial namespace gets the schema's other defaults
+        build_loss_scaler(types.SimpleNamespace(_target_=target, name=name), precision)
+
+
+def test_the_label_does_not_select():
+    """``loss_scaler.name`` is a label: `_target_` alone decides what is built (no name -> class table)."""
+    s = build_loss_scaler(LossScalerConfig(_target_=TARGETS["constant"], name="dynamic", scale=8.0), "fp16")
+    assert (type(s), s.scale.item(), scaler_label(s)) == (ConstantLossScaler, 8.0, "constant")
+    with pytest.raises(ConfigError, match=r"^loss_scaler._target_ is missing"):
+        build_loss_scaler(types.SimpleNamespace(name="constant"), "fp16")
 
 
 @pytest.mark.parametrize(
@@ -173,7 +190,7 @@ def test_hydra_composes_every_scaler_and_precision_option():
             for scaler in ("auto", "dynamic", "constant", "none"):
                 cfg = compose("config", overrides=[f"precision={precision}", f"loss_scaler={scaler}"])
                 obj = OmegaConf.to_object(cfg.loss_scaler)
-                assert obj.name == scaler and cfg.precision.name == precision
+                assert obj.name == scaler and obj._target_ == TARGETS[scaler] and cfg.precision.name == precision
                 try:
                     built[(precision, scaler)] = type(build_loss_scaler(obj, precision)).__name__
                 except ConfigError:

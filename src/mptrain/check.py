@@ -119,7 +119,10 @@ def _gib(x: float) -> str:
 
 
 def format_report(cfg, facts: list) -> tuple:
-    """(text, worst relative deviation of measured vs planned model-state bytes)."""
+    """(text, worst relative deviation of measured vs planned model-state bytes); an ``assumed:`` line when
+    the optimizer state of ``optim._target_`` is not known to the planner."""
+    from mptrain.planner.memory import optimizer_states_per_element
+
     lines = [f"check: model={cfg.model.name} world_size={len(facts)} parallel={cfg.parallel.name} "
              f"precision={cfg.precision.name} distributed_optimizer={cfg.parallel.use_distributed_optimizer}",
              "rank tp pp dp  layers            params(local)  | GiB measured (meta objects) / planned: "
@@ -136,6 +139,9 @@ def format_report(cfg, facts: list) -> tuple:
                      f"{_gib(m['weights'])}/{_gib(p['weights'])} {_gib(m['grads'])}/{_gib(p['grads'])} "
                      f"{_gib(m['main_params'])}/{_gib(p['main_params'])} | {_gib(p['optimizer_state'])}")
     lines.append(f"worst measured-vs-planned deviation: {100 * worst:.3f} % (tolerance {100 * TOLERANCE:g} %)")
+    note = optimizer_states_per_element(cfg)[1]
+    if note is not None:
+        lines.append(f"assumed: {note}")
     return "\n".join(lines), worst
 
 

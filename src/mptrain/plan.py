@@ -12,7 +12,9 @@ constants: `mptrain.planner.memory` / docs/PLANNER.md.
 `use_distributed_optimizer`, `recompute`, `memory_gib` (weights, grads, main_params,
 optimizer_state, activations, logits, optimizer_workspace, total), `fits`, `bubble_fraction`,
 `comm_bytes` (tp, pp, dp, embedding), and also `sequence_parallel`, `schedule`,
-`num_microbatches`, `peak_stage`, `stage_total_gib`, `step_time_s`.
+`num_microbatches`, `peak_stage`, `stage_total_gib`, `step_time_s`, `assumptions` (lines saying
+what a user optimizer's state or a user schedule's in-flight micro-batches were assumed to be; the
+table prints them as `assumed: ...` lines).
 A ConfigError prints one line and exits 1.
 """
 
@@ -76,6 +78,8 @@ def format_table(records: list, *, top=None, gpu_memory_gib: float) -> str:
     lines.append(f"{shown} of {len(records)} layouts shown ({sum(r['fits'] for r in records)} fit); "
                  "weights/grads/main/optim: formulas; acts: Korthikanti et al. 2022 with measured constants; "
                  "step s: assumed hardware")
+    notes = dict.fromkeys(n for r in records for n in r.get("assumptions", ()))  # unique, in order
+    lines += [f"assumed: {n}" for n in notes]
     return "\n".join(lines)
 
 

@@ -28,13 +28,13 @@ class LRSchedulerConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    _target_: Optional[str] = None
-    """The optimizer class (torch.optim.Optimizer interface), e.g. torch.optim.AdamW or torch.optim.RMSprop;
-    the shipped options set it. null (Python-made configs only): the built-in optimizer of `name`."""
+    _target_: str = "torch.optim.Adam"
+    """The optimizer class (torch.optim.Optimizer interface), e.g. torch.optim.AdamW or torch.optim.RMSprop
+    (conf/optim/*.yaml set it; the default is conf/optim/adam.yaml's)."""
     _partial_: bool = True
     """The runtime passes ``params`` (the weight-decay / no-decay groups of the fp32 main params)."""
     name: str = "adam"
-    """The option's label (adam | adamw | sgd for the shipped files); selects only when _target_ is null."""
+    """The option's label (adam | adamw | sgd for the shipped files), for logs only: `_target_` selects."""
     lr: float = 1e-3
     """Peak learning rate (after warmup), >= 0. Passed as ``lr``."""
     min_lr: float = 0.0

@@ -31,11 +31,12 @@ class LossScalerConfig:
     """One schema for every option; `_target_` picks the scaler. Each key reaches the target only if
     its signature takes it (the dynamic keys go to DynamicLossScaler, `scale` to ConstantLossScaler)."""
 
-    _target_: Optional[str] = None
+    _target_: str = "mptrain.precision.scaler.auto_loss_scaler"
     """The scaler class or factory (`mptrain.precision.scaler.LossScaler` interface; a factory may return
-    None = no loss scaling). The shipped options set it; null (Python-made configs only): the built-in of `name`."""
+    None = no loss scaling); conf/loss_scaler/*.yaml set it, the default is auto.yaml's (dynamic for fp16,
+    none otherwise). fp16 without a scaler is rejected; a dynamic scaler needs fp16."""
     name: str = "auto"
-    """The option's label: auto | dynamic | constant | none. fp16 without a scaler is rejected; a dynamic scaler needs fp16."""
+    """The option's label (auto | dynamic | constant | none for the shipped files), for messages only: `_target_` selects."""
     initial_scale: float = 2.0**32
     """dynamic: starting loss scale S (a power of two)."""
     min_scale: float = 1.0

@@ -31,14 +31,6 @@ from mptrain.schedules import PipelineLayout, resolve_schedule
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
 
-# The option names the code dispatches on (registries elsewhere list the same names). A name not
-# listed here is rejected before anything runs; adding a component means adding its name here too.
-CHOICES: dict[str, tuple] = {
-    "debug.fail_where": ("forward", "data", "save", "save_write"),
-    "debug.fail_kind": ("raise", "sigkill"),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class DerivedLayout:
     """What the config and the world size imply (computed once, identical on every rank).
@@ -106,31 +98,6 @@ def _reject_unknown_keys(obj: Any, prefix: str) -> None:
         value = getattr(obj, name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             _reject_unknown_keys(value, f"{prefix}{name}.")
-
-
-def _select(cfg: Config, dotted: str) -> Any:
-    value: Any = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _fmt(choices: tuple) -> str:
-    return ", ".join("null" if c is None else str(c) for c in choices)
-
-
-def check_choices(cfg: Config) -> None:
-    """Reject option names the code does not know (`schedule.name=foo`, `model.activation=relu`).
-
-    Raises:
-        ConfigError: naming the key, the value and the valid names.
-    """
-    for key, choices in CHOICES.items():
-        value = _select(cfg, key)
-        if value not in choices:
-            group = key.split(".")[0]
-            fix = f"pick {group}=<option>" if key.endswith(".name") else f"set {key} to one of them"
-            raise ConfigError(f"{key}: unknown option {value!r}; valid: {_fmt(choices)}; {fix}")
 
 
 def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
@@ -246,11 +213,13 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         the `DerivedLayout` (dp size, num_microbatches, resolved schedule and loss scaler).
     Raises:
         ConfigError: the first problem found, one line naming the key(s), the values and the fix.
-            Order: option names, layout sizes, model shape, layer split, batch, schedule, scaler,
+            Order: debug keys, layout sizes, model shape, layer split, batch, schedule, scaler,
             training keys.
     """
     c = as_config(cfg)
-    check_choices(c)
+    from mptrain.training.step import check_fault_config  # the debug.* rules live with the fault injector
+
+    check_fault_config(c.debug)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords

@@ -240,6 +240,25 @@ def provider_target(data_cfg: Any) -> str:
     return target if isinstance(target, str) else f"{import_target('data', target).__module__}.{target.__qualname__}"
 
 
+def empty_split_reason(data_cfg: Any, split: str) -> str:
+    """Why the provider of ``data_cfg`` has no ``split`` ("valid" | "test"), phrased by what is configured
+    (the trainer logs it when evaluation skips that split); pure.
+
+    - held-out corpora (``data.train_prefixes`` set): ``data.<split>_prefixes is empty``;
+    - a provider that cuts one corpus by ``data.split`` (its signature takes ``split``):
+      ``data.split=<value> leaves the <split> split empty``;
+    - any other provider (a user's): ``data._target_=<path> provides no <split> split``.
+    """
+    items = node_items(data_cfg)
+    if items.get("train_prefixes"):
+        return f"data.{split}_prefixes is empty"
+    target = provider_target(data_cfg)
+    accepted = accepted_keywords(import_target("data", items.get("_target_")))
+    if accepted is None or "split" in accepted:
+        return f"data.split={items.get('split')!r} leaves the {split} split empty"
+    return f"data._target_={target} provides no {split} split"
+
+
 class GPTDataProvider:
     """The shipped providers' common part: per-split datasets of `sample(i) -> (tokens [s+1], valid [s+1])`,
     the Megatron sampler, collation, and the collective construction (module docstring).
@@ -341,6 +360,8 @@ class GPTDataProvider:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if not self.available[split]:
+            if getattr(self, "per_split", None) is not None:  # held-out corpora: data.split is not used
+                raise DataError(f"data.{split}_prefixes is empty (data={self.option}); set data.{split}_prefixes=[PREFIX]")
             raise DataError(
                 f"data.split={self.split!r} leaves the {split} split no documents "
                 f"(data={self.option}); give it a larger share, e.g. 'data.split=\"90,5,5\"'"

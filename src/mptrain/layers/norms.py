@@ -53,6 +53,9 @@ def _norm_specs(module: torch.nn.Module, sequence_parallel: bool) -> dict:
 class LayerNorm(torch.nn.LayerNorm):
     """torch LayerNorm over the last dim h; input/output ``[s(/tp), b, h]``; weight and bias ``[h]``."""
 
+    kernel = "torch.nn.functional.layer_norm"
+    """What computes the forward (the start-up log's ``kernels:`` line, `describe_norm`)."""
+
     def __init__(self, hidden_size: int, *, eps: float, sequence_parallel: bool, params_dtype: torch.dtype,
                  device: Optional[torch.device]) -> None:
         super().__init__(hidden_size, eps=eps, device=device, dtype=params_dtype)
@@ -64,6 +67,8 @@ class LayerNorm(torch.nn.LayerNorm):
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm over the last dim h (Zhang & Sennrich 2019); weight ``[h]``, no bias."""
+
+    kernel = "torch.nn.functional.rms_norm"
 
     def __init__(self, hidden_size: int, *, eps: float, sequence_parallel: bool, params_dtype: torch.dtype,
                  device: Optional[torch.device]) -> None:
@@ -93,6 +98,8 @@ class ApexFusedLayerNorm(LayerNorm):
     """`LayerNorm` (same params, state dict and specs) computed by apex's ``FusedLayerNorm`` kernels
     (Megatron's default when apex is present). CUDA only; same math, rounding differs by ulps."""
 
+    kernel = "apex FusedLayerNorm (fused_layer_norm_affine)"
+
     def __init__(self, hidden_size: int, **kwargs) -> None:
         super().__init__(hidden_size, **kwargs)
         self._fln = _apex_norm_functions()
@@ -103,6 +110,8 @@ class ApexFusedLayerNorm(LayerNorm):
 
 class ApexFusedRMSNorm(RMSNorm):
     """`RMSNorm` computed by apex's ``FusedRMSNorm`` kernels (same params, state dict and specs)."""
+
+    kernel = "apex FusedRMSNorm (fused_rms_norm_affine)"
 
     def __init__(self, hidden_size: int, **kwargs) -> None:
         super().__init__(hidden_size, **kwargs)
@@ -127,3 +136,12 @@ def Norm(hidden_size: int, *, config, eps: float, sequence_parallel: bool, param
     """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, ...)``."""
     return NORMALIZATIONS[config.normalization](hidden_size, eps=eps, sequence_parallel=sequence_parallel,
                                                 params_dtype=params_dtype, device=device)
+
+
+def describe_norm(module: torch.nn.Module) -> str:
+    """``<class dotted path> (<kernel>)`` of a built norm node, for the start-up log; a user class
+    without a ``kernel`` attribute is named by its class alone."""
+    cls = type(module)
+    kernel = getattr(cls, "kernel", None)
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    return f"{path} ({kernel})" if kernel else path

@@ -2,10 +2,11 @@
 
 from mptrain.optim.builders import (
     OPTIMIZER,
-    OPTIMIZERS,
+    APEX_KERNELS,
     Optimizer,
     build_optimizer_factory,
     check_optimizer,
+    optimizer_kernel,
     param_groups,
 )
 from mptrain.optim.lr_scheduler import (
@@ -18,6 +19,6 @@ from mptrain.optim.lr_scheduler import (
     check_lr_scheduler,
 )
 
-__all__ = ["OPTIMIZER", "OPTIMIZERS", "Optimizer", "build_optimizer_factory", "check_optimizer", "param_groups",
+__all__ = ["OPTIMIZER", "APEX_KERNELS", "Optimizer", "build_optimizer_factory", "check_optimizer", "optimizer_kernel", "param_groups",
            "LR_DECAY_STYLES", "LR_SCHEDULER", "LR_WSD_DECAY_STYLES", "LRScheduler", "OptimizerParamScheduler",
            "build_lr_scheduler", "check_lr_scheduler"]

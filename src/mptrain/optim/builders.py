@@ -11,8 +11,9 @@ factory builds ``optim._target_`` through `mptrain.components.build`:
 - kernel (``optim.impl``): ``auto`` / ``torch``: ``fused=True`` (torch's fused kernels, CUDA and CPU,
   where the tests run the same folded step as the GPU: `mptrain.precision.optimizer`) when every
   param is on one CUDA or CPU device type and the target takes ``fused``, else ``foreach=True``
-  (multi-tensor) if it takes that; ``apex``: apex ``FusedAdam`` / ``FusedSGD`` for the built-in
-  Adam / AdamW / SGD when apex is importable, else a ConfigError.
+  (multi-tensor) if it takes that; ``apex``: apex ``FusedAdam`` / ``FusedSGD`` when the target is
+  torch.optim.Adam / AdamW / SGD (`APEX_KERNELS`, keyed on the imported class) and apex is
+  importable, else a ConfigError.
 
 Weight decay (Megatron `get_param_groups`): biases and norm params (``ShardSpec.no_weight_decay``)
 go into a group with weight_decay 0; the other group takes ``optim.weight_decay`` (as the
@@ -27,16 +28,12 @@ arguments is one ConfigError line before any collective).
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from mptrain import components
 from mptrain.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 IMPLS = ("auto", "torch", "apex")
 
@@ -69,9 +66,6 @@ OPTIMIZER = components.ComponentKind(
     "optimizer", methods=("step", "zero_grad", "state_dict", "load_state_dict"), runtime_keywords=("params",),
     interface=Optimizer)
 
-_BUILTIN = dataclasses.replace(OPTIMIZER, methods=())
-
-
 def param_groups(params: Sequence[torch.nn.Parameter], specs: Sequence, weight_decay: Optional[float] = None) -> list[dict]:
     """Split params into a decayed and a non-decayed group (always both, possibly empty, in that order).
 
@@ -95,43 +89,30 @@ def param_groups(params: Sequence[torch.nn.Parameter], specs: Sequence, weight_d
     return [first, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _adam_kwargs(cfg) -> dict:
-    return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
-
-
-def _sgd_kwargs(cfg) -> dict:
-    return {"lr": cfg.lr, "momentum": cfg.sgd_momentum, "weight_decay": cfg.weight_decay}
-
-
 def megatron_keywords(cfg) -> dict:
     """Every keyword the Megatron-named `optim` keys map to; each reaches a target only if it takes it."""
-    return {**_adam_kwargs(cfg), **_sgd_kwargs(cfg)}
+    return {"lr": cfg.lr, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps,
+            "weight_decay": cfg.weight_decay, "momentum": cfg.sgd_momentum}
 
 
-def _apex_fused_adam(adam_w_mode: bool):
-    def build(groups, kwargs):
-        from apex.optimizers import FusedAdam  # noqa: PLC0415 - optional dependency
-
-        return FusedAdam(groups, adam_w_mode=adam_w_mode, **kwargs)
-
-    return build
-
-
-def _apex_fused_sgd(groups, kwargs):
-    from apex.optimizers import FusedSGD  # noqa: PLC0415 - optional dependency
-
-    return FusedSGD(groups, **kwargs)
-
-
-# The built-in optimizers, the one table of them: option label -> (torch class, its Megatron keys,
-# its apex kernel). Used for optim.impl=apex (a target that is one of these classes) and for
-# Python-made configs without a _target_ (OptimConfig(name="sgd")); the shipped conf/optim/*.yaml set
-# `_target_` to these classes (tests/test_optim_components.py checks they agree).
-OPTIMIZERS: dict[str, tuple] = {
-    "adam": (torch.optim.Adam, _adam_kwargs, _apex_fused_adam(False)),
-    "adamw": (torch.optim.AdamW, _adam_kwargs, _apex_fused_adam(True)),
-    "sgd": (torch.optim.SGD, _sgd_kwargs, _apex_fused_sgd),
+# optim.impl=apex: apex's fused kernels exist for these torch classes only (a property of apex, not
+# a list of options): the imported target -> (apex class, its fixed keywords).
+APEX_KERNELS: dict[type, tuple[str, dict]] = {
+    torch.optim.Adam: ("FusedAdam", {"adam_w_mode": False}),
+    torch.optim.AdamW: ("FusedAdam", {"adam_w_mode": True}),
+    torch.optim.SGD: ("FusedSGD", {}),
 }
+
+
+def _apex_optimizer(target: type, groups: list[dict], mapped: dict):
+    """apex's fused kernel for the torch class `target`, with the mapped keywords its signature takes."""
+    import apex.optimizers  # noqa: PLC0415 - optional dependency
+
+    name, fixed = APEX_KERNELS[target]
+    cls = getattr(apex.optimizers, name)
+    accepted = components.accepted_keywords(cls)
+    kwargs = {k: v for k, v in mapped.items() if accepted is None or k in accepted}
+    return cls(groups, **kwargs, **fixed)
 
 
 def _apex_available() -> bool:
@@ -169,22 +150,14 @@ def check_optimizer_values(cfg) -> None:
             raise ConfigError(message)
 
 
-def optimizer_node(cfg) -> tuple[dict, Optional[tuple]]:
-    """The component node of ``cfg`` (``_target_`` + the user's own keys) and its built-in row, if any.
+def optimizer_node(cfg) -> tuple[dict, Callable]:
+    """The component node of ``cfg`` (``_target_`` + the user's own keys) and the imported target.
 
     Raises:
-        ConfigError: no ``_target_`` and an unknown ``optim.name``.
+        ConfigError: ``optim._target_`` is missing or does not import.
     """
     target = getattr(cfg, "_target_", None)
-    if target is None:
-        if cfg.name not in OPTIMIZERS:
-            raise ConfigError(f"optim: unknown optimizer optim.name={cfg.name!r}; pick one of {', '.join(OPTIMIZERS)} "
-                              "or set optim._target_ to an optimizer class")
-        row = OPTIMIZERS[cfg.name]
-        return {"_target_": row[0], **components.extra_keys(cfg)}, row
-    obj = components.import_target("optim", target)
-    row = next((r for r in OPTIMIZERS.values() if r[0] is obj), None)
-    return {"_target_": target, **components.extra_keys(cfg)}, row
+    return {"_target_": target, **components.extra_keys(cfg)}, components.import_target("optim", target)
 
 
 def build_optimizer_factory(cfg) -> Callable[[list[dict]], torch.optim.Optimizer]:
@@ -192,42 +165,48 @@ def build_optimizer_factory(cfg) -> Callable[[list[dict]], torch.optim.Optimizer
 
     Raises (at once, not when the factory is called):
         ConfigError: `check_optimizer_values`; a ``_target_`` that does not import or lacks a method;
-            ``impl=apex`` for a user target or without apex installed. Keyword errors of the target
-            are raised when the factory is called (`check_optimizer` calls it at start-up).
+            ``impl=apex`` for a target apex has no kernel for, or without apex installed. Keyword errors
+            of the target are raised when the factory is called (`check_optimizer` calls it at start-up).
     """
     check_optimizer_values(cfg)
-    node, row = optimizer_node(cfg)
-    # the interface is checked on config-selected targets; the table's rows are torch's own classes
-    kind = OPTIMIZER if row is None or getattr(cfg, "_target_", None) is not None else _BUILTIN
-    components.resolve("optim", node, kind)  # import + interface now
+    node, target = optimizer_node(cfg)
+    components.resolve("optim", node, OPTIMIZER)  # import + interface now
     impl = cfg.impl
     if impl == "apex":
-        if row is None:
-            raise ConfigError(f"optim.impl=apex: apex kernels exist only for the built-in {', '.join(OPTIMIZERS)} "
-                              f"optimizers, not optim._target_={cfg._target_}; use optim.impl=auto")
+        if target not in APEX_KERNELS:
+            names = ", ".join(f"torch.optim.{c.__name__}" for c in APEX_KERNELS)
+            raise ConfigError(f"optim.impl=apex: apex has fused kernels only for {names}, not "
+                              f"optim._target_={cfg._target_}; use optim.impl=auto")
         if not _apex_available():
             raise ConfigError(
                 "optim: optim.impl=apex but apex.optimizers is not importable; install NVIDIA apex from source "
                 "or use optim.impl=auto (torch fused/foreach kernels)"
             )
-    mapped = row[1](cfg) if row is not None else megatron_keywords(cfg)
+    mapped = megatron_keywords(cfg)
 
     def build(groups: list[dict]):
         if impl == "apex":
-            logger.info("optimizer: %s via apex fused kernels", cfg.name)
-            return row[2](groups, dict(mapped))
-        _, accepted_kw = components.resolve("optim", node, kind, mapped={"fused": True})
-        fused = _fused_kernel_available(groups) and (row is not None or "fused" in accepted_kw)
+            return _apex_optimizer(target, groups, mapped)
+        _, accepted_kw = components.resolve("optim", node, OPTIMIZER, mapped={"fused": True})
+        fused = _fused_kernel_available(groups) and "fused" in accepted_kw
         kernel = {"fused": True} if fused else {"foreach": True}
-        if kind is _BUILTIN:  # a table row (Python-made config): the class's first positional is the groups
-            _, kwargs = components.resolve("optim", node, kind, mapped={**mapped, **kernel})
-            opt = node["_target_"](groups, **kwargs)
-        else:
-            opt = components.build("optim", node, kind, runtime={"params": groups}, mapped={**mapped, **kernel})
-        logger.info("optimizer: %s (%s)", type(opt).__name__, next(iter(kernel)))
-        return opt
+        return components.build("optim", node, OPTIMIZER, runtime={"params": groups}, mapped={**mapped, **kernel})
 
     return build
+
+
+def optimizer_kernel(optimizer) -> str:
+    """What runs for the inner optimizer ``optimizer``, for the start-up log: its class's dotted path and,
+    for torch's optimizers, the kernel (``torch.optim.AdamW (fused=True)``, ``... (foreach=True)``)."""
+    cls = type(optimizer)
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        path = f"torch.optim.{cls.__name__}"  # torch.optim.adamw.AdamW is exported as torch.optim.AdamW
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    kernel = next((f"{k}=True" for k in ("fused", "foreach") if defaults.get(k)), None)
+    if kernel is None and "foreach" in defaults:
+        kernel = "for-loop"  # torch's single-tensor path
+    return f"{path} ({kernel})" if kernel else path
 
 
 def check_optimizer(cfg):

@@ -28,12 +28,12 @@ import copy
 import dataclasses
 from typing import Optional
 
-from mptrain.config.schedule import ScheduleConfig
 from mptrain.config.validate import as_config, validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config
-from mptrain.planner.memory import GIB, PARAM_BYTES, PlanLayout, grad_bytes_per_element, stage_memory
+from mptrain.planner.memory import (GIB, PARAM_BYTES, PlanLayout, grad_bytes_per_element, planner_assumptions,
+                                    stage_memory)
 from mptrain.planner.params import all_rank_params
 
 RECOMPUTE = ("none", "selective", "full")
@@ -67,7 +67,8 @@ def layout_config(cfg, layout: PlanLayout):
     m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
     m.recompute_method = "uniform" if layout.recompute == "full" else None
     m.recompute_num_layers = (m.recompute_num_layers or 1) if layout.recompute == "full" else None
-    c.schedule = ScheduleConfig()  # auto: the schedule the layout implies
+    # the configured schedule stays (auto by default): validate_config resolves it per layout, and a
+    # layout it rejects (e.g. vpp with schedule=1f1b) is not one train.py would run
     return c
 
 
@@ -169,7 +170,8 @@ def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: Hardware, *, vocab_size
 
 
 def plan_layout(cfg, layout: PlanLayout, hw: Hardware, *, vocab_size: int) -> dict:
-    """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits, bubble, comm."""
+    """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits, bubble, comm, and
+    ``assumptions`` (lines: what the numbers assume for a user optimizer or schedule; empty for built-ins)."""
     c = layout_config(cfg, layout)
     ranks = all_rank_params(c.model, c.parallel, vocab_size=vocab_size)
     stages = [stage_memory(c, layout, rp, pp_rank=r, vocab_size=vocab_size) for r, rp in enumerate(ranks)]
@@ -193,6 +195,7 @@ def plan_layout(cfg, layout: PlanLayout, hw: Hardware, *, vocab_size: int) -> di
         "bubble_fraction": bubble_fraction(layout),
         "comm_bytes": comm,
         "step_time_s": step_time_s(c, layout, comm, hw, vocab_size=vocab_size),
+        "assumptions": planner_assumptions(c, layout),
     }
 
 

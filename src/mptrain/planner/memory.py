@@ -11,7 +11,8 @@ Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimiz
     main params     N_r × 4 (bf16/fp16: MixedPrecisionOptimizer copies; fp32: none, stepped in place)
                     N_r × 4 / dp with the distributed optimizer (ZeRO-1 pieces, fp32 for every precision)
     optimizer state Adam/AdamW: 2 fp32 per main element (exp_avg, exp_avg_sq) = 8 × (N_r or N_r/dp);
-                    SGD: 4 × ... with momentum, 0 without. (Rajbhandari et al. 2020, ZeRO §3: 2+2+12 bytes.)
+                    SGD: 4 × ... with momentum, 0 without; read from ``optim._target_``; another class:
+                    assumed 2 (noted in the plan). (Rajbhandari et al. 2020, ZeRO §3: 2+2+12 bytes.)
     Bucket padding (< dp elements per bucket) and Adam's scalar `step` tensors are ignored (< 0.01 %).
 
 Activations per micro-batch per transformer layer (Korthikanti et al. 2022, "Reducing Activation
@@ -41,7 +42,8 @@ output, 2 × bytes(activation)·s·b·h.
 
 In-flight micro-batches (schedules/): no_pipelining 1; GPipe m; 1F1B stage r: min(pp − r, m)
 (Narayanan et al. 2021 §2.2.1); interleaved stage r: min(2·(pp − r − 1) + (vpp − 1)·pp + 1, m·vpp)
-chunk-micro-batches of L/(pp·vpp) layers each (Megatron's warmup count; §2.2.2).
+chunk-micro-batches of L/(pp·vpp) layers each (Megatron's warmup count; §2.2.2); a user schedule
+(the resolved schedule is its dotted path): assumed m, as GPipe (noted in the plan).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
+from mptrain import components
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.planner.params import RankParams
 
@@ -116,11 +121,30 @@ def grad_bytes_per_element(cfg) -> int:
     return PARAM_BYTES[cfg.precision.name]
 
 
+def optimizer_states_per_element(cfg) -> tuple[int, Optional[str]]:
+    """fp32 state tensors of the shape of a main param that the inner optimizer ``optim._target_`` keeps,
+    and the assumption made (None when the class is known).
+
+    Known (the imported class or a subclass): torch.optim.Adam / AdamW 2 (exp_avg, exp_avg_sq);
+    torch.optim.SGD 1 (momentum_buffer) when its momentum (``optim.sgd_momentum``, or a user's
+    ``+optim.momentum``) is > 0, else 0. Any other class: assumed 2, as Adam (the note says so).
+
+    Raises:
+        ConfigError: ``optim._target_`` does not import (the trainer's own message).
+    """
+    target = components.import_target("optim", cfg.optim._target_)
+    if isinstance(target, type) and issubclass(target, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2, None
+    if isinstance(target, type) and issubclass(target, torch.optim.SGD):
+        momentum = components.extra_keys(cfg.optim).get("momentum", cfg.optim.sgd_momentum)
+        return (1 if momentum else 0), None
+    return 2, (f"optimizer state: optim._target_={cfg.optim._target_} is not Adam/AdamW/SGD; assumed 2 fp32 "
+               "states per parameter element (as Adam)")
+
+
 def optimizer_state_bytes_per_element(cfg) -> int:
-    """Inner optimizer state per main element: Adam/AdamW 8 (exp_avg + exp_avg_sq fp32); SGD 4 or 0."""
-    if cfg.optim.name in ("adam", "adamw"):
-        return 8
-    return 4 if cfg.optim.sgd_momentum else 0
+    """Inner optimizer state bytes per main element: 4 × `optimizer_states_per_element` (fp32 states)."""
+    return 4 * optimizer_states_per_element(cfg)[0]
 
 
 def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
@@ -137,20 +161,43 @@ def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
     }
 
 
+def _interleaved_inflight(pp: int, vpp: Optional[int], m: int, pp_rank: int) -> int:
+    v = vpp or 1
+    if m == pp:  # Megatron: all forwards first when m == pp
+        return m * v
+    return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v)
+
+
+# In-flight micro-batches of the built-in schedules, keyed by the name the resolved schedule has
+# (`DerivedLayout.schedule`, `mptrain.schedules.schedule_name`): the formulas of the module docstring.
+INFLIGHT = {
+    "no_pipelining": lambda pp, vpp, m, pp_rank: 1,
+    "gpipe": lambda pp, vpp, m, pp_rank: m,
+    "1f1b": lambda pp, vpp, m, pp_rank: min(pp - pp_rank, m),
+    "interleaved_1f1b": _interleaved_inflight,
+}
+
+
+def schedule_assumption(schedule: str) -> Optional[str]:
+    """The note for a schedule without an in-flight formula (a user's: its dotted path); None for a built-in."""
+    if schedule in INFLIGHT:
+        return None
+    return f"schedule: {schedule} has no in-flight formula here; assumed GPipe's (all m micro-batches in flight)"
+
+
 def inflight_microbatches(schedule: str, *, pp: int, vpp: Optional[int], m: int, pp_rank: int) -> int:
-    """Micro-batches (interleaved: chunk-micro-batches) whose activations stage ``pp_rank`` holds at once."""
-    if schedule == "no_pipelining":
-        return 1
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(pp - pp_rank, m)
-    if schedule == "interleaved_1f1b":
-        v = vpp or 1
-        if m == pp:  # Megatron: all forwards first when m == pp
-            return m * v
-        return min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, m * v)
-    raise ValueError(f"unknown schedule {schedule!r}; expected no_pipelining, gpipe, 1f1b, interleaved_1f1b")
+    """Micro-batches (interleaved: chunk-micro-batches) whose activations stage ``pp_rank`` holds at once.
+
+    ``schedule``: the resolved schedule's name; any other (a user schedule) is assumed to hold all m, as
+    GPipe (the upper bound of a schedule that runs every forward before the backwards; `schedule_assumption`).
+    """
+    return INFLIGHT.get(schedule, INFLIGHT["gpipe"])(pp, vpp, m, pp_rank)
+
+
+def planner_assumptions(cfg, layout: PlanLayout) -> list[str]:
+    """The assumptions behind this layout's numbers (user optimizer / schedule), for the plan output."""
+    notes = [optimizer_states_per_element(cfg)[1], schedule_assumption(layout.schedule)]
+    return [n for n in notes if n is not None]
 
 
 def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] = None,

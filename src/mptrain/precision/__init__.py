@@ -20,7 +20,6 @@ from mptrain.precision.scaler import (
     build_loss_scaler,
     check_scaler_for_precision,
     no_loss_scaler,
-    resolve_loss_scaler_name,
 )
 
 # precision.name -> params dtype: the one table of precision options (a closed Megatron choice, --fp16 / --bf16)
@@ -43,7 +42,7 @@ def params_dtype(precision: str):
 
 
 __all__ = [
-    "ConstantLossScaler", "DynamicLossScaler", "LossScaler", "build_loss_scaler", "resolve_loss_scaler_name",
+    "ConstantLossScaler", "DynamicLossScaler", "LossScaler", "build_loss_scaler",
     "LOSS_SCALER", "auto_loss_scaler", "no_loss_scaler", "check_scaler_for_precision",
     "Float16Module", "FP32Optimizer", "MainParamEntry", "MixedPrecisionOptimizer", "OPTIMIZER_WRAPPER", "OptimizerWrapper",
     "StepResult", "TooManySkippedStepsError", "clip_grads_by_total_norm", "count_zeros_fp32",

@@ -29,7 +29,7 @@ to the grads' device. Powers of two (the defaults) are exact in float32.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -200,11 +200,6 @@ def no_loss_scaler() -> None:
 LOSS_SCALER = ComponentKind("loss scaler", methods=("update", "state_dict", "load_state_dict"),
                             interface=LossScaler)
 
-# The built-in options, the one table of them: label -> target. Used only for Python-made configs
-# without a _target_ (LossScalerConfig(name="constant")); the shipped conf/loss_scaler/*.yaml set
-# `_target_` to these (tests/test_optim_components.py checks they agree).
-LOSS_SCALERS: dict[str, Callable] = {"auto": auto_loss_scaler, "dynamic": DynamicLossScaler,
-                                     "constant": ConstantLossScaler, "none": no_loss_scaler}
 # keys of LossScalerConfig that belong to the wrapper or are labels: never passed to a scaler
 _NOT_SCALER_KEYS = ("name", "max_consecutive_skips")
 
@@ -230,11 +225,6 @@ def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
 
     dtype = params_dtype(precision)
     target = getattr(cfg, "_target_", None)
-    name = getattr(cfg, "name", None)
-    if target is None:
-        if name not in LOSS_SCALERS:
-            raise ConfigError(f"loss_scaler: unknown loss_scaler={name!r}; pick one of {', '.join(LOSS_SCALERS)}")
-        target = LOSS_SCALERS[name]
     node = {"_target_": target, **components.extra_keys(cfg)}
     extras = components.extra_keys(cfg)
     # the schema's keys (its defaults under what cfg sets: a partial namespace gets the defaults too)
@@ -242,8 +232,16 @@ def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
     fields = {k: v for k, v in values.items()
               if k not in components.RESERVED_KEYS and k not in _NOT_SCALER_KEYS and k not in extras}
     scaler = components.build("loss_scaler", node, LOSS_SCALER, mapped={**fields, "params_dtype": dtype})
-    check_scaler_for_precision(scaler, precision, name if name is not None else str(target))
+    check_scaler_for_precision(scaler, precision, scaler_option(cfg))
     return scaler
+
+
+def scaler_option(cfg) -> str:
+    """How messages name the configured scaler: ``loss_scaler=<label> (_target_=<dotted path>)``'s
+    right-hand side; the label (``loss_scaler.name``) alone says nothing once ``_target_`` is overridden."""
+    name, target = getattr(cfg, "name", None), getattr(cfg, "_target_", None)
+    target = target if isinstance(target, str) or target is None else f"{target.__module__}.{target.__qualname__}"
+    return f"{name} (_target_={target})" if name is not None else f"(_target_={target})"
 
 
 def check_scaler_for_precision(scaler: Optional[LossScaler], precision: str, label: str) -> None:
@@ -266,16 +264,3 @@ def check_scaler_for_precision(scaler: Optional[LossScaler], precision: str, lab
             f"loss_scaler: loss_scaler={label} is for precision=fp16 (a dynamic scale; got precision={precision}, whose "
             "exponent range never needs a dynamic scale); use loss_scaler=auto (none) or loss_scaler=constant"
         )
-
-
-def resolve_loss_scaler_name(name: str, precision: str) -> str:
-    """The scaling a built-in (loss_scaler.name, precision.name) pair selects: none | dynamic | constant.
-
-    Raises:
-        ConfigError: unknown names or a rejected pair (names `loss_scaler` and `precision`).
-    """
-    from mptrain.config.precision import LossScalerConfig
-    from mptrain.precision import params_dtype
-
-    params_dtype(precision)
-    return scaler_label(build_loss_scaler(LossScalerConfig(name=name), precision))

@@ -32,6 +32,20 @@ def checkpoint_exists(load_dir: Optional[str]) -> bool:
     return bool(load_dir) and (Path(load_dir) / "latest").exists()
 
 
+def kernels_line(built) -> str:
+    """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the inner optimizer the wrapper
+    steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or apex's class) and the
+    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`)."""
+    from mptrain.layers.norms import describe_norm
+    from mptrain.optim import optimizer_kernel
+
+    wrapper = built.trainer.optimizer
+    inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
+    norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
+                          if name.rsplit(".", 1)[-1].endswith("layernorm"))
+    return f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+
+
 @dataclasses.dataclass
 class Recorder:
     cfg: Any
@@ -88,9 +102,10 @@ class Recorder:
         else:
             self.writer.message(text)
 
-    def start(self, start_iteration: int) -> None:
+    def start(self, start_iteration: int, built=None) -> None:
         """Open metrics.jsonl / train.log and build the experiment loggers (rank 0), after a checkpoint
-        load decided the start iteration (a resumed wandb run / TensorBoard log continues from it)."""
+        load decided the start iteration (a resumed wandb run / TensorBoard log continues from it).
+        With ``built`` (`mptrain.training.run.Built`), a ``kernels:`` line says what runs (`kernels_line`)."""
         self.writer = MetricsWriter(
             self.run_dir,
             self.groups.rank,
@@ -111,6 +126,8 @@ class Recorder:
             f"vpp={d.virtual_pipeline_model_parallel_size} dp={d.data_parallel_size} schedule={d.schedule} "
             f"precision={self.cfg.precision.name} micro-batches={d.num_microbatches} run.dir={self.run_dir}"
         )
+        if built is not None:
+            self.log(kernels_line(built))
         self.log(f"startup: {time.time() - self.t_start:.1f} s to first iteration's setup")
 
     def eval_row(self, split: str, iteration: int, loss: float) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from mptrain.config.schema import Config
 from mptrain.config.validate import as_config, check_vocab_size, validate_config
-from mptrain.data.provider import build_provider, provider_target
+from mptrain.data.provider import build_provider, empty_split_reason, provider_target
 from mptrain.data.tokenizers import build_tokenizer
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
@@ -277,7 +277,7 @@ def run(cfg: Any) -> dict:
 
             state = maybe_load_checkpoint(built, recorder)  # {"iteration", "consumed_samples"} (zeros when fresh)
         iteration, consumed = state["iteration"], state["consumed_samples"]
-        recorder.start(iteration)
+        recorder.start(iteration, built)  # logs the job, the kernels that run, the start-up time
         if iteration >= cfg.train.train_iters and iteration > 0:
             # nothing to train: exit 0 (the job is done), but say so rather than end silently
             recorder.log(f"checkpoint.load={cfg.checkpoint.load} is at iteration {iteration} >= train.train_iters="
@@ -307,7 +307,7 @@ def run(cfg: Any) -> dict:
 
         for split in ("valid", "test"):
             if eval_on and not provider.has_split(split):
-                recorder.log(f"data.split={cfg.data.split!r} leaves the {split} split empty: no {split} rows")
+                recorder.log(f"{empty_split_reason(cfg.data, split)}: no {split} rows")
         if eval_on and iteration == 0:
             evaluate("valid")
         stop.install()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
+from mptrain.errors import ConfigError
 from mptrain.groups import ParallelGroups
 from mptrain.training.batch import get_batch
 
@@ -34,6 +35,30 @@ def chunk_needs_data(chunk: torch.nn.Module, with_attention_mask: bool) -> bool:
     """First-stage chunks need tokens, last-stage chunks labels; every chunk needs a reset attention mask."""
     inner = unwrap(chunk)
     return inner.pre_process or inner.post_process or with_attention_mask
+
+
+FAULT_SITES = ("forward", "data", "save", "save_write")
+"""Where ``debug.fail_where`` can inject a failure: the `FaultInjector.maybe_fail` call sites (the forward
+step, the batch read, the checkpoint save in `mptrain.training.run`)."""
+
+
+FAULT_KINDS = ("raise", "sigkill")
+"""How an injected failure fails (``debug.fail_kind``): see `FaultInjector`."""
+
+
+def check_fault_config(debug) -> None:
+    """``debug.fail_where`` is one of `FAULT_SITES`, ``debug.fail_kind`` one of `FAULT_KINDS`; pure (called
+    by `validate_config`).
+
+    Raises:
+        ConfigError: naming the key, the value and the valid sites.
+    """
+    if debug.fail_where not in FAULT_SITES:
+        raise ConfigError(f"debug.fail_where: unknown option {debug.fail_where!r}; valid: {', '.join(FAULT_SITES)}; "
+                          "set debug.fail_where to one of them")
+    if debug.fail_kind not in FAULT_KINDS:
+        raise ConfigError(f"debug.fail_kind: unknown option {debug.fail_kind!r}; valid: {', '.join(FAULT_KINDS)}; "
+                          "set debug.fail_kind to one of them")
 
 
 @dataclasses.dataclass
@@ -54,6 +79,7 @@ class FaultInjector:
     iteration: int = 0
 
     def maybe_fail(self, where: str) -> None:
+        assert where in FAULT_SITES, where  # a new call site is added to FAULT_SITES too
         if (self.fail_rank == self.rank and self.fail_iteration == self.iteration and self.fail_where == where
                 and self.attempt == 0):
             if self.fail_kind == "sigkill":

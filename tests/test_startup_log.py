@@ -1,0 +1,44 @@
+"""Start-up lines of train.log: which optimizer class / kernel and which norm run (issue 21: "the log
+says which kernels run"), and why evaluation skips a split, phrased by what is configured."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_distributed
+from train_utils import compose, run_job
+
+TINY = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.train_iters=1",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=null"]
+
+
+def _kernels_line(run_dir) -> str:
+    lines = [line for line in (run_dir / "train.log").read_text().splitlines() if "kernels:" in line]
+    assert len(lines) == 1, lines
+    return lines[0][lines[0].index("kernels:"):]
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ([], "kernels: optimizer=torch.optim.Adam (fused=True) norm=mptrain.layers.norms.LayerNorm "
+         "(torch.nn.functional.layer_norm)"),
+    (["optim=sgd", "model.normalization=RMSNorm", "precision=bf16"],
+     "kernels: optimizer=torch.optim.SGD (fused=True) norm=mptrain.layers.norms.RMSNorm (torch.nn.functional.rms_norm)"),
+    (["optim._target_=torch.optim.RMSprop"],  # takes foreach but not fused
+     "kernels: optimizer=torch.optim.RMSprop (foreach=True) norm=mptrain.layers.norms.LayerNorm "
+     "(torch.nn.functional.layer_norm)"),
+])
+def test_train_log_names_the_optimizer_kernel_and_the_norm(tmp_path, overrides, want):
+    run_distributed(run_job, 1, TINY + overrides + [f"run.dir={tmp_path}"])
+    assert _kernels_line(tmp_path) == want
+
+
+def test_empty_split_reason_follows_the_configured_data():
+    from mptrain.data.provider import empty_split_reason
+
+    held_out = compose(["data=indexed", "data.train_prefixes=[/x/a]", "data.valid_prefixes=[/x/b]"]).data
+    assert empty_split_reason(held_out, "test") == "data.test_prefixes is empty"
+    cut = compose(["data=indexed", "data.prefixes=[/x/a]", "data.split=[100,0,0]"]).data
+    assert empty_split_reason(cut, "valid") == "data.split=[100, 0, 0] leaves the valid split empty"
+    user = compose(["data._target_=mptrain_plugins.text_data.TextFileProvider", "+data.files=[/x/a.txt]"]).data
+    assert empty_split_reason(user, "test") == ("data._target_=mptrain_plugins.text_data.TextFileProvider provides no "
+                                                "test split")
