@@ -27,12 +27,12 @@ def _reference_loss(rank: int, world: int, overrides: list, export_dir: str) -> 
     import torch
 
     from mptrain.config.validate import as_config
-    from mptrain.data.provider import DataProvider
+    from mptrain.data.provider import build_provider
     from mptrain.data.tokenizers import build_tokenizer
     from mptrain.export import load_consolidated
 
     cfg = as_config(compose(overrides))
-    provider = DataProvider(cfg.data, tokenizer=build_tokenizer(cfg.data), seq_length=cfg.model.seq_length,
+    provider = build_provider(cfg.data, tokenizer=build_tokenizer(cfg.data), seq_length=cfg.model.seq_length,
                             micro_batch_size=cfg.train.micro_batch_size, global_batch_size=cfg.train.global_batch_size,
                             dp_rank=0, dp_size=1, needs_data=True)
     batch = next(provider.train_iterator(0))

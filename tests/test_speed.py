@@ -22,7 +22,7 @@ APEX = importlib.util.find_spec("apex") is not None
 @pytest.mark.parametrize("name", ["ApexFusedLayerNorm", "ApexFusedRMSNorm"])
 def test_apex_norm_without_apex_is_one_config_error(name):
     with pytest.raises(ConfigError, match="normalization=ApexFused.*apex"):
-        norms.norm_class(name)(16, eps=1e-5, sequence_parallel=False, params_dtype=torch.float32, device=None)
+        norms.NORMALIZATIONS[name](16, eps=1e-5, sequence_parallel=False, params_dtype=torch.float32, device=None)
 
 
 def test_apex_norms_keep_the_torch_params_and_specs():

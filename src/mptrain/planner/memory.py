@@ -28,7 +28,9 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
         QKV / fc1 inputs, replicated over TP, also under SP:    4   (our column-parallel linear saves
                                                                      the all-gathered input; Megatron
                                                                      saves the shard and re-gathers)
-        split over TP:                  S = 28  (q copy, k/v, context, proj out, fc1 out, GELU out)
+        split over TP:                  S = 24  (q/k/v: views of the QKV output, one torch.split in
+                                                 attention.py, saved once; context, proj out,
+                                                 fc1 out, GELU out). 28 before q was a copy.
         selective recompute:            S = 24  (the attention core's saved q/k/v/out dropped)
         hidden dropout > 0:             two masks of s·b·h (/t under SP): 1 byte each on CUDA
                                         (native_dropout's bool mask, as the paper); CPU's dropout
@@ -66,7 +68,7 @@ PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MEASURED = {
     "norm_inputs_16bit": 4.0,  # the two norms' inputs: replicated over TP, split under SP
     "linear_inputs_16bit": 4.0,  # QKV and fc1 inputs: replicated over TP, full size (gathered) under SP too
-    "split_16bit": 28.0,  # QKV products, context, projections, fc1 out, GELU out
+    "split_16bit": 24.0,  # QKV output (q/k/v views of it), context, projections, fc1 out, GELU out
     "split_selective_16bit": 24.0,  # selective recompute: the core attention's saved tensors dropped
     "hidden_dropout_masks": 2.0,  # masks per layer when hidden_dropout > 0 (× mask bytes per element)
 }
