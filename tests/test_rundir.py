@@ -1,5 +1,6 @@
 """Run folder: default name, existing-folder policy, config agreement, rank-0 resolution broadcast (gloo)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,30 @@ def test_resume_at_or_past_train_iters_says_so(tmp_path, capsys):
     ck = tmp_path / "ck"
     common = ["model=tiny", "train.eval_interval=null", f"checkpoint.save={ck}", f"checkpoint.load={ck}"]
     run(compose(common + ["train.train_iters=2", f"run.dir={tmp_path}/a"]))
+    # trained on to 3 without saving: the checkpoint stays at 2, metrics.jsonl holds rows 1-3
+    run(compose(["model=tiny", "train.eval_interval=null", f"checkpoint.load={ck}", "train.train_iters=3",
+                 f"run.dir={tmp_path}/a"]))
+    rows = (tmp_path / "a" / "metrics.jsonl").read_text()
+    assert [json.loads(r)["iteration"] for r in rows.splitlines()] == [1, 2, 3]
     run(compose(common + ["train.train_iters=1", f"run.dir={tmp_path}/a"]))
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == rows  # a run that trains nothing deletes no row
     line = f"checkpoint.load={ck} is at iteration 2 >= train.train_iters=1: nothing to train; raise train.train_iters to continue"
     assert line in (tmp_path / "a" / "train.log").read_text().splitlines()
+
+
+def test_config_yaml_and_checkpoint_meta_keep_keys_added_with_plus(tmp_path):
+    """A user target's own keywords (`+optim.alpha`, `+...core_attention.window`) are part of the run: config.yaml
+    and the checkpoint's meta record them (generate / export rebuild the model from that config)."""
+    from train_utils import compose
+
+    from mptrain.training.run import run
+
+    core = "model.transformer_layer.submodules.self_attention.submodules.core_attention"
+    run(compose(["model=tiny", "train.train_iters=1", "train.eval_interval=null", "optim._target_=torch.optim.RMSprop",
+                 "+optim.alpha=0.95", f"{core}._target_=mptrain_plugins.attention.SlidingWindowAttention",
+                 f"+{core}.window=16", f"checkpoint.save={tmp_path}/ck", f"run.dir={tmp_path}/r"]))
+    for saved in (yaml.safe_load((tmp_path / "r" / "config.yaml").read_text()),
+                  json.loads((tmp_path / "ck" / "iter_0000001" / "meta.json").read_text())["config"]):
+        assert saved["optim"]["alpha"] == 0.95
+        node = saved["model"]["transformer_layer"]["submodules"]["self_attention"]["submodules"]["core_attention"]
+        assert node["window"] == 16

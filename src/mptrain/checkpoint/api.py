@@ -47,7 +47,9 @@ def _log(recorder, msg: str) -> None:
 def config_dict(cfg: Any) -> dict:
     """The resolved config as plain data (a `Config` dataclass or a DictConfig)."""
     if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)
+        from mptrain.config.validate import config_to_container
+
+        return config_to_container(cfg)  # dataclasses.asdict would drop the keys added with `+`
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(cfg, resolve=True)

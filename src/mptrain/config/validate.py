@@ -82,6 +82,29 @@ def as_config(cfg: Any) -> Config:
     return obj
 
 
+def config_to_container(cfg: Any) -> dict:
+    """The config as plain dicts / lists: every schema field and, on component nodes, the keys a user
+    added with ``+`` (their target's own keywords, e.g. ``optim.alpha``), which
+    ``OmegaConf.structured(cfg)`` would drop. What config.yaml, a checkpoint's meta and the loggers record.
+
+    Args:
+        cfg: a `Config` (or anything `as_config` takes).
+    """
+    return _to_container(as_config(cfg))
+
+
+def _to_container(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: _to_container(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out.update({k: _to_container(v) for k, v in vars(obj).items() if k not in out})  # keys added with `+`
+        return out
+    if isinstance(obj, dict):
+        return {k: _to_container(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_container(v) for v in obj]
+    return obj
+
+
 def _reject_unknown_keys(obj: Any, prefix: str) -> None:
     """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields.
 

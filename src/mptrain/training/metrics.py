@@ -163,7 +163,9 @@ class MetricsWriter:
         if not self.active:
             return
         metrics_path = self.run_dir / METRICS_FILE
-        if start_iteration > 0:
+        if train_iters is not None and 0 < train_iters <= start_iteration:
+            pass  # nothing left to train (run.py says so): the rows already written stay as they are
+        elif start_iteration > 0:
             truncate_metrics(metrics_path, start_iteration)
         else:
             metrics_path.unlink(missing_ok=True)  # an empty or appended-to run folder starts a fresh table

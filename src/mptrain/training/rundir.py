@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
-from mptrain.config.validate import as_config
+from mptrain.config.validate import config_to_container
 from mptrain.errors import ConfigError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
@@ -38,8 +38,8 @@ def default_run_dir(cfg: Any) -> str:
 
 
 def config_container(cfg: Any) -> dict:
-    """The resolved config as plain containers (`Config` schema applied)."""
-    return OmegaConf.to_container(OmegaConf.structured(as_config(cfg)), resolve=True)
+    """The resolved config as plain containers (`Config` schema applied, keys added with ``+`` kept)."""
+    return config_to_container(cfg)
 
 
 def _flatten(node: Any, prefix: str = "") -> dict:
