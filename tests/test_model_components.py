@@ -154,3 +154,20 @@ def test_train_py_exits_1_with_one_line_for_a_bad_core(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{CORE}._target_=mptrain_plugins.attention.NoSuchCore" in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()  # nothing written before validation passed
+
+
+def test_wrong_typed_keyword_of_a_spec_node_is_one_config_error(tmp_path):
+    """`+...core_attention.window=abc` reaches the user's constructor, which raises TypeError: one ConfigError
+    naming the node and the given key (not a traceback), and the corrected start reuses the folder."""
+    from train_utils import compose
+
+    from mptrain.errors import ConfigError
+    from mptrain.training.run import run
+
+    core = "model.transformer_layer.submodules.self_attention.submodules.core_attention"
+    base = ["model=tiny", "train.train_iters=1", "train.eval_interval=null", f"run.dir={tmp_path}/r",
+            f"{core}._target_=mptrain_plugins.attention.SlidingWindowAttention"]
+    with pytest.raises(ConfigError, match=rf"^{core}: mptrain_plugins.attention.SlidingWindowAttention rejected its "
+                                          rf"arguments \(TypeError: .*\(given: {core}.window='abc'\)$"):
+        run(compose(base + [f"+{core}.window=abc"]))
+    run(compose(base + [f"+{core}.window=16"]))

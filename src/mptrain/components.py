@@ -217,8 +217,16 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
     except Exception as err:  # noqa: BLE001 - hydra wraps the target's own error in __cause__
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
         if isinstance(cause, (TypeError, ValueError)) and not isinstance(cause, ConfigError):
-            raise ConfigError(f"{key}: {items.get('_target_')} rejected its arguments ({type(cause).__name__}: "
-                              f"{_first_line(cause)}); fix the {key}.* keys") from None
+            raise rejected_arguments(key, items, cause) from None
         if isinstance(cause, ConfigError):
             raise cause from None
         raise
+
+
+def rejected_arguments(key: str, items: Mapping[str, Any], cause: BaseException) -> ConfigError:
+    """The one line for a target that raised TypeError / ValueError while being built: its message and the
+    node's own keys (what the user can change)."""
+    own = {k: v for k, v in items.items() if k not in RESERVED_KEYS and not isinstance(v, (dict, list))}
+    given = ", ".join(f"{key}.{k}={v!r}" for k, v in own.items())
+    return ConfigError(f"{key}: {items.get('_target_')} rejected its arguments ({type(cause).__name__}: "
+                       f"{_first_line(cause)}); fix the {key}.* keys" + (f" (given: {given})" if given else ""))

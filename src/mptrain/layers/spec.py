@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mptrain.components import ComponentKind, accepted_keywords, build, node_items, resolve
+from mptrain.components import ComponentKind, accepted_keywords, build, node_items, rejected_arguments, resolve
 from mptrain.errors import ConfigError
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -93,11 +93,15 @@ def build_module(key: str, node: Any, kind: ComponentKind, **runtime: Any) -> An
     kwargs = runtime if accepted is None else {k: v for k, v in runtime.items() if k in accepted}
     try:
         return factory(**kwargs)
-    except TypeError as err:  # the call's own signature mismatch (a required argument we do not pass)
-        if err.__traceback__ is not None and err.__traceback__.tb_next is None:
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        if isinstance(err, TypeError) and err.__traceback__ is not None and err.__traceback__.tb_next is None:
+            # the call's own signature mismatch (a required argument we do not pass)
             raise ConfigError(f"{key}: {node_items(node).get('_target_')} cannot be built with the runtime keywords "
                               f"({err}); it may take: {', '.join(sorted(kind.runtime_keywords))}") from None
-        raise
+        # raised inside the target's constructor (e.g. a wrong-typed `+...window=abc`): alike on every rank
+        raise rejected_arguments(key, node_items(node), err) from None
 
 
 def check_spec_node(key: str, node: Any, kinds: dict) -> None:
