@@ -9,6 +9,11 @@ document §4.1 "main_grad"), without the attributes Megatron bolts onto paramete
   ``param.grad``, so grads accumulate across micro-batches in the buffer;
 * the DP reduction is a SUM (all-reduce, or reduce-scatter under the distributed optimizer); the
   loss normalisation (max_tokens / global tokens) is applied later by `finalize_model_grads`;
+* 1-D params (biases, norm weights: small, many) are not added one by one: their hooks queue the
+  grad, and one ``torch._foreach_add_`` per buffer adds them all at the end of the backward pass
+  (an autograd final callback), or before a bucket holding them is reduced. The same fp32 (or
+  buffer-dtype) additions, one launch instead of one per param; larger grads are added at once so
+  that none is held longer than before;
 * ``no_sync()`` suppresses reduction (all but the last micro-batch); with ``overlap_grad_reduce`` a
   bucket's async collective starts as soon as every param of the bucket has its grad in the synced
   micro-batch. Buckets are launched strictly in index order on every rank (a ready bucket waits
@@ -116,10 +121,12 @@ class DistributedDataParallel(torch.nn.Module):
             for dtype, named in by_dtype.items()
         )
         self._states = tuple(_BucketState(b) for b in self._grad_buffers)
+        self._deferred: dict = {id(s): ([], []) for s in self._states}  # state -> (main grad views, grads) queued
+        self._flush_queued = False
         self._hook_handles = []
         for state in self._states:
             for param in state.buffer.params():
-                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(state)))
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(state, param)))
         if gradient_accumulation_fusion:
             for layer in module.modules():
                 if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
@@ -175,17 +182,44 @@ class DistributedDataParallel(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
 
     # --- accumulation and sync ---------------------------------------------------------------
-    def _make_hook(self, state: _BucketState):
+    def _make_hook(self, state: _BucketState, param: torch.Tensor):
+        view = state.buffer.main_grad(param)
+        views, grads = self._deferred[id(state)]
+        deferred = param.dim() == 1  # a bias or norm weight: added with the others at the end of backward
+
         def hook(param: torch.Tensor) -> None:
             # Grads accumulate in the buffer across micro-batches; param.grad is dropped so that
             # autograd allocates a fresh (not accumulated-into) grad next backward. None: the
             # linear layer already accumulated it (gradient accumulation fusion).
-            if param.grad is not None:
-                state.buffer.main_grad(param).add_(param.grad)
+            grad = param.grad
+            if grad is not None:
                 param.grad = None
+                if deferred:
+                    views.append(view)
+                    grads.append(grad)
+                    if not self._flush_queued:
+                        self._flush_queued = True
+                        torch.autograd.Variable._execution_engine.queue_callback(self._flush_deferred)
+                else:
+                    view.add_(grad)
             self._mark_ready(state, param)
 
         return hook
+
+    def _flush_state(self, state: _BucketState) -> None:
+        """Add the queued grads of ``state``'s buffer into their main grads (one multi-tensor add)."""
+        views, grads = self._deferred[id(state)]
+        if views:
+            with torch.no_grad():
+                torch._foreach_add_(views, grads)
+            views.clear()
+            grads.clear()
+
+    def _flush_deferred(self) -> None:
+        """The end-of-backward callback: every queued grad into the buffers."""
+        self._flush_queued = False
+        for state in self._states:
+            self._flush_state(state)
 
     def _mark_ready(self, state: _BucketState, param: torch.Tensor) -> None:
         """Count ``param``'s grad of this micro-batch as in; launch the buckets that became ready."""
@@ -208,6 +242,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _launch(self, state: _BucketState, bucket: Bucket) -> None:
         assert bucket.index == state.next_to_launch and not state.launched[bucket.index]
+        self._flush_state(state)  # queued bias / norm grads must be in the buffer before it is reduced
         data = state.buffer.bucket_data(bucket)
         group = self.groups.dp_group
         if self.groups.dp_size == 1:
@@ -234,6 +269,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self) -> None:
         """Launch every bucket not launched yet (async), in index order."""
+        self._flush_deferred()
         for state in self._states:
             while state.next_to_launch < len(state.buffer.buckets):
                 self._launch(state, state.buffer.buckets[state.next_to_launch])
@@ -257,7 +293,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero every grad buffer (padding included) and drop any stray ``param.grad``; reset sync state."""
+        self._flush_queued = False  # a backward that raised never ran its callback
         for state in self._states:
+            for queued in self._deferred[id(state)]:
+                queued.clear()
             state.buffer.data.zero_()
             state.reset()
             for p in state.buffer.params():

@@ -126,6 +126,8 @@ class GradBuffer:
         self.buckets: tuple = tuple(buckets)
         self.numel = cursor
         self.data = torch.zeros(cursor, dtype=dtype, device=device)
+        # the views, made once (the optimizer asks for every param's each step; `data` is never replaced)
+        self._views: dict = {p: self.data[s.start : s.end].view(s.shape) for p, s in self._slots.items()}
 
     # --- lookups ---------------------------------------------------------------------------
     def __contains__(self, param: torch.Tensor) -> bool:
@@ -142,9 +144,8 @@ class GradBuffer:
         return list(self._slots)
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The param's grad as a view of the buffer, shaped like the param."""
-        s = self._slots[param]
-        return self.data[s.start : s.end].view(s.shape)
+        """The param's grad as a view of the buffer, shaped like the param (the same view object each call)."""
+        return self._views[param]
 
     def bucket_data(self, bucket: Bucket) -> torch.Tensor:
         return self.data[bucket.start : bucket.end]

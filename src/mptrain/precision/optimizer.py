@@ -76,12 +76,15 @@ class StepResult:
         grad_norm: global L2 norm of the unscaled grads before clipping; None on a skipped step.
         num_zeros: zero grad elements over the grad-stats group (only with ``log_num_zeros``), else None.
         found_inf: some grad was inf/nan on some rank of the grad-stats group.
+        read_along: the values of ``step(read_along=...)``'s tensor, read on the host with the
+            step's own host read (None without it).
     """
 
     update_successful: bool
     grad_norm: Optional[float]
     num_zeros: Optional[int]
     found_inf: bool
+    read_along: Optional[tuple] = None
 
 
 class TooManySkippedStepsError(RuntimeError):
@@ -265,12 +268,15 @@ class OptimizerWrapper:
         return StepResult(update_successful=False, grad_norm=None, num_zeros=None, found_inf=True)
 
     @torch.no_grad()
-    def step(self, grad_scale: Optional[torch.Tensor] = None) -> StepResult:
+    def step(self, grad_scale: Optional[torch.Tensor] = None, read_along: Optional[torch.Tensor] = None) -> StepResult:
         """One optimizer step (module docstring, steps 1-5). Collective over the grad-stats groups.
 
         Args:
             grad_scale: an extra factor for every grad (0-d tensor, e.g. `finalize.token_scale`),
                 multiplied in by the unscale pass of step 2 (None = 1).
+            read_along: a small tensor the caller wants on the host (the trainer's loss totals):
+                read together with the step's own host read (the folded step's norm), so that an
+                iteration syncs once; returned as ``StepResult.read_along`` (a tuple of floats).
 
         Returns:
             `StepResult`; ``update_successful`` False (and no param changed) on non-finite grads.
@@ -278,14 +284,16 @@ class OptimizerWrapper:
             TooManySkippedStepsError: more than ``max_consecutive_skips`` skipped steps in a row.
         """
         if self.folded_step:
-            return self._step_folded(grad_scale)
+            return self._step_folded(grad_scale, read_along)
         self._copy_model_grads_to_main_grads()
         main_grads = self._main_grads()
         found_inf = self._found_non_finite(main_grads, grad_scale)
+        # the scaler's path syncs on found_inf already; the values were enqueued before it, so no wait
+        along = None if read_along is None else tuple(read_along.reshape(-1).tolist())
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
-            return self._skip()
+            return dataclasses.replace(self._skip(), read_along=along)
         stats_groups = self._grad_stats_groups()
         norm_grads = self._main_grads_for_norm()
         total_norm = get_grad_norm_fp32(norm_grads, stats_groups, device=self.groups.device)
@@ -293,7 +301,7 @@ class OptimizerWrapper:
             clip_grads_by_total_norm(main_grads, self.clip_grad, total_norm)
         num_zeros = self._count_zeros(stats_groups)
         self.optimizer.step()
-        return self._applied(float(total_norm.item()), num_zeros)
+        return dataclasses.replace(self._applied(float(total_norm.item()), num_zeros), read_along=along)
 
     def _count_zeros(self, stats_groups: list) -> Optional[int]:
         """Zero elements of the counted main grads over the grad-stats groups (``log_num_zeros``), else None."""
@@ -315,7 +323,7 @@ class OptimizerWrapper:
             self._counted_masks[key] = torch.tensor(counted, dtype=torch.float32, device=device)
         return self._counted_masks[key]
 
-    def _step_folded(self, grad_scale: Optional[torch.Tensor]) -> StepResult:
+    def _step_folded(self, grad_scale: Optional[torch.Tensor], read_along: Optional[torch.Tensor] = None) -> StepResult:
         """`step` with the unscale and clip passes folded into the fused Adam kernel (module docstring)."""
         self._copy_model_grads_to_main_grads()
         stats_groups = self._grad_stats_groups()
@@ -328,9 +336,13 @@ class OptimizerWrapper:
         if grad_scale is not None:
             factor = grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
             total_norm, divisor = total_norm * factor, divisor / factor
-        norm, non_finite = torch.stack([total_norm, non_finite]).tolist()  # host sync, once per step
+        stats = torch.stack([total_norm, non_finite])
+        if read_along is not None:  # float32 -> float64 is exact: the same Python floats
+            stats = torch.cat([stats.double(), read_along.reshape(-1).to(device=stats.device, dtype=torch.float64)])
+        norm, non_finite, *along = stats.tolist()  # host sync, once per step
+        along = tuple(along) if read_along is not None else None
         if non_finite > 0 or not math.isfinite(norm):  # the same decision on every rank
-            return self._skip()
+            return dataclasses.replace(self._skip(), read_along=along)
         if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
             divisor = divisor / (self.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
         num_zeros = self._count_zeros(stats_groups)  # of the raw grads: a finite non-zero factor keeps zeros zero
@@ -339,7 +351,7 @@ class OptimizerWrapper:
             self.optimizer.step()
         finally:
             del self.optimizer.grad_scale
-        return self._applied(norm, num_zeros)
+        return dataclasses.replace(self._applied(norm, num_zeros), read_along=along)
 
     # --- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -142,11 +143,9 @@ def make_forward_step(
     return forward_step
 
 
-def reduce_loss(reports: list, groups: ParallelGroups, device: torch.device) -> tuple[float, float]:
-    """(Σ loss_sum, Σ num_tokens) over micro-batches and DP ranks, known on every rank of the PP group.
-
-    One DP all-reduce on the last stage and one PP broadcast: a host sync once per iteration.
-    """
+def loss_totals(reports: list, groups: ParallelGroups, device: torch.device) -> torch.Tensor:
+    """``[Σ loss_sum, Σ num_tokens]`` (float64, on ``device``) over micro-batches and DP ranks, on every
+    rank of the PP group: one DP all-reduce on the last stage and one PP broadcast, no host sync."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     if groups.is_last_stage:
         for report in reports:
@@ -155,8 +154,22 @@ def reduce_loss(reports: list, groups: ParallelGroups, device: torch.device) -> 
             dist.all_reduce(totals, group=groups.dp_group)
     if groups.pp_size > 1:
         dist.broadcast(totals, src=groups.last_pp_rank, group=groups.pp_group)
-    loss_sum, tokens = totals.tolist()  # host sync (once per iteration, for the metrics row)
+    return totals
+
+
+def reduce_loss(reports: list, groups: ParallelGroups, device: torch.device) -> tuple[float, float]:
+    """(Σ loss_sum, Σ num_tokens) of `loss_totals`, read on the host (a host sync)."""
+    loss_sum, tokens = loss_totals(reports, groups, device).tolist()
     return loss_sum, tokens
+
+
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``name`` (a user optimizer wrapper's ``step`` may not)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 @dataclasses.dataclass
@@ -176,6 +189,9 @@ class Trainer:
     stats: Any = None
     poison_grads: Optional[Callable[[], None]] = None
     faults: Optional[FaultInjector] = None
+
+    def __post_init__(self) -> None:
+        self._step_reads_along = _takes_keyword(self.optimizer.step, "read_along")
 
     @property
     def max_tokens(self) -> int:
@@ -217,12 +233,18 @@ class Trainer:
         if self.poison_grads is not None:
             self.poison_grads()
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
+        # the logged loss, reduced before the optimizer step so that the step's one host read (grad
+        # norm, non-finite count) carries it too: one host sync per iteration, not two
+        totals = loss_totals(reports, self.groups, self.device)
+        along = {"read_along": totals} if self._step_reads_along else {}
         with self.timers("optimizer"):
             # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
-            result = self.optimizer.step(grad_scale=None if total is None else token_scale(total, self.max_tokens))
+            result = self.optimizer.step(grad_scale=None if total is None else token_scale(total, self.max_tokens),
+                                         **along)
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()
-        loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
+        read = getattr(result, "read_along", None)
+        loss_sum, tokens = read if read is not None else totals.tolist()
         return {
             "lm_loss": loss_sum / max(tokens, 1.0),
             "lr": lr,
