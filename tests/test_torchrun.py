@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from train_utils import read_rows
+from harness import run_distributed
+from train_utils import read_rows, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -95,9 +96,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
     attempt (mid-step at iteration 6; or while iter_0000008.tmp is being written); torchrun restarts both
     workers, they resume from D's newest complete checkpoint (4 in both cases) and finish with exit 0; the
     metrics rows equal an uninterrupted run's bitwise (fp32, dropout 0), one row per iteration."""
-    ref = _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *RESTART, f"run.dir={tmp_path}/ref",
-                f"checkpoint.save={tmp_path}/D_ref"])
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    # the uninterrupted reference on the test pool's 2 gloo ranks (same code and world size as torchrun's
+    # workers; one torchrun launch fewer for the suite's time)
+    run_distributed(run_job, 2, [*RESTART, f"run.dir={tmp_path}/ref", f"checkpoint.save={tmp_path}/D_ref"])
     volatile = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
     strip = lambda rows: [{k: v for k, v in r.items() if k not in volatile} for r in rows]
     ref_rows = strip(read_rows(tmp_path / "ref"))
