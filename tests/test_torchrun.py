@@ -67,7 +67,7 @@ LAUNCH = [sys.executable, "-m", "mptrain.launch", "--standalone"]
         # by tests/test_config.py; here: the exit code and the one line of a real torchrun job)
         ("torchrun", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
         # the README's quiet launcher: the one line is all of stderr
-        ("launch", 3, ["parallel=tp2pp1"], "tensor_model_parallel_size"),
+        ("launch", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
     ],
 )
 def test_invalid_config_exits_1_with_one_line_in_all(tmp_path, launcher, nproc, overrides, key):
