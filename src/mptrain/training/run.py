@@ -420,7 +420,12 @@ def hydra_main(cfg) -> Any:
     if multirun:
         return run(cfg)  # the sweep callback records and applies the policy
     try:
-        return run(cfg)
+        result = run(cfg)
+        # a clean end: release the default group too (`ParallelGroups.destroy` keeps it for the test pool
+        # and a sweep's next job); left to interpreter exit, gloo's threads can abort the process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return result
     except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
         env = read_dist_env()
         # A start-up config error (`validate_config`: config + world size only) and the skip limit
