@@ -9,7 +9,6 @@ function `mptrain.precision.scaler.auto_loss_scaler`, which decides on the param
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 
 @dataclasses.dataclass

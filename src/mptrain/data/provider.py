@@ -33,7 +33,7 @@ import dataclasses
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import torch.distributed as dist
 
