@@ -52,7 +52,9 @@ BENCH_SHAPES = {
 # "env:NAME=VALUE" sets an environment variable of the run instead (`variant_env`).
 VARIANTS = {
     "base": (),
-    "compile": ("model.compile_layers=true",),
+    "compile": ("model.compile_layers=true",),  # compile_scope=chunk (the default) since 2026-12-01 session 2
+    "compile_layer": ("model.compile_layers=true", "model.compile_scope=layer"),
+    "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
     # attention core: SDPA everywhere vs the unfused GEMM-softmax-GEMM core (auto picks unfused for
     # half precision on CUDA with head dim > 256, i.e. the seed model's 512)
     "sdpa": ("model.attention_backend=sdpa",),

@@ -62,10 +62,11 @@ def _record_traced_collectives(traced: list):
             setattr(dist, name, fn)
 
 
-def _loss_and_grads(groups, tp: int, compile_layers: bool, sequence_parallel: bool = False):
-    cfg = ModelConfig(**BASE, compile_layers=compile_layers)
+def _loss_and_grads(groups, tp: int, compile_layers: bool, sequence_parallel: bool = False, scope: str = "chunk"):
+    cfg = ModelConfig(**BASE, compile_layers=compile_layers, compile_scope=scope)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
     model = build_model_chunks(cfg, parallel, groups, vocab_size=VOCAB, seed=7)[0]
+    assert model.compiled_chunk == (compile_layers and scope == "chunk"), model.compile_blocker
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=gen)
     labels = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=gen)
@@ -82,7 +83,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _compare(rank, world, tp, sequence_parallel=False):
+def _compare(rank, world, tp, sequence_parallel=False, scope="chunk"):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -92,7 +93,7 @@ def _compare(rank, world, tp, sequence_parallel=False):
     try:
         ref_loss, ref_grads = _loss_and_grads(g, tp, False, sequence_parallel)
         with _record_traced_collectives(traced):
-            got_loss, got_grads = _loss_and_grads(g, tp, True, sequence_parallel)
+            got_loss, got_grads = _loss_and_grads(g, tp, True, sequence_parallel, scope)
     finally:
         g.destroy()
     assert set(got_grads) == set(ref_grads)
@@ -104,9 +105,11 @@ def _compare(rank, world, tp, sequence_parallel=False):
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile needs a C++ compiler on CPU")
-@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
-def test_compiled_layers_match_eager(tp, sequence_parallel):
-    results = run_distributed(_compare, tp, tp, sequence_parallel, timeout_s=900)
+@pytest.mark.parametrize("tp,sequence_parallel,scope", [(1, False, "chunk"), (2, False, "chunk"), (2, True, "chunk"),
+                                                        (2, True, "layer")])
+def test_compiled_layers_match_eager(tp, sequence_parallel, scope):
+    """compile_scope=chunk: embedding + layers + output + cross entropy as one graph, no graph break."""
+    results = run_distributed(_compare, tp, tp, sequence_parallel, scope, timeout_s=900)
     for rank, (errors, stats) in enumerate(results):
         assert stats["captured"] > 0, f"rank {rank}: nothing was compiled ({stats})"
         assert stats["graph_breaks"] == 0, f"rank {rank}: graph breaks in the compiled layer ({stats})"

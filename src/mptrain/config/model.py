@@ -160,8 +160,24 @@ class ModelConfig:
     kernels), where the unfused path runs: Q·Kᵀ GEMM, scale + causal mask + softmax (fp32 accumulation,
     half-precision in/out, as Megatron's fused softmax), P·V GEMM."""
     compile_layers: bool = False
-    """Speed option: run each TransformerLayer's forward through `torch.compile` (fuses bias-GeLU,
-    bias-dropout-add, LayerNorm epilogues). TP collectives stay eager (graph breaks). Off by default:
-    the first steps pay the compile time, and with dropout > 0 the masks come from Inductor's RNG."""
+    """Speed option: run the model through `torch.compile` (fuses bias-GeLU, bias-dropout-add, LayerNorm
+    epilogues, the cross entropy's passes); how much of it is one graph is ``compile_scope``. TP
+    collectives inside are the functional ones. Off by default: the first steps pay the compile time,
+    and with dropout > 0 the masks come from Inductor's RNG."""
+    compile_scope: str = "chunk"
+    """With ``compile_layers``: ``chunk`` compiles each model chunk's whole forward (embedding, layers,
+    final norm, output layer, cross entropy) as one graph, so a micro-batch is one forward and one
+    backward graph launch (torchtitan / a plain compiled GPT do the same); ``layer`` compiles each
+    TransformerLayer separately (and the cross entropy's passes). ``chunk`` falls back to ``layer``,
+    saying why in the log, where the chunk cannot be one graph: activation recomputation
+    (``recompute_granularity``) or dropout drawn in the TP RNG fork (``attention_dropout > 0``, or
+    ``hidden_dropout > 0`` with sequence parallelism) (`mptrain.layers.gpt.chunk_compile_blocker`)."""
+    compile_mode: Optional[str] = "auto"
+    """``torch.compile(mode=...)`` of the compiled regions: ``auto``, null (Inductor's default), or one of
+    torch's modes (``default``, ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``).
+    ``auto`` = ``reduce-overhead`` (CUDA graphs: each micro-batch's forward and backward replayed as
+    one graph launch each) where the chunk is one graph on a CUDA GPU at tp = pp = 1 — there every
+    graph's outputs are consumed before its next replay and no collective is inside the graph —
+    and Inductor's default elsewhere (`mptrain.layers.gpt.compile_mode_for`)."""
     transformer_layer: TransformerLayerSpec = dataclasses.field(default_factory=TransformerLayerSpec)
     """The layer spec tree (a registered component: `_target_` + `_partial_` + `submodules`)."""

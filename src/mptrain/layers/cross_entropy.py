@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mptrain.layers.mappings import _all_reduce
+
 
 def _tp(group) -> tuple[int, int]:
     if group is None:
@@ -119,9 +121,14 @@ def _local_grad_(logits, x_max, sum_exp, local_t, in_range, grad_loss, out, star
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fn):
-    """One torch.compile wrapper per local pass (Inductor fuses each into one or two kernels)."""
+def _compiled_pass(fn):
     return torch.compile(fn, dynamic=False)
+
+
+def _compiled(fn):
+    """One torch.compile wrapper per local pass (Inductor fuses each into one or two kernels); the
+    plain function when already compiling (inside a compiled model chunk, ``compile_scope=chunk``)."""
+    return fn if torch.compiler.is_compiling() else _compiled_pass(fn)
 
 
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -144,13 +151,13 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         n_local = logits.shape[-1]
         start = rank * n_local
         x_max = _compiled(_local_max)(logits, start, vocab_size)
-        if tp > 1:
-            dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
+        if tp > 1:  # functional under torch.compile (mappings' note on in-place c10d ops)
+            x_max = _all_reduce(x_max, group, "max")
         in_range = (target >= start) & (target < start + n_local)
         local_t = (target - start).masked_fill(~in_range, 0)
         stacked = _compiled(_local_stats)(logits, x_max, local_t, in_range, start, vocab_size, label_smoothing > 0)
         if tp > 1:
-            dist.all_reduce(stacked, group=group)  # the one SUM all-reduce
+            stacked = _all_reduce(stacked, group)  # the one SUM all-reduce
         loss, alpha = _loss_from_stats(stacked, vocab_size, label_smoothing)
         ctx.alpha, ctx.vocab_size, ctx.start, ctx.inplace = alpha, vocab_size, start, inplace_backward
         ctx.save_for_backward(logits, x_max, stacked[..., 1].contiguous(), local_t, in_range)

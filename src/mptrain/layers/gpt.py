@@ -39,6 +39,41 @@ from mptrain.layers.transformer import TransformerBlock, check_recompute
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 """``model.position_embedding_type``: learned absolute (the embedding) or rotary (`attention.apply_rope`)."""
 
+COMPILE_SCOPES = ("chunk", "layer")
+"""``model.compile_scope``: one graph per model chunk, or one per TransformerLayer (`ModelConfig.compile_scope`)."""
+
+
+def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
+    """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can).
+
+    The chunk graph holds no RNG fork and no recomputation: `RNGStatesTracker.fork` swaps the
+    device generator's state (not traceable) and the recompute checkpoint saves and replays it.
+    Where either is needed the layers are compiled one by one, as ``compile_scope=layer``.
+    """
+    if config.recompute_granularity is not None:
+        return f"model.recompute_granularity={config.recompute_granularity} (recomputation replays the RNG state)"
+    if config.attention_dropout > 0:
+        return f"model.attention_dropout={config.attention_dropout} (drawn in the TP RNG fork)"
+    if sequence_parallel and config.hidden_dropout > 0:
+        return f"model.hidden_dropout={config.hidden_dropout} with sequence parallelism (drawn in the TP RNG fork)"
+    return None
+
+
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``model.compile_mode`` (besides null): ``auto`` and torch.compile's modes."""
+
+
+def compile_mode_for(config, groups, device: torch.device, chunk: bool) -> Optional[str]:
+    """The ``torch.compile`` mode of this chunk's graphs: ``model.compile_mode``, with ``auto`` resolved
+    to ``reduce-overhead`` (CUDA graphs) for a chunk graph on CUDA at tp = pp = 1, else None (Inductor's
+    default). Why only there: with pp > 1 several micro-batches' outputs are alive at once (1F1B), and
+    at tp > 1 the graph holds NCCL collectives; CUDA graphs pay off where the host is the bottleneck,
+    which is the small single-GPU model."""
+    if config.compile_mode != "auto":
+        return config.compile_mode
+    single = groups.tp_size == 1 and groups.pp_size == 1
+    return "reduce-overhead" if chunk and device.type == "cuda" and single else None
+
 
 # --- validation ---------------------------------------------------------------------------------
 def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
@@ -86,6 +121,9 @@ def check_model_config(model, parallel) -> None:
     check_activation(model)
     check_attention_backend(model)
     check_choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDING_TYPES)
+    check_choice("model.compile_scope", model.compile_scope, COMPILE_SCOPES)
+    if model.compile_mode is not None:
+        check_choice("model.compile_mode", model.compile_mode, COMPILE_MODES)
     check_recompute(model)
     hn = model.kv_channels or h // heads
     if model.position_embedding_type == "rope" and hn % 2:
@@ -278,17 +316,28 @@ class GPTModel(torch.nn.Module):
         self.input_tensor = None
         init = ParamInit(seed=seed, std=config.init_method_std, num_layers=config.num_layers, device=device)
         kw = dict(params_dtype=params_dtype, device=device)
+        # model.compile_scope=chunk: this whole forward is one torch.compile graph; the layers are
+        # then built uncompiled (their config says compile_layers=false) and the block skips its SP
+        # RNG fork, which only matters for dropout draws (chunk_compile_blocker rules those out).
+        self.compile_blocker = (chunk_compile_blocker(config, self.sequence_parallel)
+                                if config.compile_layers and config.compile_scope == "chunk" else "not asked for")
+        self.compiled_chunk = config.compile_layers and self.compile_blocker is None
+        layer_config = dataclasses.replace(config, compile_layers=False) if self.compiled_chunk else config
         if pre_process:
             self.embedding = GPTEmbedding(config, groups, vocab_size=vocab_size, init=init,
                                           sequence_parallel=self.sequence_parallel, rng_tracker=self.rng_tracker, **kw)
-        self.decoder = TransformerBlock(config, groups, parallel=parallel, layer_numbers=self.layer_numbers, init=init, rng_tracker=self.rng_tracker,
-                                        final_norm=post_process, **kw)
+        self.decoder = TransformerBlock(layer_config, groups, parallel=parallel, layer_numbers=self.layer_numbers,
+                                        init=init, rng_tracker=self.rng_tracker, final_norm=post_process,
+                                        rng_fork=not self.compiled_chunk, **kw)
         if post_process:
             own = "untied" if not self.tied else ("none" if pre_process else "shared_copy")
             self.output_layer = OutputLayer(config, groups, vocab_size=vocab_size, init=init, own_weight=own,
                                             sequence_parallel=self.sequence_parallel,
                                             async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
                                             wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
+        self.compile_mode = compile_mode_for(config, groups, device, self.compiled_chunk)
+        self._compiled_forward = (torch.compile(self._forward, mode=self.compile_mode) if self.compiled_chunk
+                                  else None)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activations ``[s(/tp), b, h]`` from the previous stage (a tensor or a one-element list)."""
@@ -315,11 +364,18 @@ class GPTModel(torch.nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """See the class docstring; returns per-token loss ``[b, s]`` fp32 (last stage, labels),
-        logits ``[b, s, V_pad/tp]`` (last stage, no labels) or hidden ``[s(/tp), b, h]``."""
+        logits ``[b, s, V_pad/tp]`` (last stage, no labels) or hidden ``[s(/tp), b, h]``.
+        Under ``compile_scope=chunk`` one compiled graph (``compiled_chunk``)."""
+        if self._compiled_forward is not None:
+            return self._compiled_forward(input_ids, position_ids, attention_mask, labels, self.input_tensor)
+        return self._forward(input_ids, position_ids, attention_mask, labels, self.input_tensor)
+
+    def _forward(self, input_ids, position_ids, attention_mask, labels, input_tensor) -> torch.Tensor:
+        # the received activations are an argument, not an attribute read: a graph input per call
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)  # [s(/tp), b, h]
         else:
-            hidden = self.input_tensor
+            hidden = input_tensor
         hidden = self.decoder(hidden, attention_mask)
         if not self.post_process:
             return hidden
@@ -329,7 +385,7 @@ class GPTModel(torch.nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), group=self.groups.tp_group, vocab_size=self.vocab_size,
                                             label_smoothing=self.config.label_smoothing,
                                             fused=self.config.compile_layers,
-                                            inplace_backward=True)  # [s, b] fp32; the logits are ours
+                                            inplace_backward=not self.compiled_chunk)  # [s, b] fp32; the logits are ours
         return loss.t().contiguous()  # [b, s]
 
 

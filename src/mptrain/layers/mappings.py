@@ -50,12 +50,13 @@ def _is_nccl(group) -> bool:
 _fc = torch.ops._c10d_functional
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """SUM over `group`; in eager mode in place on ``x.contiguous()`` (callers pass a fresh tensor)."""
+def _all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """``op`` ("sum" | "max") over `group`; in eager mode in place on ``x.contiguous()`` (callers pass a
+    fresh tensor)."""
     x = x.contiguous()
     if torch.compiler.is_compiling():
-        return _fc.wait_tensor(_fc.all_reduce(x, "sum", group.group_name))
-    dist.all_reduce(x, group=group)
+        return _fc.wait_tensor(_fc.all_reduce(x, op, group.group_name))
+    dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return x
 
 

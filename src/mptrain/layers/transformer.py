@@ -110,7 +110,8 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
-        self._compiled_body = torch.compile(self._body) if config.compile_layers else None
+        self._compiled_body = (torch.compile(self._body, mode=None if config.compile_mode == "auto" else config.compile_mode)
+                               if config.compile_layers else None)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
@@ -145,13 +146,16 @@ class TransformerBlock(torch.nn.Module):
             init, rng_tracker, params_dtype, device); default: the ``model.transformer_layer`` spec node.
         layer_numbers: global indices of this chunk's layers. final_norm: add ``final_layernorm`` (built
             from the layer spec's ``input_layernorm`` node).
+        rng_fork: under sequence parallelism run the layers in the TP RNG fork (default); False inside a
+            compiled chunk, where nothing draws (`mptrain.layers.gpt.chunk_compile_blocker`).
     """
 
     def __init__(self, config, groups, *, parallel, layer_numbers: list, init: ParamInit, rng_tracker,
                  final_norm: bool, layer_factory: Optional[Callable] = None, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, rng_fork: bool = True) -> None:
         super().__init__()
         self.sequence_parallel = bool(parallel.sequence_parallel) and groups.tp_size > 1
+        self.rng_fork = rng_fork and self.sequence_parallel
         self.rng_tracker = rng_tracker
         self.recompute = config.recompute_granularity == "full"
         self.recompute_method = config.recompute_method or "uniform"
@@ -177,7 +181,7 @@ class TransformerBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (normalised by the final norm on the last stage)."""
         layers = list(self.layers.values())
-        with self.rng_tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
+        with self.rng_tracker.fork() if self.rng_fork else contextlib.nullcontext():
             if self.recompute and self.training and torch.is_grad_enabled():
                 if not x.requires_grad:  # checkpoint's output needs a grad-requiring input to carry param grads
                     x = x.detach().requires_grad_(True)

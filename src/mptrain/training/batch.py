@@ -86,25 +86,35 @@ class CheckedProvider:
     """
 
     def __init__(self, provider: Any, *, source: str, micro_batch_size: int, seq_length: int, vocab_size: int,
-                 with_attention_mask: bool) -> None:
-        self.provider, self.source = provider, source
+                 with_attention_mask: bool, prefetch: bool = False) -> None:
+        self.provider, self.source, self.prefetch = provider, source, prefetch
         self.expect = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, vocab_size=vocab_size,
                            with_attention_mask=with_attention_mask, source=source)
         self.samples_read = 0
         """Training samples this rank has read (batches checked and handed to the model)."""
 
-    def _checked(self, batches: Iterator, *, count: bool) -> Iterator[dict]:
+    def _checked(self, batches: Iterator) -> Iterator[dict]:
         for batch in batches:
             check_batch(batch, **self.expect)
-            if count:
-                self.samples_read += int(batch["tokens"].shape[0])
+            yield batch
+
+    def _counted(self, batches: Iterator) -> Iterator[dict]:
+        for batch in batches:  # counted when handed to the model, not when read ahead
+            self.samples_read += int(batch["tokens"].shape[0])
             yield batch
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
-        return self._checked(iter(self.provider.train_iterator(consumed_samples)), count=True)
+        """Checked batches; with ``prefetch`` (CUDA ranks) read and checked ahead by a pinning worker
+        thread (`mptrain.training.prefetch.PrefetchIterator`)."""
+        batches = self._checked(iter(self.provider.train_iterator(consumed_samples)))
+        if self.prefetch:
+            from mptrain.training.prefetch import PrefetchIterator
+
+            batches = PrefetchIterator(batches, pin=torch.cuda.is_available())
+        return self._counted(batches)
 
     def eval_iterator(self, split: str) -> Iterator[dict]:
-        return self._checked(iter(self.provider.eval_iterator(split)), count=False)
+        return self._checked(iter(self.provider.eval_iterator(split)))
 
     def has_split(self, split: str) -> bool:
         return bool(self.provider.has_split(split))

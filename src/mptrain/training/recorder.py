@@ -43,7 +43,21 @@ def kernels_line(built) -> str:
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
-    return f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+    return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+            f"{compile_note(built.chunks)}")
+
+
+def compile_note(chunks) -> str:
+    """`` compile=chunk`` / `` compile=layer`` (+ why a chunk graph was not possible) for ``model.compile_layers``;
+    empty when nothing is compiled or the model provider is a user's without these attributes."""
+    inner = [unwrap(chunk) for chunk in chunks]
+    if not any(getattr(getattr(m, "config", None), "compile_layers", False) for m in inner):
+        return ""
+    if all(getattr(m, "compiled_chunk", False) for m in inner):
+        modes = dict.fromkeys(str(getattr(m, "compile_mode", None) or "default") for m in inner)
+        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)})"
+    blockers = dict.fromkeys(str(getattr(m, "compile_blocker", "")) for m in inner)
+    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'})"
 
 
 @dataclasses.dataclass
