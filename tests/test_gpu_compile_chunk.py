@@ -37,15 +37,16 @@ def groups():
     dist.destroy_process_group()
 
 
-def _run(groups, dtype, compile_layers):
-    cfg = ModelConfig(**SHAPE, compile_layers=compile_layers)
+def _run(groups, dtype, compile_layers, mode="auto"):
+    cfg = ModelConfig(**SHAPE, compile_layers=compile_layers, compile_mode=mode)
     model = build_model_chunks(cfg, ParallelConfig(), groups, vocab_size=VOCAB, seed=3, params_dtype=dtype,
                                device=torch.device("cuda"))[0]
     assert model.compiled_chunk == compile_layers, model.compile_blocker
+    assert model.compile_mode == ("reduce-overhead" if compile_layers and mode == "auto" else None)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
     labels = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
-    for _ in range(2):  # the second call runs the cached graphs
+    for _ in range(3):  # later calls run the cached graphs (CUDA graphs: recorded on the 2nd, replayed on the 3rd)
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=labels)
         loss.float().sum().backward()
@@ -56,17 +57,19 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("mode", ["auto", None])  # auto: CUDA graphs (reduce-overhead) at tp = pp = 1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_chunk_equals_eager_on_cuda(groups, dtype, monkeypatch):
+def test_compiled_chunk_equals_eager_on_cuda(groups, dtype, mode, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     ref_loss, ref_grads = _run(groups, dtype, False)
-    got_loss, got_grads = _run(groups, dtype, True)
+    got_loss, got_grads = _run(groups, dtype, True, mode)
     assert counters["stats"]["calls_captured"] > 0
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     errors = {"loss": _rel(got_loss, ref_loss), **{n: _rel(got_grads[n], ref_grads[n]) for n in ref_grads}}
     bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
     assert not bad, bad
+

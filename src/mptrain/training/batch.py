@@ -86,35 +86,25 @@ class CheckedProvider:
     """
 
     def __init__(self, provider: Any, *, source: str, micro_batch_size: int, seq_length: int, vocab_size: int,
-                 with_attention_mask: bool, prefetch: bool = False) -> None:
-        self.provider, self.source, self.prefetch = provider, source, prefetch
+                 with_attention_mask: bool) -> None:
+        self.provider, self.source = provider, source
         self.expect = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, vocab_size=vocab_size,
                            with_attention_mask=with_attention_mask, source=source)
         self.samples_read = 0
         """Training samples this rank has read (batches checked and handed to the model)."""
 
-    def _checked(self, batches: Iterator) -> Iterator[dict]:
+    def _checked(self, batches: Iterator, *, count: bool) -> Iterator[dict]:
         for batch in batches:
             check_batch(batch, **self.expect)
-            yield batch
-
-    def _counted(self, batches: Iterator) -> Iterator[dict]:
-        for batch in batches:  # counted when handed to the model, not when read ahead
-            self.samples_read += int(batch["tokens"].shape[0])
+            if count:
+                self.samples_read += int(batch["tokens"].shape[0])
             yield batch
 
     def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
-        """Checked batches; with ``prefetch`` (CUDA ranks) read and checked ahead by a pinning worker
-        thread (`mptrain.training.prefetch.PrefetchIterator`)."""
-        batches = self._checked(iter(self.provider.train_iterator(consumed_samples)))
-        if self.prefetch:
-            from mptrain.training.prefetch import PrefetchIterator
-
-            batches = PrefetchIterator(batches, pin=torch.cuda.is_available())
-        return self._counted(batches)
+        return self._checked(iter(self.provider.train_iterator(consumed_samples)), count=True)
 
     def eval_iterator(self, split: str) -> Iterator[dict]:
-        return self._checked(iter(self.provider.eval_iterator(split)))
+        return self._checked(iter(self.provider.eval_iterator(split)), count=False)
 
     def has_split(self, split: str) -> bool:
         return bool(self.provider.has_split(split))

@@ -138,8 +138,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     )
     # the reading rank checks every batch against the config before the TP broadcast (training/batch.py)
     provider = CheckedProvider(provider, source=provider_target(cfg.data), micro_batch_size=cfg.train.micro_batch_size,
-                               seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask,
-                               prefetch=groups.device.type == "cuda")
+                               seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask)
     faults = FaultInjector(rank=groups.rank, fail_rank=cfg.debug.fail_rank, fail_iteration=cfg.debug.fail_iteration,
                            fail_where=cfg.debug.fail_where, fail_kind=cfg.debug.fail_kind,
                            attempt=read_dist_env().restart_count)
