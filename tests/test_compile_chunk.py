@@ -76,3 +76,31 @@ def test_compile_note_says_what_is_compiled():
         " compile=chunk (one graph per model chunk, mode default)"
     blocked = _chunk(compiled_chunk=False, compile_blocker="model.recompute_granularity=full (x)")
     assert compile_note([blocked]) == " compile=layer (chunk graph: model.recompute_granularity=full (x))"
+
+
+def _notes(rank, world):
+    from mptrain.groups import build_groups
+    from mptrain.layers.gpt import GPTModel
+
+    g = build_groups(1, 1)
+    try:
+        out = []
+        for scope, recompute in (("layer", None), ("chunk", "selective"), ("chunk", None)):
+            cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
+                              compile_layers=True, compile_scope=scope, recompute_granularity=recompute)
+            model = GPTModel(cfg, g, parallel=ParallelConfig(), pre_process=True, post_process=True,
+                             layer_numbers=[0], vocab_size=32)
+            out.append(compile_note([model]))  # torch.compile is lazy: nothing compiles here
+        return out
+    finally:
+        g.destroy()
+
+
+def test_layer_scope_is_its_own_reason():
+    from harness import run_distributed
+
+    assert run_distributed(_notes, 1)[0] == [
+        " compile=layer (chunk graph: model.compile_scope=layer)",
+        " compile=layer (chunk graph: model.recompute_granularity=selective (recomputation replays the RNG state))",
+        " compile=chunk (one graph per model chunk, mode default)",
+    ]

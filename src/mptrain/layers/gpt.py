@@ -320,7 +320,7 @@ class GPTModel(torch.nn.Module):
         # then built uncompiled (their config says compile_layers=false) and the block skips its SP
         # RNG fork, which only matters for dropout draws (chunk_compile_blocker rules those out).
         self.compile_blocker = (chunk_compile_blocker(config, self.sequence_parallel)
-                                if config.compile_layers and config.compile_scope == "chunk" else "not asked for")
+                                if config.compile_scope == "chunk" else "model.compile_scope=layer")
         self.compiled_chunk = config.compile_layers and self.compile_blocker is None
         layer_config = dataclasses.replace(config, compile_layers=False) if self.compiled_chunk else config
         if pre_process:
