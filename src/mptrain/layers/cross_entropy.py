@@ -25,6 +25,9 @@ import torch.distributed as dist
 from mptrain.layers.mappings import _all_reduce
 
 
+_PROMOTED = (torch.float32, torch.float16, torch.bfloat16)  # dtypes that ``x - fp32 max`` computes in fp32
+
+
 def _tp(group) -> tuple[int, int]:
     if group is None:
         return 1, 0
@@ -47,22 +50,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp, rank = _tp(group)
         n_local = logits.shape[-1]
         start = rank * n_local
-        x = logits.float()  # fp32 whatever the model dtype (a copy for fp32 input too, below)
-        col = torch.arange(start, start + n_local, device=x.device)
+        col = torch.arange(start, start + n_local, device=logits.device)
         padded = col >= vocab_size  # [V_pad/tp]
-        x = x.masked_fill(padded, float("-inf")) if start + n_local > vocab_size else x.clone()  # no host sync
-        x_max = x.amax(dim=-1)  # the same values as max(dim).values, without the index pass
+        valid = min(max(vocab_size - start, 0), n_local)  # real vocab entries on this rank: [0, valid)
+        # the max over the real entries only, read through a view: the same value as the max of the
+        # logits with padded entries at −inf, without that masked fp32 copy
+        if valid > 0:
+            x_max = logits[..., :valid].amax(dim=-1).float()  # max is exact: same value as amax of logits.float()
+        else:  # this rank holds padding only: −inf, the identity of the MAX all-reduce
+            x_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         if tp > 1:
             dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=group)
-        x.sub_(x_max.unsqueeze(-1))  # x ≤ 0; padded stay −inf
+        # one pass makes the fp32 shifted logits (half inputs are promoted to fp32 exactly inside the
+        # subtraction), then the padded columns are set to −inf: x ≤ 0, padded −inf
+        x = (logits if logits.dtype in _PROMOTED else logits.float()) - x_max.unsqueeze(-1)
+        if valid < n_local:
+            x[..., valid:] = float("-inf")
 
         in_range = (target >= start) & (target < start + n_local)
         local_t = (target - start).masked_fill(~in_range, 0)
         target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        exp_x = x.exp()  # padded -> 0
-        stats = [target_logit, exp_x.sum(dim=-1)]
         if label_smoothing > 0:
-            stats.append(x.masked_fill(padded, 0.0).sum(dim=-1))
+            exp_x = x.exp()  # padded -> 0
+            stats = [target_logit, exp_x.sum(dim=-1), x.masked_fill(padded, 0.0).sum(dim=-1)]
+        else:  # x is not read again: exponentiate it in place (no second [s, b, V/tp] fp32 tensor)
+            exp_x = x.exp_()  # padded -> 0
+            stats = [target_logit, exp_x.sum(dim=-1)]
         stacked = torch.stack(stats, dim=-1)
         if tp > 1:
             dist.all_reduce(stacked, group=group)  # the one SUM all-reduce

@@ -41,6 +41,7 @@ from mptrain.precision.optimizer import TooManySkippedStepsError, build_optimize
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleSpec, ScheduleStats, build_schedule
 from mptrain.training.batch import CheckedProvider
+from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
@@ -256,6 +257,8 @@ def run(cfg: Any) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     device = init_distributed(env, timeout_s=cfg.train.timeout_s)
+    if device.type == "cpu" and cfg.run.cpu_malloc_tuning:
+        tune_cpu_malloc()  # no page faults re-growing the heap every step (training/host_malloc.py)
     groups = build_groups(
         derived.tensor_model_parallel_size,
         derived.pipeline_model_parallel_size,
