@@ -28,7 +28,8 @@ _PRELOAD = ["torch", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.tra
 _CTX = None
 
 
-def _context():
+def preloaded_context():
+    """The multiprocessing forkserver context whose server imported `_PRELOAD` (shared with tests/harness.py)."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
@@ -106,7 +107,7 @@ def run_python(args: list, *, cwd=None, env=None, timeout=None) -> subprocess.Co
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out_path, err_path):
             open(path, "w").close()
-        proc = _context().Process(target=_child, args=(args, cwd, env, out_path, err_path))
+        proc = preloaded_context().Process(target=_child, args=(args, cwd, env, out_path, err_path))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
