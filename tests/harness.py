@@ -1,7 +1,10 @@
 """Run a function on N gloo processes on CPU: a persistent pool per world size.
 
 Importing torch in 8 processes costs ~8 s on a 2-core machine, so each world size keeps one
-pool of worker processes alive across tests (`run_distributed`). Every worker has joined one
+pool of worker processes alive across tests (`run_distributed`), and the workers are forked from
+tests/procs.py's forkserver, which imported torch, Hydra and mptrain once (a pool started again
+after a failure costs no imports either; the forkserver has no threads and never initialised
+torch.distributed). Every worker has joined one
 default gloo group of that size; a task is a picklable, module-level function
 ``fn(rank, world_size, *args) -> result`` that every worker runs. Results come back as a list
 indexed by rank.
@@ -13,7 +16,9 @@ runs past ``timeout_s`` is treated the same way (a hang guard, not a speed asser
 
 Tasks must leave no process groups behind (use try/finally with ``groups.destroy()``).
 
-Stale code: a worker imports modules lazily and keeps them for the whole session, so a source file
+Stale code: the forkserver imported torch, Hydra and mptrain.training.run (and what it imports) at
+its start, and every pool, a restarted one too, inherits those modules; a worker imports the rest
+lazily and keeps them for the whole session, so a source file
 edited while a long run is going (a shared working tree) leaves workers running the old code while
 tracebacks print the new file's lines. A failure report lists the repository sources loaded in the
 failing process that changed on disk after it started (`_changed_sources`): rerun before debugging.
@@ -22,7 +27,6 @@ failing process that changed on disk after it started (`_changed_sources`): reru
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -99,7 +103,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        from procs import preloaded_context
+
+        ctx = preloaded_context()
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()

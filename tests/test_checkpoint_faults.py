@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_distributed
+from procs import run_python
 from train_utils import read_rows, run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,9 +186,8 @@ def test_full_disk_at_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     script = tmp_path / "full_disk.py"
     script.write_text(_FULL_DISK.format(src=str(REPO / "src"), simulate=not mounted, train=str(REPO / "train.py")))
     common = ["model=tiny", "train.eval_interval=null", "run.progress_bar=false"]
-    out = subprocess.run([sys.executable, str(script), *common, "train.train_iters=8", "checkpoint.save_interval=4",
-                          f"checkpoint.save={disk}", f"run.dir={tmp_path}/r"], cwd=REPO, env=_clean_env(),
-                         capture_output=True, text=True, timeout=240)
+    out = run_python([str(script), *common, "train.train_iters=8", "checkpoint.save_interval=4", f"checkpoint.save={disk}",
+                      f"run.dir={tmp_path}/r"], cwd=REPO, env=_clean_env(), timeout=240)
     assert out.returncode == 1, out.stderr[-3000:]
     lines = out.stderr.splitlines()
     assert len(lines) == 1, out.stderr[-3000:]

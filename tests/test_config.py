@@ -2,8 +2,6 @@
 
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from mptrain.config.schema import register
 from mptrain.config.validate import DerivedLayout, as_config, check_vocab_size, validate_config
 from mptrain.errors import ConfigError
+from procs import run_python
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")  # every shipped group
@@ -58,8 +57,8 @@ def _context(group, option):
 
 
 def test_cfg_job_prints_the_resolved_config(tmp_path):
-    proc = subprocess.run([sys.executable, str(CONF.parent / "train.py"), "--cfg", "job", "parallel=tp2pp4", "precision=bf16"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_python([str(CONF.parent / "train.py"), "--cfg", "job", "parallel=tp2pp4", "precision=bf16"], cwd=tmp_path,
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr
     printed = yaml.safe_load(proc.stdout)
     assert printed["parallel"]["tensor_model_parallel_size"] == 2 and printed["parallel"]["pipeline_model_parallel_size"] == 4

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from mptrain.data.tokenizers import (
 )
 from mptrain.data.train_tokenizer import train_bpe
 from mptrain.errors import ConfigError
+from procs import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "shakespeare.jsonl.gz"
@@ -166,9 +165,9 @@ def test_preprocess_refuses_to_overwrite(tmp_path):
 
 def test_cli_error_is_one_line_exit_1(tmp_path):
     make_corpus(tmp_path / "c.jsonl", num_docs=1)
-    cmd = [sys.executable, "-m", "mptrain.data.preprocess", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"), "--quiet"]
-    assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = ["-m", "mptrain.data.preprocess", "--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"), "--quiet"]
+    assert run_python(cmd).returncode == 0
+    res = run_python(cmd)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines() == [f"error: {tmp_path / 'o'}.bin exists; pass --overwrite to replace it or choose another --output-prefix"]
 

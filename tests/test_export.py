@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_distributed
+from procs import run_python
 from test_checkpoint import VOCAB, _full, _save_task
 from train_utils import read_rows, run_job
 
@@ -27,8 +27,7 @@ SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mptrain.export", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return run_python(["-m", "mptrain.export", *args], cwd=REPO, timeout=120)  # a real child process
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +185,8 @@ def test_hf_export_copies_an_hf_tokenizer(tmp_path):
     corpus.write_text("".join(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n"
                               for i in range(50)))
     tj = tmp_path / "tok.json"
-    proc = subprocess.run([sys.executable, "-m", "mptrain.data.train_tokenizer", "--input", str(corpus), "--vocab-size",
-                           "300", "--output", str(tj)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "mptrain.data.train_tokenizer", "--input", str(corpus), "--vocab-size", "300", "--output",
+                       str(tj)], cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     spec = {"_target_": "mptrain.data.tokenizers.HFTokenizer", "tokenizer_json": str(tj)}
     out = tmp_path / "hf"

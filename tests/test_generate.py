@@ -7,14 +7,13 @@ mock data, with a vocabulary that pads differently at tp1 and tp2 (100 ids, divi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness import run_distributed
+from procs import run_python
 from train_utils import run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,8 +110,8 @@ def test_greedy_tp1_tp2_and_transformers_agree(ckpt, tmp_path):
     uncached = run_distributed(_generate_task, 1, str(ckpt), PROMPT, {**greedy, "use_cache": False})[0]
     assert uncached == tp1
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "mptrain.export", "--checkpoint", str(ckpt), "--output", str(out),
-                           "--format", "hf-gpt2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "mptrain.export", "--checkpoint", str(ckpt), "--output", str(out), "--format", "hf-gpt2"],
+                      cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     with torch.no_grad():
@@ -155,13 +154,12 @@ def test_filter_logits_top_k_and_top_p():
 
 def test_cli_prints_json_and_rejects_a_long_request(ckpt):
     want = run_distributed(_generate_task, 1, str(ckpt), [], {"max_new_tokens": 8})[0]
-    cmd = [sys.executable, "-m", "mptrain.generate", "--checkpoint", str(ckpt), "--max-new-tokens", "8", "--json"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    cmd = ["-m", "mptrain.generate", "--checkpoint", str(ckpt), "--max-new-tokens", "8", "--json"]
+    proc = run_python(cmd, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout)
     assert row["prompt_ids"] == [] and row["new_ids"] == want  # an empty prompt starts from EOD
-    proc = subprocess.run(cmd[:5] + ["--prompt", "1 2 3", "--max-new-tokens", "40"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_python(cmd[:4] + ["--prompt", "1 2 3", "--max-new-tokens", "40"], cwd=REPO, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("error: --max-new-tokens=40 + prompt length 3 = 43 exceeds the model's 32 positions "
                                    "(model.max_position_embeddings / seq_length); lower --max-new-tokens or shorten "

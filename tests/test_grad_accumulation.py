@@ -12,8 +12,6 @@ compiled backward) and at tp 2 with sequence parallelism and the async input-gra
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from mptrain.layers import grad_accumulation
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
 from mptrain.precision.module import Float16Module
+from procs import run_python
 
 VOCAB, SEQ, MBS = 64, 16, 2
 
@@ -149,6 +148,6 @@ def test_tf32_matmul_enabled_reads_both_apis():
         "torch.backends.cuda.matmul.fp32_precision = 'none'; torch.backends.fp32_precision = 'tf32'; out.append(on())\n"
         "print(out)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_python(["-c", code], timeout=120)  # a child forked from a process that only imported torch + mptrain
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[False, True, False, True, False, True]"

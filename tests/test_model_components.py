@@ -141,15 +141,14 @@ def test_cfg_job_shows_the_spec_tree_targets():
 
 def test_train_py_exits_1_with_one_line_for_a_bad_core(tmp_path):
     import os
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from procs import run_python
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "examples" / "plugins")])}
-    proc = subprocess.run([sys.executable, str(root / "train.py"), f"{CORE}._target_=mptrain_plugins.attention.NoSuchCore",
-                           f"run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python([str(root / "train.py"), f"{CORE}._target_=mptrain_plugins.attention.NoSuchCore",
+                       f"run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{CORE}._target_=mptrain_plugins.attention.NoSuchCore" in lines[0], proc.stderr

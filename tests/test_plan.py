@@ -8,14 +8,13 @@ planner's formulas per rank, part by part.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from harness import run_distributed
 from mptrain.planner.config import compose_plan
+from procs import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 0.02  # acceptance: within 2 % (the formulas ignore bucket padding and Adam's scalar `step` tensors)
@@ -152,9 +151,9 @@ def test_interleaved_inflight_matches_the_schedule(pp, m):
 
 
 def test_json_output_schema_and_table():
-    args = [sys.executable, "-m", "mptrain.plan", "model=gpt_1.3b", "precision=bf16", "world_size=4",
+    args = ["-m", "mptrain.plan", "model=gpt_1.3b", "precision=bf16", "world_size=4",
             "train.micro_batch_size=1", "train.global_batch_size=16"]
-    out = subprocess.run([*args, "format=json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = run_python([*args, "format=json"], cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     records = json.loads(out.stdout)
     assert isinstance(records, list) and records
@@ -169,9 +168,9 @@ def test_json_output_schema_and_table():
         assert isinstance(r["fits"], bool) and 0.0 <= r["bubble_fraction"] < 1.0
         assert r["fits"] == (r["memory_gib"]["total"] <= 80)
     assert [r["fits"] for r in records] == sorted((r["fits"] for r in records), reverse=True)
-    table = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    table = run_python(args, cwd=ROOT, timeout=300)
     assert table.returncode == 0 and "layouts shown" in table.stdout
-    bad = subprocess.run([*args, "format=xml"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    bad = run_python([*args, "format=xml"], cwd=ROOT, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "format" in bad.stderr
 
 

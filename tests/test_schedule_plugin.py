@@ -7,8 +7,6 @@ parameter after a few steps, at tp1pp4 and tp2pp2 (4 gloo ranks each, through `r
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from harness import run_distributed
 from mptrain.config.validate import validate_config
 from mptrain.errors import ConfigError
 from mptrain.export import load_full_state
+from procs import run_python
 from train_utils import compose, read_rows, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,13 +78,12 @@ def test_bad_schedule_target_is_one_config_error(overrides, world, message):
 def test_cfg_job_shows_the_target_and_a_bad_one_exits_1(tmp_path):
     env = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}:{ROOT / 'examples' / 'plugins'}", "OMP_NUM_THREADS": "1",
            "PATH": "/usr/bin:/bin"}
-    train = [sys.executable, str(ROOT / "train.py")]
-    shown = subprocess.run([*train, "--cfg", "job", "schedule=1f1b"], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=120)
+    train = [str(ROOT / "train.py")]
+    shown = run_python([*train, "--cfg", "job", "schedule=1f1b"], cwd=tmp_path, env=env, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert yaml.safe_load(shown.stdout)["schedule"]["_target_"] == "mptrain.schedules.one_f_one_b.forward_backward_1f1b"
-    bad = subprocess.run([*train, "schedule._target_=no_such_pkg.fn", f"run.dir={tmp_path}/r"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    bad = run_python([*train, "schedule._target_=no_such_pkg.fn", f"run.dir={tmp_path}/r"], cwd=tmp_path, env=env,
+                     timeout=120)
     assert bad.returncode == 1
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "schedule._target_=no_such_pkg.fn does not import" in lines[0], bad.stderr

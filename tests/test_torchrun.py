@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_distributed
+from procs import run_python
 from train_utils import read_rows, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +23,8 @@ TINY = ["model=tiny", "train.eval_interval=null", "train.global_batch_size=8", "
 
 
 def _run(cmd, timeout_s=240):
+    if cmd[:2] == [sys.executable, "train.py"]:  # `python train.py`: a real process forked with torch imported (procs.py)
+        return run_python(cmd[1:], cwd=ROOT, env=ENV, timeout=timeout_s)
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
 
 

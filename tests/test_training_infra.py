@@ -1,8 +1,6 @@
 """layout.json gather (world 4), FLOP formula (gpt_1.3b worked example), timers, sweep policy (loggers: test_loggers.py)."""
 
 import json
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -11,6 +9,7 @@ import pytest
 import torch
 
 from harness import run_distributed
+from procs import run_python
 from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
 from mptrain.training.layout import (
@@ -256,8 +255,8 @@ def _run_app(tmp_path, *args):
     app.write_text(APP.format(conf=str(REPO / "conf")))
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, str(app), *args], cwd=work, capture_output=True, text=True, timeout=300,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src")})  # this checkout
+    proc = run_python([str(app), *args], cwd=work, timeout=300,  # a real child process, forked with torch imported
+                      env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "src")})  # this checkout
     return proc, work
 
 

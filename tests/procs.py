@@ -1,0 +1,122 @@
+"""`python ARGS` as a real child process without paying for the torch import each time (suite time).
+
+`run_python(args, cwd=, env=, timeout=)` is a drop-in for
+``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` for a script
+(``[path, ...]``), a module (``["-m", name, ...]``) or code (``["-c", code, ...]``). The child is
+forked from a multiprocessing *forkserver* that imported torch, Hydra and mptrain once (each
+fresh interpreter costs 2-4 s of imports on a 2-core machine), then behaves like the interpreter
+would: its own process, ``os.environ`` = ``env`` exactly, ``cwd``, ``sys.argv``, ``sys.path[0]``,
+``__name__ == "__main__"``, fds 1 and 2 written to files the caller reads back, atexit handlers
+run, and the exit status of ``sys.exit`` / an uncaught exception (1, traceback on stderr) /
+``os._exit`` / a signal (negative, as `subprocess` reports it).
+
+What it does not reproduce: interpreter start-up itself (a module's import-time failure before
+``main`` would look the same, but the preloaded modules are not re-imported: source edited during
+the session is not seen; the forkserver starts at the first call). Tests about the launcher or
+signal delivery to a fresh interpreter keep `subprocess` (tests/test_torchrun.py, test_watchdog.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+
+_PRELOAD = ["torch", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.training.run"]
+_CTX = None
+
+
+def preloaded_context():
+    """The multiprocessing forkserver context whose server imported `_PRELOAD` (shared with tests/harness.py)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _child(args: list, cwd: str, env: dict, out_path: str, err_path: str) -> None:
+    """Forkserver child: become ``python *args`` (never returns; exits with the script's status)."""
+    import atexit
+    import io
+    import runpy
+    import traceback
+
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    sys.stdin = open(os.devnull)
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # read by torch at its import, which the forkserver already did
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    os.chdir(cwd)
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    code = 0
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path[:0] = [os.getcwd(), *extra]
+            sys.modules.pop(args[1], None)  # `python -m X` has not imported X yet (runpy warns otherwise)
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path[:0] = ["", *extra]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        else:
+            sys.argv = list(args)
+            sys.path[:0] = [os.path.dirname(os.path.abspath(args[0])), *extra]
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_python(args: list, *, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
+    """``python *args`` in a child forked from the preloaded forkserver; stdout and stderr captured as text.
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran past ``timeout`` seconds (it is killed first).
+    """
+    cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
+    env = dict(os.environ if env is None else env)
+    args = [os.fspath(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="run_python_") as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out_path, err_path):
+            open(path, "w").close()
+        proc = preloaded_context().Process(target=_child, args=(args, cwd, env, out_path, err_path))
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:
+            proc.kill()
+            proc.join()
+        with open(out_path) as f_out, open(err_path) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    cmd = [sys.executable, *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
