@@ -1,10 +1,7 @@
 """Run a function on N gloo processes on CPU: a persistent pool per world size.
 
 Importing torch in 8 processes costs ~8 s on a 2-core machine, so each world size keeps one
-pool of worker processes alive across tests (`run_distributed`), and the workers are forked from
-tests/procs.py's forkserver, which imported torch, Hydra and mptrain once (a pool started again
-after a failure costs no imports either; the forkserver has no threads and never initialised
-torch.distributed). Every worker has joined one
+pool of worker processes alive across tests (`run_distributed`). Every worker has joined one
 default gloo group of that size; a task is a picklable, module-level function
 ``fn(rank, world_size, *args) -> result`` that every worker runs. Results come back as a list
 indexed by rank.
@@ -27,6 +24,7 @@ failing process that changed on disk after it started (`_changed_sources`): reru
 from __future__ import annotations
 
 import atexit
+import multiprocessing as mp
 import os
 import queue
 import socket
@@ -103,9 +101,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        from procs import preloaded_context
-
-        ctx = preloaded_context()
+        ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()

@@ -28,8 +28,7 @@ _PRELOAD = ["torch", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.tra
 _CTX = None
 
 
-def preloaded_context():
-    """The multiprocessing forkserver context whose server imported `_PRELOAD` (shared with tests/harness.py)."""
+def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
@@ -107,7 +106,7 @@ def run_python(args: list, *, cwd=None, env=None, timeout=None) -> subprocess.Co
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out_path, err_path):
             open(path, "w").close()
-        proc = preloaded_context().Process(target=_child, args=(args, cwd, env, out_path, err_path))
+        proc = _context().Process(target=_child, args=(args, cwd, env, out_path, err_path))
         proc.start()
         proc.join(timeout)
         timed_out = proc.exitcode is None
