@@ -13,9 +13,7 @@ runs past ``timeout_s`` is treated the same way (a hang guard, not a speed asser
 
 Tasks must leave no process groups behind (use try/finally with ``groups.destroy()``).
 
-Stale code: the forkserver imported torch, Hydra and mptrain.training.run (and what it imports) at
-its start, and every pool, a restarted one too, inherits those modules; a worker imports the rest
-lazily and keeps them for the whole session, so a source file
+Stale code: a worker imports modules lazily and keeps them for the whole session, so a source file
 edited while a long run is going (a shared working tree) leaves workers running the old code while
 tracebacks print the new file's lines. A failure report lists the repository sources loaded in the
 failing process that changed on disk after it started (`_changed_sources`): rerun before debugging.
