@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
-from mptrain.errors import ConfigError
 from mptrain.groups import ParallelGroups
+from mptrain.layers.spec import check_choice
 from mptrain.training.batch import get_batch
 
 
@@ -54,12 +54,8 @@ def check_fault_config(debug) -> None:
     Raises:
         ConfigError: naming the key, the value and the valid sites.
     """
-    if debug.fail_where not in FAULT_SITES:
-        raise ConfigError(f"debug.fail_where: unknown option {debug.fail_where!r}; valid: {', '.join(FAULT_SITES)}; "
-                          "set debug.fail_where to one of them")
-    if debug.fail_kind not in FAULT_KINDS:
-        raise ConfigError(f"debug.fail_kind: unknown option {debug.fail_kind!r}; valid: {', '.join(FAULT_KINDS)}; "
-                          "set debug.fail_kind to one of them")
+    check_choice("debug.fail_where", debug.fail_where, FAULT_SITES)
+    check_choice("debug.fail_kind", debug.fail_kind, FAULT_KINDS)
 
 
 @dataclasses.dataclass
