@@ -178,6 +178,6 @@ class ModelConfig:
     ``auto`` = ``reduce-overhead`` (CUDA graphs: each micro-batch's forward and backward replayed as
     one graph launch each) where the chunk is one graph on a CUDA GPU at tp = pp = 1 — there every
     graph's outputs are consumed before its next replay and no collective is inside the graph —
-    and Inductor's default elsewhere (`mptrain.layers.gpt.compile_mode_for`)."""
+    and Inductor's default elsewhere (`mptrain.layers.transformer.compile_mode_for`)."""
     transformer_layer: TransformerLayerSpec = dataclasses.field(default_factory=TransformerLayerSpec)
     """The layer spec tree (a registered component: `_target_` + `_partial_` + `submodules`)."""

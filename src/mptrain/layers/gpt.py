@@ -34,7 +34,7 @@ from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
 from mptrain.layers.spec import check_choice, check_spec_tree
-from mptrain.layers.transformer import TransformerBlock, check_recompute
+from mptrain.layers.transformer import COMPILE_MODES, TransformerBlock, check_recompute, compile_mode_for
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 """``model.position_embedding_type``: learned absolute (the embedding) or rotary (`attention.apply_rope`)."""
@@ -57,22 +57,6 @@ def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
     if sequence_parallel and config.hidden_dropout > 0:
         return f"model.hidden_dropout={config.hidden_dropout} with sequence parallelism (drawn in the TP RNG fork)"
     return None
-
-
-COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-"""``model.compile_mode`` (besides null): ``auto`` and torch.compile's modes."""
-
-
-def compile_mode_for(config, groups, device: torch.device, chunk: bool) -> Optional[str]:
-    """The ``torch.compile`` mode of this chunk's graphs: ``model.compile_mode``, with ``auto`` resolved
-    to ``reduce-overhead`` (CUDA graphs) for a chunk graph on CUDA at tp = pp = 1, else None (Inductor's
-    default). Why only there: with pp > 1 several micro-batches' outputs are alive at once (1F1B), and
-    at tp > 1 the graph holds NCCL collectives; CUDA graphs pay off where the host is the bottleneck,
-    which is the small single-GPU model."""
-    if config.compile_mode != "auto":
-        return config.compile_mode
-    single = groups.tp_size == 1 and groups.pp_size == 1
-    return "reduce-overhead" if chunk and device.type == "cuda" and single else None
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -122,8 +106,7 @@ def check_model_config(model, parallel) -> None:
     check_attention_backend(model)
     check_choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDING_TYPES)
     check_choice("model.compile_scope", model.compile_scope, COMPILE_SCOPES)
-    if model.compile_mode is not None:
-        check_choice("model.compile_mode", model.compile_mode, COMPILE_MODES)
+    check_choice("model.compile_mode", model.compile_mode, COMPILE_MODES)
     check_recompute(model)
     hn = model.kv_channels or h // heads
     if model.position_embedding_type == "rope" and hn % 2:

@@ -63,6 +63,22 @@ def check_recompute(model) -> None:
         raise ConfigError(f"model.recompute_num_layers={n} must be an integer >= 1")
 
 
+COMPILE_MODES = ("auto", None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""``model.compile_mode``: ``auto``, null (Inductor's default) and torch.compile's modes."""
+
+
+def compile_mode_for(config, groups, device: Optional[torch.device], chunk: bool) -> Optional[str]:
+    """The ``torch.compile`` mode of a model chunk's graph (``chunk``) or of a layer's graph:
+    ``model.compile_mode``, with ``auto`` resolved to ``reduce-overhead`` (CUDA graphs) for a chunk
+    graph on CUDA at tp = pp = 1, else None (Inductor's default). Why only there: with pp > 1 several micro-batches' outputs are alive at once (1F1B), and
+    at tp > 1 the graph holds NCCL collectives; CUDA graphs pay off where the host is the bottleneck,
+    which is the small single-GPU model."""
+    if config.compile_mode != "auto":
+        return config.compile_mode
+    single = groups.tp_size == 1 and groups.pp_size == 1
+    return "reduce-overhead" if chunk and device.type == "cuda" and single else None
+
+
 def _layer_submodules(submodules):
     if submodules is None:
         from mptrain.config.model import TransformerLayerSubmodules
@@ -110,7 +126,7 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
-        self._compiled_body = (torch.compile(self._body, mode=None if config.compile_mode == "auto" else config.compile_mode)
+        self._compiled_body = (torch.compile(self._body, mode=compile_mode_for(config, groups, device, chunk=False))
                                if config.compile_layers else None)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
