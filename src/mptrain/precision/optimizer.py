@@ -23,6 +23,15 @@ step 4); otherwise the kernel divides every grad by its ``grad_scale`` attribute
 grads fewer per step (the unscale and clip passes: 3 + 2.9 ms of the seed model's 134 ms bf16 tp2
 step in its profile, BENCHMARKS.md); same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the five steps.
 
+The folded step also makes its skip decision on the device: the kernel gets the 0/1 ``found_inf``
+tensor (``non-finite count > 0 or the norm is not finite``; again `GradScaler`'s attribute) and
+leaves every param, moment and step count as they were when it is 1. So `launch_step` enqueues the
+whole update without waiting for the host and returns a `PendingStep`: its `PendingStep.result`
+reads the norm, the non-finite count (and the caller's ``read_along``) later, in one host read,
+and does the host's bookkeeping (skip counters, the skip limit). `step` is ``launch_step().result()``.
+The other paths (a loss scaler, a non-fused inner optimizer) decide on the host inside
+`launch_step` and return an already settled `PendingStep`.
+
 Hooks for subclasses (the distributed optimizer, ZeRO-1, overrides "which main params / grads do
 I own" and nothing else):
 
@@ -85,6 +94,60 @@ class StepResult:
     num_zeros: Optional[int]
     found_inf: bool
     read_along: Optional[tuple] = None
+
+
+class PendingStep:
+    """An optimizer step whose update is enqueued and whose outcome is read on the host later
+    (`OptimizerWrapper.launch_step`; the module docstring's folded step).
+
+    ``stats``: float64 ``[norm, non-finite count, zero count or nan, *read_along]``, filled (on CUDA
+    into pinned host memory, asynchronously) by the time ``ready`` (a CUDA event, or None on the CPU)
+    has fired. `result` waits for it (the step's one host read), settles the step with the wrapper
+    once, and returns the same `StepResult` on every later call.
+    """
+
+    def __init__(self, wrapper: "OptimizerWrapper", stats: Optional[torch.Tensor] = None, ready=None,
+                 has_along: bool = False, result: Optional[StepResult] = None) -> None:
+        self._wrapper, self._stats, self._ready, self._has_along = wrapper, stats, ready, has_along
+        self._result = result
+
+    @classmethod
+    def settled(cls, result: StepResult) -> "PendingStep":
+        """A step already decided on the host (the unfolded paths)."""
+        return cls(None, result=result)
+
+    @property
+    def is_settled(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> StepResult:
+        """The step's `StepResult` (a host sync the first time; cheap when ``ready`` has fired).
+
+        Raises:
+            TooManySkippedStepsError: as `OptimizerWrapper.step`, on the call that settles it.
+        """
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            norm, non_finite, zeros, *along = self._stats.tolist()
+            wrapper, self._wrapper = self._wrapper, None  # settled once, even when settling raises
+            if wrapper is None:
+                raise RuntimeError("PendingStep: settling it raised before; the step's outcome is lost")
+            self._result = wrapper._settle(norm, non_finite, None if math.isnan(zeros) else int(zeros),
+                                           tuple(along) if self._has_along else None)
+        return self._result
+
+
+def _to_host_async(stats: torch.Tensor) -> tuple:
+    """(host tensor, event): ``stats`` copied to pinned host memory behind the work enqueued so far,
+    without waiting for it (CUDA); on the CPU the tensor itself and no event."""
+    if stats.device.type != "cuda":
+        return stats, None
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class TooManySkippedStepsError(RuntimeError):
@@ -283,8 +346,24 @@ class OptimizerWrapper:
         Raises:
             TooManySkippedStepsError: more than ``max_consecutive_skips`` skipped steps in a row.
         """
+        return self.launch_step(grad_scale, read_along).result()
+
+    @torch.no_grad()
+    def launch_step(self, grad_scale: Optional[torch.Tensor] = None,
+                    read_along: Optional[torch.Tensor] = None) -> PendingStep:
+        """`step` without waiting for its outcome where the skip decision can stay on the device
+        (the folded step); the other paths settle on the host here. Same arguments as `step`.
+
+        Returns:
+            a `PendingStep`; its ``result()`` is `step`'s `StepResult`. Settle it before the next
+            step (the trainer does, after the next forward-backward is enqueued).
+        """
         if self.folded_step:
-            return self._step_folded(grad_scale, read_along)
+            return self._launch_folded(grad_scale, read_along)
+        return PendingStep.settled(self._step_on_host(grad_scale, read_along))
+
+    def _step_on_host(self, grad_scale: Optional[torch.Tensor], read_along: Optional[torch.Tensor]) -> StepResult:
+        """Steps 1-5 of the module docstring, deciding on the host (a loss scaler; a non-fused inner optimizer)."""
         self._copy_model_grads_to_main_grads()
         main_grads = self._main_grads()
         found_inf = self._found_non_finite(main_grads, grad_scale)
@@ -323,8 +402,9 @@ class OptimizerWrapper:
             self._counted_masks[key] = torch.tensor(counted, dtype=torch.float32, device=device)
         return self._counted_masks[key]
 
-    def _step_folded(self, grad_scale: Optional[torch.Tensor], read_along: Optional[torch.Tensor] = None) -> StepResult:
-        """`step` with the unscale and clip passes folded into the fused Adam kernel (module docstring)."""
+    def _launch_folded(self, grad_scale: Optional[torch.Tensor], read_along: Optional[torch.Tensor]) -> PendingStep:
+        """`launch_step` with the unscale and clip passes folded into the fused Adam kernel and the skip
+        decision on the device (module docstring); nothing here waits for the host."""
         self._copy_model_grads_to_main_grads()
         stats_groups = self._grad_stats_groups()
         tp_rank = self.groups.tp_rank
@@ -336,22 +416,33 @@ class OptimizerWrapper:
         if grad_scale is not None:
             factor = grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
             total_norm, divisor = total_norm * factor, divisor / factor
-        stats = torch.stack([total_norm, non_finite])
+        # of the raw grads: a finite non-zero factor keeps zeros zero
+        zeros = (count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=device).double()
+                 if self.log_num_zeros else torch.full((), math.nan, dtype=torch.float64, device=device))
+        parts = [total_norm.double().reshape(1), non_finite.double().reshape(1), zeros.reshape(1).to(device)]
         if read_along is not None:  # float32 -> float64 is exact: the same Python floats
-            stats = torch.cat([stats.double(), read_along.reshape(-1).to(device=stats.device, dtype=torch.float64)])
-        norm, non_finite, *along = stats.tolist()  # host sync, once per step
-        along = tuple(along) if read_along is not None else None
-        if non_finite > 0 or not math.isfinite(norm):  # the same decision on every rank
-            return dataclasses.replace(self._skip(), read_along=along)
+            parts.append(read_along.reshape(-1).to(device=device, dtype=torch.float64))
+        stats, ready = _to_host_async(torch.cat(parts))
+        # the same decision on every rank (the stats were all-reduced); 1.0 makes the kernel return untouched
+        found_inf = ((non_finite > 0) | ~torch.isfinite(total_norm)).float().reshape(())
         if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
             divisor = divisor / (self.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
-        num_zeros = self._count_zeros(stats_groups)  # of the raw grads: a finite non-zero factor keeps zeros zero
-        self.optimizer.grad_scale = divisor  # torch's fused Adam divides each grad by it in the kernel
+        # torch's fused Adam divides each grad by grad_scale in the kernel and skips the update on found_inf
+        self.optimizer.grad_scale, self.optimizer.found_inf = divisor, found_inf
         try:
             self.optimizer.step()
         finally:
-            del self.optimizer.grad_scale
-        return dataclasses.replace(self._applied(norm, num_zeros), read_along=along)
+            del self.optimizer.grad_scale, self.optimizer.found_inf
+        self._copy_main_params_to_model_params()  # after a skipped update: the values they already hold
+        return PendingStep(self, stats, ready, has_along=read_along is not None)
+
+    def _settle(self, norm: float, non_finite: float, num_zeros: Optional[int], along: Optional[tuple]) -> StepResult:
+        """The host's side of a folded step once its statistics are read: skip counters, the skip limit."""
+        if non_finite > 0 or not math.isfinite(norm):  # the decision the kernel took from found_inf
+            return dataclasses.replace(self._skip(), read_along=along)
+        self.consecutive_skips = 0
+        return StepResult(update_successful=True, grad_norm=norm, num_zeros=num_zeros, found_inf=False,
+                          read_along=along)
 
     # --- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:

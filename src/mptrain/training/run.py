@@ -170,6 +170,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         stats=ScheduleStats(timers=timers),
         timers=timers,
         faults=faults,
+        defer_step_read=cfg.train.defer_step_read,
     )
     return Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,
                  scaler=scaler)
@@ -225,6 +226,43 @@ class _StepTimeout:
             yield
         finally:
             self.groups.set_timeout(self.step_timeout_s)
+
+
+class _TrainRows:
+    """The loop's metrics.jsonl rows, written in iteration order once their iteration is settled
+    (``train.defer_step_read``: by the next `Trainer.train_step`)."""
+
+    def __init__(self, recorder, trainer: Trainer) -> None:
+        self.recorder, self.trainer = recorder, trainer
+        self.waiting: list = []  # (iteration, consumed_samples, IterationOutcome, step_time_s)
+
+    def add(self, iteration: int, consumed: int, outcome, step_time_s: float) -> None:
+        """Queue this iteration's row; write every row whose iteration is settled."""
+        self.waiting.append((iteration, consumed, outcome, step_time_s))
+        while self.waiting and self.waiting[0][2].is_settled:
+            self._write(self.waiting.pop(0))
+
+    def flush(self) -> None:
+        """Settle (a host sync) and write every waiting row."""
+        while self.waiting:
+            self._write(self.waiting.pop(0))
+
+    def _write(self, row: tuple) -> None:
+        iteration, consumed, outcome, step_time_s = row
+        self.recorder.train_row(iteration, consumed, outcome.metrics(), self.trainer, step_time_s=step_time_s)
+
+    @contextlib.contextmanager
+    def written_on_failure(self):
+        """A training step that raises still leaves the rows of the iterations before it (best effort:
+        a row that cannot be settled any more is dropped; the step's own error is what propagates)."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - e.g. the skip limit, or a device error: the first error wins
+                self.waiting.clear()
+            raise
 
 
 def _any_rank_flag(flag: bool, device) -> bool:
@@ -315,6 +353,7 @@ def run(cfg: Any) -> dict:
             evaluate("valid")
         stop.install()
         exit_code_reason = None
+        rows = _TrainRows(recorder, trainer)
         # debug.memory_snapshot: CUDA allocator history over the loop, dumped on rank 0 (training/memory.py)
         with memory_snapshot(cfg.debug.memory_snapshot, device=device, run_dir=recorder.run_dir, rank=groups.rank,
                              log=recorder.log):
@@ -330,23 +369,27 @@ def run(cfg: Any) -> dict:
                 t0 = time.time()
                 # this process's first step may compile / autotune for minutes: a signal's grace starts after it
                 with stop.untimed() if iteration == state["iteration"] else contextlib.nullcontext():
-                    metrics = trainer.train_step(train_iters)
+                    with rows.written_on_failure():
+                        outcome = trainer.train_step(train_iters)  # settles the previous iteration
                 if armed:
                     heartbeat.disarm()  # evaluation and saves below may legitimately take long
                 iteration += 1
                 consumed += cfg.train.global_batch_size
                 stop.step_time_s = time.time() - t0
-                recorder.train_row(iteration, consumed, metrics, trainer, step_time_s=stop.step_time_s)
+                rows.add(iteration, consumed, outcome, stop.step_time_s)
                 if iteration == state["iteration"] + 1:
                     step_timeout.start()  # catches a stalled rank (DESIGN.md §5)
-                if eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters:
-                    evaluate("valid")
+                evaluating = eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters
                 stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
                 if stop_now:
                     stop.acknowledge()  # every rank got here: the save below may take its time
                 exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval
                 periodic = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
                 last = iteration == cfg.train.train_iters
+                if evaluating or exiting or stop_now or last or (cfg.checkpoint.save and periodic):
+                    rows.flush()  # this iteration's row before its evaluation row, its save, the end
+                if evaluating:
+                    evaluate("valid")
                 if cfg.checkpoint.save and (periodic or exiting or stop_now or last):
                     trainer.faults.maybe_fail("save")
                     with untimed_by_step_timeout():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mptrain.distributed.finalize import token_scale
 from mptrain.groups import ParallelGroups
 from mptrain.layers.spec import check_choice
+from mptrain.precision.optimizer import PendingStep
 from mptrain.training.batch import get_batch
 
 
@@ -159,6 +160,55 @@ def reduce_loss(reports: list, groups: ParallelGroups, device: torch.device) -> 
     return loss_sum, tokens
 
 
+def launches_steps(optimizer: Any) -> bool:
+    """Whether the wrapper's `launch_step` is the step it runs: it has one, and its class did not
+    override ``step`` below the class that defines it (a user wrapper overriding ``step`` alone keeps
+    its own step, settled at once)."""
+    mro = type(optimizer).__mro__
+    launch_owner = next((c for c in mro if "launch_step" in vars(c)), None)
+    step_owner = next((c for c in mro if "step" in vars(c)), None)
+    return launch_owner is not None and step_owner is not None and issubclass(launch_owner, step_owner)
+
+
+@dataclasses.dataclass
+class IterationOutcome:
+    """One launched training iteration; its metrics (`Trainer.train_step`'s dict) once settled.
+
+    With a deferred step read (``train.defer_step_read``) the iteration's update is enqueued and its
+    statistics are read by the next `Trainer.train_step`, after that one's forward-backward is
+    enqueued; `metrics` settles it earlier (a host sync) when the caller needs it now (evaluation,
+    a save, the last iteration, an exit).
+    """
+
+    trainer: "Trainer"
+    _metrics: Optional[dict] = None
+
+    @property
+    def is_settled(self) -> bool:
+        return self._metrics is not None
+
+    def metrics(self) -> dict:
+        """{"lm_loss", "lr", "grad_norm" (None when skipped), "skipped_iter"}.
+
+        Raises:
+            TooManySkippedStepsError: settling this iteration exceeded the skip limit.
+        """
+        if self._metrics is None:
+            self.trainer.settle()
+        assert self._metrics is not None, "an IterationOutcome settles in order, by its own trainer"
+        return self._metrics
+
+
+@dataclasses.dataclass
+class _Launched:
+    """What settling a launched iteration needs (`Trainer.settle`)."""
+
+    outcome: IterationOutcome
+    step: PendingStep
+    lr: float
+    totals: torch.Tensor  # [Σ loss_sum, Σ num_tokens] (`loss_totals`)
+
+
 def _takes_keyword(fn: Callable, name: str) -> bool:
     """Whether ``fn`` accepts the keyword ``name`` (a user optimizer wrapper's ``step`` may not)."""
     try:
@@ -185,9 +235,12 @@ class Trainer:
     stats: Any = None
     poison_grads: Optional[Callable[[], None]] = None
     faults: Optional[FaultInjector] = None
+    defer_step_read: bool = False
 
     def __post_init__(self) -> None:
         self._step_reads_along = _takes_keyword(self.optimizer.step, "read_along")
+        self._launches = launches_steps(self.optimizer)
+        self._launched: Optional[_Launched] = None
 
     @property
     def max_tokens(self) -> int:
@@ -214,8 +267,14 @@ class Trainer:
             **call,
         )
 
-    def train_step(self, data_iterators: list) -> dict:
-        """One iteration; returns the metrics known on every rank (loss from the last stage)."""
+    def train_step(self, data_iterators: list) -> IterationOutcome:
+        """Launch one iteration; the previous one is settled (its statistics read, the LR schedule
+        moved) after this one's forward-backward is enqueued and before its optimizer step.
+
+        Returns:
+            this iteration's `IterationOutcome`: settled already unless ``defer_step_read`` and the
+            optimizer's step can be launched (`launches_steps`: the folded step).
+        """
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -228,22 +287,41 @@ class Trainer:
                                               max_tokens=self.max_tokens, scale_grads=False)
         if self.poison_grads is not None:
             self.poison_grads()
+        self.settle()  # the previous iteration: by now its statistics are on the host, or nearly
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         # the logged loss, reduced before the optimizer step so that the step's one host read (grad
         # norm, non-finite count) carries it too: one host sync per iteration, not two
         totals = loss_totals(reports, self.groups, self.device)
         along = {"read_along": totals} if self._step_reads_along else {}
+        # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
+        grad_scale = None if total is None else token_scale(total, self.max_tokens)
         with self.timers("optimizer"):
-            # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
-            result = self.optimizer.step(grad_scale=None if total is None else token_scale(total, self.max_tokens),
-                                         **along)
+            step = (self.optimizer.launch_step(grad_scale=grad_scale, **along) if self._launches
+                    else PendingStep.settled(self.optimizer.step(grad_scale=grad_scale, **along)))
+        outcome = IterationOutcome(self)
+        self._launched = _Launched(outcome, step, lr, totals)
+        if not self.defer_step_read or step.is_settled:  # decided on the host already: its row needs no wait
+            self.settle()
+        return outcome
+
+    def settle(self) -> None:
+        """Read the launched iteration's statistics (a host sync unless they arrived), move the LR
+        schedule after a successful update, and fill its outcome's metrics; nothing when none is launched.
+
+        Raises:
+            TooManySkippedStepsError: from the optimizer's skip limit (the iteration stays unsettled).
+        """
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return
+        result = launched.step.result()
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()
         read = getattr(result, "read_along", None)
-        loss_sum, tokens = read if read is not None else totals.tolist()
-        return {
+        loss_sum, tokens = read if read is not None else launched.totals.tolist()
+        launched.outcome._metrics = {
             "lm_loss": loss_sum / max(tokens, 1.0),
-            "lr": lr,
+            "lr": launched.lr,
             "grad_norm": result.grad_norm if result.update_successful else None,
             "skipped_iter": not result.update_successful,
         }
