@@ -55,6 +55,8 @@ VARIANTS = {
     "compile": ("model.compile_layers=true",),  # compile_scope=chunk (the default) since 2026-12-01 session 2
     "compile_layer": ("model.compile_layers=true", "model.compile_scope=layer"),
     "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
+    # A/B of train.defer_step_read (on by default since 2026-12-01 session 3): every step read at its end
+    "compile_sync": ("model.compile_layers=true", "train.defer_step_read=false"),
     # attention core: SDPA everywhere vs the unfused GEMM-softmax-GEMM core (auto picks unfused for
     # half precision on CUDA with head dim > 256, i.e. the seed model's 512)
     "sdpa": ("model.attention_backend=sdpa",),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -274,6 +274,16 @@ class ParallelGroups:
     handles: dict  # kind -> ProcessGroup (None if not a member)
     all_groups: tuple = ()  # every ProcessGroup created, for teardown
     device: torch.device = torch.device("cpu")
+    host_group: Any = None  # a gloo group over all ranks when the default one is not gloo (NCCL); None: the default
+
+    # --- host flags -----------------------------------------------------------------------
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank: one tiny all-reduce of host memory (gloo), so that the
+        accelerator's queue of enqueued work is neither waited for nor drained (the stop signal's
+        per-iteration check; an NCCL all-reduce read back with ``.item()`` would wait for the step)."""
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
+        return bool(t.item())
 
     # --- group handles -----------------------------------------------------------------
     @property
@@ -398,6 +408,10 @@ def build_groups(
             created.append(group)
             if rank in group_ranks:
                 ranks[kind], handles[kind] = group_ranks, group
+    host_group = None
+    if dist.get_backend() != "gloo":  # host-memory flags travel over gloo (`ParallelGroups.any_rank`)
+        host_group = dist.new_group(list(range(world_size)), backend="gloo")
+        created.append(host_group)
     tp_rank, dp_rank, pp_rank = rank_coordinates(rank, world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
     return ParallelGroups(
         world_size=world_size,
@@ -413,4 +427,5 @@ def build_groups(
         handles=handles,
         all_groups=tuple(created),
         device=device,
+        host_group=host_group,
     )

@@ -150,8 +150,7 @@ def get_batch(
         if error is not None and not distributed:
             raise error
         if error is None:
-            ints = [batch[k].to(device, torch.int64, non_blocking=True).reshape(-1) for k in _INT_KEYS]
-            packed = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *ints])
+            packed = _packed_on(device, batch)
         else:
             packed = torch.zeros(1 + 3 * n, dtype=torch.int64, device=device)
             packed[0] = 1
@@ -162,7 +161,7 @@ def get_batch(
             _fail(groups, reader, error if reader else None)
     tensors: dict[str, Any] = {k: packed[1 + i * n: 1 + (i + 1) * n].view(shape) for i, k in enumerate(_INT_KEYS)}
     if reader:
-        tensors["loss_mask"] = batch["loss_mask"].to(device, torch.float32, non_blocking=True)
+        tensors["loss_mask"] = _on(device, batch["loss_mask"].to(torch.float32))
         mask = batch.get("attention_mask")
         # bool is not a gloo dtype: the mask travels as uint8
         tensors["attention_mask"] = mask.to(device, torch.uint8) if (with_attention_mask and mask is not None) else None
@@ -180,6 +179,26 @@ def get_batch(
     if tensors["attention_mask"] is not None:
         tensors["attention_mask"] = tensors["attention_mask"].bool()
     return tensors
+
+
+def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """``host`` on ``device``; to CUDA through pinned memory, so that the copy is asynchronous (a
+    pageable host-to-device copy is staged by the driver and can wait for the work already enqueued
+    on the stream, i.e. for the previous step, before the host may go on)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _packed_on(device: torch.device, batch: dict) -> torch.Tensor:
+    """``[status 0, tokens, labels, position_ids]`` int64 ``[1 + 3·b·s]`` on ``device`` (module docstring)."""
+    ints = [batch[k].reshape(-1).to(torch.int64) for k in _INT_KEYS]
+    if device.type != "cuda":
+        return torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *(t.to(device) for t in ints)])
+    host = torch.empty(1 + sum(t.numel() for t in ints), dtype=torch.int64, pin_memory=True)
+    host[0] = 0
+    torch.cat(ints, out=host[1:])
+    return host.to(device, non_blocking=True)  # one copy, packed on the host
 
 
 def _fail(groups: ParallelGroups, reader: bool, error: Optional[BaseException]) -> None:

@@ -157,7 +157,6 @@ class Recorder:
         self.counters.end_iteration()
         if iteration > 1:  # the first step carries warm-up costs
             self.tokens_per_s.append(rates.tokens_per_s)
-        optimizer = trainer.optimizer
         self.last_loss = metrics["lm_loss"]
         row = TrainRow(
             iteration=iteration,
@@ -165,10 +164,10 @@ class Recorder:
             lm_loss=metrics["lm_loss"],
             lr=metrics["lr"],
             grad_norm=metrics["grad_norm"],
-            loss_scale=optimizer.get_loss_scale(),
+            loss_scale=metrics["loss_scale"],
             skipped_iter=metrics["skipped_iter"],
-            skipped_iters_total=optimizer.skipped_iters_total,
-            nan_iters_total=optimizer.nan_iters_total,
+            skipped_iters_total=metrics["skipped_iters_total"],
+            nan_iters_total=metrics["nan_iters_total"],
             num_microbatches=trainer.num_microbatches,
             tokens_per_s=rates.tokens_per_s,
             tflops_per_gpu=rates.tflops_per_gpu,
@@ -178,7 +177,7 @@ class Recorder:
         self.writer.write_train(row)
         self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)
         if trainer.timers is not None and iteration % self.cfg.train.log_interval == 0:
-            self.log(f"{self.writer.iteration_prefix(iteration)} | {trainer.timers.report(normalizer=self.cfg.train.log_interval)}")
+            self.log(f"{self.writer.iteration_prefix(iteration)} | {trainer.timers.report(normalizer=self.cfg.train.log_interval, wait=False)}")
 
     def finish(self, built, *, iteration: int, stopped: Optional[str]) -> dict:
         """Write layout.json (collective gather) and return the job summary (JobResult fields)."""

@@ -228,28 +228,55 @@ class _StepTimeout:
             self.groups.set_timeout(self.step_timeout_s)
 
 
+@dataclasses.dataclass
+class _Row:
+    iteration: int
+    consumed: int
+    outcome: Any  # training.step.IterationOutcome
+    t_begin: float  # time.time() when its train_step began
+    step_time_s: Optional[float] = None  # until the next iteration begins (or a flush): the iteration period
+
+
 class _TrainRows:
     """The loop's metrics.jsonl rows, written in iteration order once their iteration is settled
-    (``train.defer_step_read``: by the next `Trainer.train_step`)."""
+    (``train.defer_step_read``: by the next `Trainer.train_step`) and its time is known.
 
-    def __init__(self, recorder, trainer: Trainer) -> None:
-        self.recorder, self.trainer = recorder, trainer
-        self.waiting: list = []  # (iteration, consumed_samples, IterationOutcome, step_time_s)
+    An iteration's time (the row's tokens/s) is the wall time from the start of its train_step to the
+    start of the next one, or to a flush before an evaluation, a save or the end (which it excludes):
+    the period at which iterations go through, as Megatron's interval timer. The duration of a
+    train_step call alone is not: with a deferred read the wait for the device falls in the next one.
+    """
 
-    def add(self, iteration: int, consumed: int, outcome, step_time_s: float) -> None:
-        """Queue this iteration's row; write every row whose iteration is settled."""
-        self.waiting.append((iteration, consumed, outcome, step_time_s))
-        while self.waiting and self.waiting[0][2].is_settled:
+    def __init__(self, recorder, trainer: Trainer, stop: StopSignal) -> None:
+        self.recorder, self.trainer, self.stop = recorder, trainer, stop
+        self.waiting: list[_Row] = []
+        self.t_begin = time.time()
+
+    def begin(self) -> None:
+        """An iteration starts now: this ends the previous one's time."""
+        self.t_begin = time.time()
+        self._close(self.t_begin)
+
+    def add(self, iteration: int, consumed: int, outcome) -> None:
+        """Queue the iteration that just ran; write every row that is ready."""
+        self.waiting.append(_Row(iteration, consumed, outcome, self.t_begin))
+        while self.waiting and self.waiting[0].outcome.is_settled and self.waiting[0].step_time_s is not None:
             self._write(self.waiting.pop(0))
 
     def flush(self) -> None:
-        """Settle (a host sync) and write every waiting row."""
+        """End the current iteration's time now; settle (a host sync) and write every waiting row."""
+        self._close(time.time())
         while self.waiting:
             self._write(self.waiting.pop(0))
 
-    def _write(self, row: tuple) -> None:
-        iteration, consumed, outcome, step_time_s = row
-        self.recorder.train_row(iteration, consumed, outcome.metrics(), self.trainer, step_time_s=step_time_s)
+    def _close(self, now: float) -> None:
+        if self.waiting and self.waiting[-1].step_time_s is None:
+            self.waiting[-1].step_time_s = now - self.waiting[-1].t_begin
+            self.stop.step_time_s = self.waiting[-1].step_time_s  # the stop signal's grace scales with it
+
+    def _write(self, row: _Row) -> None:
+        self.recorder.train_row(row.iteration, row.consumed, row.outcome.metrics(), self.trainer,
+                                step_time_s=row.step_time_s)
 
     @contextlib.contextmanager
     def written_on_failure(self):
@@ -263,13 +290,6 @@ class _TrainRows:
             except Exception:  # noqa: BLE001 - e.g. the skip limit, or a device error: the first error wins
                 self.waiting.clear()
             raise
-
-
-def _any_rank_flag(flag: bool, device) -> bool:
-    """Whether any rank set `flag` (one tiny all-reduce; used for the stop signal)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def run(cfg: Any) -> dict:
@@ -353,7 +373,7 @@ def run(cfg: Any) -> dict:
             evaluate("valid")
         stop.install()
         exit_code_reason = None
-        rows = _TrainRows(recorder, trainer)
+        rows = _TrainRows(recorder, trainer, stop)
         # debug.memory_snapshot: CUDA allocator history over the loop, dumped on rank 0 (training/memory.py)
         with memory_snapshot(cfg.debug.memory_snapshot, device=device, run_dir=recorder.run_dir, rank=groups.rank,
                              log=recorder.log):
@@ -366,7 +386,7 @@ def run(cfg: Any) -> dict:
                     heartbeat.arm(iteration + 1)
                 if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
                     time.sleep(cfg.debug.sleep_seconds)  # a rank stalled inside its step: the heartbeat is armed
-                t0 = time.time()
+                rows.begin()
                 # this process's first step may compile / autotune for minutes: a signal's grace starts after it
                 with stop.untimed() if iteration == state["iteration"] else contextlib.nullcontext():
                     with rows.written_on_failure():
@@ -375,12 +395,11 @@ def run(cfg: Any) -> dict:
                     heartbeat.disarm()  # evaluation and saves below may legitimately take long
                 iteration += 1
                 consumed += cfg.train.global_batch_size
-                stop.step_time_s = time.time() - t0
-                rows.add(iteration, consumed, outcome, stop.step_time_s)
+                rows.add(iteration, consumed, outcome)
                 if iteration == state["iteration"] + 1:
                     step_timeout.start()  # catches a stalled rank (DESIGN.md §5)
                 evaluating = eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters
-                stop_now = _any_rank_flag(stop.received, device) if cfg.checkpoint.save else stop.received
+                stop_now = groups.any_rank(stop.received) if cfg.checkpoint.save else stop.received
                 if stop_now:
                     stop.acknowledge()  # every rank got here: the save below may take its time
                 exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval

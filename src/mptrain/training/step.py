@@ -188,7 +188,8 @@ class IterationOutcome:
         return self._metrics is not None
 
     def metrics(self) -> dict:
-        """{"lm_loss", "lr", "grad_norm" (None when skipped), "skipped_iter"}.
+        """{"lm_loss", "lr", "grad_norm" (None when skipped), "skipped_iter", and the optimizer's
+        "loss_scale", "skipped_iters_total", "nan_iters_total" after this iteration}.
 
         Raises:
             TooManySkippedStepsError: settling this iteration exceeded the skip limit.
@@ -319,11 +320,15 @@ class Trainer:
             self.lr_scheduler.step()
         read = getattr(result, "read_along", None)
         loss_sum, tokens = read if read is not None else launched.totals.tolist()
+        optimizer = self.optimizer  # its counters and scale as of this iteration (the row may be written later)
         launched.outcome._metrics = {
             "lm_loss": loss_sum / max(tokens, 1.0),
             "lr": launched.lr,
             "grad_norm": result.grad_norm if result.update_successful else None,
             "skipped_iter": not result.update_successful,
+            "loss_scale": optimizer.get_loss_scale(),
+            "skipped_iters_total": optimizer.skipped_iters_total,
+            "nan_iters_total": optimizer.nan_iters_total,
         }
 
     def _no_sync_func(self):

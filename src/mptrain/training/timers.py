@@ -62,15 +62,21 @@ class _Timer:
         else:
             self._elapsed_s += time.perf_counter() - self._t0
 
-    def elapsed_s(self, reset: bool = True) -> float:
-        """Seconds accumulated (a running timer counts up to now). Syncs on CUDA."""
+    def elapsed_s(self, reset: bool = True, wait: bool = True) -> float:
+        """Seconds accumulated (a running timer counts up to now). On CUDA: ``wait`` syncs on the last
+        stop event; ``wait=False`` counts only the intervals the device has finished and keeps the
+        others for the next read (no host sync)."""
         was_running = self.running
         if was_running:
             self.stop()
         if self._events:
-            self._events[-1][1].synchronize()  # host sync: only here, when the timer is read
-            self._elapsed_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-            self._events = []
+            if wait:
+                self._events[-1][1].synchronize()  # host sync: only here, when the timer is read
+            done = 0
+            while done < len(self._events) and self._events[done][1].query():  # stream order: done ones first
+                done += 1
+            self._elapsed_s += sum(a.elapsed_time(b) for a, b in self._events[:done]) / 1000.0
+            self._events = self._events[done:]
         value = self._elapsed_s
         if reset:
             self._elapsed_s = 0.0
@@ -95,7 +101,7 @@ class _NullTimer:
     def stop(self) -> None:
         pass
 
-    def elapsed_s(self, reset: bool = True) -> float:
+    def elapsed_s(self, reset: bool = True, wait: bool = True) -> float:
         return 0.0
 
     def __enter__(self) -> "_NullTimer":
@@ -128,17 +134,22 @@ class Timers:
             self._timers[name] = _Timer(name, self.device)
         return self._timers[name]
 
-    def elapsed_s(self, names: Optional[Iterable[str]] = None, reset: bool = True) -> dict[str, float]:
-        """{name: seconds} for the given (or all) active timers; names never started are left out."""
+    def elapsed_s(self, names: Optional[Iterable[str]] = None, reset: bool = True,
+                  wait: bool = True) -> dict[str, float]:
+        """{name: seconds} for the given (or all) active timers; names never started are left out
+        (``wait``: see `_Timer.elapsed_s`)."""
         wanted = list(self._timers) if names is None else [n for n in names if n in self._timers]
-        return {n: self._timers[n].elapsed_s(reset=reset) for n in wanted}
+        return {n: self._timers[n].elapsed_s(reset=reset, wait=wait) for n in wanted}
 
-    def report(self, names: Optional[Iterable[str]] = None, *, normalizer: float = 1.0, reset: bool = True) -> str:
+    def report(self, names: Optional[Iterable[str]] = None, *, normalizer: float = 1.0, reset: bool = True,
+               wait: bool = True) -> str:
         """One log line: "times (ms): forward-backward 12.34 | optimizer 1.02 | ..." (elapsed / normalizer).
 
         Args:
             names: which timers (default all, in `TIMER_LEVELS` order where known).
             normalizer: divide by this (e.g. iterations since the last report) for ms per iteration.
+            wait: False: no host sync; CUDA intervals the device has not finished yet count in the
+                next report (the training loop's line, so that it never drains the device's queue).
         """
         if normalizer <= 0:
             raise ValueError(f"normalizer must be > 0, got {normalizer}")
@@ -147,6 +158,6 @@ class Timers:
             order = known + sorted(n for n in self._timers if n not in TIMER_LEVELS)
         else:
             order = list(names)
-        values = self.elapsed_s(order, reset=reset)
+        values = self.elapsed_s(order, reset=reset, wait=wait)
         body = " | ".join(f"{n} {1000.0 * s / normalizer:.2f}" for n, s in values.items())
         return f"times (ms): {body}" if body else "times (ms): -"
