@@ -264,7 +264,9 @@ class _TrainRows:
             self._write(self.waiting.pop(0))
 
     def flush(self) -> None:
-        """End the current iteration's time now; settle (a host sync) and write every waiting row."""
+        """Settle every waiting row (a host sync), end the current iteration's time there, write them."""
+        for row in self.waiting:
+            row.outcome.metrics()
         self._close(time.time())
         while self.waiting:
             self._write(self.waiting.pop(0))
