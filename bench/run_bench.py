@@ -395,6 +395,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=560.0, help="whole-script deadline (device calls stop at 600 s)")
     p.add_argument("--profile", nargs="?", const="base", default=None, metavar="VARIANTS",
                    help="profile these mptrain variants (comma-separated; default base): kernel tables in the logs")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations of every config (default: the suite's); longer windows shrink the "
+                        "share of the start-up lead and the final drain of a trainer that runs ahead of the device")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--probe-sdpa", default=None, metavar="FILE", help=argparse.SUPPRESS)
@@ -418,6 +421,8 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     call_id = args.call_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     configs = suite(args.suite, gpus, args.only.split(",") if args.only else None)
+    if args.iters is not None:
+        configs = [dataclasses.replace(c, iters=args.iters) for c in configs]
     if args.variants:  # replaces every config's own list
         chosen = tuple(v for v in args.variants.split(",") if v)
         unknown = sorted(set(chosen) - set(VARIANTS))

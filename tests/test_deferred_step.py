@@ -166,8 +166,7 @@ def test_a_step_that_raises_leaves_the_rows_before_it(tmp_path):
 
     run_dir = tmp_path / "r"
     cfg = compose(["model=tiny", "train.train_iters=5", "train.eval_interval=null", f"run.dir={run_dir}",
-                   "debug.fail_rank=0", "debug.fail_iteration=3"])
-    assert cfg.train.defer_step_read
+                   "debug.fail_rank=0", "debug.fail_iteration=3", "train.defer_step_read=true"])
     with pytest.raises(RuntimeError, match="injected failure on rank 0 at iteration 3"):
         run(cfg)
     assert [r["iteration"] for r in read_rows(run_dir)] == [1, 2]  # iteration 2 was settled on the way out

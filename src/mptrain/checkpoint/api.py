@@ -197,7 +197,6 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     root = cfg.checkpoint.save
     if not root:
         return None
-    built.trainer.settle()  # a deferred step read: its LR step and skip counters are part of the state
     import time
 
     t0 = time.perf_counter()

@@ -35,13 +35,16 @@ class TrainConfig:
     (training/watchdog.py) that ends a training step still running after step_timeout_s +
     max(10, step_timeout_s) seconds with one stderr line and exit 1, when the collective timeout did not
     end the process. Evaluation and checkpoint saves are timed by neither: they run under timeout_s."""
-    defer_step_read: bool = True
+    defer_step_read: Optional[bool] = None
     """Read each iteration's loss, grad norm and skip decision on the host one iteration late, after
     the next forward-backward is enqueued, so that the accelerator never waits for the host between
     steps (the skip decision itself stays on the device: fused Adam / AdamW's found_inf). Exact: the
-    same updates, LR schedule and metrics.jsonl rows; a row is written one iteration later, and a
-    skip-limit error surfaces one forward-backward later. Applies to the folded step (bf16 / fp32, no
-    loss scaler, a fused Adam / AdamW); other runs read at once. false: every step reads at its end."""
+    same updates, LR schedule and metrics.jsonl rows. Applies to the folded step (bf16 / fp32, no loss
+    scaler, a fused Adam / AdamW); other runs read at once. null (default): on where the device runs
+    ahead of the host (CUDA), off on the CPU (its work is synchronous: nothing to overlap); true /
+    false: on / off everywhere. While on, a skip-limit error surfaces one forward-backward later and a
+    process killed mid-step (SIGKILL, the heartbeat) loses the row of the iteration before it (a step
+    that raises does not)."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
     optimizer, batch-generator, pipeline-p2p; 2 = fine-grained (none yet). Timers above this level cost

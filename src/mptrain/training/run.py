@@ -170,7 +170,9 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         stats=ScheduleStats(timers=timers),
         timers=timers,
         faults=faults,
-        defer_step_read=cfg.train.defer_step_read,
+        # null: deferred where the device runs ahead of the host (CUDA); the CPU's work is synchronous
+        defer_step_read=(groups.device.type == "cuda" if cfg.train.defer_step_read is None
+                         else bool(cfg.train.defer_step_read)),
     )
     return Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,
                  scaler=scaler)
@@ -253,13 +255,17 @@ class _TrainRows:
         self.t_begin = time.time()
 
     def begin(self) -> None:
-        """An iteration starts now: this ends the previous one's time."""
+        """An iteration starts now: this ends the previous one's time, and writes its row if it is settled."""
         self.t_begin = time.time()
         self._close(self.t_begin)
+        self._write_ready()
 
     def add(self, iteration: int, consumed: int, outcome) -> None:
         """Queue the iteration that just ran; write every row that is ready."""
         self.waiting.append(_Row(iteration, consumed, outcome, self.t_begin))
+        self._write_ready()
+
+    def _write_ready(self) -> None:
         while self.waiting and self.waiting[0].outcome.is_settled and self.waiting[0].step_time_s is not None:
             self._write(self.waiting.pop(0))
 
@@ -380,6 +386,7 @@ def run(cfg: Any) -> dict:
         with memory_snapshot(cfg.debug.memory_snapshot, device=device, run_dir=recorder.run_dir, rank=groups.rank,
                              log=recorder.log):
             while iteration < cfg.train.train_iters:
+                rows.begin()  # first: the previous iteration's row is written before anything below can stall
                 iteration_ref[0] = iteration + 1
                 trainer.faults.iteration = iteration + 1
                 # not the first step: it compiles / autotunes, and runs under the long start-up timeout
@@ -388,7 +395,6 @@ def run(cfg: Any) -> dict:
                     heartbeat.arm(iteration + 1)
                 if cfg.debug.sleep_rank == groups.rank and cfg.debug.sleep_seconds > 0 and iteration == 1:
                     time.sleep(cfg.debug.sleep_seconds)  # a rank stalled inside its step: the heartbeat is armed
-                rows.begin()
                 # this process's first step may compile / autotune for minutes: a signal's grace starts after it
                 with stop.untimed() if iteration == state["iteration"] else contextlib.nullcontext():
                     with rows.written_on_failure():
