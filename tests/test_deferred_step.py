@@ -23,7 +23,7 @@ from mptrain.optim import build_optimizer_factory
 from mptrain.precision import FP32Optimizer, MixedPrecisionOptimizer
 from mptrain.precision.optimizer import PendingStep, TooManySkippedStepsError
 from mptrain.training.step import launches_steps
-from train_utils import compose, read_rows, run_job
+from train_utils import compose, count_host_reads, read_rows, run_job
 
 SOLO = types.SimpleNamespace(mp_group=None, tp_rank=0, device=torch.device("cpu"))
 
@@ -56,19 +56,6 @@ def _state(opt, params) -> list:
     return out
 
 
-def _count_host_reads(monkeypatch) -> dict:
-    calls = {"tolist": 0, "item": 0}
-    for name in calls:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _name=name, _original=original, **k):
-            calls[_name] += 1
-            return _original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return calls
-
-
 @pytest.mark.parametrize("cls,dtype", [(FP32Optimizer, torch.float32), (MixedPrecisionOptimizer, torch.bfloat16)])
 def test_launched_skip_changes_nothing_and_later_steps_match(cls, dtype, monkeypatch):
     opt, params = _optimizer(cls, dtype)
@@ -79,7 +66,7 @@ def test_launched_skip_changes_nothing_and_later_steps_match(cls, dtype, monkeyp
 
     _grads(params, 1, poison=True)
     totals = torch.tensor([12.5, 4.0], dtype=torch.float64)
-    calls = _count_host_reads(monkeypatch)
+    calls = count_host_reads(monkeypatch)
     pending = opt.launch_step(read_along=totals)
     assert calls == {"tolist": 0, "item": 0} and not pending.is_settled  # launched without a host read
     result = pending.result()

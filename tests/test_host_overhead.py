@@ -13,21 +13,9 @@ from mptrain.layers.sharding import ShardSpec
 from mptrain.optim import build_optimizer_factory
 from mptrain.precision import FP32Optimizer, MixedPrecisionOptimizer
 from mptrain.training.step import _takes_keyword
+from train_utils import count_host_reads
 
 SOLO = types.SimpleNamespace(mp_group=None, tp_rank=0, device=torch.device("cpu"))
-
-
-def _count_host_reads(monkeypatch):
-    calls = {"tolist": 0, "item": 0}
-    for name in calls:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _name=name, _original=original, **k):
-            calls[_name] += 1
-            return _original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,7 +31,7 @@ def test_folded_step_reads_the_loss_along_in_its_one_host_read(dtype, monkeypatc
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen).to(dtype)
     totals = torch.tensor([1234.5678901, 768.0], dtype=torch.float64)  # the trainer's [Σ loss_sum, Σ tokens]
-    calls = _count_host_reads(monkeypatch)
+    calls = count_host_reads(monkeypatch)
     result = opt.step(read_along=totals)
     assert calls == {"tolist": 1, "item": 0}  # one host read for the norm, the skip decision and the loss
     assert result.update_successful and result.read_along == (1234.5678901, 768.0)

@@ -30,3 +30,19 @@ def run_job(rank: int, world: int, overrides: list) -> dict:
 def read_rows(run_dir, split: str = "train") -> list:
     rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["split"] == split]
+
+
+def count_host_reads(monkeypatch) -> dict:
+    """Count ``Tensor.tolist`` / ``Tensor.item`` calls (the host reads of a step) from now on: {"tolist", "item"}."""
+    import torch
+
+    calls = {"tolist": 0, "item": 0}
+    for name in calls:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
