@@ -173,83 +173,117 @@ def _finish(proc: subprocess.Popen, timeout_s: float):
     return out, err
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_while_main_thread_is_stuck_in_c_exits_1_after_the_grace(signum):
+# The children below wait out grace timers (10 s, 10 s, 3 s, 3 s, 4 s): they start together at the first
+# test that asks for one (`children`) and run side by side, each test then reads its own child's outcome
+# (suite time: ~11 s of waiting instead of ~31 s). Each child times itself from its own signal.
+def _stuck_child(signum) -> dict:
     proc = _start_child(STUCK)  # default grace: max(10 s, 3 × step_time_s = 0)
     time.sleep(0.3)  # let the main thread reach the second lock
     t0 = time.monotonic()
     proc.send_signal(signum)
     out, err = _finish(proc, 15.0)
-    elapsed_s = time.monotonic() - t0
-    assert proc.returncode == 1, err[-2000:]
-    assert 9.5 <= elapsed_s < 15.0, elapsed_s
-    assert err == (f"error: signal {int(signum)} received but the step did not finish within 10 s "
-                   "(a peer rank failed?); exiting\n")
-    assert "returned to Python" not in out
+    return {"returncode": proc.returncode, "out": out, "err": err, "elapsed_s": time.monotonic() - t0}
 
 
-def test_grace_is_three_step_times_when_longer_than_the_minimum():
+def _three_step_times_child() -> dict:
     proc = _start_child("stop.step_time_s = 1.0\n" + STUCK, kwargs="min_grace_s=1.0")  # grace = 3 s
     time.sleep(0.3)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, err = _finish(proc, 15.0)
-    elapsed_s = time.monotonic() - t0
-    assert proc.returncode == 1, err[-2000:]
-    assert 2.8 <= elapsed_s < 8.0, elapsed_s
-    assert "did not finish within 3 s" in err
+    out, err = _finish(proc, 15.0)
+    return {"returncode": proc.returncode, "out": out, "err": err, "elapsed_s": time.monotonic() - t0}
 
 
-def test_acknowledged_signal_is_not_killed_and_handlers_are_restored():
-    """Normal flow: the loop sees `.received` between steps and acknowledges; nothing ends the process."""
-    main = """
-    import os, threading
+ACKNOWLEDGED = """
+import os, threading
+os.kill(os.getpid(), signal.SIGTERM)
+deadline = time.monotonic() + 5
+while not stop.received:  # the loop between steps
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+time.sleep(0.2)  # the reader thread has seen the byte too: it must not start a second timer
+stop.acknowledge()
+os.kill(os.getpid(), signal.SIGTERM)  # a second signal during the save adds no timer
+time.sleep(3.0)  # well past the 1 s grace
+stop.uninstall()
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+assert signal.set_wakeup_fd(-1) == -1
+assert [t.name for t in threading.enumerate()] == ["MainThread"], threading.enumerate()
+print("saved and exiting 0", flush=True)
+"""
+
+UNTIMED = """
+import os
+with stop.untimed():  # an evaluation longer than the 1 s grace
     os.kill(os.getpid(), signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while not stop.received:  # the loop between steps
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)  # the reader thread has seen the byte too: it must not start a second timer
-    stop.acknowledge()
-    os.kill(os.getpid(), signal.SIGTERM)  # a second signal during the save adds no timer
-    time.sleep(3.0)  # well past the 1 s grace
-    stop.uninstall()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.set_wakeup_fd(-1) == -1
-    assert [t.name for t in threading.enumerate()] == ["MainThread"], threading.enumerate()
-    print("saved and exiting 0", flush=True)
-    """
-    proc = _start_child(main, kwargs="min_grace_s=1.0")
-    out, err = _finish(proc, 20.0)
-    assert proc.returncode == 0, err[-2000:]
-    assert "saved and exiting 0" in out
-    assert "did not finish" not in err
+    time.sleep(2.5)
+    with stop.untimed():  # nested: a save inside
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert stop.received
+print("evaluation done", flush=True)
+time.sleep(5.0)  # now timed: the grace (1 s) runs out
+print("returned to Python", flush=True)
+"""
 
 
-def test_signal_inside_untimed_starts_the_grace_only_when_it_ends():
-    """Evaluation / a checkpoint save (`untimed()`) may outlast the grace: a signal received there does not
-    end the process during it; its grace timer starts when the region ends (the loop then acknowledges)."""
-    main = """
-    import os
-    with stop.untimed():  # an evaluation longer than the 1 s grace
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(2.5)
-        with stop.untimed():  # nested: a save inside
-            time.sleep(0.1)
-        time.sleep(0.5)
-        assert stop.received
-    print("evaluation done", flush=True)
-    time.sleep(5.0)  # now timed: the grace (1 s) runs out
-    print("returned to Python", flush=True)
-    """
+def _main_child(main: str, timeout_s: float) -> dict:
     proc = _start_child(main, kwargs="min_grace_s=1.0")
     t0 = time.monotonic()
-    out, err = _finish(proc, 20.0)
-    elapsed_s = time.monotonic() - t0
-    assert proc.returncode == 1, err[-2000:]
-    assert "evaluation done" in out and "returned to Python" not in out
-    assert 3.5 <= elapsed_s < 8.0, elapsed_s  # 3.1 s untimed + 1 s grace
-    assert err == "error: signal 15 received but the step did not finish within 1 s (a peer rank failed?); exiting\n"
+    out, err = _finish(proc, timeout_s)
+    return {"returncode": proc.returncode, "out": out, "err": err, "elapsed_s": time.monotonic() - t0}
+
+
+CHILDREN = {
+    signal.SIGTERM: lambda: _stuck_child(signal.SIGTERM),
+    signal.SIGINT: lambda: _stuck_child(signal.SIGINT),
+    "three_step_times": _three_step_times_child,
+    "acknowledged": lambda: _main_child(ACKNOWLEDGED, 20.0),
+    "untimed": lambda: _main_child(UNTIMED, 20.0),
+}
+
+
+@pytest.fixture(scope="module")
+def children():
+    """``children[name]()`` -> the outcome of CHILDREN[name] (all of them started at once, in threads)."""
+    with ThreadPoolExecutor(len(CHILDREN)) as pool:
+        futures = {name: pool.submit(fn) for name, fn in CHILDREN.items()}
+        yield {name: (lambda f=f: f.result(timeout=60)) for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_while_main_thread_is_stuck_in_c_exits_1_after_the_grace(children, signum):
+    r = children[signum]()
+    assert r["returncode"] == 1, r["err"][-2000:]
+    assert 9.5 <= r["elapsed_s"] < 15.0, r["elapsed_s"]
+    assert r["err"] == (f"error: signal {int(signum)} received but the step did not finish within 10 s "
+                        "(a peer rank failed?); exiting\n")
+    assert "returned to Python" not in r["out"]
+
+
+def test_grace_is_three_step_times_when_longer_than_the_minimum(children):
+    r = children["three_step_times"]()
+    assert r["returncode"] == 1, r["err"][-2000:]
+    assert 2.8 <= r["elapsed_s"] < 8.0, r["elapsed_s"]
+    assert "did not finish within 3 s" in r["err"]
+
+
+def test_acknowledged_signal_is_not_killed_and_handlers_are_restored(children):
+    """Normal flow: the loop sees `.received` between steps and acknowledges; nothing ends the process."""
+    r = children["acknowledged"]()
+    assert r["returncode"] == 0, r["err"][-2000:]
+    assert "saved and exiting 0" in r["out"]
+    assert "did not finish" not in r["err"]
+
+
+def test_signal_inside_untimed_starts_the_grace_only_when_it_ends(children):
+    """Evaluation / a checkpoint save (`untimed()`) may outlast the grace: a signal received there does not
+    end the process during it; its grace timer starts when the region ends (the loop then acknowledges)."""
+    r = children["untimed"]()
+    assert r["returncode"] == 1, r["err"][-2000:]
+    assert "evaluation done" in r["out"] and "returned to Python" not in r["out"]
+    assert 3.5 <= r["elapsed_s"] < 8.0, r["elapsed_s"]  # 3.1 s untimed + 1 s grace
+    assert r["err"] == "error: signal 15 received but the step did not finish within 1 s (a peer rank failed?); exiting\n"
 
 
 def test_wakeup_bytes_are_forwarded_to_the_previous_wakeup_fd():
