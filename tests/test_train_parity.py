@@ -33,6 +33,21 @@ def reference(tmp_path_factory):
     return _job(tmp, "tp1pp1", 1, ["parallel=tp1pp1"])
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """``get(name, world, overrides) -> (rows, run_dir)``: each named job runs once per module (suite time:
+    the tp2pp2 layout test and the layout-JSON test read the same run; each still runs it when alone)."""
+    done = {}
+
+    def get(name: str, world: int, overrides: list):
+        if name not in done:
+            tmp = tmp_path_factory.mktemp(name)
+            done[name] = (_job(tmp, name, world, overrides), tmp / name)
+        return done[name]
+
+    return get
+
+
 def _assert_same(rows, ref, *, loss_rel=1e-5, norm_rel=1e-4):
     assert [r["iteration"] for r in rows] == list(range(1, STEPS + 1))
     for r, q in zip(rows, ref):
@@ -55,14 +70,15 @@ LAYOUTS_4 = [
 
 
 @pytest.mark.parametrize("name,overrides", LAYOUTS_4, ids=[n for n, _ in LAYOUTS_4])
-def test_layouts_on_4_processes_match_tp1pp1(tmp_path, reference, name, overrides):
-    _assert_same(_job(tmp_path, name, 4, overrides), reference)
-
-
-def test_tp2pp2_layout_json_shows_real_sharding(tmp_path, reference):
-    rows = _job(tmp_path, "tp2pp2", 4, ["parallel=tp2pp2"])
+def test_layouts_on_4_processes_match_tp1pp1(layout_runs, reference, name, overrides):
+    rows, _ = layout_runs(name, 4, overrides)
     _assert_same(rows, reference)
-    layout = json.loads((tmp_path / "tp2pp2" / "layout.json").read_text())
+
+
+def test_tp2pp2_layout_json_shows_real_sharding(layout_runs, reference):
+    rows, run_dir = layout_runs("tp2pp2", 4, dict(LAYOUTS_4)["tp2pp2"])
+    _assert_same(rows, reference)
+    layout = json.loads((run_dir / "layout.json").read_text())
     assert layout["world_size"] == 4
     ranks = layout["ranks"]
     assert [(r["tp"], r["pp"], r["dp"]) for r in ranks] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
