@@ -41,7 +41,6 @@ def _free_port() -> int:
 
 def test_two_torchrun_nodes_c10d_rendezvous_tp2pp2_matches_tp1pp1(tmp_path):
     ref_dir, run_dir = tmp_path / "tp1pp1", tmp_path / "two_nodes"
-    run_distributed(run_job, 1, TINY + ["parallel=tp1pp1", "train.train_iters=3", f"run.dir={ref_dir}"], timeout_s=180)
     port = _free_port()
     node_cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=mptrain-test-{port}",
@@ -52,6 +51,9 @@ def test_two_torchrun_nodes_c10d_rendezvous_tp2pp2_matches_tp1pp1(tmp_path):
     outputs = []
     try:
         deadline = time.monotonic() + 240  # hang guard only
+        # the reference on the test pool while the agents start (suite time: the agents' imports leave a core idle)
+        run_distributed(run_job, 1, TINY + ["parallel=tp1pp1", "train.train_iters=3", f"run.dir={ref_dir}"],
+                        timeout_s=180)
         for proc in nodes:
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append(out)
