@@ -193,12 +193,7 @@ def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
 def _packed_on(device: torch.device, batch: dict) -> torch.Tensor:
     """``[status 0, tokens, labels, position_ids]`` int64 ``[1 + 3·b·s]`` on ``device`` (module docstring)."""
     ints = [batch[k].reshape(-1).to(torch.int64) for k in _INT_KEYS]
-    if device.type != "cuda":
-        return torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *(t.to(device) for t in ints)])
-    host = torch.empty(1 + sum(t.numel() for t in ints), dtype=torch.int64, pin_memory=True)
-    host[0] = 0
-    torch.cat(ints, out=host[1:])
-    return host.to(device, non_blocking=True)  # one copy, packed on the host
+    return _on(device, torch.cat([torch.zeros(1, dtype=torch.int64), *ints]))  # packed on the host: one copy
 
 
 def _fail(groups: ParallelGroups, reader: bool, error: Optional[BaseException]) -> None:

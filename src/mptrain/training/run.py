@@ -413,11 +413,12 @@ def run(cfg: Any) -> dict:
                 exiting = cfg.train.exit_interval is not None and iteration >= cfg.train.exit_interval
                 periodic = cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0
                 last = iteration == cfg.train.train_iters
-                if evaluating or exiting or stop_now or last or (cfg.checkpoint.save and periodic):
+                saving = bool(cfg.checkpoint.save) and bool(periodic or exiting or stop_now or last)
+                if evaluating or saving or exiting or stop_now or last:
                     rows.flush()  # this iteration's row before its evaluation row, its save, the end
                 if evaluating:
                     evaluate("valid")
-                if cfg.checkpoint.save and (periodic or exiting or stop_now or last):
+                if saving:
                     trainer.faults.maybe_fail("save")
                     with untimed_by_step_timeout():
                         save_checkpoint(built, iteration=iteration, consumed_samples=consumed, recorder=recorder)
