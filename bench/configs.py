@@ -57,6 +57,12 @@ VARIANTS = {
     "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
     # A/B of train.defer_step_read (on by default since 2026-12-01 session 3): every step read at its end
     "compile_sync": ("model.compile_layers=true", "train.defer_step_read=false"),
+    # allocator and Inductor knobs (environment only, same math)
+    "compile_expseg": ("model.compile_layers=true", "env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+    "compile_cdt": ("model.compile_layers=true", "env:TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1"),
+    "compile_apt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1"),
+    # the pointwise autotuning that compile_mode=auto turns on for CUDA (since 2026-12-01 session 4), off
+    "compile_noapt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=0"),
     # attention core: SDPA everywhere vs the unfused GEMM-softmax-GEMM core (auto picks unfused for
     # half precision on CUDA with head dim > 256, i.e. the seed model's 512)
     "sdpa": ("model.attention_backend=sdpa",),
@@ -225,6 +231,11 @@ def _small(gpus: int) -> list:
         BenchConfig("s_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, timeout_s=150,
                     **{**small, "iters": 8}),
         BenchConfig("s_gpt350m_mb8", "gpt_350m", micro_batch_size=8, num_microbatches=1, timeout_s=120, **small),
+        # the 60 % MFU target's other batch splits of the same global batch (16 × 2048 tokens)
+        BenchConfig("s_gpt1.3b_mb8x2", "gpt_1.3b", micro_batch_size=8, num_microbatches=2, timeout_s=150,
+                    **{**small, "iters": 8, "reference": False}),
+        BenchConfig("s_gpt1.3b_mb16x1", "gpt_1.3b", micro_batch_size=16, num_microbatches=1, timeout_s=150,
+                    **{**small, "iters": 8, "reference": False}),
     ]
     return [c for c in configs if c.gpus <= gpus]
 

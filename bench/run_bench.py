@@ -181,9 +181,10 @@ def torchrun(python: str, nproc: int, script: Path, args: list) -> list:
 
 
 def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers: tuple, profile: tuple = (),
-         probe: bool = True) -> list:
+         probe: bool = True, reference: bool = True) -> list:
     """The jobs in run order: dicts {kind, cfg, trainer, variant, argv, run_dir, result_file, log, timeout_s}.
-    ``probe``: start the full suite with the SDPA probe (off for a partial ``--only`` call)."""
+    ``probe``: start the full suite with the SDPA probe (off for a partial ``--only`` call);
+    ``reference``: run the plain-PyTorch reference of the configs that have one."""
     jobs = []
     if suite_name == "full" and probe:
         jobs.append(dict(kind="probe", cfg=None, trainer="sdpa-probe", variant="-", timeout_s=90,
@@ -208,7 +209,7 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                                      timeout_s=timeout_s, env=variant_env(variant), profile_file=prof_file,
                                      argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py",
                                                    ["--bench-profile", str(prof_file), *prof_args])))
-        if cfg.reference:  # the compiled plain-PyTorch GPT at this shape, right after mptrain
+        if cfg.reference and reference:  # the compiled plain-PyTorch GPT at this shape, right after mptrain
             jobs.append(dict(kind="reference", cfg=cfg, trainer="torch-reference", variant="compile_amp",
                              timeout_s=cfg.timeout_s, env=reference_env(cfg),
                              argv=[python, str(HERE / "peer" / "torch_ceiling.py"), "compile_amp"]))
@@ -398,6 +399,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None,
                    help="timed iterations of every config (default: the suite's); longer windows shrink the "
                         "share of the start-up lead and the final drain of a trainer that runs ahead of the device")
+    p.add_argument("--no-reference", action="store_true",
+                   help="leave out the plain-PyTorch reference runs (an A/B of mptrain variants only)")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--probe-sdpa", default=None, metavar="FILE", help=argparse.SUPPRESS)
@@ -435,7 +438,7 @@ def main(argv: Optional[list] = None) -> int:
     log_dir = out.parent / "bench_logs" / call_id
     jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers,
                 profile=tuple(args.profile.split(",")) if args.profile else (),
-                probe=not args.only)
+                probe=not args.only, reference=not args.no_reference)
     if args.dry_run:
         print(f"# suite={args.suite} gpus={gpus} call_id={call_id} out={out} ({len(jobs)} runs)")
         for job in jobs:
