@@ -57,11 +57,11 @@ VARIANTS = {
     "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
     # A/B of train.defer_step_read (on by default since 2026-12-01 session 3): every step read at its end
     "compile_sync": ("model.compile_layers=true", "train.defer_step_read=false"),
-    # allocator and Inductor knobs (environment only, same math)
+    # allocator and Inductor knobs (environment only, same math), tried at gpt_1.3b in calls 20261201e1-e3:
+    # none is worth a default (BENCHMARKS.md, GPU round 5)
     "compile_expseg": ("model.compile_layers=true", "env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
     "compile_cdt": ("model.compile_layers=true", "env:TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1"),
     "compile_apt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1"),
-    # the pointwise autotuning that compile_mode=auto turns on for CUDA (since 2026-12-01 session 4), off
     "compile_noapt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=0"),
     # attention core: SDPA everywhere vs the unfused GEMM-softmax-GEMM core (auto picks unfused for
     # half precision on CUDA with head dim > 256, i.e. the seed model's 512)

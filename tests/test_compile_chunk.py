@@ -76,27 +76,6 @@ def test_compile_note_says_what_is_compiled():
         " compile=chunk (one graph per model chunk, mode default)"
     blocked = _chunk(compiled_chunk=False, compile_blocker="model.recompute_granularity=full (x)")
     assert compile_note([blocked]) == " compile=layer (chunk graph: model.recompute_granularity=full (x))"
-    assert compile_note([_chunk(compiled_chunk=True, compile_mode="reduce-overhead", pointwise_autotune=True)]) == \
-        " compile=chunk (one graph per model chunk, mode reduce-overhead, pointwise kernels autotuned)"
-
-
-@pytest.mark.parametrize("mode, device, env, want", [
-    ("auto", "cuda", None, True),       # the default on a GPU
-    ("auto", "cpu", None, False),       # CPU: Inductor's heuristic (no GPU timing to tune by)
-    ("default", "cuda", None, False),   # an explicit mode leaves Inductor's flags to the user
-    ("auto", "cuda", "0", False),       # the user's environment variable wins
-])
-def test_tune_pointwise_kernels(monkeypatch, mode, device, env, want):
-    import torch._inductor.config as inductor_config
-
-    from mptrain.layers.transformer import POINTWISE_AUTOTUNE_ENV, tune_pointwise_kernels
-
-    monkeypatch.delenv(POINTWISE_AUTOTUNE_ENV, raising=False)
-    if env is not None:
-        monkeypatch.setenv(POINTWISE_AUTOTUNE_ENV, env)
-    with inductor_config.patch(max_autotune_pointwise=False):  # the process-wide flag is restored after
-        assert tune_pointwise_kernels(ModelConfig(compile_mode=mode), torch.device(device)) is want
-        assert inductor_config.max_autotune_pointwise is want
 
 
 def _notes(rank, world):

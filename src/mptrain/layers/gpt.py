@@ -34,8 +34,7 @@ from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
 from mptrain.layers.spec import check_choice, check_spec_tree
-from mptrain.layers.transformer import (COMPILE_MODES, TransformerBlock, check_recompute, compile_mode_for,
-                                        tune_pointwise_kernels)
+from mptrain.layers.transformer import COMPILE_MODES, TransformerBlock, check_recompute, compile_mode_for
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 """``model.position_embedding_type``: learned absolute (the embedding) or rotary (`attention.apply_rope`)."""
@@ -320,7 +319,6 @@ class GPTModel(torch.nn.Module):
                                             async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
                                             wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
         self.compile_mode = compile_mode_for(config, groups, device, self.compiled_chunk)
-        self.pointwise_autotune = self.compiled_chunk and tune_pointwise_kernels(config, device)
         self._compiled_forward = (torch.compile(self._forward, mode=self.compile_mode) if self.compiled_chunk
                                   else None)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Callable, Optional
 
 import torch
@@ -80,28 +79,6 @@ def compile_mode_for(config, groups, device: Optional[torch.device], chunk: bool
     return "reduce-overhead" if chunk and device.type == "cuda" and single else None
 
 
-POINTWISE_AUTOTUNE_ENV = "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE"
-
-
-def tune_pointwise_kernels(config, device: Optional[torch.device]) -> bool:
-    """Turn on Inductor's ``max_autotune_pointwise`` for ``model.compile_mode=auto`` on CUDA: the block
-    sizes of each compiled pointwise and reduction kernel (GeLU and its backward, LayerNorm + residual
-    add, the loss) are benchmarked at the first call instead of taken from Inductor's heuristic.
-    Measured at gpt_1.3b on one H200 (BENCHMARKS.md, GPU round 5); compile time about unchanged.
-    The same math: a pointwise result does not depend on the block size; a reduction's summation
-    order may change, as with any recompilation. Left to the user where they set the environment
-    variable ``TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE`` (0 turns it off) or an explicit compile mode.
-    Process-wide: Inductor reads the flag at each later compile in this process.
-
-    Returns: whether the flag is on for this process's compiles."""
-    import torch._inductor.config as inductor_config
-
-    if config.compile_mode == "auto" and device is not None and device.type == "cuda" \
-            and POINTWISE_AUTOTUNE_ENV not in os.environ:
-        inductor_config.max_autotune_pointwise = True
-    return bool(inductor_config.max_autotune_pointwise)
-
-
 def _layer_submodules(submodules):
     if submodules is None:
         from mptrain.config.model import TransformerLayerSubmodules
@@ -149,7 +126,6 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
         # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
         # every layer reuses the graphs traced for the first one (parameters are graph inputs).
-        self.pointwise_autotune = config.compile_layers and tune_pointwise_kernels(config, device)
         self._compiled_body = (torch.compile(self._body, mode=compile_mode_for(config, groups, device, chunk=False))
                                if config.compile_layers else None)
 

@@ -53,18 +53,11 @@ def compile_note(chunks) -> str:
     inner = [unwrap(chunk) for chunk in chunks]
     if not any(getattr(getattr(m, "config", None), "compile_layers", False) for m in inner):
         return ""
-    tuned = ", pointwise kernels autotuned" if any(_tuned(m) for m in inner) else ""
     if all(getattr(m, "compiled_chunk", False) for m in inner):
         modes = dict.fromkeys(str(getattr(m, "compile_mode", None) or "default") for m in inner)
-        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)}{tuned})"
+        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)})"
     blockers = dict.fromkeys(str(getattr(m, "compile_blocker", "")) for m in inner)
-    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'}{tuned})"
-
-
-def _tuned(chunk) -> bool:
-    """Whether the chunk's graph, or one of its layers' graphs, compiles with Inductor's pointwise autotuning."""
-    modules = chunk.modules() if isinstance(chunk, torch.nn.Module) else [chunk]
-    return any(getattr(m, "pointwise_autotune", False) for m in modules)
+    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'})"
 
 
 @dataclasses.dataclass
