@@ -24,7 +24,8 @@ import subprocess
 import sys
 import tempfile
 
-_PRELOAD = ["torch", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.training.run"]
+# torch._dynamo: every torch optimizer's __init__ imports it (torch._disable_dynamo), ~2-5 s of CPU per child
+_PRELOAD = ["torch", "torch._dynamo", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.training.run"]
 _CTX = None
 
 
