@@ -5,7 +5,17 @@ releases only the layout's sub-groups, so that the test pool and a sweep's next 
 test that calls `run` in this process would otherwise hand it to every later test (test_export
 asserts that the consolidated export needs none)."""
 
+import gc
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _long_lived_objects_leave_the_gc():
+    """Suite time: what exists before a test (torch, Dynamo, Hydra, earlier tests' caches) is
+    long-lived; `gc.freeze` keeps the cyclic GC from re-traversing it at each full collection."""
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(autouse=True)

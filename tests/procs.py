@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 # torch._dynamo: every torch optimizer's __init__ imports it (torch._disable_dynamo), ~2-5 s of CPU per child
-_PRELOAD = ["torch", "torch._dynamo", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.training.run"]
+_PRELOAD = ["torch", "torch._dynamo", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.training.run", "procs_freeze"]
 _CTX = None
 
 
