@@ -45,6 +45,14 @@ class TrainConfig:
     false: on / off everywhere. While on, a skip-limit error surfaces one forward-backward later and a
     process killed mid-step (SIGKILL, the heartbeat) loses the row of the iteration before it (a step
     that raises does not)."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collection off for the training loop and collect at fixed
+    iterations instead, the same on every rank (Megatron's ``--manual-gc``;
+    `mptrain.training.manual_gc`): no collection pause on one rank that its peers wait for."""
+    manual_gc_interval: int = 0
+    """With manual_gc: a full collection every N iterations (0 = only at the start of the loop)."""
+    manual_gc_eval: bool = True
+    """With manual_gc: a collection before and after each evaluation (Megatron's ``--no-manual-gc-eval`` = false)."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
     optimizer, batch-generator, pipeline-p2p; 2 = fine-grained (none yet). Timers above this level cost

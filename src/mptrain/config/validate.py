@@ -194,7 +194,7 @@ def check_training_keys(cfg: Config) -> None:
     Raises:
         ConfigError: non-positive counts/intervals/timeouts; keep_last_n < 0; clip_grad < 0 or not finite;
             load_iteration < 0 or without checkpoint.load; exit_interval or save_interval without
-            checkpoint.save.
+            checkpoint.save; manual_gc_interval < 0.
     """
     t, ck = cfg.train, cfg.checkpoint
     if t.train_iters < 0:
@@ -219,6 +219,8 @@ def check_training_keys(cfg: Config) -> None:
     if ck.load_iteration is not None and not ck.load:
         raise ConfigError(f"checkpoint.load_iteration={ck.load_iteration} needs checkpoint.load=<folder>; set it, or "
                           "checkpoint.load_iteration=null")
+    if t.manual_gc_interval < 0:
+        raise ConfigError(f"train.manual_gc_interval={t.manual_gc_interval} must be >= 0 (0 = collect only at the start)")
     if t.timing_log_level not in (0, 1, 2):
         raise ConfigError(f"train.timing_log_level={t.timing_log_level} must be 0, 1 or 2")
     for key, value in (("train.exit_interval", t.exit_interval), ("checkpoint.save_interval", ck.save_interval)):

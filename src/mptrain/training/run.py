@@ -42,6 +42,7 @@ from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleSpec, ScheduleStats, build_schedule
 from mptrain.training.batch import CheckedProvider
 from mptrain.training.host_malloc import tune_cpu_malloc
+from mptrain.training.manual_gc import ManualGC
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
@@ -356,6 +357,7 @@ def run(cfg: Any) -> dict:
         with_mask = bool(cfg.data.reset_attention_mask)
         train_iters = _data_iterators(provider, built.chunks, groups, lambda: provider.train_iterator(consumed), with_mask)
         eval_on = cfg.train.eval_interval is not None and cfg.train.eval_iters > 0
+        collector = ManualGC(cfg.train.manual_gc, cfg.train.manual_gc_interval, cfg.train.manual_gc_eval)
         step_timeout = _StepTimeout(groups, cfg.train.timeout_s, cfg.train.step_timeout_s)
 
         @contextlib.contextmanager
@@ -370,7 +372,7 @@ def run(cfg: Any) -> dict:
             if not provider.has_split(split):
                 return
             make = lambda: _data_iterators(provider, built.chunks, groups, lambda: provider.eval_iterator(split), with_mask)
-            with untimed_by_step_timeout():
+            with untimed_by_step_timeout(), collector.evaluation():
                 loss = trainer.evaluate(make, cfg.train.eval_iters)
             recorder.eval_row(split, iteration, loss)
 
@@ -384,7 +386,7 @@ def run(cfg: Any) -> dict:
         rows = _TrainRows(recorder, trainer, stop)
         # debug.memory_snapshot: CUDA allocator history over the loop, dumped on rank 0 (training/memory.py)
         with memory_snapshot(cfg.debug.memory_snapshot, device=device, run_dir=recorder.run_dir, rank=groups.rank,
-                             log=recorder.log):
+                             log=recorder.log), collector:
             while iteration < cfg.train.train_iters:
                 rows.begin()  # first: the previous iteration's row is written before anything below can stall
                 iteration_ref[0] = iteration + 1
@@ -404,6 +406,7 @@ def run(cfg: Any) -> dict:
                 iteration += 1
                 consumed += cfg.train.global_batch_size
                 rows.add(iteration, consumed, outcome)
+                collector.after_iteration(iteration)  # train.manual_gc: every rank at the same iteration
                 if iteration == state["iteration"] + 1:
                     step_timeout.start()  # catches a stalled rank (DESIGN.md §5)
                 evaluating = eval_on and iteration % cfg.train.eval_interval == 0 and iteration < cfg.train.train_iters
