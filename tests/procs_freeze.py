@@ -3,4 +3,5 @@ so that every forked child skips re-traversing them at each full collection (sui
 
 import gc
 
+gc.collect()
 gc.freeze()
