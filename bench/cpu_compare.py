@@ -32,19 +32,23 @@ def run_reference(iters: int, warmup: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["iter_s_median"]
 
 
+def mptrain_overrides(train_iters: int, run_dir: str) -> list:
+    """The Hydra overrides of this shape's mptrain run (also `cpu_paired.py`'s and `gc_in_loop.py`'s)."""
+    s = SHAPE
+    return ["model=tiny", f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
+            f"model.num_attention_heads={s['heads']}", f"model.seq_length={s['seq']}",
+            f"train.micro_batch_size={s['mbs']}", f"train.global_batch_size={s['mbs']}", "optim=adamw",
+            "optim.weight_decay=0.01", "train.clip_grad=1.0", f"train.train_iters={train_iters}",
+            "train.eval_interval=null", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+            "run.progress_bar=false", f"run.dir={run_dir}"]
+
+
 def run_mptrain(iters: int, warmup: int, extra: list, stat=statistics.median) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        s = SHAPE
-        argv = [sys.executable, str(ROOT / "train.py"), "model=tiny", f"model.num_layers={s['layers']}",
-                f"model.hidden_size={s['hidden']}", f"model.num_attention_heads={s['heads']}",
-                f"model.seq_length={s['seq']}", f"train.micro_batch_size={s['mbs']}",
-                f"train.global_batch_size={s['mbs']}", "optim=adamw", "optim.weight_decay=0.01",
-                "train.clip_grad=1.0", f"train.train_iters={iters + warmup}", "train.eval_interval=null",
-                "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "run.progress_bar=false",
-                f"run.dir={tmp}/run", *extra]
+        argv = [sys.executable, str(ROOT / "train.py"), *mptrain_overrides(iters + warmup, f"{tmp}/run"), *extra]
         subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT)
         rows = [json.loads(l) for l in Path(tmp, "run", "metrics.jsonl").read_text().splitlines() if l.strip()]
-    tok = s["mbs"] * s["seq"]
+    tok = SHAPE["mbs"] * SHAPE["seq"]
     times = [tok / r["tokens_per_s"] for r in rows if r.get("split") == "train" and r["iteration"] > warmup]
     return stat(times)
 

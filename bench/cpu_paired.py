@@ -36,7 +36,7 @@ def main() -> None:
     import torch
 
     import cpu_reference as R
-    from cpu_compare import SHAPE as S
+    from cpu_compare import SHAPE as S, mptrain_overrides
     from mptrain.training import step as stepmod
     from mptrain.training.run import run
     from train_utils import compose
@@ -72,12 +72,7 @@ def main() -> None:
 
     stepmod.Trainer.train_step = train_step
     with tempfile.TemporaryDirectory() as tmp:
-        run(compose(["model=tiny", f"model.num_layers={S['layers']}", f"model.hidden_size={S['hidden']}",
-                     f"model.num_attention_heads={S['heads']}", f"model.seq_length={S['seq']}",
-                     f"train.micro_batch_size={S['mbs']}", f"train.global_batch_size={S['mbs']}", "optim=adamw",
-                     "optim.weight_decay=0.01", "train.clip_grad=1.0", f"train.train_iters={a.iters + a.warmup}",
-                     "train.eval_interval=null", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
-                     "run.progress_bar=false", f"run.dir={tmp}/run", *a.extra]))
+        run(compose([*mptrain_overrides(a.iters + a.warmup, f"{tmp}/run"), *a.extra]))
     rows = rows[a.warmup:]
     med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
     print(json.dumps({

@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=1 python bench/gc_in_loop.py [--iters 60] [extra Hydra overrides]
 
-Runs issue 20's CPU shape (4 layers × 128, micro batch 12 × 64, AdamW, fp32) in this process and
+Runs issue 20's CPU shape (`bench/cpu_compare.py`'s: 4 layers × 128, micro batch 12 × 64, AdamW, fp32) in this process and
 times every collection that starts inside the loop (``gc.callbacks``, from the loop's first
 iteration to the end of the run). Prints one JSON line: the loop's wall seconds, the collections by
 generation, the seconds spent in them and their share of the loop.
@@ -19,12 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-
-SHAPE = ["model=tiny", "model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=4",
-         "model.seq_length=64", "train.micro_batch_size=12", "train.global_batch_size=12", "optim=adamw",
-         "train.eval_interval=null", "model.hidden_dropout=0.0", "model.attention_dropout=0.0", "run.progress_bar=false"]
-
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "src"), str(ROOT / "tests")]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -34,6 +29,7 @@ def main() -> None:
     import tempfile
 
     import mptrain.training.run as run_module
+    from cpu_compare import mptrain_overrides
     from train_utils import compose
 
     spent = {"seconds": 0.0, "by_generation": [0, 0, 0]}
@@ -56,7 +52,7 @@ def main() -> None:
 
     run_module._TrainRows.__init__ = init
     with tempfile.TemporaryDirectory() as tmp:
-        run_module.run(compose([*SHAPE, f"train.train_iters={a.iters}", f"run.dir={tmp}/run", *a.extra]))
+        run_module.run(compose([*mptrain_overrides(a.iters, f"{tmp}/run"), *a.extra]))
     loop_s = time.perf_counter() - loop_start[0]
     gc.callbacks.remove(on_gc)
     print(json.dumps({"iters": a.iters, "extra": a.extra, "loop_s": round(loop_s, 3),

@@ -15,7 +15,7 @@ import pytest
 
 from harness import run_distributed
 from procs import run_python
-from train_utils import read_rows, run_job
+from train_utils import read_rows, run_job, without_timing
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
@@ -234,8 +234,7 @@ def test_async_save_resumes_bitwise(tmp_path):
     the async-saved iteration 4 gives rows 5-8 equal to an uninterrupted run's bitwise."""
     import json
 
-    volatile = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in volatile} for r in rows]
+    strip = without_timing
     ck = tmp_path / "ck"
     tp2 = SMALL + ["parallel=tp2pp1", "train.train_iters=8"]
     run_distributed(run_job, 2, tp2 + [f"checkpoint.save={ck}", "checkpoint.save_interval=4", "checkpoint.async_save=true",

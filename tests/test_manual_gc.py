@@ -12,7 +12,7 @@ import pytest
 from harness import run_distributed
 from mptrain.errors import ConfigError
 from mptrain.training.manual_gc import ManualGC
-from train_utils import compose, run_job
+from train_utils import compose, run_job, without_timing
 
 
 class _Collections:
@@ -82,9 +82,7 @@ def _counted_job(rank, world, overrides):
 
 
 def _rows(run_dir):
-    volatile = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
-    return [{k: v for k, v in json.loads(line).items() if k not in volatile}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return without_timing([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
 
 
 def test_two_ranks_collect_alike_and_compute_the_same(tmp_path):

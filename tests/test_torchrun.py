@@ -14,7 +14,7 @@ import pytest
 
 from harness import run_distributed
 from procs import run_python
-from train_utils import read_rows, run_job
+from train_utils import read_rows, run_job, without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -102,8 +102,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
     # the uninterrupted reference on the test pool's 2 gloo ranks (same code and world size as torchrun's
     # workers; one torchrun launch fewer for the suite's time)
     run_distributed(run_job, 2, [*RESTART, f"run.dir={tmp_path}/ref", f"checkpoint.save={tmp_path}/D_ref"])
-    volatile = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in volatile} for r in rows]
+    strip = without_timing
     ref_rows = strip(read_rows(tmp_path / "ref"))
     for where, iteration in (("forward", 6), ("save_write", 8)):
         d, run_dir = tmp_path / f"D_{where}", tmp_path / f"r_{where}"

@@ -27,6 +27,15 @@ def run_job(rank: int, world: int, overrides: list) -> dict:
     return run(compose(overrides))
 
 
+# metrics.jsonl keys that time the run (they differ between equal runs)
+TIMING_KEYS = ("tokens_per_s", "tflops_per_gpu", "mfu", "mem_allocated_gib")
+
+
+def without_timing(rows: list) -> list:
+    """`rows` less their `TIMING_KEYS`: what two runs of the same math must write alike."""
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
 def read_rows(run_dir, split: str = "train") -> list:
     rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["split"] == split]
