@@ -70,7 +70,8 @@ def _run_profiled(cfg, hydra_main):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     active = max(1, int(cfg.train.train_iters) - PROFILE_SKIP)
     original = step_module.Trainer.train_step
-    with profile(activities=acts, schedule=schedule(wait=PROFILE_SKIP - 1, warmup=1, active=active, repeat=1)) as prof:
+    with profile(activities=acts, record_shapes=True,
+                 schedule=schedule(wait=PROFILE_SKIP - 1, warmup=1, active=active, repeat=1)) as prof:
         def stepped(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
             prof.step()
@@ -83,7 +84,7 @@ def _run_profiled(cfg, hydra_main):
             step_module.Trainer.train_step = original
     if int(os.environ.get("RANK", "0")) == 0:
         write_profile(PROFILE_FILE, prof.key_averages(), iterations=active, cuda=cuda,
-                      what=f"{active} steady-state iterations after {PROFILE_SKIP}")
+                      what=f"{active} steady-state iterations after {PROFILE_SKIP}", events=prof.events())
     return summary
 
 

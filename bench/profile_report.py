@@ -2,7 +2,8 @@
 `profile_wrap.py` (the peer), so that both sides are categorised alike.
 
 `write_profile` writes rank 0's file: a header line, the time per kernel category (ms per
-iteration and %) and the top-40 table of `key_averages()` by device time.
+iteration and %), with ``events`` the CPU ops that launched the eager kernels (`kernel_origins`), and
+the top-40 table of `key_averages()` by device time.
 """
 
 from __future__ import annotations
@@ -60,12 +61,41 @@ def time_split(averages, iterations: int = 1) -> str:
     return "\n".join(lines)
 
 
-def write_profile(path: str, averages, *, iterations: int, cuda: bool, what: str) -> None:
-    """Write the split (CUDA only) and the top-40 table of `averages` to `path`; `what` names the
-    profiled span in the header (e.g. "5 steady-state iterations after 3")."""
+def kernel_origins(events, iterations: int = 1, top: int = 16) -> str:
+    """Which CPU op chains launched the most device time outside CUDA graphs and compiled code.
+
+    ``events``: ``prof.events()`` (`FunctionEvent`s; a CPU op lists its kernels through the launch
+    correlation). Rows: ms per iteration, the kernel (60 chars), the launching op with its input
+    shapes (when recorded) and up to 3 enclosing ops. Kernels launched by a graph replay or by
+    Triton (no aten op) are left out: the split above already names them.
+    """
+    totals: dict = {}
+    for e in events:
+        kernels = getattr(e, "kernels", None)
+        if not kernels or not e.name.startswith("aten::"):
+            continue
+        chain, parent = [], e.cpu_parent
+        while parent is not None and len(chain) < 3:
+            chain.append(parent.name[:40])
+            parent = parent.cpu_parent
+        shapes = str(getattr(e, "input_shapes", "") or "")[:70]
+        for k in kernels:
+            key = (k.name[:60], f"{e.name}{shapes}", " < ".join(chain))
+            totals[key] = totals.get(key, 0.0) + k.duration
+    lines = [f"{'ms/iter':>8s}  kernel | launching op [input shapes] | enclosing ops"]
+    for (kname, op, chain), us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{us / 1e3 / iterations:8.2f}  {kname} | {op} | {chain}")
+    return "\n".join(lines)
+
+
+def write_profile(path: str, averages, *, iterations: int, cuda: bool, what: str, events=None) -> None:
+    """Write the split (CUDA only), the kernel origins (with ``events``, CUDA only) and the top-40
+    table of `averages` to `path`; `what` names the profiled span in the header (e.g. "5
+    steady-state iterations after 3")."""
     key = "self_cpu_time_total"
     if cuda:
         key = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
     table = averages.table(sort_by=key, row_limit=40, max_name_column_width=90)
     split = time_split(averages, iterations) if cuda else ""
-    Path(path).write_text(f"# time split by kernel category (rank 0, {what})\n{split}\n\n{table}")
+    origins = f"# eager kernels by launching op\n{kernel_origins(events, iterations)}\n\n" if cuda and events else ""
+    Path(path).write_text(f"# time split by kernel category (rank 0, {what})\n{split}\n\n{origins}{table}")

@@ -100,6 +100,12 @@ def mptrain_row(cfg: BenchConfig, variant: str, metrics_rows: list, peaks: list,
         raise ValueError(f"{cfg.name}/{variant}: {len(timed)} timed train rows with tokens_per_s, expected {cfg.iters}")
     times = [cfg.tokens_per_iteration / r["tokens_per_s"] for r in timed]  # seconds per iteration (rank 0)
     _fill_rates(row, cfg, sum(times) / len(times))
+    if len(times) > 1:  # less the last row: its period also holds the device work queued by the one before
+        steady = sum(times[:-1]) / (len(times) - 1)
+        tflops = flops_per_iteration(cfg) / steady / cfg.gpus / 1e12
+        mfu = _mfu(tflops, row["gpu_name"])
+        row.update(tokens_per_s_steady=_round(cfg.tokens_per_iteration / steady / cfg.gpus, 1),
+                   mfu_steady=_round(mfu, 4) if mfu is not None else None)
     allocs = [p["peak_alloc_gib"] for p in peaks if p.get("peak_alloc_gib") is not None]
     row.update(
         iter_s_median=_round(sorted(times)[len(times) // 2], 5), iter_s_min=_round(min(times), 5),

@@ -18,7 +18,7 @@ SPLITS=${SPLITS:-s_gpt1.3b_mb8x2,s_gpt1.3b_mb16x1}
 if [ -n "${TESTS:-}" ]; then
   timeout "$(( $(left) > 30 ? $(left) : 30 ))" python3 -m pytest -q -p no:cacheprovider $TESTS -W ignore::DeprecationWarning 2>&1 | tail -6
 fi
-for f in "$OUT"/bench_logs/"$CALL"/profile_*.txt; do [ -f "$f" ] && head -50 "$f" | cut -c1-200; done
+for f in "$OUT"/bench_logs/"$CALL"/profile_*.txt; do [ -f "$f" ] && head -64 "$f" | cut -c1-200; done
 python3 - "$OUT/results.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

@@ -10,10 +10,11 @@ document §4.1 "main_grad"), without the attributes Megatron bolts onto paramete
 * the DP reduction is a SUM (all-reduce, or reduce-scatter under the distributed optimizer); the
   loss normalisation (max_tokens / global tokens) is applied later by `finalize_model_grads`;
 * 1-D params (biases, norm weights: small, many) are not added one by one: their hooks queue the
-  grad, and one ``torch._foreach_add_`` per buffer adds them all at the end of the backward pass
-  (an autograd final callback), or before a bucket holding them is reduced. The same fp32 (or
-  buffer-dtype) additions, one launch instead of one per param; larger grads are added at once so
-  that none is held longer than before;
+  grad, and a `StagedAdd` per buffer adds them all at the end of the backward pass (an autograd
+  final callback), or before a bucket holding them is reduced: one ``torch._foreach_add_`` (bf16/fp16
+  grads into fp32 main grads: cast by one ``_foreach_copy_`` first, since a mixed-dtype foreach add
+  is one kernel per tensor). The same additions, two launches instead of one per param; larger
+  grads are added at once so that none is held longer than before;
 * ``no_sync()`` suppresses reduction (all but the last micro-batch); with ``overlap_grad_reduce`` a
   bucket's async collective starts as soon as every param of the bucket has its grad in the synced
   micro-batch. Buckets are launched strictly in index order on every rank (a ready bucket waits
@@ -32,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mptrain.distributed.accumulate import StagedAdd
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer
 from mptrain.layers.gpt import GPTModel
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -121,7 +123,10 @@ class DistributedDataParallel(torch.nn.Module):
             for dtype, named in by_dtype.items()
         )
         self._states = tuple(_BucketState(b) for b in self._grad_buffers)
-        self._deferred: dict = {id(s): ([], []) for s in self._states}  # state -> (main grad views, grads) queued
+        self._deferred: dict = {  # state -> the 1-D grads queued for one multi-tensor add
+            id(s): StagedAdd({p: p.numel() for p in s.buffer.params() if p.dim() == 1},
+                             dtype=s.buffer.data.dtype, device=s.buffer.data.device)
+            for s in self._states}
         self._flush_queued = False
         self._hook_handles = []
         for state in self._states:
@@ -184,7 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
     # --- accumulation and sync ---------------------------------------------------------------
     def _make_hook(self, state: _BucketState, param: torch.Tensor):
         view = state.buffer.main_grad(param)
-        views, grads = self._deferred[id(state)]
+        staged = self._deferred[id(state)]
         deferred = param.dim() == 1  # a bias or norm weight: added with the others at the end of backward
 
         def hook(param: torch.Tensor) -> None:
@@ -195,8 +200,7 @@ class DistributedDataParallel(torch.nn.Module):
             if grad is not None:
                 param.grad = None
                 if deferred:
-                    views.append(view)
-                    grads.append(grad)
+                    staged.queue(param, view, grad)
                     if not self._flush_queued:
                         self._flush_queued = True
                         torch.autograd.Variable._execution_engine.queue_callback(self._flush_deferred)
@@ -207,13 +211,8 @@ class DistributedDataParallel(torch.nn.Module):
         return hook
 
     def _flush_state(self, state: _BucketState) -> None:
-        """Add the queued grads of ``state``'s buffer into their main grads (one multi-tensor add)."""
-        views, grads = self._deferred[id(state)]
-        if views:
-            with torch.no_grad():
-                torch._foreach_add_(views, grads)
-            views.clear()
-            grads.clear()
+        """Add the queued grads of ``state``'s buffer into their main grads (`StagedAdd.flush`)."""
+        self._deferred[id(state)].flush()
 
     def _flush_deferred(self) -> None:
         """The end-of-backward callback: every queued grad into the buffers."""
@@ -295,8 +294,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Zero every grad buffer (padding included) and drop any stray ``param.grad``; reset sync state."""
         self._flush_queued = False  # a backward that raised never ran its callback
         for state in self._states:
-            for queued in self._deferred[id(state)]:
-                queued.clear()
+            self._deferred[id(state)].clear()
             state.buffer.data.zero_()
             state.reset()
             for p in state.buffer.params():
