@@ -3,11 +3,15 @@
 Thin by design: Hydra composes the config; `mptrain.training.run.main` does the rest.
 """
 
+from pathlib import Path
+
 import hydra
 
+from mptrain.config.cli import exit_on_compose_error
 from mptrain.config.schema import register
 
 register()
+CONF = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -18,4 +22,5 @@ def main(cfg):
 
 
 if __name__ == "__main__":
+    exit_on_compose_error(str(CONF))  # an override Hydra cannot compose: one line, rank 0, exit 1
     main()

@@ -482,6 +482,33 @@ def _one_line(text: str) -> None:
     sys.stderr.flush()
 
 
+def exit_on_config_error(err: BaseException) -> None:
+    """Print ``err`` as one ``error: ...`` line and exit 1 (never returns).
+
+    A symmetric error (``err.symmetric``, or the skip limit) is the same on every rank and only rank
+    0 prints it; any other is printed by each rank that raises it. Under torchrun every rank waits
+    `CONFIG_ERROR_GRACE_S` before exiting, so that the printing rank is not stopped first.
+    """
+    env = read_dist_env()
+    # A start-up config error (`validate_config`: config + world size only) and the skip limit
+    # (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
+    # torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may
+    # differ between ranks: every failing rank prints its own.
+    symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
+    if env.rank == 0 or not symmetric:
+        _one_line(f"error: {err}")
+    if env.world_size > 1:
+        # torchrun stops the other workers (SIGTERM) as soon as one exits; a rank still
+        # importing would die without its line. Every rank hits the same error within about a
+        # second of the others, so a short grace lets each one report before the first exit
+        # (no collective); torchrun's SIGTERM during the grace is an exit 1 too.
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+        time.sleep(CONFIG_ERROR_GRACE_S)
+    sys.exit(1)
+
+
 def hydra_main(cfg) -> Any:
     """The task function of train.py.
 
@@ -504,24 +531,7 @@ def hydra_main(cfg) -> Any:
             torch.distributed.destroy_process_group()
         return result
     except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
-        env = read_dist_env()
-        # A start-up config error (`validate_config`: config + world size only) and the skip limit
-        # (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
-        # torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may
-        # differ between ranks: every failing rank prints its own.
-        symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
-        if env.rank == 0 or not symmetric:
-            _one_line(f"error: {err}")
-        if env.world_size > 1:
-            # torchrun stops the other workers (SIGTERM) as soon as one exits; a rank still
-            # importing would die without its line. Every rank hits the same error within about a
-            # second of the others, so a short grace lets each one report before the first exit
-            # (no collective); torchrun's SIGTERM during the grace is an exit 1 too.
-            import signal
-
-            signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
-            time.sleep(CONFIG_ERROR_GRACE_S)
-        sys.exit(1)
+        exit_on_config_error(err)
     except BaseException as err:  # noqa: BLE001
         if isinstance(err, SystemExit) and not err.code:
             raise
