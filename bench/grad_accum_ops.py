@@ -2,7 +2,7 @@
 
     python3 bench/grad_accum_ops.py [--out FILE.jsonl]
 
-Each row: one way to do one pass, its median device time (CUDA events, 20 repeats) and the bytes it
+Each row: one way to do one pass, its median device time (CUDA events, 20 repeats after 5 warm-ups) and the bytes it
 moves per element, so the effective bandwidth reads off. The passes:
 
 * ``embedding_add``: the word embedding's lookup grad ``[V_pad, h]`` bf16 into its fp32 ``main_grad``
@@ -23,27 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+from gemm_layouts import time_ms as timed  # noqa: E402  (median of 20 CUDA-event-timed calls after 5 warm-ups)
+
 V_PAD, H = 50304, 2048
 PARAMS = 1_315_575_808  # gpt_1.3b with a padded vocabulary, tp1
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Median ms of ``fn()`` over ``reps`` (after 3 warm-up calls), by CUDA events around each call."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _exact(fn, flat, start, reference) -> bool:
