@@ -1,18 +1,21 @@
-"""An override Hydra cannot compose is one line on stderr, printed once, exit 1 (DESIGN.md §5)."""
+"""An override Hydra cannot compose, or an interpolation that does not resolve, is one line on stderr,
+printed once, exit 1 (DESIGN.md §5)."""
 
 import signal
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
+from mptrain import errors
 from mptrain.config.cli import FIX, compose_error, exit_on_compose_error
 from mptrain.config.schema import register
-from mptrain.training import run as run_module
+from mptrain.config.validate import as_config
+from mptrain.errors import ConfigError
 from procs import run_python
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-# Hydra lists the shipped YAMLs and the schema's node of the group (registered by `register`)
-MODELS = ", ".join(sorted([*(p.stem for p in (CONF / "model").glob("*.yaml")), "base_model"]))
+MODELS = ", ".join(sorted(p.stem for p in (CONF / "model").glob("*.yaml")))  # not the schema's base_model
 
 register()
 
@@ -21,7 +24,16 @@ register()
     (["train.manual_gc=yes_please"], f"train.manual_gc=yes_please: Value 'yes_please' is not a valid bool (type str); {FIX}"),
     (["parallel=tp2pp2", "optim.lr=abc"], f"optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; {FIX}"),
     (["train.nosuch_key=3"], f"Could not override 'train.nosuch_key': Key 'nosuch_key' not in 'TrainConfig'; {FIX}"),
-    (["model=nosuch"], f"In 'config': Could not find 'model/nosuch'; Available options in 'model': {MODELS}"),
+    (["model=nosuch"], f"model=nosuch: In 'config': Could not find 'model/nosuch'; Available options in 'model': {MODELS}"),
+    (["data.split=969,30,1"], "data.split=969,30,1: a comma makes a sweep; write data.split=[969,30,1] for a list, "
+                              "\"data.split='969,30,1'\" for a string (the shell keeps the inner quotes), or add -m to sweep "
+                              "over the values"),
+    (["model=tiny", "logger.run_name=a=b"], "'logger.run_name=a=b': mismatched input '=' expecting <EOF>; quote a value "
+                                            "with special characters (\"key='...'\"), see https://hydra.cc/docs/1.2/"
+                                            "advanced/override_grammar/basic"),
+    (["model=tiny", "experiment=null"], f"experiment=null: Config group override must be a string or a list. Got NoneType; {FIX}"),
+    (["+optim=adamw"], "+optim=adamw: optim is selected already; select another option with optim=adamw (no +)"),
+    (["train.seed=range(1,3)"], "Sweep parameters 'train.seed=range(1,3)' requires --multirun"),
 ])
 def test_composition_errors_are_one_line_naming_the_key(argv, message):
     assert compose_error(argv, str(CONF)) == message
@@ -37,6 +49,11 @@ def test_composable_or_hydras_own_command_lines_pass(argv):
     assert compose_error(argv, str(CONF)) is None
 
 
+def test_hydra_full_error_leaves_the_error_to_hydra(monkeypatch):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    assert compose_error(["optim.lr=abc"], str(CONF)) is None
+
+
 def test_train_py_prints_the_line_alone_and_writes_nothing(tmp_path):
     proc = run_python([str(CONF.parent / "train.py"), "optim.lr=abc", f"run.dir={tmp_path / 'run'}"], cwd=tmp_path,
                       timeout=300)
@@ -45,16 +62,36 @@ def test_train_py_prints_the_line_alone_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_only_rank_0_prints_and_every_rank_exits_1(monkeypatch, capsys):
-    monkeypatch.setattr(run_module, "CONFIG_ERROR_GRACE_S", 0.0)
+@pytest.mark.parametrize("rank_key, world_key", [("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")])
+def test_only_rank_0_prints_and_every_rank_exits_1(monkeypatch, capsys, rank_key, world_key):
+    slept = []
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # the grace's SIGTERM handler: not in pytest
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
     lines = {}
     for rank in (0, 1):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv(rank_key, str(rank))
+        monkeypatch.setenv(world_key, "2")
         with pytest.raises(SystemExit) as exit_info:
             exit_on_compose_error(str(CONF), ["model=nosuch"])
         assert exit_info.value.code == 1
         lines[rank] = capsys.readouterr().err.splitlines()
-    assert lines == {0: [f"error: In 'config': Could not find 'model/nosuch'; Available options in 'model': {MODELS}"],
+    assert lines == {0: [f"error: model=nosuch: In 'config': Could not find 'model/nosuch'; Available options in 'model': {MODELS}"],
                      1: []}
+    assert slept == [5.0]  # rank 1 waits for rank 0's line; rank 0 exits once it has printed
+
+
+@pytest.mark.parametrize("override, message", [
+    ("logger.run_name=${nosuch.key}", "logger.run_name: Interpolation key 'nosuch.key' not found"),
+    ("train.seed=${oc.env:MPTRAIN_TEST_UNSET}",
+     "train.seed: KeyError raised while resolving interpolation: \"Environment variable 'MPTRAIN_TEST_UNSET' not found\""),
+])
+def test_an_interpolation_that_does_not_resolve_is_one_config_error(override, message, monkeypatch):
+    monkeypatch.delenv("MPTRAIN_TEST_UNSET", raising=False)
+    assert compose_error([override], str(CONF)) is None  # it composes: resolution happens when the job reads it
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[override])
+    with pytest.raises(ConfigError) as info:
+        as_config(cfg)
+    assert str(info.value) == f"{message}; fix the ${{...}} interpolation (or write a literal $ as \\$)"

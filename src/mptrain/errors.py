@@ -1,8 +1,14 @@
-"""The project's error type for user mistakes (DESIGN.md §5).
+"""The project's error type for user mistakes (DESIGN.md §5), and how a rank reports one.
 
 `train.py` catches `ConfigError`, prints its one-line message to stderr and exits 1 without a
-traceback. Raise it on every rank *before* any collective so that no rank hangs waiting.
+traceback (`report_and_exit`). Raise it on every rank *before* any collective so that no rank
+hangs waiting.
 """
+
+import os
+import signal
+import sys
+import time
 
 
 class ConfigError(ValueError):
@@ -22,3 +28,22 @@ class StorageError(ConfigError):
         super().__init__(message)
         self.all_ranks = all_ranks
         self.symmetric = all_ranks
+
+
+def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool, grace_s: float) -> None:
+    """Write ``line`` to stderr in one write and exit 1 (never returns).
+
+    ``symmetric``: every rank hit the same error (the same config and world size), so rank 0 alone
+    prints it; otherwise every rank that calls this prints its own. Under torchrun
+    (``world_size > 1``) the agent stops every worker (SIGTERM) as soon as one exits, so a rank
+    that might still have a line to print must not be stopped by a peer's early exit: every rank
+    waits ``grace_s`` before exiting (a SIGTERM meanwhile is an exit 1 too), except rank 0 of a
+    symmetric error, which exits once it has printed (its peers have nothing left to say).
+    """
+    if rank == 0 or not symmetric:
+        sys.stderr.write(line.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    if world_size > 1 and not (symmetric and rank == 0):
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+        time.sleep(grace_s)
+    sys.exit(1)

@@ -1,28 +1,38 @@
 """Command-line overrides Hydra cannot compose: one line on stderr, printed once, exit 1 (DESIGN.md §5).
 
 Hydra answers an override it cannot compose (a value of the wrong type, an unknown key, a missing
-option of a config group) with a multi-line message of its own, printed by every rank under
-torchrun. `exit_on_compose_error` composes the command line once before ``@hydra.main`` does, with
-Hydra's own compose API, and turns such an error into one line, e.g.
+option of a config group, a value its grammar cannot parse) with a multi-line message of its own,
+printed by every rank under torchrun. `exit_on_compose_error` composes the command line once
+before ``@hydra.main`` does, with Hydra's own compose API, and turns such an error into one line
+that starts with the override, e.g.
 
-    error: train.manual_gc=yes_please: Value 'yes_please' is not a valid bool (type str); `python train.py --cfg job` lists every key and its value
+    error: optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; `python train.py --cfg job` lists every key and its value
 
-Only rank 0 prints it; every rank exits 1 before any collective (`exit_on_compose_error`). Command lines with
-Hydra flags (``-m``, ``--cfg``, ``--help``, ...) or ``hydra.*`` overrides are left to Hydra, as are
-sweeps: their jobs compose one by one and fail through the sweep summary.
+Only rank 0 prints it; every rank exits 1 before any collective, without importing torch.
+Left to Hydra: command lines with Hydra flags (``-m``, ``--cfg``, ``--help``, ...) or ``hydra.*``
+overrides, sweeps (their jobs compose one by one and fail through the sweep summary), and any
+command line while ``HYDRA_FULL_ERROR`` is set (Hydra's full trace, as Hydra documents it).
 """
 
 from __future__ import annotations
 
-import sys
+import os
+import re
 from pathlib import Path
 from typing import Optional
 
+from mptrain.errors import report_and_exit
+
 FIX = "`python train.py --cfg job` lists every key and its value"
+GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
+GRACE_S = 5.0
+"""Seconds a silent rank waits before exiting, so that rank 0's line is not cut short (`report_and_exit`)."""
 
 
 def _overrides(argv: list) -> Optional[list]:
     """The overrides of ``argv`` (program name excluded), or None where Hydra's own handling is needed."""
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        return None
     if any(a.startswith("-") for a in argv):
         return None  # a Hydra flag: -m / --multirun, --cfg, --help, --config-name, ...
     if any(a.lstrip("+~").startswith(("hydra.", "hydra/")) for a in argv):
@@ -30,29 +40,93 @@ def _overrides(argv: list) -> Optional[list]:
     return list(argv)
 
 
+def _schema_entries(group: str) -> set:
+    """Option names the schema registers in ``group`` (``base_model``...): not choices for a user."""
+    from hydra.core.config_store import ConfigStore
+
+    return {name.removesuffix(".yaml") for name in ConfigStore.instance().repo.get(group, {})}
+
+
 def _one_line(err: BaseException) -> str:
-    """Hydra's message (and its cause's) as one line: no search path, options joined, no blank lines."""
+    """Hydra's message (and its cause's) as one line: no search path, no blank lines, the options of
+    "Available options in 'group':" joined (less the schema's entries)."""
     parts: list = []
     for exc in (err, err.__cause__):
         if exc is None:
             continue
-        options: list = []
-        for raw in str(exc).splitlines():
+        group, options = None, []
+        for raw in str(exc).splitlines() + [""]:
             line = raw.strip()
+            if raw.startswith("\t") and group is not None:
+                options.append(line)
+                continue
+            if group is not None:
+                parts[-1] += " " + ", ".join(o for o in options if o not in _schema_entries(group))
+                group, options = None, []
             if line.startswith("Config search path:"):
                 break
             if not line or line.startswith(("reference_type=", "object_type=", "full_key:", "To append to your config")):
                 continue
-            if raw.startswith("\t"):  # an option of "Available options in 'group':"
-                options.append(line)
-                continue
-            if options:
-                parts[-1] += " " + ", ".join(options)
-                options = []
+            found = re.match(r"Available options in '([^']+)':", line)
+            group = found.group(1) if found else None
             parts.append(line.replace("Error merging override ", "").rstrip("."))
-        if options:
-            parts[-1] += " " + ", ".join(options)
     return ": ".join(parts) if len(parts) == 2 and err.__cause__ is not None else "; ".join(parts)
+
+
+def _parse_error(override: str) -> Optional[str]:
+    """Hydra's grammar error for one override (one line), or None when it parses."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except Exception as err:  # noqa: BLE001 - Hydra's grammar errors are plain HydraExceptions
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
+
+
+def _composes(overrides: list, config_dir: str, config_name: str) -> Optional[BaseException]:
+    """Compose once (a fresh Hydra each time); the exception, or None."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
+            compose(config_name, overrides=overrides)
+    except Exception as err:  # noqa: BLE001 - every composition failure is the user's command line
+        return err
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+def _message(err: BaseException, overrides: list, config_dir: str, config_name: str) -> str:
+    """The one-line message for ``err``, starting with the override it is about (where one is found)."""
+    for override in overrides:  # the grammar first: its own error names the character
+        parse = _parse_error(override)
+        if parse is not None:
+            return f"{override!r}: {parse}; quote a value with special characters (\"key='...'\"), see {GRAMMAR}"
+    line = _one_line(err)
+    ambiguous = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", line)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return (f"{key}={value}: a comma makes a sweep; write {key}=[{value}] for a list, \"{key}='{value}'\" "
+                "for a string (the shell keeps the inner quotes), or add -m to sweep over the values")
+    several = re.match(r"Multiple values for (\S+)\. To override a value use 'override \S+: (\S+)'", line)
+    if several:
+        group, option = several.groups()
+        return f"+{group}={option}: {group} is selected already; select another option with {group}={option} (no +)"
+    missing = re.search(r"Could not find '([^'/]+)/[^']*'", line)
+    if missing:  # a config group's option: Hydra's line lists the options (the fix)
+        group = missing.group(1)
+        named = [o for o in overrides if o.lstrip("+~").split("=")[0] in (group, group.replace("/", "."))]
+        return f"{named[0]}: {line}" if named else line
+    if "requires --multirun" in line:
+        return line  # Hydra's words name the fix
+    if not any(o.lstrip("+~").split("=")[0] in line for o in overrides):  # name the override
+        alone = [o for o in overrides if _composes([o], config_dir, config_name) is not None]
+        if alone:
+            line = f"{alone[0]}: {line}"
+    return f"{line}; {FIX}"
 
 
 def compose_error(argv: list, config_dir: str, config_name: str = "config") -> Optional[str]:
@@ -62,39 +136,33 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config") -> O
         argv: the command line after the program name (``sys.argv[1:]``).
         config_dir: the primary config folder (``conf/``); config_name: its top config.
     Returns:
-        ``"<what Hydra said>; <fix>"`` (no ``error:`` prefix) or None (composes, or left to Hydra:
-        see the module docstring).
+        ``"<override>: <what is wrong>; <fix>"`` (no ``error:`` prefix), or None: it composes, or it
+        is left to Hydra (see the module docstring).
     """
     overrides = _overrides(argv)
     if overrides is None:
         return None
-    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
         return None  # inside someone's Hydra context (a test, a notebook): theirs to compose
-    try:
-        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
-            compose(config_name, overrides=overrides)
-    except Exception as err:  # noqa: BLE001 - every composition failure is the user's command line
-        line = _one_line(err)
-        fixed = "Available options in" in line or "Ambiguous value" in line  # Hydra's text names the fix
-        return line if fixed else f"{line}; {FIX}"
-    finally:
-        GlobalHydra.instance().clear()
-    return None
+    err = _composes(overrides, config_dir, config_name)
+    return None if err is None else _message(err, overrides, config_dir, config_name)
 
 
-def exit_on_compose_error(config_dir: str, argv: Optional[list] = None) -> None:
-    """`compose_error` on ``sys.argv[1:]``: a symmetric `ConfigError`, reported as the trainer reports
-    one (`mptrain.training.run.exit_on_config_error`: rank 0 prints ``error: ...``, every rank exits 1
-    after the torchrun grace); returns when the command line composes."""
+def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *, grace_s: float = GRACE_S) -> None:
+    """`compose_error` on ``sys.argv[1:]``: rank 0 prints ``error: ...`` and every rank exits 1
+    (`report_and_exit`, the same command line on every rank); returns when the command line composes.
+
+    The rank and world size come from torchrun's ``RANK`` / ``WORLD_SIZE`` (or SLURM's
+    ``SLURM_PROCID`` / ``SLURM_NTASKS``) directly: nothing else of the launch is needed to report.
+    """
+    import sys
+
     message = compose_error(sys.argv[1:] if argv is None else argv, config_dir)
     if message is None:
         return
-    from mptrain.errors import ConfigError
-    from mptrain.training.run import exit_on_config_error
-
-    err = ConfigError(message)
-    err.symmetric = True  # the same command line on every rank
-    exit_on_config_error(err)
+    env = os.environ
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    report_and_exit(f"error: {message}", rank=rank, world_size=world_size, symmetric=True, grace_s=grace_s)

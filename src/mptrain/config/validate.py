@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from mptrain.config.schema import Config
 from mptrain.data.provider import check_data_config
@@ -68,7 +69,8 @@ def as_config(cfg: Any) -> Config:
 
     Raises:
         omegaconf.errors.ValidationError / ConfigKeyError: unknown key or wrong type.
-        ConfigError: a key added with ``+`` that the schema does not have (e.g. a misspelt key).
+        ConfigError: a key added with ``+`` that the schema does not have (e.g. a misspelt key); an
+            interpolation that does not resolve (a missing key, an unset ``oc.env`` variable).
     """
     if isinstance(cfg, Config):
         return cfg
@@ -77,7 +79,11 @@ def as_config(cfg: Any) -> Config:
     if not isinstance(cfg, DictConfig):
         raise TypeError(f"as_config: expected a DictConfig, dict or Config, got {type(cfg).__name__}")
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    obj = OmegaConf.to_object(merged)
+    try:
+        obj = OmegaConf.to_object(merged)
+    except InterpolationResolutionError as err:  # ${...} naming a missing key or an unset variable
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{err.full_key}: {reason}; fix the ${{...}} interpolation (or write a literal $ as \\$)") from None
     _reject_unknown_keys(obj, "")
     return obj
 

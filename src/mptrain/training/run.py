@@ -28,7 +28,7 @@ from mptrain.data.provider import build_provider, empty_split_reason, provider_t
 from mptrain.data.tokenizers import build_tokenizer
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, report_and_exit
 from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
@@ -476,37 +476,18 @@ def _check_checkpoint_paths(cfg: Config) -> None:
         )
 
 
-def _one_line(text: str) -> None:
-    """One stderr line in a single write, so that lines of several ranks do not interleave."""
-    sys.stderr.write(text.rstrip("\n") + "\n")
-    sys.stderr.flush()
-
-
 def exit_on_config_error(err: BaseException) -> None:
-    """Print ``err`` as one ``error: ...`` line and exit 1 (never returns).
+    """Print ``err`` as one ``error: ...`` line and exit 1 (never returns; `report_and_exit`).
 
-    A symmetric error (``err.symmetric``, or the skip limit) is the same on every rank and only rank
-    0 prints it; any other is printed by each rank that raises it. Under torchrun every rank waits
-    `CONFIG_ERROR_GRACE_S` before exiting, so that the printing rank is not stopped first.
+    A start-up config error (`validate_config`: config + world size only; ``err.symmetric``) and the
+    skip limit (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
+    torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may differ
+    between ranks: every failing rank prints its own, after `CONFIG_ERROR_GRACE_S` at most.
     """
     env = read_dist_env()
-    # A start-up config error (`validate_config`: config + world size only) and the skip limit
-    # (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
-    # torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may
-    # differ between ranks: every failing rank prints its own.
     symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
-    if env.rank == 0 or not symmetric:
-        _one_line(f"error: {err}")
-    if env.world_size > 1:
-        # torchrun stops the other workers (SIGTERM) as soon as one exits; a rank still
-        # importing would die without its line. Every rank hits the same error within about a
-        # second of the others, so a short grace lets each one report before the first exit
-        # (no collective); torchrun's SIGTERM during the grace is an exit 1 too.
-        import signal
-
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
-        time.sleep(CONFIG_ERROR_GRACE_S)
-    sys.exit(1)
+    report_and_exit(f"error: {err}", rank=env.rank, world_size=env.world_size, symmetric=symmetric,
+                    grace_s=CONFIG_ERROR_GRACE_S)
 
 
 def hydra_main(cfg) -> Any:
