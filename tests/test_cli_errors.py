@@ -95,3 +95,18 @@ def test_an_interpolation_that_does_not_resolve_is_one_config_error(override, me
     with pytest.raises(ConfigError) as info:
         as_config(cfg)
     assert str(info.value) == f"{message}; fix the ${{...}} interpolation (or write a literal $ as \\$)"
+
+
+def test_a_config_error_is_reported_when_the_launch_environment_is_the_error(monkeypatch, capsys):
+    from mptrain.training import run as run_module
+
+    def unreadable():
+        raise ConfigError("SLURM_JOB_NODELIST='node[01-02]': neither submitit nor scontrol is available")
+
+    monkeypatch.setattr(run_module, "read_dist_env", unreadable)
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_module.exit_on_config_error(ConfigError("train.seed=-1 must be >= 0"))
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "error: train.seed=-1 must be >= 0\n"  # not a traceback of the second error

@@ -30,6 +30,15 @@ class StorageError(ConfigError):
         self.symmetric = all_ranks
 
 
+def launch_rank_and_world(environ=None) -> tuple:
+    """(rank, world size) from the launcher's variables alone: torchrun's ``RANK`` / ``WORLD_SIZE``,
+    else SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS``, else (0, 1). For reporting an error when the
+    full launch environment (`mptrain.groups.read_dist_env`) is not needed or is itself the error."""
+    env = os.environ if environ is None else environ
+    return (int(env.get("RANK", env.get("SLURM_PROCID", "0"))),
+            int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))))
+
+
 def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool, grace_s: float) -> None:
     """Write ``line`` to stderr in one write and exit 1 (never returns).
 

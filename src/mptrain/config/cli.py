@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from mptrain.errors import report_and_exit
+from mptrain.errors import launch_rank_and_world, report_and_exit
 
 FIX = "`python train.py --cfg job` lists every key and its value"
 GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
@@ -162,7 +162,5 @@ def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *, grace
     message = compose_error(sys.argv[1:] if argv is None else argv, config_dir)
     if message is None:
         return
-    env = os.environ
-    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
-    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    rank, world_size = launch_rank_and_world()
     report_and_exit(f"error: {message}", rank=rank, world_size=world_size, symmetric=True, grace_s=grace_s)

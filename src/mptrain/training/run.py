@@ -28,7 +28,7 @@ from mptrain.data.provider import build_provider, empty_split_reason, provider_t
 from mptrain.data.tokenizers import build_tokenizer
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
-from mptrain.errors import ConfigError, report_and_exit
+from mptrain.errors import ConfigError, launch_rank_and_world, report_and_exit
 from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
@@ -484,9 +484,13 @@ def exit_on_config_error(err: BaseException) -> None:
     torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may differ
     between ranks: every failing rank prints its own, after `CONFIG_ERROR_GRACE_S` at most.
     """
-    env = read_dist_env()
+    try:
+        env = read_dist_env()
+        rank, world_size = env.rank, env.world_size
+    except ConfigError:  # the launch environment is itself the error (a SLURM node list nothing can parse)
+        rank, world_size = launch_rank_and_world()
     symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
-    report_and_exit(f"error: {err}", rank=env.rank, world_size=env.world_size, symmetric=symmetric,
+    report_and_exit(f"error: {err}", rank=rank, world_size=world_size, symmetric=symmetric,
                     grace_s=CONFIG_ERROR_GRACE_S)
 
 
