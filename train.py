@@ -3,6 +3,7 @@
 Thin by design: Hydra composes the config; `mptrain.training.run.main` does the rest.
 """
 
+import os
 from pathlib import Path
 
 import hydra
@@ -11,7 +12,9 @@ from mptrain.config.cli import exit_on_compose_error
 from mptrain.config.schema import register
 
 register()
-CONF = Path(__file__).resolve().parent / "conf"
+# the folder Hydra reads for config_path="conf": realpath(dirname(the script's path)), so a symlinked
+# train.py reads the conf/ beside the link, as Hydra does
+CONF = Path(os.path.realpath(os.path.dirname(os.path.abspath(__file__)))) / "conf"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

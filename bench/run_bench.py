@@ -104,7 +104,7 @@ def mptrain_row(cfg: BenchConfig, variant: str, metrics_rows: list, peaks: list,
         steady = sum(times[:-1]) / (len(times) - 1)
         tflops = flops_per_iteration(cfg) / steady / cfg.gpus / 1e12
         mfu = _mfu(tflops, row["gpu_name"])
-        row.update(tokens_per_s_steady=_round(cfg.tokens_per_iteration / steady / cfg.gpus, 1),
+        row.update(tokens_per_s_per_gpu_steady=_round(cfg.tokens_per_iteration / steady / cfg.gpus, 1),
                    mfu_steady=_round(mfu, 4) if mfu is not None else None)
     allocs = [p["peak_alloc_gib"] for p in peaks if p.get("peak_alloc_gib") is not None]
     row.update(

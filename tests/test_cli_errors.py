@@ -1,6 +1,8 @@
 """An override Hydra cannot compose, or an interpolation that does not resolve, is one line on stderr,
 printed once, exit 1 (DESIGN.md §5)."""
 
+import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -18,6 +20,13 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 MODELS = ", ".join(sorted(p.stem for p in (CONF / "model").glob("*.yaml")))  # not the schema's base_model
 
 register()
+
+
+@pytest.fixture(autouse=True)
+def _launch_free_env(monkeypatch):
+    """No launcher or Hydra variable of the developer's shell decides what these tests see."""
+    for key in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -56,7 +65,7 @@ def test_hydra_full_error_leaves_the_error_to_hydra(monkeypatch):
 
 def test_train_py_prints_the_line_alone_and_writes_nothing(tmp_path):
     proc = run_python([str(CONF.parent / "train.py"), "optim.lr=abc", f"run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                      timeout=300)
+                      env=dict(os.environ), timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [f"error: optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; {FIX}"]
     assert list(tmp_path.iterdir()) == []
@@ -67,8 +76,6 @@ def test_only_rank_0_prints_and_every_rank_exits_1(monkeypatch, capsys, rank_key
     slept = []
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # the grace's SIGTERM handler: not in pytest
     monkeypatch.setattr(errors.time, "sleep", slept.append)
-    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(key, raising=False)
     lines = {}
     for rank in (0, 1):
         monkeypatch.setenv(rank_key, str(rank))
@@ -104,9 +111,23 @@ def test_a_config_error_is_reported_when_the_launch_environment_is_the_error(mon
         raise ConfigError("SLURM_JOB_NODELIST='node[01-02]': neither submitit nor scontrol is available")
 
     monkeypatch.setattr(run_module, "read_dist_env", unreadable)
-    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(key, raising=False)
     with pytest.raises(SystemExit) as exit_info:
         run_module.exit_on_config_error(ConfigError("train.seed=-1 must be >= 0"))
     assert exit_info.value.code == 1
     assert capsys.readouterr().err == "error: train.seed=-1 must be >= 0\n"  # not a traceback of the second error
+
+
+def test_a_sweep_under_a_config_that_sets_multirun_is_left_to_hydra(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "lr_sweep.yaml").write_text("# @package _global_\nhydra:\n  mode: MULTIRUN\n")
+    assert compose_error(["experiment=lr_sweep", "optim.lr=1e-3,3e-4"], str(conf)) is None  # @hydra.main sweeps it
+    assert compose_error(["optim.lr=1e-3,3e-4"], str(conf)).startswith("optim.lr=1e-3,3e-4: a comma makes a sweep")
+
+
+def test_a_config_tree_that_does_not_compose_blames_no_override(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "config.yaml").write_text((conf / "config.yaml").read_text() + "\ntrain: [not, a, mapping\n")
+    message = compose_error(["optim.lr=1e-3"], str(conf))
+    assert message is not None and not message.startswith("optim.lr") and FIX not in message

@@ -112,3 +112,15 @@ def test_staged_add_flushes_exactly_what_is_queued():
     staged.flush()
     reference[0:3] += 1
     assert torch.equal(flat, reference)
+
+
+def test_staged_add_adds_a_key_queued_twice_at_once():
+    flat = torch.zeros(4)
+    staged = StagedAdd({"a": 2, "b": 2}, dtype=torch.float32, device=torch.device("cpu"))
+    first, second = torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([10.0, 20.0], dtype=torch.bfloat16)
+    staged.queue("a", flat[0:2], first)
+    staged.queue("a", flat[0:2], second)  # its one staging slot holds the first: the second goes in at once
+    staged.queue("b", flat[2:4], second)
+    assert len(staged) == 2 and flat.tolist() == [10.0, 20.0, 0.0, 0.0]
+    staged.flush()
+    assert flat.tolist() == [11.0, 22.0, 10.0, 20.0]

@@ -9,6 +9,10 @@ import os
 import signal
 import sys
 import time
+from typing import NoReturn
+
+CONFIG_ERROR_GRACE_S = 5.0
+"""Seconds a rank that may be silent waits before exiting after a config error (`report_and_exit`)."""
 
 
 class ConfigError(ValueError):
@@ -35,11 +39,18 @@ def launch_rank_and_world(environ=None) -> tuple:
     else SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS``, else (0, 1). For reporting an error when the
     full launch environment (`mptrain.groups.read_dist_env`) is not needed or is itself the error."""
     env = os.environ if environ is None else environ
-    return (int(env.get("RANK", env.get("SLURM_PROCID", "0"))),
-            int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))))
+    # the same precedence and defaults as `mptrain.groups.read_dist_env` (which imports torch and may
+    # resolve a SLURM node list); a malformed value reports as a world of one
+    try:
+        if "RANK" in env or "SLURM_PROCID" not in env:
+            return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        return int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
+    except ValueError:
+        return 0, 1
 
 
-def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool, grace_s: float) -> None:
+def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool,
+                    grace_s: float = CONFIG_ERROR_GRACE_S) -> NoReturn:
     """Write ``line`` to stderr in one write and exit 1 (never returns).
 
     ``symmetric``: every rank hit the same error (the same config and world size), so rank 0 alone
@@ -47,7 +58,7 @@ def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool, g
     (``world_size > 1``) the agent stops every worker (SIGTERM) as soon as one exits, so a rank
     that might still have a line to print must not be stopped by a peer's early exit: every rank
     waits ``grace_s`` before exiting (a SIGTERM meanwhile is an exit 1 too), except rank 0 of a
-    symmetric error, which exits once it has printed (its peers have nothing left to say).
+    symmetric error, which exits once it has printed (its peers hit the same error: nothing left to say).
     """
     if rank == 0 or not symmetric:
         sys.stderr.write(line.rstrip("\n") + "\n")

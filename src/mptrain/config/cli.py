@@ -10,8 +10,9 @@ that starts with the override, e.g.
 
 Only rank 0 prints it; every rank exits 1 before any collective, without importing torch.
 Left to Hydra: command lines with Hydra flags (``-m``, ``--cfg``, ``--help``, ...) or ``hydra.*``
-overrides, sweeps (their jobs compose one by one and fail through the sweep summary), and any
-command line while ``HYDRA_FULL_ERROR`` is set (Hydra's full trace, as Hydra documents it).
+overrides, sweeps (``-m``, or sweep overrides under a config that sets ``hydra.mode: MULTIRUN``;
+their jobs compose one by one and fail through the sweep summary), and any command line while
+``HYDRA_FULL_ERROR=1`` (Hydra's full trace, as Hydra documents it).
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from mptrain.errors import launch_rank_and_world, report_and_exit
+from mptrain.errors import CONFIG_ERROR_GRACE_S, launch_rank_and_world, report_and_exit
 
 FIX = "`python train.py --cfg job` lists every key and its value"
 GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
-GRACE_S = 5.0
-"""Seconds a silent rank waits before exiting, so that rank 0's line is not cut short (`report_and_exit`)."""
 
 
 def _overrides(argv: list) -> Optional[list]:
     """The overrides of ``argv`` (program name excluded), or None where Hydra's own handling is needed."""
-    if os.environ.get("HYDRA_FULL_ERROR"):
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own test of it
         return None
     if any(a.startswith("-") for a in argv):
         return None  # a Hydra flag: -m / --multirun, --cfg, --help, --config-name, ...
@@ -84,19 +83,39 @@ def _parse_error(override: str) -> Optional[str]:
     return None
 
 
-def _composes(overrides: list, config_dir: str, config_name: str) -> Optional[BaseException]:
-    """Compose once (a fresh Hydra each time); the exception, or None."""
+def _composes(overrides: list, config_dir: str, config_name: str, *, hydra_config: bool = False):
+    """Compose once (a fresh Hydra each time): the exception, or None (``hydra_config``: the config
+    with its ``hydra`` node, or None when that composition fails)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     try:
         with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base="1.3"):
-            compose(config_name, overrides=overrides)
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=hydra_config)
     except Exception as err:  # noqa: BLE001 - every composition failure is the user's command line
-        return err
+        return None if hydra_config else err
     finally:
         GlobalHydra.instance().clear()
-    return None
+    return cfg if hydra_config else None
+
+
+def _multirun_by_config(overrides: list, config_dir: str, config_name: str) -> bool:
+    """Whether the command line sweeps (a sweep override) under a config that sets ``hydra.mode:
+    MULTIRUN`` itself (an experiment file may): `@hydra.main` then runs it as a sweep without -m,
+    while compose, always a single run, would reject the sweep override."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    sweeps, plain = [], []
+    for override in overrides:
+        try:
+            (sweeps if parser.parse_override(override).is_sweep_override() else plain).append(override)
+        except Exception:  # noqa: BLE001 - a grammar error: reported by the composition below
+            plain.append(override)
+    if not sweeps:
+        return False
+    cfg = _composes(plain, config_dir, config_name, hydra_config=True)
+    return cfg is not None and str(cfg.hydra.get("mode")) == "RunMode.MULTIRUN"
 
 
 def _message(err: BaseException, overrides: list, config_dir: str, config_name: str) -> str:
@@ -123,6 +142,8 @@ def _message(err: BaseException, overrides: list, config_dir: str, config_name: 
     if "requires --multirun" in line:
         return line  # Hydra's words name the fix
     if not any(o.lstrip("+~").split("=")[0] in line for o in overrides):  # name the override
+        if _composes([], config_dir, config_name) is not None:
+            return line  # the config tree itself does not compose: no override to blame, no --cfg hint
         alone = [o for o in overrides if _composes([o], config_dir, config_name) is not None]
         if alone:
             line = f"{alone[0]}: {line}"
@@ -146,11 +167,14 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config") -> O
 
     if GlobalHydra.instance().is_initialized():
         return None  # inside someone's Hydra context (a test, a notebook): theirs to compose
+    if _multirun_by_config(overrides, config_dir, config_name):
+        return None
     err = _composes(overrides, config_dir, config_name)
     return None if err is None else _message(err, overrides, config_dir, config_name)
 
 
-def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *, grace_s: float = GRACE_S) -> None:
+def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *,
+                          grace_s: float = CONFIG_ERROR_GRACE_S) -> None:
     """`compose_error` on ``sys.argv[1:]``: rank 0 prints ``error: ...`` and every rank exits 1
     (`report_and_exit`, the same command line on every rank); returns when the command line composes.
 

@@ -83,7 +83,9 @@ def as_config(cfg: Any) -> Config:
         obj = OmegaConf.to_object(merged)
     except InterpolationResolutionError as err:  # ${...} naming a missing key or an unset variable
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"{err.full_key}: {reason}; fix the ${{...}} interpolation (or write a literal $ as \\$)") from None
+        error = ConfigError(f"{err.full_key}: {reason}; fix the ${{...}} interpolation (or write a literal $ as \\$)")
+        error.symmetric = False  # ${oc.env:X} may resolve on one node and not on another: each failing rank prints
+        raise error from None
     _reject_unknown_keys(obj, "")
     return obj
 

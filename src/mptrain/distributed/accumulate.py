@@ -21,10 +21,13 @@ class StagedAdd:
     """Queue (main grad view, grad) pairs; `flush` adds them all with two multi-tensor launches.
 
     Args:
-        sizes: {key: numel} of every tensor that may be queued (a param's slot); the fp32 staging
-            buffer (``sum(sizes)`` elements of ``dtype``) is allocated on the first mixed-dtype flush.
+        sizes: {key: numel} of every tensor that may be queued (a param's slot); the staging buffer
+            (``sum(sizes)`` elements of the main grads' ``dtype``) is allocated on the first flush of
+            narrower grads.
         dtype, device: those of the main grads.
-    Same-dtype grads skip the staging: one ``_foreach_add_`` (already multi-tensor).
+    Staging is used only for grads narrower than the main grads (bf16/fp16 into fp32: the cast is
+    exact, so the sums are bitwise the mixed add's); same-dtype grads go straight to one
+    ``_foreach_add_`` (already multi-tensor).
     """
 
     def __init__(self, sizes: dict, *, dtype: torch.dtype, device: torch.device) -> None:
@@ -39,9 +42,18 @@ class StagedAdd:
         self.views: list = []
         self.grads: list = []
         self._keys: list = []
+        self._queued: set = set()
 
     def queue(self, key, view: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` into ``view`` at the next `flush` (``key``: one of ``sizes``)."""
+        """Add ``grad`` into ``view`` at the next `flush` (``key``: one of ``sizes``).
+
+        A key already queued (a second grad of the same param before a flush: autograd does not do
+        that within one backward) is added at once instead: its one staging slot holds one grad."""
+        if key in self._queued:
+            with torch.no_grad():
+                view.add_(grad)
+            return
+        self._queued.add(key)
         self.views.append(view)
         self.grads.append(grad)
         self._keys.append(key)
@@ -54,6 +66,7 @@ class StagedAdd:
         self.views.clear()
         self.grads.clear()
         self._keys.clear()
+        self._queued.clear()
 
     def _staged_view(self, key, view: torch.Tensor) -> torch.Tensor:
         staged = self._staged.get(key)
@@ -69,7 +82,10 @@ class StagedAdd:
         """``view += grad`` for every queued pair, then clear the queue."""
         if not self.views:
             return
-        if all(g.dtype == self._dtype for g in self.grads):
+        same = all(g.dtype == self._dtype for g in self.grads)
+        if same or any(torch.promote_types(g.dtype, self._dtype) != self._dtype for g in self.grads):
+            # same dtype: already multi-tensor; a grad wider than the main grads: casting it first would
+            # round twice, so the one mixed-dtype add (one rounding) stays
             torch._foreach_add_(self.views, self.grads)
         else:
             staged = [self._staged_view(k, v) for k, v in zip(self._keys, self.views)]

@@ -17,7 +17,7 @@ import random
 import sys
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -48,7 +48,6 @@ from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
 from mptrain.training.watchdog import StepWatchdog, StopSignal
 
-CONFIG_ERROR_GRACE_S = 5.0  # seconds a rank waits after printing a config error, before exiting (see hydra_main)
 
 
 @dataclasses.dataclass
@@ -315,7 +314,8 @@ def run(cfg: Any) -> dict:
         cfg = as_config(cfg)
         derived = validate_config(cfg, env.world_size)
     except ConfigError as err:
-        err.symmetric = True  # config + world size only: every rank raises the same line (hydra_main prints one)
+        if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
+            err.symmetric = True  # (rank 0 prints it); an environment-dependent one says symmetric=False
         raise
     _check_checkpoint_paths(cfg)
     tokenizer = build_tokenizer(cfg.data)
@@ -476,13 +476,14 @@ def _check_checkpoint_paths(cfg: Config) -> None:
         )
 
 
-def exit_on_config_error(err: BaseException) -> None:
+def exit_on_config_error(err: BaseException) -> NoReturn:
     """Print ``err`` as one ``error: ...`` line and exit 1 (never returns; `report_and_exit`).
 
     A start-up config error (`validate_config`: config + world size only; ``err.symmetric``) and the
     skip limit (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
     torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may differ
-    between ranks: every failing rank prints its own, after `CONFIG_ERROR_GRACE_S` at most.
+    between ranks (a file one node lacks, an unset ``${oc.env:...}``): every failing rank prints its
+    own at once and exits after `CONFIG_ERROR_GRACE_S`.
     """
     try:
         env = read_dist_env()
@@ -490,8 +491,7 @@ def exit_on_config_error(err: BaseException) -> None:
     except ConfigError:  # the launch environment is itself the error (a SLURM node list nothing can parse)
         rank, world_size = launch_rank_and_world()
     symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
-    report_and_exit(f"error: {err}", rank=rank, world_size=world_size, symmetric=symmetric,
-                    grace_s=CONFIG_ERROR_GRACE_S)
+    report_and_exit(f"error: {err}", rank=rank, world_size=world_size, symmetric=symmetric)
 
 
 def hydra_main(cfg) -> Any:
