@@ -35,18 +35,18 @@ class StorageError(ConfigError):
 
 
 def launch_rank_and_world(environ=None) -> tuple:
-    """(rank, world size) from the launcher's variables alone: torchrun's ``RANK`` / ``WORLD_SIZE``,
-    else SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS``, else (0, 1). For reporting an error when the
-    full launch environment (`mptrain.groups.read_dist_env`) is not needed or is itself the error."""
+    """(rank, world size) from the launcher's variables: torchrun's ``RANK`` / ``WORLD_SIZE`` (when
+    ``RANK`` is set, or no SLURM task id is), else SLURM's ``SLURM_PROCID`` / ``SLURM_NTASKS``;
+    defaults (0, 1). The one place of that rule: `mptrain.groups.read_dist_env` builds on it, and
+    an error report uses it alone (no torch import, no SLURM node-list lookup).
+
+    Raises:
+        ValueError: a variable that is not an integer.
+    """
     env = os.environ if environ is None else environ
-    # the same precedence and defaults as `mptrain.groups.read_dist_env` (which imports torch and may
-    # resolve a SLURM node list); a malformed value reports as a world of one
-    try:
-        if "RANK" in env or "SLURM_PROCID" not in env:
-            return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        return int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
-    except ValueError:
-        return 0, 1
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    return int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
 
 
 def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool,

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, launch_rank_and_world
 
 GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding")
 
@@ -118,10 +118,11 @@ def read_dist_env(environ: Optional[dict] = None, *, first_host=slurm_first_host
     """
     env = os.environ if environ is None else environ
     port = env.get("MASTER_PORT")
+    rank, world_size = launch_rank_and_world(env)
     if "RANK" in env or "SLURM_PROCID" not in env:
         return DistEnv(
-            rank=int(env.get("RANK", 0)),
-            world_size=int(env.get("WORLD_SIZE", 1)),
+            rank=rank,
+            world_size=world_size,
             local_rank=int(env.get("LOCAL_RANK", 0)),
             master_addr=env.get("MASTER_ADDR"),
             master_port=int(port) if port else None,
@@ -129,7 +130,6 @@ def read_dist_env(environ: Optional[dict] = None, *, first_host=slurm_first_host
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
-    world_size = int(env.get("SLURM_NTASKS", 1))
     addr = env.get("MASTER_ADDR")
     if addr is None and world_size > 1:
         addr = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
@@ -140,7 +140,7 @@ def read_dist_env(environ: Optional[dict] = None, *, first_host=slurm_first_host
     else:
         master_port = SLURM_DEFAULT_PORT
     return DistEnv(
-        rank=int(env["SLURM_PROCID"]),
+        rank=rank,
         world_size=world_size,
         local_rank=int(env.get("SLURM_LOCALID", 0)),
         master_addr=addr,

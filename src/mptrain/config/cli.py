@@ -34,9 +34,14 @@ def _overrides(argv: list) -> Optional[list]:
         return None
     if any(a.startswith("-") for a in argv):
         return None  # a Hydra flag: -m / --multirun, --cfg, --help, --config-name, ...
-    if any(a.lstrip("+~").startswith(("hydra.", "hydra/")) for a in argv):
+    if any(_key(a).startswith(("hydra.", "hydra/")) for a in argv):
         return None
     return list(argv)
+
+
+def _key(override: str) -> str:
+    """The key of an override: ``+train.seed=1`` -> ``train.seed``, ``~model`` -> ``model``."""
+    return override.lstrip("+~").split("=")[0]
 
 
 def _schema_entries(group: str) -> set:
@@ -137,11 +142,11 @@ def _message(err: BaseException, overrides: list, config_dir: str, config_name: 
     missing = re.search(r"Could not find '([^'/]+)/[^']*'", line)
     if missing:  # a config group's option: Hydra's line lists the options (the fix)
         group = missing.group(1)
-        named = [o for o in overrides if o.lstrip("+~").split("=")[0] in (group, group.replace("/", "."))]
+        named = [o for o in overrides if _key(o) in (group, group.replace("/", "."))]
         return f"{named[0]}: {line}" if named else line
     if "requires --multirun" in line:
         return line  # Hydra's words name the fix
-    if not any(o.lstrip("+~").split("=")[0] in line for o in overrides):  # name the override
+    if not any(_key(o) in line for o in overrides):  # name the override
         if _composes([], config_dir, config_name) is not None:
             return line  # the config tree itself does not compose: no override to blame, no --cfg hint
         alone = [o for o in overrides if _composes([o], config_dir, config_name) is not None]
@@ -186,5 +191,8 @@ def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *,
     message = compose_error(sys.argv[1:] if argv is None else argv, config_dir)
     if message is None:
         return
-    rank, world_size = launch_rank_and_world()
+    try:
+        rank, world_size = launch_rank_and_world()
+    except ValueError:  # a malformed launcher variable: report as a world of one rather than not at all
+        rank, world_size = 0, 1
     report_and_exit(f"error: {message}", rank=rank, world_size=world_size, symmetric=True, grace_s=grace_s)

@@ -38,7 +38,7 @@ class StagedAdd:
             total += int(n)
         self._total, self._dtype, self._device = total, dtype, device
         self._staging = None
-        self._staged: dict = {}  # key -> its fp32 staging view (made once, shaped like its main grad)
+        self._staged: dict = {}  # key -> its staging view (made once, shaped like its main grad)
         self.views: list = []
         self.grads: list = []
         self._keys: list = []

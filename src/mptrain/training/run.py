@@ -49,7 +49,6 @@ from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make
 from mptrain.training.watchdog import StepWatchdog, StopSignal
 
 
-
 @dataclasses.dataclass
 class Built:
     """The runtime objects of one job (what checkpointing and the loop share)."""
@@ -481,9 +480,9 @@ def exit_on_config_error(err: BaseException) -> NoReturn:
 
     A start-up config error (`validate_config`: config + world size only; ``err.symmetric``) and the
     skip limit (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
-    torchrun job shows one line, not one per rank. Other errors (a file one node lacks) may differ
-    between ranks (a file one node lacks, an unset ``${oc.env:...}``): every failing rank prints its
-    own at once and exits after `CONFIG_ERROR_GRACE_S`.
+    torchrun job shows one line, not one per rank. Other errors may differ between ranks (a file one
+    node lacks, an unset ``${oc.env:...}``): every failing rank prints its own at once and exits
+    after `mptrain.errors.CONFIG_ERROR_GRACE_S`.
     """
     try:
         env = read_dist_env()
