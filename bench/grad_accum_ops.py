@@ -11,8 +11,9 @@ moves per element, so the effective bandwidth reads off. The passes:
   hook does), the cast first then a same-dtype ``add_``, and a compiled add;
 * ``small_adds``: the 194 bias / LayerNorm-weight grads (bf16, 2048-8192 elements) into their fp32
   views, once per micro-batch: one mixed-dtype ``_foreach_add_`` (torch's slow path: one kernel per
-  tensor, the hook's flush today), the grads cast into an fp32 staging list by ``_foreach_copy_`` then a
-  same-dtype ``_foreach_add_``, or ``torch.cat`` into a flat fp32 staging buffer then the add;
+  tensor, the hook's flush before `StagedAdd`), the shipped `mptrain.distributed.accumulate.StagedAdd`
+  (the grads cast into an fp32 staging buffer by ``_foreach_copy_``, then a same-dtype
+  ``_foreach_add_``), or ``torch.cat`` into a flat fp32 staging buffer then the add;
 * ``zero_buffer``: zeroing the whole fp32 grad buffer (1.3B elements), once per step;
 * ``param_copy``: the fp32 main params into the bf16 model params (``_foreach_copy_``), once per step.
 
@@ -28,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "src")]  # bench/ is not a package
 from gemm_layouts import time_ms as timed  # noqa: E402  (median of 20 CUDA-event-timed calls after 5 warm-ups)
+from mptrain.distributed.accumulate import StagedAdd  # noqa: E402
 
 V_PAD, H = 50304, 2048
 PARAMS = 1_315_575_808  # gpt_1.3b with a padded vocabulary, tp1
@@ -66,9 +69,12 @@ def rows() -> list:
     staging = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
     staged = list(staging.split(sizes))
 
-    def copy_then_add():
-        torch._foreach_copy_(staged, grads)
-        torch._foreach_add_(views, staged)
+    shipped = StagedAdd(dict(enumerate(sizes)), dtype=torch.float32, device=torch.device(dev))
+
+    def staged_add():  # what the DDP hooks and their flush do
+        for i, (view, grad) in enumerate(zip(views, grads)):
+            shipped.queue(i, view, grad)
+        shipped.flush()
 
     def cat_then_add():
         torch.cat(grads, out=staging)
@@ -79,8 +85,8 @@ def rows() -> list:
     torch._foreach_add_(views, grads)
     reference = flat.clone()
     m = sum(sizes)
-    for way, fn, bpe in (("mixed _foreach_add_ (the flush today)", lambda: torch._foreach_add_(views, grads), 10),
-                         ("_foreach_copy_ to fp32 staging + _foreach_add_", copy_then_add, 18),
+    for way, fn, bpe in (("mixed _foreach_add_ (the flush before StagedAdd)", lambda: torch._foreach_add_(views, grads), 10),
+                         ("StagedAdd: _foreach_copy_ to fp32 staging + _foreach_add_", staged_add, 18),
                          ("cat into fp32 staging + _foreach_add_", cat_then_add, 18)):
         ms = timed(fn)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
