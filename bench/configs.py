@@ -101,6 +101,8 @@ VARIANTS = {
                                   "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
                                   "env:TORCH_BLAS_PREFER_CUBLASLT=1"),
     "compile_cdmc1": ("model.compile_layers=true", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
+    # the flat Adam step (precision.flat_adam_step, opt-in; BENCHMARKS.md "GPU round 7")
+    "compile_flat": ("model.compile_layers=true", "precision.flat_adam_step=true"),
     "unfused_compile_cdmc1": ("model.attention_backend=unfused", "model.compile_layers=true",
                               "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
 }
@@ -236,6 +238,10 @@ def _small(gpus: int) -> list:
                     **{**small, "iters": 8, "reference": False}),
         BenchConfig("s_gpt1.3b_mb16x1", "gpt_1.3b", micro_batch_size=16, num_microbatches=1, timeout_s=150,
                     **{**small, "iters": 8, "reference": False}),
+        # a larger global batch (64 × 2048 tokens; GPT-3's 1.3B trained at 1M-token batches): the step's
+        # optimizer work amortised over 4 micro-batches of the fastest split
+        BenchConfig("s_gpt1.3b_mb16x4", "gpt_1.3b", micro_batch_size=16, num_microbatches=4, timeout_s=180,
+                    **{**small, "iters": 6, "reference": False}),
     ]
     return [c for c in configs if c.gpus <= gpus]
 

@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mptrain.components import ComponentKind, build, extra_keys, resolve
+from mptrain.components import ComponentKind, accepted_keywords, build, extra_keys, resolve
 from mptrain.errors import ConfigError
 from mptrain.optim.builders import param_groups as build_param_groups
 from mptrain.precision.clip_grads import (
@@ -69,6 +69,7 @@ from mptrain.precision.clip_grads import (
     get_grad_norm_and_non_finite_count_fp32,
     get_grad_norm_fp32,
 )
+from mptrain.precision.flat_adam import FlatAdamStep, why_not_flat
 from mptrain.precision.scaler import LossScaler
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,9 @@ class OptimizerWrapper:
             skipped steps exceeds this (0 = never raise).
         log_num_zeros: also count zero grads (one more pass and all-reduce per step).
         fold_into_fused_step: use the folded step (module docstring) when it applies.
+        flat_adam_step: the folded step's update as one fused pass over flat buffers where it applies
+            (`mptrain.precision.flat_adam`; compiled on CUDA, eager elsewhere); False: torch's fused Adam
+            kernel, then the model-param copy.
     Raises:
         ValueError: params and specs differ in length.
     """
@@ -206,6 +210,7 @@ class OptimizerWrapper:
         max_consecutive_skips: int,
         log_num_zeros: bool = False,
         fold_into_fused_step: bool = True,
+        flat_adam_step: bool = False,
     ) -> None:
         if len(params) != len(specs):
             raise ValueError(f"{type(self).__name__}: {len(params)} params but {len(specs)} specs")
@@ -226,6 +231,20 @@ class OptimizerWrapper:
             self.optimizer.defaults.get("fused"))
         self.folded_step = bool(fold_into_fused_step) and scaler is None and fused_adam
         self._counted_masks: dict = {}  # (counts-in-norm flags, device) -> float mask (`_counted_mask`)
+        self.flat_step: Optional[FlatAdamStep] = None
+        self.flat_step_note = self._build_flat_step(flat_adam_step, grad_fn)
+
+    def _build_flat_step(self, wanted: bool, grad_fn) -> str:
+        """Build `flat_step` where ``flat_adam_step`` asks for it and it applies; the start-up log's note."""
+        if not wanted:
+            return "off (precision.flat_adam_step=false)"
+        reason = why_not_flat(self.entries, self.optimizer, grad_fn) if self.folded_step else \
+            "no folded step (a loss scaler, or not torch's fused Adam / AdamW)"
+        if reason is not None:
+            logger.warning("precision.flat_adam_step=true does not apply (%s): torch's kernel steps", reason)
+            return f"off ({reason})"
+        self.flat_step = FlatAdamStep(self.entries, self.optimizer, grad_fn)
+        return f"on ({len(self.flat_step.buffers)} buffer(s))"
 
     # --- hooks (override in the distributed optimizer) ----------------------------------
     def _make_main_param(self, param: torch.nn.Parameter, spec) -> Optional[torch.nn.Parameter]:
@@ -427,6 +446,13 @@ class OptimizerWrapper:
         found_inf = ((non_finite > 0) | ~torch.isfinite(total_norm)).float().reshape(())
         if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
             divisor = divisor / (self.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
+        if self.flat_step is not None and not self.flat_step.grads_in_place():
+            logger.warning("precision.flat_adam_step: the grads are no longer the views the flat buffers were "
+                           "laid out on; torch's kernel steps from now on")
+            self.flat_step = None
+        if self.flat_step is not None:
+            self.flat_step.step(divisor, found_inf)  # the same update, the model params written in the pass
+            return PendingStep(self, stats, ready, has_along=read_along is not None)
         # torch's fused Adam divides each grad by grad_scale in the kernel and skips the update on found_inf
         self.optimizer.grad_scale, self.optimizer.found_inf = divisor, found_inf
         try:
@@ -490,7 +516,7 @@ class OptimizerWrapper:
             if tuple(value.shape) != tuple(main.shape):
                 raise ValueError(f"main param shape {tuple(value.shape)} in the state dict, expected {tuple(main.shape)}")
             main.copy_(value)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])  # a flat step re-binds at its next step
         self._load_scaler_and_counters(state_dict)
 
 
@@ -570,8 +596,13 @@ def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, b
             specs.append(chunk.specs[name])
             owner[param] = chunk
     target = wrapper_target(precision_cfg, use_distributed_optimizer)
+    flat = bool(getattr(precision_cfg, "flat_adam_step", False))
+    if flat and "flat_adam_step" not in (accepted_keywords(target) or {"flat_adam_step"}):
+        logger.warning("precision.flat_adam_step=true is ignored: %s does not take it (the distributed optimizer "
+                       "steps its shards with torch's kernel)", getattr(target, "__name__", target))
     node = {"_target_": target, **extra_keys(precision_cfg)}
     offered = dict(build_optimizer=build_optimizer, params=params, specs=specs, grad_fn=lambda p: owner[p].main_grad(p),
                    model_chunks=list(model_chunks), groups=groups, scaler=scaler, clip_grad=clip_grad,
-                   max_consecutive_skips=max_consecutive_skips)
+                   max_consecutive_skips=max_consecutive_skips,
+                   flat_adam_step=flat)
     return build("precision", node, OPTIMIZER_WRAPPER, mapped=offered, partial=False)

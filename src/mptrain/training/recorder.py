@@ -33,8 +33,9 @@ def checkpoint_exists(load_dir: Optional[str]) -> bool:
 
 
 def kernels_line(built) -> str:
-    """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the inner optimizer the wrapper
-    steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or apex's class) and the
+    """``kernels: optimizer=<class> (<kernel>) [flat_adam_step=on (N buffer(s))] norm=<class> (<kernel>)``: the
+    inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
+    apex's class), the flat Adam step when it runs the update (`mptrain.precision.flat_adam`) and the
     norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`)."""
     from mptrain.layers.norms import describe_norm
     from mptrain.optim import optimizer_kernel
@@ -43,7 +44,8 @@ def kernels_line(built) -> str:
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
-    return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+    flat = f" flat_adam_step={wrapper.flat_step_note}" if getattr(wrapper, "flat_step", None) is not None else ""
+    return (f"kernels: optimizer={optimizer_kernel(inner)}{flat} norm={', '.join(norms) or 'none on this rank'}"
             f"{compile_note(built.chunks)}")
 
 
