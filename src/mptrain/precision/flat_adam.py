@@ -23,8 +23,9 @@ Layout (one `FlatBuffer` per grad storage; ``N`` its elements, offsets those of 
 Elements of the buffer outside every param (DDP padding) hold zeros everywhere and stay zero.
 
 Arithmetic: `flat_adam_math` follows the formula of torch's CUDA fused Adam as its source reads
-(``aten/src/ATen/native/cuda/fused_adam_utils.cuh``, ``adam_math``): fp32 values, the scalar products
-that source forms in double (lr, betas, eps, weight decay, the grad divisor) formed in float64 too. On
+(``aten/src/ATen/native/cuda/fused_adam_utils.cuh``, ``adam_math`` and ``FusedAdamMathFunctor``): fp32
+values, the scalar products that source forms in double (lr, betas, eps, weight decay, the grad divisor,
+the bias corrections, rounded to float32 where it passes them on) formed in float64 too. On
 CUDA it is compiled (`torch.compile`, one Triton kernel per buffer); elsewhere it runs eagerly (the
 tests' path). It is not bitwise torch's kernel: on an H200 with torch 2.11 (BENCHMARKS.md "GPU round
 7") half the main-param elements differed after 3 steps (at most 2.2e-8 absolute, 1e-4 of a step) and
@@ -76,7 +77,7 @@ def flat_adam_math(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     s = step.double()
     bias_correction1 = (1 - beta1 ** s).float()
     step_size = (lr / bias_correction1.double()).float()  # [G]
-    bias_correction2_sqrt = torch.sqrt((1 - beta2 ** s).float())
+    bias_correction2_sqrt = torch.sqrt(1 - beta2 ** s).float()  # sqrt in double, then float (torch >= 2.4's source)
     g = (grad.float().double() / divisor.double()).float()
     p = param
     if decoupled:
