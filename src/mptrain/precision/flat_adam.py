@@ -130,19 +130,13 @@ def _per_element(table: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return out if out.dim() else out.expand(group.shape)
 
 
-_compiled: dict = {}
-
-
 def _kernel(device_type: str) -> tuple[Callable, bool]:
-    """(`flat_adam_math`, its ``div_through_f64``): compiled on CUDA (one fused kernel per buffer shape),
-    eager elsewhere (IEEE division as it is)."""
+    """(`flat_adam_math`, its ``div_through_f64``): compiled on CUDA (one fused kernel per buffer shape; Dynamo
+    caches the graph by the function's code, so every `FlatAdamStep` shares it), eager elsewhere."""
     if device_type != "cuda":
         return flat_adam_math, False
-    if "cuda" not in _compiled:
-        options, through_f64 = _compile_options()
-        _compiled["cuda"] = (torch.compile(flat_adam_math, fullgraph=True, dynamic=False, options=options),
-                             through_f64)
-    return _compiled["cuda"]
+    options, through_f64 = _compile_options()
+    return torch.compile(flat_adam_math, fullgraph=True, dynamic=False, options=options), through_f64
 
 
 @dataclasses.dataclass
@@ -209,10 +203,10 @@ class FlatAdamStep:
             key = grad.untyped_storage().data_ptr()
             by_storage.setdefault(key, (grad, []))[1].append((e, grad.storage_offset(), grad.numel(), grad.data_ptr()))
         self.buffers: list[FlatBuffer] = []
-        self._grad_ptrs: list = []  # per entry: the grad view's data_ptr (checked each step)
         for grad, items in by_storage.values():
             n = grad.untyped_storage().nbytes() // grad.element_size()
             self.buffers.append(self._build_buffer(grad.as_strided((n,), (1,), 0), items, group_of))
+        # per entry: the grad view's data_ptr, checked each step (`grads_in_place`)
         self._grad_ptrs = [(e, ptr) for _, items in by_storage.values() for e, _, _, ptr in items]
         self._grad_fn = grad_fn
         (beta1, beta2), eps = optimizer.param_groups[0]["betas"], optimizer.param_groups[0]["eps"]
@@ -225,6 +219,7 @@ class FlatAdamStep:
         self._hyper = torch.zeros(len(optimizer.param_groups), 2, dtype=torch.float64, device=device)
         self._hyper_host = torch.zeros(self._hyper.shape, dtype=torch.float64, pin_memory=device.type == "cuda")
         self._hyper_copied = None  # CUDA event after the last host-to-device copy of _hyper_host
+        self._kernel, self._div_through_f64 = _kernel(device.type)
         self._probe = None  # (main param, its exp_avg view) once bound: see `state_is_bound`
 
     @staticmethod
@@ -272,7 +267,9 @@ class FlatAdamStep:
                 state = self.optimizer.state[e.main]
                 for key, flat in (("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)):
                     view = flat[start:end].view(e.main.shape)
-                    if key in state and state[key] is not view:
+                    if key not in state:
+                        view.zero_()  # fresh (also after a state cleared later: no stale moments)
+                    elif state[key] is not view:
                         view.copy_(state[key])
                     state[key] = view
                 # a tensor of our own: a loaded state dict may share its step tensors with another optimizer
@@ -318,7 +315,6 @@ class FlatAdamStep:
         steps = [self.optimizer.state[e.main]["step"] for e in self.entries]
         torch._foreach_add_(steps, 1.0 - found_inf)  # torch: +1, then -found_inf
         self._upload_hyper()
-        kernel, through_f64 = _kernel(self.device.type)
         for buf in self.buffers:
-            kernel(buf.main, buf.grad, buf.exp_avg, buf.exp_avg_sq, buf.model, buf.group, self._hyper, self._consts,
-                   steps[0], divisor, found_inf, self._decoupled, through_f64)
+            self._kernel(buf.main, buf.grad, buf.exp_avg, buf.exp_avg_sq, buf.model, buf.group, self._hyper,
+                         self._consts, steps[0], divisor, found_inf, self._decoupled, self._div_through_f64)
