@@ -166,3 +166,35 @@ def test_grads_moved_off_the_layout_fall_back_to_torchs_kernel(caplog):
     assert opt.flat_step is None and caplog.text.count("no longer the views") == 1
     for x, y in zip(opt.entries, ref.entries):
         assert torch.equal(x.main, y.main) and torch.equal(x.model_param, y.model_param)
+
+
+def test_replaced_param_data_and_changed_betas_fall_back_to_torchs_kernel(caplog):
+    """A model param re-assigned after the layout (a re-init, ``model.to``) keeps training, through torch's
+    kernel, as with the flag off; betas / eps changed at run time reach the flat kernel (read each step)."""
+    opt, params, grads = _build(True)
+    ref, rparams, rgrads = _build(False)
+    for o in (opt, ref):
+        o.optimizer.param_groups[0]["betas"] = o.optimizer.param_groups[1]["betas"] = (0.8, 0.95)
+        o.optimizer.param_groups[0]["eps"] = o.optimizer.param_groups[1]["eps"] = 1e-3
+    _set_grads(grads, 0)
+    _set_grads(rgrads, 0)
+    opt.step()
+    ref.step()
+    assert opt.flat_step is not None
+    for x, y in zip(opt.entries, ref.entries):
+        torch.testing.assert_close(x.main.detach(), y.main.detach(), rtol=1e-6, atol=1e-8)
+    for p in (params[0], rparams[0]):
+        with torch.no_grad():
+            p.data = torch.zeros_like(p)
+    opt.reload_model_params()
+    ref.reload_model_params()
+    for step in (1, 3):
+        _set_grads(grads, step)
+        _set_grads(rgrads, step)
+        opt.step()
+        ref.step()
+    assert opt.flat_step is None and "param's .data was replaced" in caplog.text
+    assert not torch.equal(params[0], torch.zeros_like(params[0]))  # it trains
+    for x, y in zip(opt.entries, ref.entries):
+        torch.testing.assert_close(x.main.detach(), y.main.detach(), rtol=1e-6, atol=1e-8)
+        assert torch.equal(x.model_param.detach(), x.main.detach().to(torch.bfloat16))

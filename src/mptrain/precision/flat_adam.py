@@ -185,6 +185,12 @@ class FlatAdamStep:
     docstring. Construction moves the main and model params into the flat buffers (rebinding their
     ``.data``; values unchanged) and must come before the model's first forward.
 
+    It replaces the inner optimizer's ``step()`` and the wrapper's ``_copy_main_params_to_model_params``:
+    torch's optimizer step hooks do not run, and a subclass overriding that copy should keep it off. The
+    params being views, ``torch.save`` of one of them alone writes its whole buffer (checkpoints save
+    by param and are unaffected). On the CPU it runs eagerly, with float64 temporaries over the whole
+    buffer: far slower than torch's fused CPU kernel, meant for tests.
+
     Args:
         entries: the wrapper's entries (`why_not_flat` must have returned None for them).
         optimizer: the inner torch Adam / AdamW over the entries' main params.
@@ -206,19 +212,17 @@ class FlatAdamStep:
         for grad, items in by_storage.values():
             n = grad.untyped_storage().nbytes() // grad.element_size()
             self.buffers.append(self._build_buffer(grad.as_strided((n,), (1,), 0), items, group_of))
-        # per entry: the grad view's data_ptr, checked each step (`grads_in_place`)
+        # per entry: the addresses of its grad, main and model param views, checked each step (`why_not_now`)
         self._grad_ptrs = [(e, ptr) for _, items in by_storage.values() for e, _, _, ptr in items]
+        self._param_ptrs = [(e, e.main.data_ptr(), e.model_param.data_ptr()) for e in self.entries]
         self._grad_fn = grad_fn
-        (beta1, beta2), eps = optimizer.param_groups[0]["betas"], optimizer.param_groups[0]["eps"]
-        beta1, beta2 = float(beta1), float(beta2)
-        self._decoupled = bool(optimizer.param_groups[0].get("decoupled_weight_decay",
-                                                              isinstance(optimizer, torch.optim.AdamW)))
         device = self.buffers[0].main.device
         self.device = device
-        self._consts = torch.tensor([beta1, beta2, 1 - beta1, 1 - beta2, float(eps)], dtype=torch.float64, device=device)
-        self._hyper = torch.zeros(len(optimizer.param_groups), 2, dtype=torch.float64, device=device)
-        self._hyper_host = torch.zeros(self._hyper.shape, dtype=torch.float64, pin_memory=device.type == "cuda")
-        self._hyper_copied = None  # CUDA event after the last host-to-device copy of _hyper_host
+        # per step: [lr, weight_decay] per group, then beta1, beta2, 1 - beta1, 1 - beta2, eps (`_upload_scalars`)
+        n_scalars = 2 * len(optimizer.param_groups) + 5
+        self._scalars = torch.zeros(n_scalars, dtype=torch.float64, device=device)
+        self._scalars_host = torch.zeros(n_scalars, dtype=torch.float64, pin_memory=device.type == "cuda")
+        self._scalars_copied = None  # CUDA event after the last host-to-device copy of _scalars_host
         self._kernel, self._div_through_f64 = _kernel(device.type)
         self._probe = None  # (main param, its exp_avg view) once bound: see `state_is_bound`
 
@@ -246,9 +250,18 @@ class FlatAdamStep:
             buf.slots.append((e, start, end))
         return buf
 
-    def grads_in_place(self) -> bool:
-        """Whether every param's grad is still the view the layout was built on (grad_fn's contract)."""
-        return all(self._grad_fn(e.model_param).data_ptr() == ptr for e, ptr in self._grad_ptrs)
+    def why_not_now(self) -> Optional[str]:
+        """None while the layout and the scalars it was built for still hold, else why not (a phrase):
+        every grad is still the view it was laid out on (grad_fn's contract), every main and model param
+        still a view of its buffer (not re-assigned ``.data``: ``model.to(...)``, a user re-init), and
+        the param groups still share one betas / eps."""
+        if not all(self._grad_fn(e.model_param).data_ptr() == ptr for e, ptr in self._grad_ptrs):
+            return "the grads are no longer the views the flat buffers were laid out on"
+        if not all(e.main.data_ptr() == main and e.model_param.data_ptr() == model for e, main, model in self._param_ptrs):
+            return "a param's .data was replaced after the flat buffers were laid out"
+        if len({(tuple(g["betas"]), g["eps"]) for g in self.optimizer.param_groups}) > 1:
+            return "the param groups no longer share one betas / eps"
+        return None
 
     @torch.no_grad()
     def bind_state(self) -> None:
@@ -290,17 +303,27 @@ class FlatAdamStep:
         main, view = self._probe
         return self.optimizer.state.get(main, {}).get("exp_avg") is view
 
-    def _upload_hyper(self) -> None:
-        """(lr, weight_decay) of every param group onto the device without waiting for it (the LR
-        schedule writes a float ``lr`` each step): pinned staging, asynchronous copy."""
-        if self._hyper_copied is not None:
-            self._hyper_copied.synchronize()  # the copy of the previous step (long done) before reuse
-        values = [(float(g["lr"]), float(g.get("weight_decay", 0.0))) for g in self.optimizer.param_groups]
-        self._hyper_host.copy_(torch.tensor(values, dtype=torch.float64))
-        self._hyper.copy_(self._hyper_host, non_blocking=True)
+    def _upload_scalars(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's scalars on the device without waiting for it (the LR schedule writes a float ``lr``
+        each step; betas / eps are read each step too): pinned staging, asynchronous copy.
+
+        Returns:
+            (hyper float64 ``[G, 2]`` (lr, weight_decay) per group, consts float64 ``[5]``).
+        """
+        if self._scalars_copied is not None:
+            self._scalars_copied.synchronize()  # the copy of the previous step (long done) before reuse
+        groups = self.optimizer.param_groups
+        (beta1, beta2), eps = groups[0]["betas"], groups[0]["eps"]
+        beta1, beta2 = float(beta1), float(beta2)  # 1 - beta formed here, in double, as torch's source
+        values = [v for g in groups for v in (float(g["lr"]), float(g.get("weight_decay", 0.0)))]
+        self._scalars_host.copy_(torch.tensor(values + [beta1, beta2, 1 - beta1, 1 - beta2, float(eps)],
+                                              dtype=torch.float64))
+        self._scalars.copy_(self._scalars_host, non_blocking=True)
         if self.device.type == "cuda":
-            self._hyper_copied = torch.cuda.Event()
-            self._hyper_copied.record()
+            self._scalars_copied = torch.cuda.Event()
+            self._scalars_copied.record()
+        n = 2 * len(groups)
+        return self._scalars[:n].view(len(groups), 2), self._scalars[n:]
 
     @torch.no_grad()
     def step(self, divisor: torch.Tensor, found_inf: torch.Tensor) -> None:
@@ -314,7 +337,9 @@ class FlatAdamStep:
             self.bind_state()
         steps = [self.optimizer.state[e.main]["step"] for e in self.entries]
         torch._foreach_add_(steps, 1.0 - found_inf)  # torch: +1, then -found_inf
-        self._upload_hyper()
+        hyper, consts = self._upload_scalars()
+        group = self.optimizer.param_groups[0]
+        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
         for buf in self.buffers:
-            self._kernel(buf.main, buf.grad, buf.exp_avg, buf.exp_avg_sq, buf.model, buf.group, self._hyper,
-                         self._consts, steps[0], divisor, found_inf, self._decoupled, self._div_through_f64)
+            self._kernel(buf.main, buf.grad, buf.exp_avg, buf.exp_avg_sq, buf.model, buf.group, hyper, consts,
+                         steps[0], divisor, found_inf, decoupled, self._div_through_f64)

@@ -446,9 +446,9 @@ class OptimizerWrapper:
         found_inf = ((non_finite > 0) | ~torch.isfinite(total_norm)).float().reshape(())
         if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
             divisor = divisor / (self.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
-        if self.flat_step is not None and not self.flat_step.grads_in_place():
-            logger.warning("precision.flat_adam_step: the grads are no longer the views the flat buffers were "
-                           "laid out on; torch's kernel steps from now on")
+        why_not = None if self.flat_step is None else self.flat_step.why_not_now()
+        if why_not is not None:  # the params and state stay valid views: torch's kernel steps them as they are
+            logger.warning("precision.flat_adam_step: %s; torch's kernel steps from now on", why_not)
             self.flat_step = None
         if self.flat_step is not None:
             self.flat_step.step(divisor, found_inf)  # the same update, the model params written in the pass
@@ -598,8 +598,8 @@ def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, b
     target = wrapper_target(precision_cfg, use_distributed_optimizer)
     flat = bool(getattr(precision_cfg, "flat_adam_step", False))
     if flat and "flat_adam_step" not in (accepted_keywords(target) or {"flat_adam_step"}):
-        logger.warning("precision.flat_adam_step=true is ignored: %s does not take it (the distributed optimizer "
-                       "steps its shards with torch's kernel)", getattr(target, "__name__", target))
+        logger.warning("precision.flat_adam_step=true is ignored: the optimizer wrapper %s does not take it",
+                       getattr(target, "__name__", target))
     node = {"_target_": target, **extra_keys(precision_cfg)}
     offered = dict(build_optimizer=build_optimizer, params=params, specs=specs, grad_fn=lambda p: owner[p].main_grad(p),
                    model_chunks=list(model_chunks), groups=groups, scaler=scaler, clip_grad=clip_grad,
