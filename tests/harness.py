@@ -1,7 +1,8 @@
 """Run a function on N gloo processes on CPU: a persistent pool per world size.
 
 Importing torch in 8 processes costs ~8 s on a 2-core machine, so each world size keeps one
-pool of worker processes alive across tests (`run_distributed`). Every worker has joined one
+pool of worker processes alive across tests (`run_distributed`), until its workers hold too many
+leaked threads (`_RECYCLE_THREADS`). Every worker has joined one
 default gloo group of that size; a task is a picklable, module-level function
 ``fn(rank, world_size, *args) -> result`` that every worker runs. Results come back as a list
 indexed by rank.
@@ -33,6 +34,15 @@ import traceback
 
 _POOLS: dict = {}
 _GRACE_S = 5.0
+# Suite time: a training job (`mptrain.training.run.run`) leaves ~15 threads per world-2 worker
+# behind (its destroyed sub-groups' `gloo_tcp_loop` / `pt_gloo_runloop` threads stay alive; a bare
+# new_group + all_reduce + destroy_process_group leaves none), and the idle `gloo_tcp_loop` threads
+# keep waking up: a worker idling with ~680 threads used 0.25 of a core, ~300 threads 0.09, ~150
+# 0.04. In a full suite run the pools' workers reached ~700 threads each (the 4-rank pool alone
+# then drains about a core, even while idle): load average 30-200 and tests 2-5x slower than alone.
+# A pool whose worker holds more than this many threads is closed after its task; the next call
+# starts a fresh one.
+_RECYCLE_THREADS = 150
 
 
 class DistributedTestError(AssertionError):
@@ -162,6 +172,16 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
+    def max_threads(self) -> int:
+        """The largest thread count of a worker (Linux /proc; 0 where it cannot be read)."""
+        counts = [0]
+        for p in self.procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+            except OSError:
+                continue
+        return max(counts)
+
     def kill(self) -> None:
         for p in self.procs:
             if p.is_alive():
@@ -190,7 +210,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0, **kwar
             pool.kill()
         pool = _Pool(world_size)
         _POOLS[world_size] = pool
-    return pool.run(fn, args, kwargs, timeout_s)
+    out = pool.run(fn, args, kwargs, timeout_s)
+    if pool.max_threads() > _RECYCLE_THREADS:  # leaked gloo threads (see _RECYCLE_THREADS)
+        pool.close()
+    return out
 
 
 @atexit.register
