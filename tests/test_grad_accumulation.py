@@ -112,22 +112,38 @@ def test_fused_accumulation_bf16_params_fp32_main_grad():
     _check(fused, plain, exact=True)  # CPU: bf16 product then fp32 add, as the hook does
 
 
+@pytest.fixture(scope="module")
+def tp2_buffers():
+    """`_buffers` at tp 2 (``fused``, sp, compile_layers) -> results by rank, each case run once per
+    module: the K-major test's plain (non-K-major) runs are three of test_fused_accumulation_tp2's
+    runs (suite time: one compiled tp-2 run fewer)."""
+    memo = {}
+
+    def get(fused, sp, compile_layers):
+        key = (fused, sp, compile_layers)
+        if key not in memo:
+            memo[key] = run_distributed(_buffers, 2, 2, fused, sp=sp, compile_layers=compile_layers)
+        return memo[key]
+
+    return get
+
+
 @pytest.mark.parametrize("sp, compile_layers", [(False, False), (True, False), (True, True)])
-def test_fused_accumulation_tp2(sp, compile_layers):
-    fused = run_distributed(_buffers, 2, 2, True, sp=sp, compile_layers=compile_layers)
-    plain = run_distributed(_buffers, 2, 2, False, sp=sp, compile_layers=compile_layers)
+def test_fused_accumulation_tp2(tp2_buffers, sp, compile_layers):
+    fused = tp2_buffers(True, sp, compile_layers)
+    plain = tp2_buffers(False, sp, compile_layers)
     for f, p in zip(fused, plain):
         _check(f, p, exact=False)
 
 
 @pytest.mark.parametrize("fused, compile_layers", [(True, False), (False, False), (True, True)])
-def test_kmajor_weight_grad_equals_plain(fused, compile_layers):
+def test_kmajor_weight_grad_equals_plain(tp2_buffers, fused, compile_layers):
     """parallel.tf32_wgrad_transpose's Xᵀ copies (forced on CPU): same grads, fused into main_grad
     or returned. With SP the column-parallel layers take `transpose.transpose_copy` (its CPU
     fallback here), the row-parallel ones ``.contiguous()``; under compile those are Inductor's.
     """
     kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True)
-    plain = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers)
+    plain = tp2_buffers(fused, True, compile_layers)
     for k, p in zip(kmajor, plain):
         torch.testing.assert_close(k["data"], p["data"], rtol=1e-5, atol=1e-6)
         assert k["grads_seen"] == [] and k["breaks"] == 0 and k["data"].abs().sum() > 0
