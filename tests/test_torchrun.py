@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -117,13 +118,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
         assert rows == ref_rows
 
 
-def test_stalled_rank_ends_the_job_through_the_step_timeout(tmp_path):
+def test_stalled_rank_ends_the_job_through_the_step_timeout(stall_jobs):
     """`train.step_timeout_s` after the first step: a rank that stalls makes its peers' collectives time out."""
-    t0 = time.monotonic()
-    out = _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *TINY, "parallel=tp2pp1", "train.train_iters=6",
-                "train.step_timeout_s=3", "debug.sleep_rank=1", "debug.sleep_seconds=120", f"run.dir={tmp_path}/r"],
-               timeout_s=100)
-    elapsed = time.monotonic() - t0
+    out, elapsed = stall_jobs["stalled_rank"]()
     assert out.returncode != 0
     assert elapsed < 60, elapsed  # the design's bound; the stall alone would last 120 s
     assert "job failed" in out.stderr  # rank 0's collective timed out and it exited at once
@@ -134,20 +131,16 @@ def test_stalled_rank_ends_the_job_through_the_step_timeout(tmp_path):
     assert "forcefully exiting" not in out.stderr  # torchrun never escalated to SIGKILL
 
 
-def test_stalled_step_ends_the_process_through_the_heartbeat(tmp_path):
+def test_stalled_step_ends_the_process_through_the_heartbeat(stall_jobs):
     """`python train.py` (world 1, so no collective can time out): a step stalled past `train.step_timeout_s` +
     max(10 s, train.step_timeout_s) ends the process with one line and exit 1 (training/watchdog.py)."""
-    run_dir = tmp_path / "r"
-    t0 = time.monotonic()
-    out = _run([sys.executable, "train.py", *TINY, "parallel=tp1pp1", "train.train_iters=6", "train.step_timeout_s=1",
-                "debug.sleep_rank=0", "debug.sleep_seconds=120", f"run.dir={run_dir}"], timeout_s=100)
-    elapsed = time.monotonic() - t0
+    out, elapsed = stall_jobs["stalled_step"]()
     assert out.returncode == 1, out.stderr[-3000:]
     assert 11 <= elapsed < 60, elapsed  # the heartbeat's limit is 1 + 10 s; the stall alone would last 120 s
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 0: iteration 2 did not finish within 11 s (train.step_timeout_s=1); "
                       "a peer rank failed or stalled; exiting"], out.stderr[-3000:]
-    assert [r["iteration"] for r in read_rows(run_dir)] == [1]  # the first step ran unarmed and was recorded
+    assert [r["iteration"] for r in read_rows(stall_jobs.root / "stalled_step")] == [1]  # the first step ran unarmed
 
 
 _SLOW_RANK0 = '''
@@ -196,24 +189,86 @@ main()
 '''
 
 
-def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(tmp_path):
+def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(stall_jobs):
     """Evaluation and checkpoint saves run under train.timeout_s, not train.step_timeout_s (rank 0 3 s late in
     each at iteration 2, step timeout 1 s: both complete, the job goes on); the step timeout is back in force
     for the next steps (a rank stalled in step 4 ends the job). One run checks both (suite time)."""
-    script = tmp_path / "slow_rank0.py"
-    script.write_text(_SLOW_RANK0.format(root=str(ROOT / "src"), conf=str(ROOT / "conf")))
-    env = {**ENV, "SLOW_S": "3", "STALL_STEP": "4"}
-    t0 = time.monotonic()
-    out = subprocess.run([*TORCHRUN, "--nproc_per_node=2", str(script), "model=tiny", "parallel=tp2pp1",
-                          "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_iters=4",
-                          "train.eval_interval=2", "train.eval_iters=1", "train.step_timeout_s=1",
-                          f"checkpoint.save={tmp_path}/ckpt", "checkpoint.save_interval=2", f"run.dir={tmp_path}/r"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    out, elapsed = stall_jobs["slow_rank0"]()
+    tmp_path = stall_jobs.root / "slow_rank0"
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     # the slow evaluation and save at iteration 2 completed, and step 3 ran after them
     assert [(r["split"], r["iteration"]) for r in rows] == [
         ("valid", 0), ("train", 1), ("train", 2), ("valid", 2), ("train", 3)], out.stderr[-3000:]
     assert (tmp_path / "ckpt" / "iter_0000002").is_dir()
     assert out.returncode != 0
-    assert time.monotonic() - t0 < 90  # the stall alone lasts 120 s
+    assert elapsed < 90  # the stall alone lasts 120 s
     assert "job failed" in out.stderr, out.stderr[-3000:]  # rank 0's collective timed out at 1 s
+
+
+class _StallJobs(dict):
+    root: Path
+
+
+def _has_train_row(text: str, iteration: int) -> bool:
+    """Whether metrics.jsonl ``text`` (its last line possibly still being written) holds train row ``iteration``."""
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("split") == "train" and row.get("iteration") == iteration:
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def stall_jobs(tmp_path_factory):
+    """``stall_jobs[name]()`` -> (CompletedProcess, elapsed_s) of the three stall tests' jobs, run side by side in
+    threads (suite time: each spends most of its time waiting for a timeout or a sleeping rank; they ran one
+    after another). The slow-rank-0 job starts first; its steps 1-3 must each finish within its 1 s step
+    timeout, so the other two (whose limits are 3 s and 11 s, armed only for the stalled step) start once it
+    recorded iteration 3. Each job has its own folder under ``stall_jobs.root``; the commands, limits and hang
+    guards are the ones the tests ran, and each job's elapsed time is measured from its own launch."""
+    root = tmp_path_factory.mktemp("stalls")
+    slow = root / "slow_rank0"
+    slow.mkdir()
+    script = slow / "slow_rank0.py"
+    script.write_text(_SLOW_RANK0.format(root=str(ROOT / "src"), conf=str(ROOT / "conf")))
+
+    def timed(run):
+        t0 = time.monotonic()
+        out = run()
+        return out, time.monotonic() - t0
+
+    def slow_rank0():
+        return subprocess.run(
+            [*TORCHRUN, "--nproc_per_node=2", str(script), "model=tiny", "parallel=tp2pp1",
+             "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_iters=4",
+             "train.eval_interval=2", "train.eval_iters=1", "train.step_timeout_s=1",
+             f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"],
+            cwd=ROOT, env={**ENV, "SLOW_S": "3", "STALL_STEP": "4"}, capture_output=True, text=True, timeout=150)
+
+    def after_slow_rank0_step_3(run):
+        def gated():
+            metrics, deadline = slow / "r" / "metrics.jsonl", time.monotonic() + 150
+            while not first.done() and time.monotonic() < deadline:
+                if metrics.exists() and _has_train_row(metrics.read_text(), 3):
+                    break
+                time.sleep(0.1)
+            return timed(run)
+        return gated
+
+    others = {
+        "stalled_rank": lambda: _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *TINY, "parallel=tp2pp1",
+                                      "train.train_iters=6", "train.step_timeout_s=3", "debug.sleep_rank=1",
+                                      "debug.sleep_seconds=120", f"run.dir={root}/stalled_rank/r"], timeout_s=100),
+        "stalled_step": lambda: _run([sys.executable, "train.py", *TINY, "parallel=tp1pp1", "train.train_iters=6",
+                                      "train.step_timeout_s=1", "debug.sleep_rank=0", "debug.sleep_seconds=120",
+                                      f"run.dir={root / 'stalled_step'}"], timeout_s=100),
+    }
+    with ThreadPoolExecutor(1 + len(others)) as pool:
+        first = pool.submit(timed, slow_rank0)
+        futures = {"slow_rank0": first, **{name: pool.submit(after_slow_rank0_step_3(run)) for name, run in others.items()}}
+        out = _StallJobs({name: (lambda f=f: f.result()) for name, f in futures.items()})
+        out.root = root
+        yield out
