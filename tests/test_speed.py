@@ -61,8 +61,10 @@ def test_cross_entropy_amax_matches_log_softmax():
 def test_small_suite_rows_and_reference_env():
     cfgs = bc.suite("small", 1)
     assert [c.name for c in cfgs] == ["s_gpt11m_s256_mb64", "s_gpt124m_s1024_mb12", "s_gpt1.3b_mb4x4", "s_gpt350m_mb8",
-                                      "s_gpt1.3b_mb8x2", "s_gpt1.3b_mb16x1"]
-    assert {c.global_batch_size for c in cfgs if c.model == "gpt_1.3b"} == {16}
+                                      "s_gpt1.3b_mb8x2", "s_gpt1.3b_mb16x1", "s_gpt1.3b_mb16x4"]
+    # the table's splits of one global batch (16 × 2048 tokens), and the larger batch of 64 sequences
+    assert {c.name: c.global_batch_size for c in cfgs if c.model == "gpt_1.3b"} == {
+        "s_gpt1.3b_mb4x4": 16, "s_gpt1.3b_mb8x2": 16, "s_gpt1.3b_mb16x1": 16, "s_gpt1.3b_mb16x4": 64}
     small = cfgs[0]
     assert (small.shape.num_layers, small.shape.hidden_size, small.preset) == (6, 384, "gpt_125m")
     o = bc.mptrain_overrides(small, "compile", "/tmp/x")
