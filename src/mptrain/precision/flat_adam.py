@@ -39,12 +39,9 @@ The per-param ``step`` counts stay torch's (one float32 tensor per param, +1 per
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable, Optional
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
 
