@@ -43,9 +43,6 @@ from typing import Callable, Optional
 
 import torch
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
 def flat_adam_math(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    model_param: torch.Tensor, group: torch.Tensor, hyper: torch.Tensor, consts: torch.Tensor,
                    step: torch.Tensor, divisor: torch.Tensor, found_inf: torch.Tensor, decoupled: bool,
@@ -149,20 +146,25 @@ class FlatBuffer:
     exp_avg_sq: Optional[torch.Tensor] = None  # while the params' old storage is still alive
 
 
+def _share_betas_and_eps(groups: list) -> bool:
+    """One (betas, eps) for every param group: the kernel takes them as scalars, not per group."""
+    return len({(tuple(g["betas"]), g["eps"]) for g in groups}) == 1
+
+
 def why_not_flat(entries: list, optimizer, grad_fn: Callable) -> Optional[str]:
     """None when the flat step applies to these entries and inner optimizer, else the reason (a phrase).
 
     It applies to torch.optim.Adam / AdamW (fused, no amsgrad / maximize, one betas and eps) over fp32
     main copies of half model params whose grads are contiguous views of shared buffers.
     """
-    from mptrain.precision.optimizer import MainParamEntry  # noqa: PLC0415 - it imports this module
+    from mptrain.precision.optimizer import _HALF, MainParamEntry  # noqa: PLC0415 - it imports this module
 
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not optimizer.defaults.get("fused"):
         return "the inner optimizer is not torch's fused Adam / AdamW"
     groups = optimizer.param_groups
     if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in groups):
         return "amsgrad / maximize / differentiable"
-    if len({(tuple(g["betas"]), g["eps"]) for g in groups}) > 1:
+    if not _share_betas_and_eps(groups):
         return "param groups with different betas or eps"
     if len(groups) > 255:
         return "more than 255 param groups"
@@ -256,7 +258,7 @@ class FlatAdamStep:
             return "the grads are no longer the views the flat buffers were laid out on"
         if not all(e.main.data_ptr() == main and e.model_param.data_ptr() == model for e, main, model in self._param_ptrs):
             return "a param's .data was replaced after the flat buffers were laid out"
-        if len({(tuple(g["betas"]), g["eps"]) for g in self.optimizer.param_groups}) > 1:
+        if not _share_betas_and_eps(self.optimizer.param_groups):
             return "the param groups no longer share one betas / eps"
         return None
 
