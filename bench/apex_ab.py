@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""apex A/B through the trainer on one GPU (issue 21): optim.impl=torch vs apex, LayerNorm vs ApexFusedLayerNorm.
+"""apex A/B through the trainer on one GPU: optim.impl=torch vs apex, LayerNorm vs ApexFusedLayerNorm.
 
     python3 bench/apex_ab.py --out DIR [--iters 20] [--warmup 5]
 

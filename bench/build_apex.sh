@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build NVIDIA apex (C++ + CUDA extensions, sm_90) from the vendored tarball on the GPU machine and
-# install it into /tmp/site (issue 21's recipe: ~156 s on 16 cores, a ~43 MB wheel).
-#   usage (in a device call, tarball carried): bench/build_apex.sh path/to/apex-6424da3.tar.gz [wheel_dir]
+# install it into a site folder (a few minutes on 16 cores, a ~43 MB wheel).
+#   usage (on the GPU machine, tarball copied there): bench/build_apex.sh path/to/apex-6424da3.tar.gz [wheel_dir]
 # Then: export PYTHONPATH=/tmp/site:$PYTHONPATH; python3 -c 'import apex.optimizers, fused_layer_norm_cuda'
 set -euo pipefail
 tarball=${1:?apex tarball}; wheels=${2:-/tmp/apex-wheel}

@@ -1,4 +1,4 @@
-"""Seconds a checkpoint save blocks training, checkpoint.async_save=false vs true (issue 23).
+"""Seconds a checkpoint save blocks training, checkpoint.async_save=false vs true.
 
 Runs `train.py`'s job in-process (world 1, or under torchrun) for each mode: `--iters` iterations
 with a save every `--interval`, and reads the "training blocked X s" of every save from the run's

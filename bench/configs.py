@@ -1,4 +1,4 @@
-"""The benchmark configs of issue 10 and the commands that run them (mptrain and the megatron-core peer).
+"""The benchmark configs and the commands that run them (mptrain and the megatron-core peer).
 
 A `BenchConfig` is one model shape × layout × precision × batch, run by both trainers with the same
 micro-batch size, number of micro-batches, warm-up and timed iterations. Global batch
@@ -9,7 +9,7 @@ FLOPs per iteration (DESIGN.md §2, the peer's formula): F = 6·N·T + 12·L·h�
 N = 12·L·h² + V_pad·h and V_pad the vocab padded to a multiple of 128 × tp.
 
 Suites (`suite(name, gpus)`): ``quick`` (a harness smoke test: 2 timed iterations of small and
-real shapes), ``full`` (issue 10's configs a-d, ordered by priority so that a time budget cuts the
+real shapes), ``full`` (configs a-d against megatron-core, ordered by priority so that a time budget cuts the
 least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`).
 """
 
@@ -41,7 +41,7 @@ MODEL_SHAPES = {
     "gpt_350m": ModelShape(24, 1024, 16, 2048, 50257),
 }
 
-# Bench-only shapes of issue 20's table (no conf/model preset of their own): name -> (the preset
+# Bench-only shapes of the single-GPU table (no conf/model preset of their own): name -> (the preset
 # they override, the shape). `mptrain_overrides` passes their sizes as model.* overrides.
 BENCH_SHAPES = {
     "gpt_11m_s256": ("gpt_125m", ModelShape(6, 384, 6, 256, 50257)),
@@ -52,13 +52,13 @@ BENCH_SHAPES = {
 # "env:NAME=VALUE" sets an environment variable of the run instead (`variant_env`).
 VARIANTS = {
     "base": (),
-    "compile": ("model.compile_layers=true",),  # compile_scope=chunk (the default) since 2026-12-01 session 2
+    "compile": ("model.compile_layers=true",),  # compile_scope=chunk, the default
     "compile_layer": ("model.compile_layers=true", "model.compile_scope=layer"),
     "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
-    # A/B of train.defer_step_read (on by default since 2026-12-01 session 3): every step read at its end
+    # A/B of train.defer_step_read (on by default on CUDA): every step read at its end
     "compile_sync": ("model.compile_layers=true", "train.defer_step_read=false"),
-    # allocator and Inductor knobs (environment only, same math), tried at gpt_1.3b in calls 20261201e1-e3:
-    # none is worth a default (BENCHMARKS.md, GPU round 5)
+    # allocator and Inductor knobs (environment only, same math), tried at gpt_1.3b:
+    # none is worth a default (bench/reports/2026-12-02-single-gpu-speed.md)
     "compile_expseg": ("model.compile_layers=true", "env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
     "compile_cdt": ("model.compile_layers=true", "env:TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1"),
     "compile_apt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1"),
@@ -222,7 +222,7 @@ def _quick(gpus: int) -> list:
 
 
 def _small(gpus: int) -> list:
-    """Issue 20's table: mptrain (compiled layers) against the compiled plain-PyTorch GPT at each shape,
+    """The single-GPU table: mptrain (compiled layers) against the compiled plain-PyTorch GPT at each shape,
     both in one call (ratios only within a call). Ordered by priority."""
     small = dict(gpus=1, tp=1, pp=1, precision="bf16", warmup=3, iters=10, variants=("compile",), peer=False,
                  reference=True)

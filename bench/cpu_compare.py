@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/cpu_compare.py [--runs 3] [--iters 40] [--warmup 5]
     OMP_NUM_THREADS=1 PYTHONPATH=src python bench/cpu_compare.py --ab train.manual_gc=true [--runs 3] ...
 
-Shape: issue 20's CPU row (4 layers × 128 hidden, 4 heads, micro batch 12 × seq 64, fp32, AdamW,
+Shape: the CPU benchmark row (4 layers × 128 hidden, 4 heads, micro batch 12 × seq 64, fp32, AdamW,
 clip 1.0, dropout 0, mock data). Each run is a fresh process; runs alternate reference / mptrain so
 that a busy shared machine slows both alike. mptrain's step time per iteration is
 ``tokens / tokens_per_s`` of metrics.jsonl (the trainer's own ``train_step`` wall time, which ends in

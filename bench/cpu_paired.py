@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""mptrain tp1pp1 vs the eager reference GPT in ONE process, step by step (issue 20's CPU row).
+"""mptrain tp1pp1 vs the eager reference GPT in ONE process, step by step (the CPU benchmark row).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src:tests python bench/cpu_paired.py [--iters 60] [extra Hydra overrides]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A plain eager PyTorch GPT on the CPU: the overhead floor mptrain's tp1pp1 step is compared with (issue 20).
+"""A plain eager PyTorch GPT on the CPU: the overhead floor mptrain's tp1pp1 step is compared with.
 
     OMP_NUM_THREADS=1 python bench/cpu_reference.py [--layers 4 --hidden 128 --heads 4 --seq 64 --mbs 12
         --vocab 1024 --iters 40 --warmup 5]

@@ -3,7 +3,7 @@
 
     OMP_NUM_THREADS=1 python bench/gc_in_loop.py [--iters 60] [extra Hydra overrides]
 
-Runs issue 20's CPU shape (`bench/cpu_compare.py`'s: 4 layers × 128, micro batch 12 × 64, AdamW, fp32) in this process and
+Runs the CPU benchmark shape (`bench/cpu_compare.py`'s: 4 layers × 128, micro batch 12 × 64, AdamW, fp32) in this process and
 times every collection that starts inside the loop (``gc.callbacks``, from the loop's first
 iteration to the end of the run). Prints one JSON line: the loop's wall seconds, the collections by
 generation, the seconds spent in them and their share of the loop.

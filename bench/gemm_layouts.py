@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--no-tf32", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        parser.exit(2, "gemm_layouts: needs a CUDA GPU (run it through the device tool)\n")
+        parser.exit(2, "gemm_layouts: needs a CUDA GPU (run it on a GPU machine)\n")
     torch.backends.cuda.matmul.allow_tf32 = not args.no_tf32
     dtype, t = DTYPES[args.dtype], args.tokens
     gpu = torch.cuda.get_device_name()

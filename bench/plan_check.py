@@ -1,4 +1,4 @@
-"""Predicted (planner) vs measured (torch.cuda.max_memory_allocated) peak memory, per rank (issue 12).
+"""Predicted (planner) vs measured (torch.cuda.max_memory_allocated) peak memory, per rank.
 
     torchrun --nproc_per_node=8 bench/plan_check.py model=gpt_1.3b precision=bf16 parallel=tp2pp2 \
         train.micro_batch_size=1 train.global_batch_size=16 train.train_iters=4 train.eval_interval=null \

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Turn bench/results.jsonl into the tables of BENCHMARKS.md (mptrain vs megatron-core, by call_id).
+"""Turn result rows of bench/run_bench.py into markdown tables (mptrain vs megatron-core, by call_id).
 
-    python3 bench/report.py [--results bench/results.jsonl] [--merge FILE ...] [--md BENCHMARKS.md] [--print]
+    python3 bench/report.py [--results bench/results.jsonl] [--merge FILE ...] [--md REPORT.md]
 
-``--merge`` appends the rows of FILE (e.g. the device call's ``$OUT/results.jsonl``) that
-results.jsonl does not hold yet. The tables replace the text between the two marker lines of
-BENCHMARKS.md (``BEGIN``/``END`` below); everything else in the file is left as written.
+``--merge`` appends the rows of FILE (e.g. the GPU machine's ``$OUT/results.jsonl``) that
+``--results`` does not hold yet. With ``--md`` the tables replace the text between the two marker
+lines of that file (``BEGIN``/``END`` below; appended when absent) and everything else in the file is
+left as written; without it they are printed. The rows behind the dated reports are in
+``bench/reports/data/*.jsonl``, e.g. ``--results bench/reports/data/2026-11-30-megatron-core.jsonl``.
 
 One table per call_id (rows measured together on one machine), one line per mptrain
 (config, variant) beside the peer's row of the same config: tokens/s/GPU, TFLOP/s/GPU, MFU
@@ -143,7 +145,7 @@ def render(rows: list) -> str:
         by_call.setdefault(r["call_id"], []).append(r)
     out = [BEGIN, ""]
     if not by_call:
-        out += ["_No results yet: run `bench/run_bench.py` on the GPU machine, then `bench/report.py --merge`._", ""]
+        out += ["_No results yet: run `bench/run_bench.py` on a GPU machine, then `bench/report.py --merge`._", ""]
     for call_id in sorted(by_call, reverse=True):
         rows_c = by_call[call_id]
         out += [f"### call `{call_id}`", "", _versions(rows_c), ""]
@@ -170,14 +172,14 @@ def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default=str(ROOT / "bench" / "results.jsonl"))
     p.add_argument("--merge", nargs="*", default=[], help="JSONL files whose new rows are appended to --results first")
-    p.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"))
+    p.add_argument("--md", default=None, help="markdown file whose marked block is rewritten (default: print)")
     p.add_argument("--print", action="store_true", help="print the tables instead of writing --md")
     args = p.parse_args(argv)
     results = Path(args.results)
     if args.merge:
         print(f"merged {merge(results, args.merge)} new rows into {results}")
     block = render(read_rows(results))
-    if args.print:
+    if args.print or args.md is None:
         print(block)
         return 0
     Path(args.md).write_text(update_markdown(Path(args.md), block))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run mptrain and the megatron-core peer on the same configs in one device call; append JSON rows.
+"""Run mptrain and the megatron-core peer on the same configs in one run; append JSON rows.
 
     python3 bench/run_bench.py --suite quick|full|ceiling --out $OUT/results.jsonl --call-id ID \
         [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
@@ -14,7 +14,7 @@ tokens_per_s_per_gpu, tflops_per_gpu, mfu, peak_mem_gib, status, + versions, lay
 ``full`` also probes which SDPA kernel runs for each attention shape (``sdpa_probe.jsonl`` beside
 ``--out``) and runs the compiled plain-PyTorch reference (`bench/peer/torch_ceiling.py`) after
 config (b). Logs and run folders go under ``<dir of --out>/bench_logs``. Runs that do not fit in
-``--budget-s`` (the device call is capped at 600 s) are recorded with status "skipped".
+``--budget-s`` (e.g. a GPU lease capped at 600 s) are recorded with status "skipped".
 
 Throughput of mptrain: rank 0's per-iteration ``tokens_per_s`` from metrics.jsonl (each step ends
 with a host sync for the loss), warm-up iterations dropped, mean iteration time = Σ T / tokens_per_s_i
@@ -399,7 +399,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--variants", default=None,
                    help="comma-separated mptrain variants run for every selected config (default: each config's own)")
     p.add_argument("--trainers", default=",".join(TRAINERS), help="mptrain,megatron-core (either or both)")
-    p.add_argument("--budget-s", type=float, default=560.0, help="whole-script deadline (device calls stop at 600 s)")
+    p.add_argument("--budget-s", type=float, default=560.0, help="whole-script deadline in seconds")
     p.add_argument("--profile", nargs="?", const="base", default=None, metavar="VARIANTS",
                    help="profile these mptrain variants (comma-separated; default base): kernel tables in the logs")
     p.add_argument("--iters", type=int, default=None,

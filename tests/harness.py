@@ -14,7 +14,7 @@ runs past ``timeout_s`` is treated the same way (a hang guard, not a speed asser
 
 Tasks must leave no process groups behind (use try/finally with ``groups.destroy()``).
 
-Stale code: a worker imports modules lazily and keeps them for the whole session, so a source file
+Stale code: a worker imports modules lazily and keeps them for the whole test run, so a source file
 edited while a long run is going (a shared working tree) leaves workers running the old code while
 tracebacks print the new file's lines. A failure report lists the repository sources loaded in the
 failing process that changed on disk after it started (`_changed_sources`): rerun before debugging.
@@ -50,7 +50,7 @@ class DistributedTestError(AssertionError):
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_STARTED = time.time()  # this process's start (pytest's: the session's)
+_STARTED = time.time()  # this process's start (under pytest: the test run's)
 
 
 def _changed_sources(since: float, where: str) -> str:

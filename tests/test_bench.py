@@ -1,4 +1,4 @@
-"""Issue 10 harness (CPU): configs vs conf/model, the FLOP formula, result rows, the report table,
+"""The benchmark harness (CPU): configs vs conf/model, the FLOP formula, result rows, the report table,
 `run_bench.py --dry-run`, and one real CPU run of bench/mptrain_entry.py turned into a row."""
 
 import dataclasses
@@ -209,7 +209,7 @@ def test_profile_runs_are_extra_jobs_with_variant_env(tmp_path):
 
 
 def test_kernel_categories_of_the_profile_split():
-    """H200 kernel names from the session-2 profiles land in the intended categories (attention's
+    """H200 kernel names from real profiles land in the intended categories (attention's
     CUTLASS kernels before GEMM, compiled Triton kernels apart from eager elementwise ones)."""
     cases = {
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "nccl",

@@ -1,11 +1,11 @@
-"""`model.compile_layers` (issue 10 speed option): the compiled model computes the eager model's function.
+"""`model.compile_layers` (a speed option): the compiled model computes the eager model's function.
 
 Each rank builds the same tiny GPT twice from the same seed (eager, then with every
 TransformerLayer's forward through `torch.compile`) and compares the per-token loss and every
 weight grad. At tp 2 the TP collectives inside the layer (f / g autograd Functions) are part of
 the compiled region and must be the functional collectives: while compiling, no in-place c10d
 collective (``dist.all_reduce`` ...) may be traced. On NCCL, Dynamo's rewrite of those gave wrong
-weight grads (2 x H200, `bench/scripts/compile_tp_check.py`) where gloo gave right ones, so the
+weight grads (2 x H200, bench/reports/2026-11-30-compile-tp-correctness.md) where gloo gave right ones, so the
 gloo equality alone could not catch it. Skipped where torch.compile cannot build on CPU (no C++
 compiler).
 """

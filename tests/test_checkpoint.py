@@ -1,4 +1,4 @@
-"""Checkpoint save / load / resharding on hand-built model chunks + optimizer wrappers (issue 9).
+"""Checkpoint save / load / resharding on hand-built model chunks + optimizer wrappers.
 
 The state written is synthetic and layout-independent: every model param, fp32 main param and
 Adam moment is this rank's shard (`take_shard`) of a full tensor drawn from (global key), so the

@@ -1,4 +1,4 @@
-"""Issue 9 acceptance with real subprocesses: SIGKILL in the middle of a save, and an injected
+"""Checkpoint faults with real subprocesses: SIGKILL in the middle of a save, and an injected
 exception on rank 2 of a 4-process torchrun job.
 """
 

@@ -1,4 +1,4 @@
-"""Issue 9 acceptance, end to end through `mptrain.training.run.run` (gloo pool) and real subprocesses.
+"""Checkpoint resume, end to end through `mptrain.training.run.run` (gloo pool) and real subprocesses.
 
 - exact resume: train_iters=8 exit_interval=4 + resume to 8 == 8 straight iterations, bitwise
   (lm_loss, grad_norm, loss_scale, lr), fp32 with dropout (so the RNG restore matters) and fp16

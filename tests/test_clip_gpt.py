@@ -1,4 +1,4 @@
-"""Issue 5 acceptance: with the tiny GPT, the grad norm at tp2pp2 equals tp1pp1's (rel 1e-5, fp32), and the
+"""Grad clipping: with the tiny GPT, the grad norm at tp2pp2 equals tp1pp1's (rel 1e-5, fp32), and the
 clipped update has the same global norm, clipping engaged and not.
 
 Full path: build_model_chunks -> DDP -> 1f1b / no_pipelining schedule -> finalize_model_grads -> FP32Optimizer
@@ -105,7 +105,7 @@ def test_grad_norm_and_clipped_update_tp2pp2_equal_tp1pp1(clip_grad):
     # rel 1e-4 (SGD lr 1): p - (p - g) in fp32 loses ~1 ulp of |p| per element (observed: equal)
     assert ref_update == pytest.approx(expected_update, rel=1e-4)
     for norm, update in run_distributed(_step, 4, 2, 2, clip_grad):
-        # acceptance: rel 1e-5 in fp32 (other reduction orders: micro-batches through 1f1b, TP partial sums)
+        # required: rel 1e-5 in fp32 (other reduction orders: micro-batches through 1f1b, TP partial sums)
         assert norm == pytest.approx(ref_norm, rel=1e-5)
         # the update passes through p - (p - g) rounding on both layouts (see above): rel 1e-4
         assert update == pytest.approx(ref_update, rel=1e-4)

@@ -134,7 +134,7 @@ def test_grad_norm_counts_every_element_once(tp, pp, world):
     ref = _reference_norm()
     out = run_distributed(_norm_on_layout, world, tp, pp, 0.0, "float32")
     for direct, stepped, num_zeros, applied_vs_grad, _ in out:
-        # rel 1e-5 (the acceptance tolerance): fp32 sums of squares in a different order per layout
+        # rel 1e-5 (the required tolerance): fp32 sums of squares in a different order per layout
         assert direct == pytest.approx(ref, rel=1e-5)
         assert stepped == pytest.approx(ref, rel=1e-5)
         assert num_zeros == 0

@@ -1,4 +1,4 @@
-"""Issue 20's host-overhead paths, CPU side: the ``model.compile_scope`` / ``compile_mode`` rules, the
+"""The host-overhead paths, CPU side: the ``model.compile_scope`` / ``compile_mode`` rules, the
 start-up line that says what is compiled.
 
 The compiled chunk's arithmetic (against eager, tp 1 and 2, with SP) is tests/test_bench_compile.py;

@@ -1,5 +1,5 @@
 """Data, part 1: tokenizers, preprocessing (round trip, refusal to overwrite, bad input), indexed
-dataset checks, splits, check_vocab, the shipped Shakespeare corpus (issue 8)."""
+dataset checks, splits, check_vocab, the shipped Shakespeare corpus."""
 
 from __future__ import annotations
 

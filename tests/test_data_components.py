@@ -1,4 +1,4 @@
-"""Data as components (issues 19, 22, 23): a user's tokenizer and text-file provider selected by
+"""Data as components: a user's tokenizer and text-file provider selected by
 `_target_` from overrides train at tp1pp1 and tp2pp2 with the same losses; held-out corpora
 (`data.valid_prefixes`); `data.split` as a list; the tokenizer record of preprocessed data; the
 start-up checks of `data`; and the reading rank's batch check at tp2 (one line on both ranks, no hang)."""
@@ -234,7 +234,7 @@ class NoRuntime:
     def state_dict(self): ...
 
 
-# --- the reading rank's batch check (issue 23) --------------------------------------------------------
+# --- the reading rank's batch check --------------------------------------------------------------------
 class ShortProvider(MockDataProvider):
     """Mock data whose training batches are one token short (a provider bug)."""
 

@@ -1,6 +1,6 @@
 """Data, part 2: GPTDataset epochs, blends, mock data, masks, the sampler and the shipped providers —
 coverage of one epoch, the same global batches for any dp / micro-batch split and run length,
-exact resume, determinism, and the collective construction on 2 gloo ranks (issue 8)."""
+exact resume, determinism, and the collective construction on 2 gloo ranks."""
 
 from __future__ import annotations
 

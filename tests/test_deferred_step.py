@@ -1,4 +1,4 @@
-"""Issue 20: the deferred step read (``train.defer_step_read``) changes when the host reads a step's
+"""The deferred step read (``train.defer_step_read``) changes when the host reads a step's
 statistics, never what the step does.
 
 - the optimizer: a launched step makes no host read; a skipped launch leaves params, main params,

@@ -1,4 +1,4 @@
-"""Issue 4 acceptance end to end: `data=shakespeare data.eod_mask_loss=true` on real text, micro-batch
+"""EOD handling end to end: `data=shakespeare data.eod_mask_loss=true` on real text, micro-batch
 counts 1 and 8 and DP 1 and 2 give the same per-step lm_loss (and grad norm) through `run(cfg)`.
 
 Why a derived corpus: the shipped corpus has 42 works of ~100k bytes, so at seq 32 an EOD falls in

@@ -1,4 +1,4 @@
-"""`debug.memory_snapshot=true` (issue 7): CUDA allocator history over the loop, a pickle on rank 0.
+"""`debug.memory_snapshot=true`: CUDA allocator history over the loop, a pickle on rank 0.
 
 - CPU through the trainer: one log line saying the option is CUDA-only, no file, training unchanged.
 - The CUDA path as a unit: torch.cuda's recording functions monkeypatched with recorders, so the

@@ -1,4 +1,4 @@
-"""Beyond one machine (issue 7), as far as one machine allows.
+"""Beyond one machine, as far as one machine allows.
 
 - Multi-node torchrun: two torchrun agents on localhost, each `--nnodes=2 --nproc_per_node=2`, meeting
   through the c10d rendezvous (no --node_rank), form one world of 4 that trains `parallel=tp2pp2`

@@ -1,4 +1,4 @@
-"""Issue 5 acceptance through the trainer (`run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
+"""Mixed precision through the trainer (`run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
 
 1. `precision=fp16` with the default dynamic scaler (initial 2^32, hysteresis 2, growth interval
    1000): the first iterations overflow and are logged as skipped (`skipped_iter: true`,
@@ -58,7 +58,7 @@ def test_fp16_dynamic_from_2_pow_32_skips_backs_off_keeps_weights_then_learns(tm
     skipped = [r["skipped_iter"] for r in train]
     first_ok = skipped.index(False)  # 0-based index of the first applied step
     with capsys.disabled():
-        print(f"\n[issue 5] fp16 from 2^32: {first_ok} skipped steps, scale then {train[first_ok]['loss_scale']:g}; "
+        print(f"\n[precision] fp16 from 2^32: {first_ok} skipped steps, scale then {train[first_ok]['loss_scale']:g}; "
               f"lm_loss {train[first_ok]['lm_loss']:.4f} -> {train[-1]['lm_loss']:.4f}")
     # 2^32 overflows fp16 (max 65504) at once; hysteresis 2: the first overflow does not back off
     assert first_ok >= 2 and all(skipped[:first_ok])
@@ -92,7 +92,7 @@ def test_50_steps_bf16_and_fp16_constant_track_fp32(tmp_path, capsys):
     ref = losses["fp32"]
     diffs = {k: max(abs(a - b) for a, b in zip(losses[k], ref)) for k in ("bf16", "fp16")}
     with capsys.disabled():
-        print(f"\n[issue 5] through run(cfg), 50 steps: fp32 lm_loss {ref[0]:.4f} -> {ref[-1]:.4f}; "
+        print(f"\n[precision] through run(cfg), 50 steps: fp32 lm_loss {ref[0]:.4f} -> {ref[-1]:.4f}; "
               f"bf16 final {losses['bf16'][-1]:.4f} (max |diff| {diffs['bf16']:.4f}); "
               f"fp16 final {losses['fp16'][-1]:.4f} (max |diff| {diffs['fp16']:.4f})")
     assert all(len(v) == steps for v in losses.values())

@@ -1,8 +1,8 @@
-"""`python -m mptrain.export`: consolidated safetensors, Hugging Face GPT-2 export, GPT-2 import (issue 9).
+"""`python -m mptrain.export`: consolidated safetensors, Hugging Face GPT-2 export, GPT-2 import.
 
 The consolidated export must equal the layout-independent full tensors exactly (it is a copy);
 the GPT-2 round trip (export → import) must be exact too (transposes and row regrouping only).
-The `transformers` checks (installed in the venv since issue 22) also cover the tokenizer files,
+The `transformers` checks (transformers is a dev dependency) also cover the tokenizer files,
 eos/bos ids and file modes of the HF export.
 """
 
@@ -147,7 +147,7 @@ BYTE = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_l
 
 
 def test_hf_export_with_the_byte_tokenizer_loads_in_transformers_as_is(tmp_path):
-    """Issue 22: tokenizer files (an exact byte-level tokenizer), eos/bos ids, normal file modes."""
+    """Tokenizer files (an exact byte-level tokenizer), eos/bos ids, normal file modes."""
     transformers = pytest.importorskip("transformers")
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     run_distributed(run_job, 1, BYTE + ["train.train_iters=1", f"run.dir={tmp_path / 'run'}", f"checkpoint.save={ckpt}"])
@@ -157,7 +157,7 @@ def test_hf_export_with_the_byte_tokenizer_loads_in_transformers_as_is(tmp_path)
     assert names == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
                      "tokenizer.json", "tokenizer_config.json"]
     for p in out.iterdir():
-        assert p.stat().st_mode & 0o777 == 0o644, p.name  # umask 022 here; 0600 before issue 22
+        assert p.stat().st_mode & 0o777 == 0o644, p.name  # umask 022 here (not the 0600 of a private temp file)
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["vocab_size"]) == (256, 256, 257)
     gen = json.loads((out / "generation_config.json").read_text())

@@ -1,4 +1,4 @@
-"""Issue 22: checkpoint.finetune / load_optim / load_rng, and the optimizer-change check on resume.
+"""checkpoint.finetune / load_optim / load_rng, and the optimizer-change check on resume.
 
 - fine-tuning starts at iteration 1 with a fresh optimizer (Adam's step count 1 in its own first
   checkpoint), the new LR schedule, and a step-1 loss equal to the checkpoint's weights evaluated

@@ -1,4 +1,4 @@
-"""Issue 22: `mptrain.generate` (KV cache, greedy / sampling, TP) and its agreement with `transformers`.
+"""`mptrain.generate` (KV cache, greedy / sampling, TP) and its agreement with `transformers`.
 
 The checkpoint is trained at tp1pp2 (so every load below reshards: pp 2 -> 1, tp 1 -> 1 or 2) on
 mock data, with a vocabulary that pads differently at tp1 and tp2 (100 ids, divisible-by 64).

@@ -1,4 +1,4 @@
-"""``train.defer_step_read`` on CUDA (marker ``gpu``; run through the device tool).
+"""``train.defer_step_read`` on CUDA (marker ``gpu``; skipped without CUDA).
 
 The whole trainer, bf16 with the chunk graph and CUDA graphs (``compile_mode=auto``), a non-finite
 grad injected at iteration 3: the deferred read (pinned host copies, settled one iteration late)

@@ -1,4 +1,4 @@
-"""GPU-only paths (marker ``gpu``; skipped without CUDA, run through the device tool).
+"""GPU-only paths (marker ``gpu``; skipped without CUDA).
 
 `grad_accumulation.wgrad_accumulate` on CUDA: half inputs accumulate into an fp32 ``main_grad`` through
 ``aten::addmm.dtype_out`` (CPU has no such kernel and takes the unfused path, which the CPU tests

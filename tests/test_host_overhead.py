@@ -1,4 +1,4 @@
-"""Issue 20 round 2: host-overhead cuts that must not change a number (single process, CPU)."""
+"""Host-overhead cuts that must not change a number (single process, CPU)."""
 
 import types
 

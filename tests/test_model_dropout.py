@@ -1,4 +1,4 @@
-"""Dropout RNG regions and activation recomputation (issue 3 acceptance)."""
+"""Dropout RNG regions and activation recomputation."""
 
 import pytest
 import torch

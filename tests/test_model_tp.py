@@ -1,4 +1,4 @@
-"""Issue 3 acceptance: the TP model equals the tp 1 model (logits, loss, every weight and grad).
+"""The TP model equals the tp 1 model (logits, loss, every weight and grad).
 
 Each rank builds the tp 1 reference locally (same seed), then the tp N model; every TP-sharded
 tensor is gathered to its full unpadded shape through its ShardSpec and compared.
@@ -17,7 +17,7 @@ from mptrain.layers.mappings import gather_from_tp_region
 from mptrain.layers.sharding import collect_shard_specs, gather_full_tensor
 
 # fp32, tiny model: TP changes only the summation order of matmuls / all-reduces, so the
-# differences are a few ulps amplified through 2 layers; 1e-5 relative (the issue's bound) is
+# differences are a few ulps amplified through 2 layers; 1e-5 relative (the required bound) is
 # ~100x the observed error and far below any real bug (a wrong shard gives O(1) errors).
 REL = 1e-5
 

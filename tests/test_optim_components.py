@@ -1,4 +1,4 @@
-"""Optimizer, LR schedule, loss scaler and optimizer wrapper as `_target_` components (issue #19).
+"""Optimizer, LR schedule, loss scaler and optimizer wrapper as `_target_` components.
 
 A user's class in each kind, from CLI-style overrides: torch.optim.RMSprop (+ its own keyword) trains
 and resumes bitwise (tp1pp1 and tp2pp2 on the gloo test pool), the example LR schedule sets the
@@ -193,7 +193,7 @@ def test_fresh_run_seeds_python_and_numpy_from_train_seed(tmp_path):
     assert tuple(got) == (random.random(), float(np.random.random()))
 
 
-# --- acceptance: tp2pp2 on 4 gloo ranks ----------------------------------------------------------------
+# --- end to end: tp2pp2 on 4 gloo ranks ----------------------------------------------------------------
 def test_tp2pp2_rmsprop_resumes_bitwise(tmp_path):
     """Reference, first half and resume on the test pool's 4 ranks (the torchrun launch itself is covered by
     tests/test_torchrun.py; one launch fewer for the suite's time)."""

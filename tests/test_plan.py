@@ -1,4 +1,4 @@
-"""The planner (issue 12): model-state bytes equal what the trainer allocates; gpt_6.7b verdicts; JSON schema.
+"""The planner: model-state bytes equal what the trainer allocates; gpt_6.7b verdicts; JSON schema.
 
 Model states are measured from the trainer's own objects (`training.run.build_model_and_optimizer`
 on gloo processes, after one optimizer step so Adam's state exists) and compared with the
@@ -17,7 +17,7 @@ from mptrain.planner.config import compose_plan
 from procs import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = 0.02  # acceptance: within 2 % (the formulas ignore bucket padding and Adam's scalar `step` tensors)
+TOL = 0.02  # required: within 2 % (the formulas ignore bucket padding and Adam's scalar `step` tensors)
 
 
 def _cfg(overrides):

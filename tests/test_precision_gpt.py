@@ -1,4 +1,4 @@
-"""Issue 5 acceptance with the real tiny GPT at tp1pp1 on CPU: fp16 overflow skips from 2^32, and
+"""Mixed precision with the real tiny GPT at tp1pp1 on CPU: fp16 overflow skips from 2^32, and
 bf16 / fp16 training curves against fp32.
 
 Loop by hand (no schedule / DDP): forward with labels -> per-token loss [b, s] fp32 ->
@@ -118,7 +118,7 @@ def test_50_steps_bf16_and_fp16_track_fp32(capsys):
     assert ref[-1] < ref[0] - 1.0  # fp32 itself learns (4.2 -> well below 3.2)
     diffs = {k: max(abs(a - b) for a, b in zip(losses[k], ref)) for k in ("bf16", "fp16")}
     with capsys.disabled():
-        print(f"\n[issue 5] 50 steps, fp32 loss {ref[0]:.4f} -> {ref[-1]:.4f}; "
+        print(f"\n[precision] 50 steps, fp32 loss {ref[0]:.4f} -> {ref[-1]:.4f}; "
               f"bf16 final {losses['bf16'][-1]:.4f} (max |diff| {diffs['bf16']:.4f}); "
               f"fp16 final {losses['fp16'][-1]:.4f} (max |diff| {diffs['fp16']:.4f})")
     # Tolerances (observed on CPU: bf16 max |diff| 0.0028 nats, fp16 0.0006, fp32 falling 4.19 -> 1.46): bf16 keeps

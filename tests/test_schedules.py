@@ -128,7 +128,7 @@ def assert_grads_match(chunks, ref_grads, scale):
         for name, p in chunk.named_parameters():
             ref = ref_grads[name]
             # fp32, different summation order (per micro-batch accumulation vs one batch):
-            # rel 1e-5 of the tensor's largest entry (acceptance: rel 1e-5)
+            # rel 1e-5 of the tensor's largest entry (required: rel 1e-5)
             torch.testing.assert_close(p.grad * scale, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
             seen += 1
     return seen
@@ -160,7 +160,7 @@ def _run_schedule(rank, world, schedule, pp, vpp, m, sizes_kw, loss_scale=1.0):
             assert len(reports) == m
             assert int(num_tokens) == int(ref_tokens.item())
             loss = sum(r["loss_sum"] for r in reports) / sum(r["num_tokens"] for r in reports)
-            # fp32 sums in a different order: rel 1e-5 (acceptance)
+            # fp32 sums in a different order: rel 1e-5 (required)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
         else:
             assert reports == [] and int(num_tokens) == 0

@@ -123,7 +123,7 @@ def check_against_reference(results, m, sequence_parallel=False):
     assert sorted(got) == sorted(ref_grads)
     for name, ref in ref_grads.items():
         # fp32, different reduction orders (micro-batch accumulation, TP partial sums): rel 1e-5 of the
-        # tensor's largest entry (acceptance: rel 1e-5)
+        # tensor's largest entry (required: rel 1e-5)
         torch.testing.assert_close(got[name] * scale, ref * scale, rtol=1e-5, atol=1e-5 * ref.abs().max().item(),
                                    msg=lambda s, n=name: f"{n}: {s}")
     last = [r for r in results if r["loss"] is not None]  # last stage: every (tp, dp) rank reports
@@ -173,6 +173,6 @@ def test_gpt_tp2_pp2(schedule, vpp, sequence_parallel):
 
 @pytest.mark.parametrize("schedule, vpp", [("1f1b", None), ("gpipe", None), ("interleaved_1f1b", 2)])
 def test_gpt_tp2_pp2_dp2_world8(schedule, vpp):
-    # the full layout of the acceptance item (8 gloo processes); DP's grad all-reduce is done here by summing
+    # the full 3-D layout (8 gloo processes); DP's grad all-reduce is done here by summing
     results = run_distributed(_run, 8, 2, 2, vpp, schedule, 4, True)
     check_against_reference(results, 4, sequence_parallel=True)

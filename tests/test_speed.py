@@ -1,4 +1,4 @@
-"""Issue 20/21 speed work: exact fast paths (CPU arithmetic) and the apex selection with apex absent."""
+"""Speed paths: exact fast paths (CPU arithmetic) and the apex selection with apex absent."""
 
 import importlib.util
 import sys

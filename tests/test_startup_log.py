@@ -1,5 +1,5 @@
-"""Start-up lines of train.log: which optimizer class / kernel and which norm run (issue 21: "the log
-says which kernels run"), and why evaluation skips a split, phrased by what is configured."""
+"""Start-up lines of train.log: which optimizer class / kernel and which norm run (the log
+says which kernels run), and why evaluation skips a split, phrased by what is configured."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The user's commands as real processes: `torchrun ... train.py` and `python train.py` (issue 7 acceptance).
+"""The user's commands as real processes: `torchrun ... train.py` and `python train.py`.
 
 Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only.
 """

@@ -1,5 +1,5 @@
 """Export a checkpoint as consolidated weights (safetensors + config json) or a Hugging Face GPT-2
-checkpoint, and import a GPT-2 checkpoint as a training starting point (issue 9).
+checkpoint, and import a GPT-2 checkpoint as a training starting point.
 
     python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf-gpt2]
     python -m mptrain.export --import-hf-gpt2 HF_DIR --output CKPT

@@ -1,4 +1,4 @@
-"""The tokenizer files of a Hugging Face export (`python -m mptrain.export --format hf-gpt2`, issue 22).
+"""The tokenizer files of a Hugging Face export (`python -m mptrain.export --format hf-gpt2`).
 
 What `transformers.AutoTokenizer.from_pretrained(dir)` needs, per training tokenizer
 (``data.tokenizer`` of the checkpoint's saved config):

@@ -1,4 +1,4 @@
-"""Generate text from a checkpoint (issue 22; nanoGPT's ``sample.py``, Megatron's text generation).
+"""Generate text from a checkpoint (nanoGPT's ``sample.py``, Megatron's text generation).
 
     python -m mptrain.generate --checkpoint DIR --prompt TEXT --max-new-tokens N \\
         [--temperature T --top-k K --top-p P --seed S] [--prompt-file F] [--iteration N] [--json]

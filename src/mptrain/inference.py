@@ -1,4 +1,4 @@
-"""Incremental decoding of a GPT chunk with a KV cache, and the sampling rules (issue 22).
+"""Incremental decoding of a GPT chunk with a KV cache, and the sampling rules.
 
 Legend: tokens ``[b, s]``; activations ``[s, b, h]`` (the model's layout; no sequence parallelism
 at inference); ``np`` / ``ng`` query / K-V heads, ``hn`` head dim, ``tp`` TP size; ``V`` the

@@ -1,6 +1,6 @@
 """`python -m mptrain.plan [training overrides] world_size=N [hardware.gpu_memory_gib=80] [format=table|json]`
 
-Plan before you launch (issue 12): for every layout `train.py` would accept at `world_size`
+Plan before you launch: for every layout `train.py` would accept at `world_size`
 (tp, pp, vpp, dp, distributed optimizer, recomputation none/selective/full, sequence parallelism),
 the per-GPU memory of the busiest pipeline stage (weights, grads, fp32 main params, optimizer
 state, activations of the schedule's in-flight micro-batches, logits), whether it fits

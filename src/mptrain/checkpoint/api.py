@@ -1,4 +1,4 @@
-"""`save_checkpoint` / `maybe_load_checkpoint`: what the training loop calls (DESIGN.md §4, issue 9).
+"""`save_checkpoint` / `maybe_load_checkpoint`: what the training loop calls (DESIGN.md §4).
 
 Everything comes from the loop's ``built`` (`mptrain.training.run.Built`): ``cfg``, ``groups``,
 ``chunks`` (DDP wrappers), ``trainer.optimizer`` (any optimizer wrapper), ``trainer.lr_scheduler``,
@@ -102,9 +102,8 @@ def _stage_to_cpu(chunks: list, objects: dict, buffers: dict) -> tuple[list, dic
     goes on. The only part of an async save that blocks the loop (the device-to-host copy).
 
     Device tensors go into page-locked host buffers kept in ``buffers`` across saves (keyed by position,
-    shape and dtype) and copied with one stream sync at the end: allocating and faulting in ~18 GB of
-    pageable memory per save is what made the first measurement block 13 s for gpt_1.3b on an H200
-    (BENCHMARKS.md "Checkpoint save time"). Reuse is safe: the previous save is waited for first."""
+    shape and dtype) and copied with one stream sync at the end: allocating and faulting in pageable
+    memory at every save would block the loop many times longer (bench/reports/2026-12-01-micro-benchmarks.md). Reuse is safe: the previous save is waited for first."""
     import copy
 
     staged, on_device = [], False

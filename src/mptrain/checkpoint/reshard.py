@@ -6,7 +6,7 @@ embedding, unpadded), each with a view into the local storage that holds those e
 writes every rank's chunks; loading asks for the boxes the *new* layout holds and
 `torch.distributed.checkpoint` (DCP) reads whatever saved chunks overlap them. That is resharding
 across TP / PP / DP / ZeRO-1 (Megatron ``dist_checkpointing``: ShardedTensor(key, global_shape,
-global_offset), megatron-core.md §1 "Distributed checkpoint").
+global_offset), megatron/core/dist_checkpointing/mapping.py).
 
 Three local forms map onto boxes:
 

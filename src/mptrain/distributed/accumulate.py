@@ -1,15 +1,14 @@
 """Adding a micro-batch's small fp16/bf16 grads into their fp32 ``main_grad`` views in two launches.
 
 A mixed-dtype ``torch._foreach_add_`` (fp32 views, bf16 grads) leaves torch's multi-tensor path for
-one kernel per tensor: 194 launches per micro-batch for gpt_1.3b's biases and norm weights, 1.09 ms
-on an H200 against 0.17 ms for what `StagedAdd` does (`bench/grad_accum_ops.py`, BENCHMARKS.md "GPU
-round 6"): cast the grads into a persistent fp32 staging buffer with one ``_foreach_copy_`` (it is
+one kernel per tensor (one launch per bias and norm weight per micro-batch), several times the
+device time of what `StagedAdd` does (`bench/grad_accum_ops.py`; bench/reports/2026-12-01-micro-benchmarks.md): cast the grads into a persistent fp32 staging buffer with one ``_foreach_copy_`` (it is
 multi-tensor across dtypes; bf16/fp16 -> fp32 is exact), then one same-dtype ``_foreach_add_``. The
 sums are bitwise those of the mixed-dtype add (``main_grad + float(grad)`` rounded once to fp32;
 `tests/test_host_overhead.py`).
 
 Large grads are left to one plain ``add_`` (the DDP hook): for the word embedding's ``[V_pad, h]``
-lookup grad the mixed add runs at 2.7 TB/s, and casting first was slower (0.60 vs 0.38 ms).
+lookup grad the mixed add runs near HBM bandwidth, and casting first is slower.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ZeRO-1 distributed optimizer: fp32 main params and optimizer state only for this DP rank's shard.
 
-Megatron ``optimizer/distrib_optimizer.py`` (megatron-core.md §1 "Distributed optimizer"), on top of
+Megatron-LM ``megatron/core/optimizer/distrib_optimizer.py``, on top of
 our `GradBuffer` layout (buckets padded to a multiple of dp, grad_buffer.py):
 
     bucket b, elements [start, end), n = end - start, dp ranks r = 0..dp-1

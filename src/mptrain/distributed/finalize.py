@@ -1,6 +1,6 @@
 """`finalize_model_grads`: everything between the last backward and the optimizer step.
 
-Order (Megatron ``distributed/finalize_model_grads.py``, megatron-core.md §3.7):
+Order (Megatron-LM ``megatron/core/distributed/finalize_model_grads.py``):
 
 1. finish the DP sync of every chunk (all-reduce SUM, or reduce-scatter under ZeRO-1);
 2. all-reduce SUM over TP the grads of params replicated over TP whose inputs were

@@ -19,8 +19,8 @@ scores, mask, softmax and dropout explicitly in fp32 and cast the probabilities 
 (Megatron's unfused ``DotProductAttention`` path).
 
 Head dims above 256 (the design document's seed_2.8b: 4096 / 8 = 512) have no flash or cuDNN kernel;
-SDPA then runs its memory-efficient kernel, ~15× slower than the GEMMs the attention needs (measured
-on H200, bench/run_bench.py's SDPA probe). ``model.attention_backend=auto`` therefore runs the unfused
+SDPA then runs its memory-efficient kernel, many times slower than the GEMMs the attention needs
+(bench/run_bench.py's SDPA probe; bench/reports/2026-11-30-megatron-core.md). ``model.attention_backend=auto`` therefore runs the unfused
 core there (`_unfused_attention`): two batched GEMMs around a half-precision softmax that accumulates
 in fp32 internally, which is what Megatron's ``FusedScaleMaskSoftmax`` computes.
 
@@ -120,7 +120,7 @@ class DotProductAttention(torch.nn.Module):
 
         Attention-probability dropout is inside a TP region (each rank holds other heads): it runs
         in the model-parallel RNG fork, unless sequence parallelism already put the whole block in
-        that fork (megatron-core.md §3.9).
+        that fork (megatron/core/transformer/dot_product_attention.py).
         """
         s, b, np_local, hn = q.shape
         rep = np_local // k.shape[2]

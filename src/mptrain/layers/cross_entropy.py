@@ -11,7 +11,7 @@ stacked per-token triple (target logit, Σ exp, Σ logits) over TP. Padded vocab
 are set to −inf before the max, so they get probability 0 and no gradient (DESIGN.md §3).
 Backward is local: ∂loss/∂x_j = softmax_j − (1−α)·1[j=t] − α/V·1[j<V].
 The Σ logits term is a sum over the *global* vocabulary, so label smoothing is the same at any tp
-(unlike Megatron issue #737, which used the local partition).
+(unlike NVIDIA/Megatron-LM#737, which used the local partition).
 """
 
 from __future__ import annotations
@@ -152,8 +152,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     ``inplace_backward``: write the grad over the saved logits instead of allocating it. Backward
     runs when nearly every activation is still alive, so a second ``[s, b, V/tp]`` tensor sets
-    the step's peak memory (0.8 GB for the seed model in fp32: 38.04 → 37.45 GiB measured with
-    gradient accumulation fusion, BENCHMARKS.md). Only for callers that own the logits (the GPT
+    the step's peak memory (bench/reports/2026-11-30-megatron-core.md). Only for callers that own the logits (the GPT
     model: the output layer's backward needs its input and weight, not its output).
     Megatron's counterpart: ``cross_entropy_loss_fusion`` (whose unfused kernel also writes the
     grad over its saved softmax)."""
@@ -198,8 +197,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         vocab_size: V, the real vocabulary; entries ≥ V are padding (default: no padding).
         label_smoothing: ε in [0, 1).
         fused: the compiled three-pass variant (`_FusedVocabParallelCrossEntropy`, used by the
-            model with ``model.compile_layers``); same math (on H200: loss equal, grad to 1.5e-7
-            relative in bf16, `bench/scripts/compile_tp_check.py`).
+            model with ``model.compile_layers``); same math as the plain one up to rounding
+            (bench/reports/2026-11-30-compile-tp-correctness.md).
         inplace_backward: with ``fused``, backward writes the grad over the logits (they must not
             be read after backward, nor be a leaf); saves one ``[s, b, V/tp]`` tensor at peak.
     Returns:

@@ -24,18 +24,14 @@ eager and compiled alike (tests/test_grad_accumulation.py checks the launch timi
 K-major operands under TF32 (``parallel.tf32_wgrad_transpose``): the weight-grad GEMM contracts over
 tokens, the strided dim of both row-major ``dY [T, out]`` and ``X [T, in]``, so both operands are
 MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared memory (16-bit
-types read either), and cuBLAS's TF32 kernels for this layout run at ~230 TFLOP/s on an H200,
-against ~335-365 with ``X`` K-major and ~337-380 with both (``bench/gemm_layouts.py``, seed-model
-shapes at 8192 tokens). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
+types read either), so cuBLAS's TF32 kernels for this layout are markedly slower than with ``X``
+K-major (``bench/gemm_layouts.py``; bench/reports/2026-12-01-micro-benchmarks.md). So for fp32 CUDA operands with TF32 on, `weight_grad` first copies ``Xᵀ``
 to a contiguous ``[in, T]``: a Triton kernel (`transpose.transpose_copy`) for the inputs that a
 column-parallel layer all-gathers itself under sequence parallelism (its async path, the default),
 ``.t().contiguous()`` elsewhere, which in compiled layers Inductor fuses into its recomputation of
 ``X`` (and then need not save the GeLU output). Copying ``dYᵀ`` as well costs about what it
-saves. Measured end to end on the seed model, fp32 + TF32, tp 2 (BENCHMARKS.md):
-* call ``20261130o``: copying Xᵀ only beat copying the smaller operand and copying dYᵀ only on
-  peak memory (34.6 vs 37.6 / 38.2 GiB), and the smaller operand on speed;
-* call ``20261130q``: the Triton copy for every Xᵀ made Inductor save the GeLU output again
-  (37.6 GiB), hence Triton only where ``X`` is saved anyway (call ``20261130r``: 34.6 GiB).
+saves; the Triton copy for every ``Xᵀ`` would make Inductor save the GeLU output again, hence
+Triton only where ``X`` is saved anyway (end-to-end A/Bs: bench/reports/2026-11-30-megatron-core.md).
 Transient memory: ``Xᵀ``, the size of the saved input. Same products, same fp32 accumulation;
 only the GEMM kernel differs.
 """

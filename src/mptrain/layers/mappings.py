@@ -44,9 +44,9 @@ def _is_nccl(group) -> bool:
 
 # --- raw collectives (no autograd) -------------------------------------------------------------
 # Under torch.compile (model.compile_layers) every collective is the functional one + wait_tensor,
-# never an in-place c10d op for Dynamo to rewrite: on 2 x H200 (NCCL, torch 2.11) the rewritten
-# clone + in-place all-reduce / reduce-scatter of the row-parallel forward left every layer weight's
-# grad wrong (relative error 1.0; `bench/scripts/compile_tp_check.py`), while gloo got it right.
+# never an in-place c10d op for Dynamo to rewrite: on NCCL the rewritten clone + in-place
+# all-reduce / reduce-scatter of the row-parallel forward left every layer weight's grad wrong
+# while gloo got it right (bench/reports/2026-11-30-compile-tp-correctness.md).
 _fc = torch.ops._c10d_functional
 
 
@@ -202,7 +202,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, inplace):
         if torch.compiler.is_compiling():
             # functional, out of place, whatever `inplace` says: mutating a graph intermediate cost a
-            # copy and kept activations alive (measured: seed tp2 compiled −8 % speed, +10 GiB)
+            # copy and kept activations alive (slower and more memory: bench/reports/2026-11-30-megatron-core.md)
             return _all_reduce(x, group)
         if not inplace or not x.is_contiguous():
             return _all_reduce(x.clone() if x.is_contiguous() else x, group)  # contiguous() copies

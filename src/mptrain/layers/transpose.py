@@ -2,9 +2,8 @@
 
 Used for the K-major ``Xᵀ`` operand of the TF32 weight-grad GEMM (`grad_accumulation.weight_grad`).
 Inside the compiled transformer layers Inductor's own transposed copies of these ``[T, h]``
-activations ran at ~1.1 TB/s on an H200 (243 µs for 128 MiB, call ``20261130p``), torch's copy
-kernel alike (``bench/gemm_layouts.py`` ``transpose_x``), while a plain 64 × 64-tile kernel moves
-~2.7 TB/s (``transpose_dy_triton64x4``). The kernel is a ``torch.library.triton_op``, so Inductor
+activations, and torch's copy kernel, reach well under half the HBM bandwidth that a plain
+64 × 64-tile kernel does (``bench/gemm_layouts.py``; bench/reports/2026-12-01-micro-benchmarks.md). The kernel is a ``torch.library.triton_op``, so Inductor
 keeps it in the compiled graph. For CPU tensors, or without Triton (CPU builds of torch):
 ``x.t().contiguous()``.
 """

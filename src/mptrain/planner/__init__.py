@@ -1,4 +1,4 @@
-"""The layout planner (issue 12): per-rank parameter counts, memory, communication, ranking.
+"""The layout planner: per-rank parameter counts, memory, communication, ranking.
 
 `params.py` (per-rank elements), `memory.py` (bytes per stage), `layouts.py` (enumeration, comm,
 bubble, ranking), `config.py` (the `plan` primary config). Entry points: `python -m mptrain.plan`,

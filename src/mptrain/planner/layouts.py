@@ -1,4 +1,4 @@
-"""Enumerate valid layouts, estimate communication, bubble and step time, rank them (issue 12).
+"""Enumerate valid layouts, estimate communication, bubble and step time, rank them.
 
 Validity is the trainer's own: every candidate goes through `validate_config` and
 `check_model_config` (a layout the planner lists is one `train.py` accepts).

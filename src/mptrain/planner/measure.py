@@ -1,7 +1,7 @@
 """What the trainer really allocates on one rank: bytes of the objects `build_model_and_optimizer` builds.
 
 Used by `mptrain.check` (objects on the meta device: shapes and dtypes, no memory) and by the
-planner's acceptance tests (real CPU objects after one optimizer step, so Adam's state exists).
+planner's tests (real CPU objects after one optimizer step, so Adam's state exists).
 Each storage is counted once (fp32 runs step the model params in place: no main-param bytes;
 fp32 grads of the distributed optimizer alias the grad buffer).
 """

@@ -6,7 +6,7 @@ the first stage, the final norm and the output layer on the last stage. Unlike
 `mptrain.layers.params.count_parameters` (a whole-model count), this is a *per-rank* count that
 includes what the rank really allocates: the padded vocabulary rows (V_pad/tp, V_pad a multiple
 of make_vocab_size_divisible_by × tp) and, with a tied embedding and pp > 1, the last stage's copy
-of the word embedding (megatron-core.md §3.8).
+of the word embedding (Megatron-LM megatron/core/models/common/language_module/language_module.py).
 
 Per-layer split (Megatron ``ColumnParallelLinear`` / ``RowParallelLinear``; Shoeybi et al. 2019, §3):
     QKV weight h·(np + 2·ng)·hn / tp, bias (np + 2·ng)·hn / tp       (column-parallel)

@@ -20,8 +20,8 @@ steps 2 and 5's clip pass are folded into the fused kernel. The global norm of t
 (one pass) times ``grad_scale`` is the norm; a non-finite norm means a non-finite grad (skip, as
 step 4); otherwise the kernel divides every grad by its ``grad_scale`` attribute (the one
 `torch.amp.GradScaler` uses) = 1 / (grad_scale × clip coefficient). Two passes over the fp32
-grads fewer per step (the unscale and clip passes: 3 + 2.9 ms of the seed model's 134 ms bf16 tp2
-step in its profile, BENCHMARKS.md); same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the five steps.
+grads fewer per step (the separate unscale and clip passes; bench/reports/2026-11-30-megatron-core.md);
+same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the five steps.
 
 The folded step also makes its skip decision on the device: the kernel gets the 0/1 ``found_inf``
 tensor (``non-finite count > 0 or the norm is not finite``; again `GradScaler`'s attribute) and

@@ -10,7 +10,7 @@ before backward shifts every gradient up by S; the optimizer multiplies the fp32
 skipped and a dynamic scaler lowers S (Micikevicius et al., "Mixed Precision Training", 2018, §3.2).
 
 Megatron names: `ConstantGradScaler`, `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py).
-The dynamic scaler's state machine follows Megatron's *code* (megatron-core.md §3.2), not the
+The dynamic scaler's state machine follows Megatron's *code* (megatron/core/optimizer/grad_scaler.py), not the
 prose of some write-ups:
 
 - overflow: growth tracker := 0; hysteresis tracker -= 1; if the hysteresis tracker is <= 0 the
