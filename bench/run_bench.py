@@ -234,6 +234,19 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
 
 
 # --------------------------------------------------------------------------------------- running
+def portable_command(argv: list, *, python: str, out_dir: Path) -> str:
+    """The command line as a row records it: ``python3`` for the interpreter, paths relative to the
+    repository root (``bench/...``) and to ``--out``'s folder (run folders), so that rows carry no
+    machine's paths."""
+    roots = [str(r) + os.sep for r in (out_dir, ROOT) if r.is_absolute()]
+    words = []
+    for a in argv:
+        for root in roots:
+            a = a.replace(root, "")
+        words.append(a)
+    return " ".join("python3" if a == python else w for a, w in zip(argv, words))
+
+
 def child_env() -> dict:
     env = dict(os.environ)
     env.update(SAFE_ENV)
@@ -484,7 +497,7 @@ def main(argv: Optional[list] = None) -> int:
                                        call_id=call_id, status=status.split(":")[0], detail=_tail(job["log"], 8))]
         env_prefix = "".join(f"{k}={v} " for k, v in (job.get("env") or {}).items())
         for row in rows:
-            row.update(command=env_prefix + " ".join(job["argv"]), wall_s=round(secs, 1))
+            row.update(command=env_prefix + portable_command(job["argv"], python=args.python, out_dir=out.parent), wall_s=round(secs, 1))
             if row["trainer"] == "mptrain" and row.get("status") == "ok":
                 if row["variant"] == "base":
                     base_rows[row["config"]] = row

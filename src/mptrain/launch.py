@@ -2,7 +2,7 @@
 
 torchrun (torch.distributed.run) answers any failed worker with a ~45-line ChildFailedError
 traceback and report on stderr, which buries the one line our workers print for a user error
-(README "Errors"). This entry point takes exactly torchrun's arguments and runs the same agent;
+(README, "Quick start"). This entry point takes exactly torchrun's arguments and runs the same agent;
 the only difference is what it prints when workers fail:
 
 - the first failed worker exited with code 1: nothing (a worker of ours that exits 1 has already
