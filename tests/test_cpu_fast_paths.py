@@ -1,4 +1,5 @@
-"""The CPU-step fast paths (bench/reports/2026-12-01-cpu-speed.md) compute bit for bit what the paths they replaced did.
+"""The CPU-step fast paths (bench/reports/2026-12-01-cpu-speed.md) compute bit for bit what the paths they
+replaced did.
 
 Each reference below is the replaced code, written out: the tests assert ``torch.equal`` (not a
 tolerance), since the fast paths only drop copies and passes, never reorder a floating-point sum.

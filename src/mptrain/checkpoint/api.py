@@ -103,7 +103,8 @@ def _stage_to_cpu(chunks: list, objects: dict, buffers: dict) -> tuple[list, dic
 
     Device tensors go into page-locked host buffers kept in ``buffers`` across saves (keyed by position,
     shape and dtype) and copied with one stream sync at the end: allocating and faulting in pageable
-    memory at every save would block the loop many times longer (bench/reports/2026-12-01-micro-benchmarks.md). Reuse is safe: the previous save is waited for first."""
+    memory at every save would block the loop many times longer
+    (bench/reports/2026-12-01-micro-benchmarks.md). Reuse is safe: the previous save is waited for first."""
     import copy
 
     staged, on_device = [], False

@@ -9,7 +9,8 @@ Layout (Megatron ``distributed/param_and_grad_buffer.py``; design document §4.1
 * Each parameter's ``main_grad`` is a view ``data[start:end].view(shape)`` of the buffer. The
   param -> (start, end, bucket) map lives in this object only (`ParamSlot`), never on the param.
 * A bucket closes once it holds >= ``bucket_size`` elements. The tied word embedding (and its
-  last-stage copy) gets a bucket of its own (megatron/core/distributed/finalize_model_grads.py): its grad is all-reduced over
+  last-stage copy) gets a bucket of its own (megatron/core/distributed/finalize_model_grads.py): its grad is
+  all-reduced over
   the embedding group *after* the DP reduce-scatter, which is only right when both stages shard it
   identically over DP.
 * With the distributed optimizer every bucket is padded to a multiple of the DP size so that each

@@ -20,7 +20,8 @@ scores, mask, softmax and dropout explicitly in fp32 and cast the probabilities 
 
 Head dims above 256 (the design document's seed_2.8b: 4096 / 8 = 512) have no flash or cuDNN kernel;
 SDPA then runs its memory-efficient kernel, many times slower than the GEMMs the attention needs
-(bench/run_bench.py's SDPA probe; bench/reports/2026-11-30-megatron-core.md). ``model.attention_backend=auto`` therefore runs the unfused
+(bench/run_bench.py's SDPA probe; bench/reports/2026-11-30-megatron-core.md).
+``model.attention_backend=auto`` therefore runs the unfused
 core there (`_unfused_attention`): two batched GEMMs around a half-precision softmax that accumulates
 in fp32 internally, which is what Megatron's ``FusedScaleMaskSoftmax`` computes.
 

@@ -152,7 +152,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
     ``inplace_backward``: write the grad over the saved logits instead of allocating it. Backward
     runs when nearly every activation is still alive, so a second ``[s, b, V/tp]`` tensor sets
-    the step's peak memory (bench/reports/2026-11-30-megatron-core.md). Only for callers that own the logits (the GPT
+    the step's peak memory (bench/reports/2026-11-30-megatron-core.md). Only for callers that own the logits
+    (the GPT
     model: the output layer's backward needs its input and weight, not its output).
     Megatron's counterpart: ``cross_entropy_loss_fusion`` (whose unfused kernel also writes the
     grad over its saved softmax)."""

@@ -10,7 +10,8 @@ parameter's initial value depends only on (seed, name), so the full model is the
 TP/PP/VPP layout. The output layer reuses the word embedding unless
 ``untie_embeddings_and_output_weights``; with pp > 1 the last stage holds a copy
 (``output_layer.weight``, spec ``is_shared_copy``) that `build_model_chunks` syncs from the first
-stage (zeros + all-reduce over ``groups.embedding_group``, megatron/core/models/common/language_module/language_module.py); keeping the two
+stage (zeros + all-reduce over ``groups.embedding_group``,
+megatron/core/models/common/language_module/language_module.py); keeping the two
 equal afterwards (all-reduce of their grads) is ``finalize_model_grads``' job.
 """
 

@@ -202,7 +202,8 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, inplace):
         if torch.compiler.is_compiling():
             # functional, out of place, whatever `inplace` says: mutating a graph intermediate cost a
-            # copy and kept activations alive (slower and more memory: bench/reports/2026-11-30-megatron-core.md)
+            # copy and kept activations alive (slower and more memory:
+            # bench/reports/2026-11-30-megatron-core.md)
             return _all_reduce(x, group)
         if not inplace or not x.is_contiguous():
             return _all_reduce(x.clone() if x.is_contiguous() else x, group)  # contiguous() copies

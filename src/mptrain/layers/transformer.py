@@ -7,7 +7,8 @@ Legend: ``[s, b, h]`` activations, ``[s/tp, b, h]`` under sequence parallelism (
 
 Hidden dropout draws from torch's current generator: the default stream (same on all TP ranks:
 the activation is replicated) or, under SP, the model-parallel stream, because
-`TransformerBlock` runs all its layers inside ``rng_tracker.fork()`` (megatron/core/transformer/transformer_block.py).
+`TransformerBlock` runs all its layers inside ``rng_tracker.fork()``
+(megatron/core/transformer/transformer_block.py).
 
 Recomputation (DESIGN.md §1 keys, Megatron ``transformer_block.py::_checkpointed_forward``):
 ``recompute_granularity=full`` with ``recompute_method=uniform`` checkpoints consecutive groups of

@@ -8,7 +8,8 @@ where "counted on r" is decided by the caller (`ShardSpec.counts_on(tp_rank)`: T
 on every TP rank, TP-replicated params such as LayerNorm and row-parallel biases on TP rank 0
 only, the last stage's copy of a tied embedding never). The grad-stats group is the model-parallel
 group (TP × PP) for the plain optimizer; the distributed optimizer also reduces over DP, because
-each DP rank holds a different shard (Megatron-LM megatron/core/optimizer/optimizer.py `_filter_grads_for_norm`; `get_grad_norm_fp32`,
+each DP rank holds a different shard (Megatron-LM megatron/core/optimizer/optimizer.py
+`_filter_grads_for_norm`; `get_grad_norm_fp32`,
 `clip_grad_by_total_norm_fp32`, `count_zeros_fp32` in megatron/core/optimizer/clip_grads.py).
 
 ``group`` arguments accept one ProcessGroup, None (no reduction) or a sequence of groups reduced
