@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from mptrain.config.validate import check_vocab_size
 from mptrain.errors import ConfigError
 from mptrain.planner.config import FORMATS, register_plan
-from mptrain.planner.layouts import Hardware, plan
+from mptrain.planner.layouts import plan
 
 register_plan()
 
@@ -50,8 +50,7 @@ def plan_from_config(cfg: Any) -> tuple:
     if c.world_size < 1:
         raise ConfigError(f"world_size={c.world_size} must be >= 1")
     vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
-    hw = Hardware(**{k: getattr(c.hardware, k) for k in Hardware.__dataclass_fields__})
-    return c, plan(c, c.world_size, hw, vocab_size=vocab_size)
+    return c, plan(c, c.world_size, c.hardware, vocab_size=vocab_size)
 
 
 def _yes(flag: bool) -> str:
