@@ -30,7 +30,7 @@ MODELS = {
 
 
 def _old_formula(m, v_pad: int) -> int:
-    """The 12·L·h² per-token count the trainer used before (right only for plain GPT)."""
+    """The per-token count with 12·h² weights per layer: right for plain GPT only (no GQA, SwiGLU, custom widths)."""
     L, h, s = m.num_layers, m.hidden_size, m.seq_length
     return 6 * (12 * L * h * h + v_pad * h) + 12 * L * h * s
 
@@ -64,7 +64,7 @@ def test_iteration_flops_equal_torch_flop_counter(name):
     formula = flops_per_iteration(m, padded_vocab_size=V_PAD, tokens_per_iteration=batch * m.seq_length)
     # every FLOP of the formula is a counted matmul (linears, QKᵀ, P·V, output layer); nothing else is counted
     assert abs(counted - formula) <= 0.01 * formula, (counted, formula)
-    if name != "gpt":  # the 12·h² count misses these models by far more than 1 %
+    if name != "gpt":  # a 12·h² count misses these models by far more than 1 %
         assert abs(counted - _old_formula(m, V_PAD) * batch * m.seq_length) > 0.05 * counted
 
 

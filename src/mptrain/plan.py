@@ -27,7 +27,6 @@ from typing import Any
 import hydra
 from omegaconf import OmegaConf
 
-from mptrain.config.validate import check_vocab_size
 from mptrain.errors import ConfigError
 from mptrain.planner.config import FORMATS, register_plan
 from mptrain.planner.layouts import plan
@@ -42,7 +41,7 @@ def plan_from_config(cfg: Any) -> tuple:
         ConfigError: unknown format, world_size < 1, the tokenizer's vocab larger than the model's,
             or no valid layout.
     """
-    from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 
     c = OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else cfg
     if c.format not in FORMATS:

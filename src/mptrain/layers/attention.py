@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
+from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.random import ParamInit, checkpoint
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
@@ -134,7 +135,7 @@ class DotProductAttention(torch.nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         fork = dropout_p > 0 and not self.sequence_parallel
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
-            half = q.dtype in (torch.float16, torch.bfloat16)
+            half = q.dtype in HALF_DTYPES
             if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
                 out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
             elif self._use_unfused(q):
@@ -147,7 +148,7 @@ class DotProductAttention(torch.nn.Module):
 
     def _use_unfused(self, q: torch.Tensor) -> bool:
         if self.attention_backend == "auto":
-            return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] > _FLASH_MAX_HEAD_DIM
+            return q.is_cuda and q.dtype in HALF_DTYPES and q.shape[-1] > _FLASH_MAX_HEAD_DIM
         return self.attention_backend == "unfused"
 
 
