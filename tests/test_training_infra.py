@@ -10,8 +10,10 @@ import torch
 
 from harness import run_distributed
 from procs import run_python
+from mptrain.config.model import ModelConfig
 from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
+from mptrain.layers.params import flops_per_iteration, matmul_weights
 from mptrain.training.layout import (
     IterationCounters,
     RankFacts,
@@ -30,8 +32,6 @@ from mptrain.training.sweep import (
     sweep_root,
     swept_keys,
 )
-from mptrain.config.model import ModelConfig
-from mptrain.layers.params import flops_per_iteration, matmul_weights
 from mptrain.training.throughput import (
     StartupClock,
     peak_tflops_per_gpu,
