@@ -5,8 +5,9 @@ micro-batch size, number of micro-batches, warm-up and timed iterations. Global 
 = micro_batch_size × num_microbatches × dp, dp = gpus / (tp × pp). Tokens per iteration T = global
 batch × seq_length.
 
-FLOPs per iteration (DESIGN.md §2, the peer's formula): F = 6·N·T + 12·L·h·s·T with
-N = 12·L·h² + V_pad·h and V_pad the vocab padded to a multiple of 128 × tp.
+FLOPs per iteration: `mptrain.layers.params.flops_per_iteration` (DESIGN.md §2, the function the
+trainer's metrics and the planner call), with V_pad the vocab padded to a multiple of 128 × tp. For
+these plain-GPT shapes it is the peer's F = 6·N·T + 12·L·h·s·T, N = 12·L·h² + V_pad·h.
 
 Suites (`suite(name, gpus)`): ``quick`` (a harness smoke test: 2 timed iterations of small and
 real shapes), ``full`` (configs a-d against megatron-core, ordered by priority so that a time budget cuts the
@@ -16,10 +17,14 @@ least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
-PEAK_TFLOPS_BF16_DENSE = 989.0  # H100 / H200 SXM dense bf16 (DESIGN.md §2), used for every precision
+from mptrain.config.model import ModelConfig
+from mptrain.layers.embedding import padded_vocab_size
+from mptrain.layers.params import DEFAULT_PEAK_TFLOPS
+from mptrain.layers.params import flops_per_iteration as model_flops_per_iteration
+
+PEAK_TFLOPS_BF16_DENSE = DEFAULT_PEAK_TFLOPS  # H100 / H200 SXM dense bf16, used for every precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,16 +172,21 @@ class BenchConfig:
 
 def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron's padding: the next multiple of divisible_by × tp."""
-    m = divisible_by * tp
-    return int(math.ceil(vocab_size / m) * m)
+    return padded_vocab_size(vocab_size, divisible_by, tp)
+
+
+def model_config(shape: ModelShape) -> ModelConfig:
+    """The `ModelConfig` of a bench shape (the preset's other keys at their defaults: GeLU, MHA, f = 4h)."""
+    return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                       num_attention_heads=shape.num_attention_heads, seq_length=shape.seq_length,
+                       vocab_size=shape.vocab_size)
 
 
 def flops_per_iteration(cfg: BenchConfig) -> int:
-    """F = 6·N·T + 12·L·h·s·T (DESIGN.md §2) for `cfg` (exact integer)."""
+    """FLOPs of one iteration of `cfg` (`mptrain.layers.params.flops_per_iteration`; exact integer)."""
     s = cfg.shape
-    n = 12 * s.num_layers * s.hidden_size**2 + padded_vocab(s.vocab_size, cfg.tp) * s.hidden_size
-    t = cfg.tokens_per_iteration
-    return 6 * n * t + 12 * s.num_layers * s.hidden_size * s.seq_length * t
+    return model_flops_per_iteration(model_config(s), padded_vocab_size=padded_vocab(s.vocab_size, cfg.tp),
+                                     tokens_per_iteration=cfg.tokens_per_iteration)
 
 
 def _validate(cfg: BenchConfig) -> BenchConfig:

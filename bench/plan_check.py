@@ -53,8 +53,8 @@ def _prediction(cfg, rank_coords: dict, vocab_size: int) -> dict:
 
 
 def main(argv: list) -> None:
-    from mptrain.config.validate import as_config, check_vocab_size
-    from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.config.validate import as_config
+    from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
     from mptrain.groups import rank_coordinates
     from mptrain.training.run import run
 

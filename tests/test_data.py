@@ -1,5 +1,5 @@
 """Data, part 1: tokenizers, preprocessing (round trip, refusal to overwrite, bad input), indexed
-dataset checks, splits, check_vocab, the shipped Shakespeare corpus."""
+dataset checks, splits, check_vocab_size, the shipped Shakespeare corpus."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from mptrain.data.tokenizers import (
     HFTokenizer,
     NullTokenizer,
     build_tokenizer,
-    check_vocab,
+    check_vocab_size,
 )
 from mptrain.data.train_tokenizer import train_bpe
 from mptrain.errors import ConfigError
@@ -102,10 +102,10 @@ def test_tiktoken_without_local_files_is_a_clear_error():
 
 def test_check_vocab_names_vocab_size():
     tok = ByteTokenizer()
-    assert check_vocab(tok, None) == 257
-    assert check_vocab(tok, 300) == 300
-    with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the tokenizer's vocabulary \(257"):
-        check_vocab(tok, 200)
+    assert check_vocab_size(None, tok.vocab_size) == 257
+    assert check_vocab_size(300, tok.vocab_size) == 300
+    with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the tokenizer's 257 ids"):
+        check_vocab_size(200, tok.vocab_size)
 
 
 # --- preprocessing round trip ---------------------------------------------------------------------

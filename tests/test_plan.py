@@ -74,8 +74,7 @@ CASES = [  # (model overrides, world, layout overrides)
 
 @pytest.mark.parametrize("model, world, layout", CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
 def test_model_states_equal_what_the_trainer_allocates(model, world, layout):
-    from mptrain.config.validate import check_vocab_size
-    from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 
     cfg = _cfg([*model, *layout, f"world_size={world}", "train.global_batch_size=8", "train.micro_batch_size=2"])
     vocab = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)

@@ -10,8 +10,10 @@ import torch
 
 from harness import run_distributed
 from procs import run_python
+from mptrain.config.model import ModelConfig
 from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
+from mptrain.layers.params import flops_per_iteration, matmul_weights
 from mptrain.training.layout import (
     IterationCounters,
     RankFacts,
@@ -32,8 +34,6 @@ from mptrain.training.sweep import (
 )
 from mptrain.training.throughput import (
     StartupClock,
-    flops_num_params,
-    flops_per_iteration,
     peak_tflops_per_gpu,
     throughput,
 )
@@ -103,8 +103,9 @@ def test_optimizer_state_bytes_adam():
 def test_flop_formula_gpt_1p3b_worked_example():
     # gpt_1.3b: L=24, h=2048, V=50257 padded to 50304 (multiple of 128 × tp 1), s=2048, global batch 8.
     L, h, s, v_pad, T = 24, 2048, 2048, 50304, 8 * 2048
-    assert flops_num_params(L, h, v_pad) == 1_310_982_144  # 12·24·2048² + 50304·2048
-    F = flops_per_iteration(num_layers=L, hidden_size=h, seq_length=s, padded_vocab_size=v_pad, tokens_per_iteration=T)
+    m = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=16, seq_length=s)
+    assert matmul_weights(m, padded_vocab_size=v_pad) == 1_310_982_144  # 12·24·2048² + 50304·2048
+    F = flops_per_iteration(m, padded_vocab_size=v_pad, tokens_per_iteration=T)
     assert F == 148_665_997_983_744  # 6·N·T + 12·L·h·s·T, exact integers
     # Same as Megatron's closed form 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)); rel 1e-12: float64 rounding only
     assert F == pytest.approx(72 * 8 * s * L * h**2 * (1 + s / (6 * h) + v_pad / (12 * L * h)), rel=1e-12)

@@ -1,51 +1,33 @@
 """Incremental decoding of a GPT chunk with a KV cache, and the sampling rules.
 
 Legend: tokens ``[b, s]``; activations ``[s, b, h]`` (the model's layout; no sequence parallelism
-at inference); ``np`` / ``ng`` query / K-V heads, ``hn`` head dim, ``tp`` TP size; ``V`` the
-unpadded vocabulary, ``V_pad`` padded.
+at inference); ``V`` the unpadded vocabulary, ``V_pad`` padded.
 
-`cached_forward` runs the *same modules* as `GPTModel.forward` (embedding, each layer's norms,
-``linear_qkv``, ``linear_proj``, MLP, final norm, output layer; TP collectives included) but
-keeps each layer's K and V of earlier positions in a `KVCache`, so a new token costs one position
-instead of the whole prefix (Pope et al. 2022, "Efficiently Scaling Transformer Inference", §2).
-It only knows the shipped layer (`TransformerLayer` with `SelfAttention`): for any other layer
-class `supports_kv_cache` is False and `mptrain.generate` recomputes the prefix per token with the
-model's own forward. The attention math mirrors `SelfAttention.forward` (fused QKV split per query
-group, RoPE in fp32, GQA by ``repeat_interleave``); the test checks cached == uncached logits.
+`cached_forward` runs the model's own modules in `GPTModel.forward`'s order (embedding, each
+`TransformerLayer.forward`, final norm, output layer; TP collectives included), handing each
+layer its `LayerKVCache` (`mptrain.layers.kv_cache`): `SelfAttention.forward` applies RoPE at the
+absolute positions, appends the new K / V and attends over the cached ones, so a new token costs
+one position instead of the whole prefix (Pope et al. 2022, "Efficiently Scaling Transformer
+Inference", §2). For layer classes other than the shipped `TransformerLayer` with `SelfAttention`
+(whose forward may not take a cache) `supports_kv_cache` is False and `mptrain.generate`
+recomputes the prefix per token with the model's forward; the test checks cached == uncached logits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from mptrain.layers.kv_cache import KVCache, LayerKVCache
 
-@dataclasses.dataclass
-class KVCache:
-    """Per layer (global index) K and V ``[b, ng/tp, max_len, hn]``; ``length`` positions filled."""
-
-    keys: dict
-    values: dict
-    length: int = 0
-
-    @classmethod
-    def empty(cls, model, *, batch_size: int, max_len: int) -> "KVCache":
-        keys, values = {}, {}
-        for n, layer in model.decoder.layers.items():
-            attn = layer.self_attention
-            w = attn.linear_qkv.weight
-            shape = (batch_size, attn.ng_local, max_len, attn.hn)
-            keys[n] = torch.zeros(shape, dtype=w.dtype, device=w.device)
-            values[n] = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        return cls(keys, values)
+__all__ = ["KVCache", "LayerKVCache", "cached_forward", "filter_logits", "gather_vocab", "sample_next",
+           "supports_kv_cache"]
 
 
 def supports_kv_cache(model) -> bool:
-    """Whether every layer is exactly the shipped TransformerLayer / SelfAttention (a user's subclass may
-    change the math, so it is not assumed); first and last stage in one chunk (pp = 1)."""
+    """Whether every layer is exactly the shipped TransformerLayer / SelfAttention (their forward takes the
+    cache; a user's subclass may not), and first and last stage are one chunk (pp = 1) without SP."""
     from mptrain.layers.attention import SelfAttention
     from mptrain.layers.transformer import TransformerLayer
 
@@ -55,47 +37,20 @@ def supports_kv_cache(model) -> bool:
                for layer in model.decoder.layers.values())
 
 
-def _attention_step(attn, x: torch.Tensor, cache: KVCache, n: str, start: int) -> torch.Tensor:
-    """`SelfAttention.forward` for positions ``start .. start+s-1`` given the cached earlier K / V."""
-    from mptrain.layers.attention import apply_rope, rope_cos_sin
-
-    qkv, _ = attn.linear_qkv(x)  # [s, b, ng/tp · (np/ng + 2) · hn]
-    s, b = qkv.shape[:2]
-    qkv = qkv.view(s, b, attn.ng_local, attn.np // attn.ng + 2, attn.hn)
-    q = qkv[:, :, :, :-2].reshape(s, b, attn.np_local, attn.hn)  # [s, b, np/tp, hn]
-    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [s, b, ng/tp, hn]
-    if attn.rope:
-        cos, sin = rope_cos_sin(start + s, attn.hn, attn.rotary_base, x.device)
-        cos, sin = cos[start:], sin[start:]  # the new positions' angles
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    end = start + s
-    cache.keys[n][:, :, start:end] = k.permute(1, 2, 0, 3)  # [b, ng/tp, s, hn]
-    cache.values[n][:, :, start:end] = v.permute(1, 2, 0, 3)
-    rep = attn.np_local // attn.ng_local
-    keys = cache.keys[n][:, :, :end].repeat_interleave(rep, dim=1)  # [b, np/tp, end, hn]
-    values = cache.values[n][:, :, :end].repeat_interleave(rep, dim=1)
-    # query i (absolute start + i) sees keys 0 .. start + i (True = attend)
-    allowed = torch.ones(s, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-    context = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), keys, values, attn_mask=allowed)
-    context = context.permute(2, 0, 1, 3).reshape(s, b, attn.np_local * attn.hn)  # [s, b, np/tp · hn]
-    out, _ = attn.linear_proj(context)  # row-parallel: all-reduced over TP, bias added
-    return out
-
-
 @torch.no_grad()
 def cached_forward(model, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
     """Logits ``[b, s, V_pad/tp]`` of ``tokens`` ``[b, s]`` at positions ``start ..``; fills the cache.
 
-    The model must be in eval mode (no dropout) and `supports_kv_cache`.
+    The model must be in eval mode (no dropout) and `supports_kv_cache`. Positions from ``start`` on
+    are (over)written in the cache.
     """
     b, s = tokens.shape
+    cache.seek(start)
     positions = torch.arange(start, start + s, device=tokens.device).unsqueeze(0).expand(b, s)
     x = model.embedding(tokens, positions)  # [s, b, h]
     for n, layer in model.decoder.layers.items():
-        x = x + _attention_step(layer.self_attention, layer.input_layernorm(x), cache, n, start)
-        x = x + layer.mlp(layer.pre_mlp_layernorm(x))
+        x = layer(x, None, kv_cache=cache.layers[n])
     x = model.decoder.final_layernorm(x)
-    cache.length = start + s
     logits = model.output_layer(x, model.output_weight())  # [s, b, V_pad/tp]
     return logits.transpose(0, 1)
 

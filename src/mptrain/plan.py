@@ -27,10 +27,9 @@ from typing import Any
 import hydra
 from omegaconf import OmegaConf
 
-from mptrain.config.validate import check_vocab_size
 from mptrain.errors import ConfigError
 from mptrain.planner.config import FORMATS, register_plan
-from mptrain.planner.layouts import Hardware, plan
+from mptrain.planner.layouts import plan
 
 register_plan()
 
@@ -42,7 +41,7 @@ def plan_from_config(cfg: Any) -> tuple:
         ConfigError: unknown format, world_size < 1, the tokenizer's vocab larger than the model's,
             or no valid layout.
     """
-    from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 
     c = OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else cfg
     if c.format not in FORMATS:
@@ -50,8 +49,7 @@ def plan_from_config(cfg: Any) -> tuple:
     if c.world_size < 1:
         raise ConfigError(f"world_size={c.world_size} must be >= 1")
     vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
-    hw = Hardware(**{k: getattr(c.hardware, k) for k in Hardware.__dataclass_fields__})
-    return c, plan(c, c.world_size, hw, vocab_size=vocab_size)
+    return c, plan(c, c.world_size, c.hardware, vocab_size=vocab_size)
 
 
 def _yes(flag: bool) -> str:

@@ -12,7 +12,8 @@ Decisions recorded here (beyond DESIGN.md):
 - `sequence_parallel=true` with tp = 1 is allowed and does nothing (`DerivedLayout.sequence_parallel`
   is False); with tp > 1 it needs seq_length % tp == 0 (activations are split along s).
 - A loss scaler with fp32 / bf16 is allowed (it only multiplies the loss); fp16 without one is an error.
-- Vocabulary checks need the tokenizer, so they are left to the caller: `check_vocab_size`.
+- Vocabulary checks need the tokenizer, so they are left to the caller:
+  `mptrain.data.tokenizers.check_vocab_size`.
 """
 
 from __future__ import annotations
@@ -289,19 +290,3 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         sequence_parallel=sequence_parallel,
         loss_scaler=loss_scaler,
     )
-
-
-def check_vocab_size(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> int:
-    """The model's unpadded vocabulary: `model.vocab_size`, or the tokenizer's when null.
-
-    Raises:
-        ConfigError: the tokenizer has more ids than the model's vocabulary (DESIGN.md §5 `vocab_size`).
-    """
-    if model_vocab_size is None:
-        return tokenizer_vocab_size
-    if tokenizer_vocab_size > model_vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} ids; "
-            f"set model.vocab_size=null (take the tokenizer's) or >= {tokenizer_vocab_size}"
-        )
-    return model_vocab_size

@@ -362,23 +362,20 @@ def parse_cli_tokenizer(text: str) -> Tokenizer:
                       "or class:module.Class")
 
 
-def check_vocab(tokenizer: Tokenizer, model_vocab_size: Optional[int]) -> int:
-    """Check the model's vocabulary holds every token id; return the (unpadded) vocab size to build.
+def check_vocab_size(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> int:
+    """The model's unpadded vocabulary: `model.vocab_size`, or the tokenizer's size when it is None.
 
     Args:
-        tokenizer: the data's tokenizer.
-        model_vocab_size: `model.vocab_size`; None takes the tokenizer's size.
-    Returns:
-        `model_vocab_size`, or `tokenizer.vocab_size` when it is None.
+        model_vocab_size: `model.vocab_size` (None takes the tokenizer's).
+        tokenizer_vocab_size: the data tokenizer's ``vocab_size`` (ids below it).
     Raises:
-        ConfigError: `model.vocab_size` < `tokenizer.vocab_size` (names `vocab_size`, both values, the fix).
+        ConfigError: the tokenizer has more ids than the model's vocabulary (DESIGN.md §5 `vocab_size`).
     """
     if model_vocab_size is None:
-        return int(tokenizer.vocab_size)
-    if int(model_vocab_size) < int(tokenizer.vocab_size):
+        return int(tokenizer_vocab_size)
+    if int(tokenizer_vocab_size) > int(model_vocab_size):
         raise ConfigError(
-            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}, {type(tokenizer).__name__}); set model.vocab_size=null to take the "
-            f"tokenizer's size, or a value >= {tokenizer.vocab_size}"
+            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} ids; "
+            f"set model.vocab_size=null (take the tokenizer's) or >= {tokenizer_vocab_size}"
         )
     return int(model_vocab_size)

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
+from mptrain.layers.dtypes import HALF_DTYPES
+from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.random import ParamInit, checkpoint
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
 
@@ -87,7 +89,9 @@ class CoreAttention(Protocol):
     """
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor]) -> torch.Tensor: ...
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Under a KV cache (decoding) key and value are longer than the query: ``[s_k, b, ng/tp, hn]``
+        with the cached positions first, and attention_mask ``[1, 1, s, s_k]`` is always given."""
 
 
 CORE_ATTENTION = ComponentKind("core attention", methods=("forward",),
@@ -132,7 +136,7 @@ class DotProductAttention(torch.nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         fork = dropout_p > 0 and not self.sequence_parallel
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
-            half = q.dtype in (torch.float16, torch.bfloat16)
+            half = q.dtype in HALF_DTYPES
             if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
                 out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
             elif self._use_unfused(q):
@@ -145,7 +149,7 @@ class DotProductAttention(torch.nn.Module):
 
     def _use_unfused(self, q: torch.Tensor) -> bool:
         if self.attention_backend == "auto":
-            return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] > _FLASH_MAX_HEAD_DIM
+            return q.is_cuda and q.dtype in HALF_DTYPES and q.shape[-1] > _FLASH_MAX_HEAD_DIM
         return self.attention_backend == "unfused"
 
 
@@ -220,7 +224,17 @@ class SelfAttention(torch.nn.Module):
                                         ROW_PARALLEL_LINEAR, input_size=self.np * self.hn, output_size=config.hidden_size,
                                         name=f"{prefix}.linear_proj", input_is_parallel=True, scaled_init=True, **common)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
+        """x ``[s(/tp), b, h]`` -> ``[s(/tp), b, h]`` (class docstring).
+
+        With ``kv_cache`` (incremental decoding, `mptrain.layers.kv_cache`): x holds the ``s`` positions
+        after the ``kv_cache.length`` already cached ones; RoPE uses their absolute positions, their K
+        and V join the cache, and the queries attend causally over every cached key.
+
+        Raises:
+            ValueError: both ``attention_mask`` and ``kv_cache`` given (the cache path is causal).
+        """
         qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp · (np/ng + 2) · hn]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.ng_local, self.np // self.ng + 2, self.hn)  # per local group: q..q, k, v
@@ -228,9 +242,16 @@ class SelfAttention(torch.nn.Module):
         q, k, v = torch.split(qkv, [self.np // self.ng, 1, 1], dim=3)
         q = q.reshape(s, b, self.np_local, self.hn)  # [s, b, np/tp, hn]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, hn]
+        start = 0 if kv_cache is None else kv_cache.length  # absolute position of x's first row
         if self.rope:
-            cos, sin = rope_cos_sin(s, self.hn, self.rotary_base, x.device)
+            cos, sin = rope_cos_sin(start + s, self.hn, self.rotary_base, x.device)
+            if start:
+                cos, sin = cos[start:], sin[start:]  # the new positions' angles
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            if attention_mask is not None:
+                raise ValueError("SelfAttention: attention_mask must be None with a kv_cache (the cached path is causal)")
+            k, v, attention_mask = kv_cache.append(k, v)  # [start+s, b, ng/tp, hn], mask [1, 1, s, start+s]
         if self.recompute_core and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:

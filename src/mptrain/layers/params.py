@@ -1,6 +1,25 @@
-"""Parameter counts of a GPT config, by formula (no model built).
+"""Model arithmetic of a GPT config, by formula (no model built): parameters, FLOPs, peak rates.
 
-Two conventions:
+The one home of these numbers: the trainer's metrics (`mptrain.training.throughput`), the layout
+planner (`mptrain.planner`) and the benchmark harness (``bench/configs.py``) all call the
+functions below. Inputs are a `ModelConfig` (or any object with its fields: ``num_layers``,
+``hidden_size``, ``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
+``ffn_hidden_size``, ``activation``, ``add_bias_linear``, ``normalization``, ...).
+
+Legend: L layers, h hidden, np query heads, ng query groups (K/V heads; ng = np without GQA),
+hn head dim (``kv_channels``, default h/np), f ``ffn_hidden_size`` (default 4h), k = 2 for SwiGLU
+(gate and up projection in one fc1) else 1, s sequence length, V / V_pad the unpadded / padded
+vocabulary, T tokens per iteration.
+
+Parameters of one layer (Megatron ``ColumnParallelLinear`` / ``RowParallelLinear``, Shoeybi et
+al. 2019 §3; megatron/core/transformer/attention.py and mlp.py):
+    QKV weight h·(np + 2·ng)·hn, bias (np + 2·ng)·hn          (column-parallel)
+    proj weight np·hn·h, bias h (replicated over TP)           (row-parallel)
+    fc1 weight h·k·f, bias k·f                                 (column-parallel)
+    fc2 weight f·h, bias h (replicated over TP)                (row-parallel)
+    two norms, replicated: 2h each (LayerNorm) or h (RMSNorm)
+
+Two whole-model conventions (`count_parameters`):
 
 ``"real"``: what `build_model_chunks` creates, summed over all ranks, vocab padding excluded and
 the tied embedding counted once (the last stage's copy is a replica) — equals Σ numel of the
@@ -11,36 +30,84 @@ V 50257 → 2,827,821,056): per layer QKV 3h² + projection h² + MLP 8h² + two
 = 12h² + 4h; untied input and output embeddings 2·V·h; no linear biases, no position
 embedding, no final norm, unpadded vocab. Attention / MLP widths follow the config (GQA,
 kv_channels, ffn_hidden_size, SwiGLU), so for the example's shape it is exactly the formula.
+
+FLOPs per iteration (`flops_per_iteration`; DESIGN.md §2):
+
+    F = 6·N_mm·T + 12·L·a·s·T
+
+N_mm = L·(h·(np + 2·ng)·hn + np·hn·h + h·k·f + f·h) + V_pad·h, the matmul weights of the model as
+configured (the output layer counted once whether tied or not: the input embedding is a lookup),
+and a = np·hn the attention width (= h unless ``kv_channels`` says otherwise). A multiply-add is
+2 FLOPs, so the forward pass costs 2·N_mm per token in the linears plus 4·a·s per layer and token
+in attention (QKᵀ and P·V, each 2·a·s; counted in full, no causal halving); the backward pass
+costs twice the forward (input grad and weight grad). Without GQA, SwiGLU or a custom f this is
+Megatron's ``num_floating_point_operations`` for GPT (72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)),
+Narayanan et al. 2021 §5.1 without recomputation). Recomputation is not model FLOPs; the
+planner's step-time estimate adds it (``recompute``): ``full`` one more forward of the
+transformer layers (the output layer is not recomputed: Narayanan et al.'s 96·B·s·L·h²·(1 +
+s/(6h) + V/(16·L·h))), ``selective`` one more forward of the attention core (4·L·a·s·T).
+
+Peak rates: `DENSE_BF16_PEAK_TFLOPS` (by GPU name) and `DEFAULT_PEAK_TFLOPS`, the dense bf16 rate
+MFU divides by for every precision (tokens/s is the figure that compares precisions).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 
 CONVENTIONS = ("real", "design_doc")
+RECOMPUTE = (None, "none", "selective", "full")
+"""``recompute`` values of `flops_per_token` / `flops_per_iteration` (None and "none" mean no recompute)."""
+
+DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+"""Dense bf16 tensor-core peak per GPU in TFLOP/s (SXM parts, no sparsity), keyed by a substring of
+the device name (``torch.cuda.get_device_name``); first match in insertion order wins."""
+DEFAULT_PEAK_TFLOPS = DENSE_BF16_PEAK_TFLOPS["H100"]
+"""The peak assumed where no device is at hand (the planner's and the benchmark's H100 / H200 SXM)."""
 
 
-def _layer_linear_weights(cfg) -> int:
-    h, np_ = cfg.hidden_size, cfg.num_attention_heads
-    ng = cfg.num_query_groups or np_
-    hn = cfg.kv_channels or h // np_
-    ffn = cfg.ffn_hidden_size or 4 * h
-    parts = 2 if cfg.activation == "swiglu" else 1
-    return h * (np_ + 2 * ng) * hn + np_ * hn * h + h * parts * ffn + ffn * h
+def peak_tflops_for_device(device_name: str) -> Optional[float]:
+    """Dense bf16 peak (TFLOP/s) of the GPU called ``device_name``; None when it is not in the table."""
+    for key, peak in DENSE_BF16_PEAK_TFLOPS.items():
+        if key in device_name:
+            return peak
+    return None
 
 
-def _layer_linear_biases(cfg) -> int:
-    h, np_ = cfg.hidden_size, cfg.num_attention_heads
-    ng = cfg.num_query_groups or np_
-    hn = cfg.kv_channels or h // np_
-    ffn = cfg.ffn_hidden_size or 4 * h
-    parts = 2 if cfg.activation == "swiglu" else 1
-    return (np_ + 2 * ng) * hn + h + parts * ffn + h
+def _widths(m) -> tuple:
+    """(h, np, ng, hn, f, k) of model config ``m`` with the defaults filled in (module legend)."""
+    h, np_ = m.hidden_size, m.num_attention_heads
+    ng = m.num_query_groups or np_
+    hn = m.kv_channels or h // np_
+    f = m.ffn_hidden_size or 4 * h
+    k = 2 if m.activation == "swiglu" else 1
+    return h, np_, ng, hn, f, k
 
 
-def _norm(cfg) -> int:
-    return 2 * cfg.hidden_size if cfg.normalization == "LayerNorm" else cfg.hidden_size
+def layer_matmul_weights(m) -> int:
+    """Weights of one transformer layer's four linears (QKV, proj, fc1, fc2), whole (not per TP rank)."""
+    h, np_, ng, hn, f, k = _widths(m)
+    return h * (np_ + 2 * ng) * hn + np_ * hn * h + h * k * f + f * h
+
+
+def norm_params(m) -> int:
+    """Parameters of one norm over h: 2h (LayerNorm: weight and bias) or h (RMSNorm)."""
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+def layer_params(m, *, tp: int = 1) -> int:
+    """Elements of one transformer layer on one TP rank of ``tp`` (module docstring's table).
+
+    Column-parallel weights and biases are split over TP; the row-parallel biases and the norms
+    are replicated. At ``tp=1`` this is the layer's whole parameter count.
+    """
+    h, np_, ng, hn, f, k = _widths(m)
+    weights = layer_matmul_weights(m) // tp
+    biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else 0
+    return weights + biases + 2 * norm_params(m)
 
 
 def count_parameters(model_cfg, *, vocab_size: int, convention: str = "real", tp: int = 1,
@@ -59,14 +126,53 @@ def count_parameters(model_cfg, *, vocab_size: int, convention: str = "real", tp
         raise ConfigError(f"count_parameters: convention={convention!r} is not one of {list(CONVENTIONS)}")
     h, L = model_cfg.hidden_size, model_cfg.num_layers
     if convention == "design_doc":
-        return L * (_layer_linear_weights(model_cfg) + 2 * 2 * h) + 2 * vocab_size * h
+        return L * (layer_matmul_weights(model_cfg) + 2 * 2 * h) + 2 * vocab_size * h
     v = padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by, tp) if include_padding else vocab_size
-    per_layer = _layer_linear_weights(model_cfg) + 2 * _norm(model_cfg)
-    if model_cfg.add_bias_linear:
-        per_layer += _layer_linear_biases(model_cfg)
-    total = L * per_layer + _norm(model_cfg) + v * h  # layers, final norm, word embedding
+    total = L * layer_params(model_cfg) + norm_params(model_cfg) + v * h  # layers, final norm, word embedding
     if model_cfg.position_embedding_type == "learned_absolute":
         total += (model_cfg.max_position_embeddings or model_cfg.seq_length) * h
     if model_cfg.untie_embeddings_and_output_weights:
         total += v * h
     return total
+
+
+def matmul_weights(m, *, padded_vocab_size: int) -> int:
+    """N_mm = L·(QKV + proj + fc1 + fc2 weights) + V_pad·h: the weights every token multiplies."""
+    return m.num_layers * layer_matmul_weights(m) + padded_vocab_size * m.hidden_size
+
+
+def flops_per_token(m, *, padded_vocab_size: int, recompute: Optional[str] = None) -> int:
+    """FLOPs of one token in one training iteration (forward + backward; module docstring).
+
+    Args:
+        m: ModelConfig (its ``seq_length`` is s). padded_vocab_size: V_pad of the layout.
+        recompute: None / "none" (model FLOPs, what MFU counts), "selective" or "full" (adds the
+            recomputed forward work).
+    Raises:
+        ValueError: unknown ``recompute``.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"flops_per_token: recompute={recompute!r} is not one of {list(RECOMPUTE)}")
+    L, s = m.num_layers, m.seq_length
+    _, np_, _, hn, _, _ = _widths(m)
+    attention_fwd = 4 * L * np_ * hn * s  # QKᵀ and P·V of every layer, 2·a·s each
+    forward = 2 * matmul_weights(m, padded_vocab_size=padded_vocab_size) + attention_fwd
+    flops = 3 * forward  # backward = 2 × forward
+    if recompute == "full":
+        flops += 2 * L * layer_matmul_weights(m) + attention_fwd
+    elif recompute == "selective":
+        flops += attention_fwd
+    return flops
+
+
+def flops_per_iteration(m, *, padded_vocab_size: int, tokens_per_iteration: int,
+                        recompute: Optional[str] = None) -> int:
+    """F = 6·N_mm·T + 12·L·a·s·T (+ recomputation; module docstring), an exact integer.
+
+    Args:
+        tokens_per_iteration: T = global_batch_size × seq_length.
+        (the rest: `flops_per_token`)
+    Raises:
+        ValueError: unknown ``recompute``.
+    """
+    return flops_per_token(m, padded_vocab_size=padded_vocab_size, recompute=recompute) * tokens_per_iteration

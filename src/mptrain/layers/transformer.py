@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from mptrain.components import ComponentKind
 from mptrain.errors import ConfigError
 from mptrain.layers.attention import SELF_ATTENTION
+from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.mlp import MLP_KIND
 from mptrain.layers.norms import NORM
 from mptrain.layers.random import ParamInit, checkpoint
@@ -133,11 +134,21 @@ class TransformerLayer(torch.nn.Module):
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
 
-    def _body(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), attention_mask))
+    def _body(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor],
+              kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        # the cache keyword only when decoding: a plugged-in attention without one still trains
+        attn = (self.self_attention(h, attention_mask) if kv_cache is None
+                else self.self_attention(h, attention_mask, kv_cache=kv_cache))
+        x = x + self._dropout(attn)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
+        """x ``[s(/tp), b, h]`` -> same shape. ``kv_cache``: this layer's cache for incremental decoding,
+        handed to ``self_attention`` (`SelfAttention.forward`); eager even with ``compile_layers``."""
+        if kv_cache is not None:  # decoding runs eagerly: the cache length changes every call
+            return self._body(x, attention_mask, kv_cache)
         if self._compiled_body is not None:
             return self._compiled_body(x, attention_mask)
         return self._body(x, attention_mask)

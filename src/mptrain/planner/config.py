@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from mptrain.config.schema import Config
+from mptrain.layers.params import DEFAULT_PEAK_TFLOPS
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 FORMATS = ("table", "json")
@@ -19,12 +20,14 @@ FORMATS = ("table", "json")
 
 @dataclasses.dataclass
 class HardwareConfig:
-    """ASSUMED accelerator numbers (only `gpu_memory_gib` decides `fits`; the rest rank layouts)."""
+    """ASSUMED accelerator numbers (only `gpu_memory_gib` decides `fits`; the rest rank layouts).
+
+    The planner's one hardware record: `plan_layout` / `plan` take it as ``hw``."""
 
     gpu_memory_gib: float = 80.0
     """Memory per GPU in GiB (2**30 bytes)."""
-    peak_tflops: float = 989.0
-    """Dense bf16 peak per GPU, TFLOP/s (H100/H200 SXM)."""
+    peak_tflops: float = DEFAULT_PEAK_TFLOPS
+    """Dense bf16 peak per GPU, TFLOP/s (default: H100/H200 SXM, `mptrain.layers.params.DENSE_BF16_PEAK_TFLOPS`)."""
     assumed_mfu: float = 0.45
     """Share of the peak the model math is assumed to reach (step-time estimate only)."""
     gpus_per_node: int = 8

@@ -16,9 +16,9 @@ all-gather (k−1)/k·n). Reported for the busiest pipeline stage of each group.
          params in the buffer dtype (distrib_optimizer.py gathers a buffer-dtype scratch).
     embedding  tied embedding with pp > 1: all-reduce of its grad over the 2 stages.
 Bubble (Narayanan et al. 2021 §2.2): (pp − 1) / (vpp·m + pp − 1) of the step.
-Step time (ASSUMED hardware, `hardware.*`): FLOPs of DESIGN.md §2 (× 4/3 for full recompute's extra
-forward, + the attention-core forward for selective) / (GPUs × peak × assumed_mfu) / (1 − bubble)
-+ TP time (never overlapped) + DP time (unless overlap_grad_reduce) + PP time, each at the
+Step time (ASSUMED hardware, `hardware.*`): FLOPs of DESIGN.md §2 (`mptrain.layers.params`; plus
+the transformer layers' extra forward for full recompute, the attention-core forward for selective)
+/ (GPUs × peak × assumed_mfu) / (1 − bubble) + TP time (never overlapped) + DP time (unless overlap_grad_reduce) + PP time, each at the
 bandwidth of its link (intra-node when the group fits in one node of gpus_per_node).
 """
 
@@ -32,23 +32,13 @@ from mptrain.config.validate import as_config, validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config
+from mptrain.layers.params import flops_per_iteration
+from mptrain.planner.config import HardwareConfig
 from mptrain.planner.memory import (GIB, PARAM_BYTES, PlanLayout, grad_bytes_per_element, planner_assumptions,
                                     stage_memory)
 from mptrain.planner.params import all_rank_params
 
 RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """Assumed accelerator (defaults: H100/H200 SXM nodes of 8)."""
-
-    gpu_memory_gib: float = 80.0
-    peak_tflops: float = 989.0
-    assumed_mfu: float = 0.45
-    gpus_per_node: int = 8
-    intra_node_gb_per_s: float = 400.0
-    inter_node_gb_per_s: float = 50.0
 
 
 def _divisors(n: int) -> list:
@@ -139,25 +129,19 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
     return out
 
 
-def step_flops(cfg, layout: PlanLayout, *, vocab_size: int) -> float:
-    """DESIGN.md §2 FLOPs per iteration, plus recomputation's extra forward work."""
+def step_flops(cfg, layout: PlanLayout, *, vocab_size: int) -> int:
+    """FLOPs of one iteration of ``layout``, recomputation included (`mptrain.layers.params.flops_per_iteration`)."""
     m = cfg.model
-    L, h, s = m.num_layers, m.hidden_size, m.seq_length
-    T = cfg.train.global_batch_size * s
-    n = 12 * L * h * h + padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, layout.tp) * h
-    f = 6 * n * T + 12 * L * h * s * T
-    if layout.recompute == "full":
-        f += (2 * n * T + 4 * L * h * s * T)  # one more forward
-    elif layout.recompute == "selective":
-        f += 4 * L * h * s * T  # the attention core's forward
-    return f
+    v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, layout.tp)
+    return flops_per_iteration(m, padded_vocab_size=v_pad, tokens_per_iteration=cfg.train.global_batch_size * m.seq_length,
+                               recompute=layout.recompute)
 
 
-def _bandwidth(hw: Hardware, group_span: int) -> float:
+def _bandwidth(hw: HardwareConfig, group_span: int) -> float:
     return (hw.intra_node_gb_per_s if group_span <= hw.gpus_per_node else hw.inter_node_gb_per_s) * 1e9
 
 
-def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: Hardware, *, vocab_size: int) -> float:
+def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: HardwareConfig, *, vocab_size: int) -> float:
     """Assumed-hardware step time (module docstring); for ranking, not a measurement."""
     world = layout.tp * layout.pp * layout.dp
     compute = step_flops(cfg, layout, vocab_size=vocab_size) / (world * hw.peak_tflops * 1e12 * hw.assumed_mfu)
@@ -169,7 +153,7 @@ def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: Hardware, *, vocab_size
     return compute + tp_time + dp_time + pp_time
 
 
-def plan_layout(cfg, layout: PlanLayout, hw: Hardware, *, vocab_size: int) -> dict:
+def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int) -> dict:
     """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits, bubble, comm, and
     ``assumptions`` (lines: what the numbers assume for a user optimizer or schedule; empty for built-ins)."""
     c = layout_config(cfg, layout)
@@ -199,7 +183,7 @@ def plan_layout(cfg, layout: PlanLayout, hw: Hardware, *, vocab_size: int) -> di
     }
 
 
-def plan(cfg, world_size: int, hw: Hardware, *, vocab_size: int, layouts: Optional[list] = None) -> list:
+def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: Optional[list] = None) -> list:
     """Records for every valid layout, ranked: fitting first, then estimated step time, then bubble.
 
     Raises:

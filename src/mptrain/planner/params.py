@@ -8,12 +8,8 @@ includes what the rank really allocates: the padded vocabulary rows (V_pad/tp, V
 of make_vocab_size_divisible_by × tp) and, with a tied embedding and pp > 1, the last stage's copy
 of the word embedding (Megatron-LM megatron/core/models/common/language_module/language_module.py).
 
-Per-layer split (Megatron ``ColumnParallelLinear`` / ``RowParallelLinear``; Shoeybi et al. 2019, §3):
-    QKV weight h·(np + 2·ng)·hn / tp, bias (np + 2·ng)·hn / tp       (column-parallel)
-    proj weight np·hn·h / tp, bias h (replicated)                   (row-parallel)
-    fc1 weight h·k·ffn / tp, bias k·ffn / tp  (k = 2 for SwiGLU)    (column-parallel)
-    fc2 weight ffn·h / tp, bias h (replicated)                      (row-parallel)
-    two norms, replicated: 2h each (LayerNorm) or h (RMSNorm)
+Per-layer elements (weights, biases, norms split or replicated over TP) come from
+`mptrain.layers.params.layer_params`, the one home of the per-layer count.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from typing import Optional
 
 from mptrain.layers.embedding import padded_vocab_size, vocab_range
 from mptrain.layers.gpt import pipeline_layer_ranges
+from mptrain.layers.params import layer_params, norm_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,22 +40,6 @@ class RankParams:
     layers: tuple
     has_embedding: bool
     has_output: bool
-
-
-def _norm(m) -> int:
-    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
-
-
-def layer_numel(m, tp: int) -> int:
-    """Elements of one transformer layer on one TP rank (module docstring)."""
-    h, np_ = m.hidden_size, m.num_attention_heads
-    ng = m.num_query_groups or np_
-    hn = m.kv_channels or h // np_
-    ffn = m.ffn_hidden_size or 4 * h
-    k = 2 if m.activation == "swiglu" else 1
-    weights = (h * (np_ + 2 * ng) * hn + np_ * hn * h + h * k * ffn + ffn * h) // tp
-    biases = ((np_ + 2 * ng) * hn + k * ffn) // tp + 2 * h if m.add_bias_linear else 0
-    return weights + biases + 2 * _norm(m)
 
 
 def stage_layers(m, parallel, *, pp_rank: int) -> tuple:
@@ -90,14 +71,14 @@ def rank_params(m, parallel, *, vocab_size: int, pp_rank: int, tp_rank: int = 0)
     v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     start, end = vocab_range(v_pad, tp_rank, tp)
     rows_alloc, rows_valid = end - start, max(0, min(end, vocab_size) - start)
-    numel = counted = len(layers) * layer_numel(m, tp)
+    numel = counted = len(layers) * layer_params(m, tp=tp)
     if first:
         pos = (m.max_position_embeddings or m.seq_length) * h if m.position_embedding_type == "learned_absolute" else 0
         numel += rows_alloc * h + pos
         counted += rows_valid * h + pos
     if last:
-        numel += _norm(m)
-        counted += _norm(m)
+        numel += norm_params(m)
+        counted += norm_params(m)
         if m.untie_embeddings_and_output_weights:
             numel += rows_alloc * h
             counted += rows_valid * h

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+from mptrain.layers.dtypes import HALF_DTYPES
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
@@ -50,7 +50,7 @@ class Float16Module(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, *, is_first_stage: bool, is_last_stage: bool) -> None:
         super().__init__()
-        if dtype not in _HALF_DTYPES:
+        if dtype not in HALF_DTYPES:
             raise ValueError(f"Float16Module: dtype={dtype} must be torch.float16 or torch.bfloat16 (fp32 needs no wrapper)")
         self.module = module.to(dtype)
         self.dtype = dtype

@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from mptrain.components import ComponentKind, accepted_keywords, build, extra_keys, resolve
 from mptrain.errors import ConfigError
+from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.optim.builders import param_groups as build_param_groups
 from mptrain.precision.clip_grads import (
     all_reduce_over,
@@ -74,7 +75,7 @@ from mptrain.precision.scaler import LossScaler
 
 logger = logging.getLogger(__name__)
 
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = HALF_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

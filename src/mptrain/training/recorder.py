@@ -16,13 +16,14 @@ from typing import Any, Optional
 import torch
 
 from mptrain.layers.embedding import padded_vocab_size
+from mptrain.layers.params import flops_per_iteration
 from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, optimizer_state_bytes
 from mptrain.training.loggers import LoggerGroup, build_loggers, logged_metrics
 from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow, read_metrics
 from mptrain.training.rundir import config_container, resolve_run_dir
 from mptrain.training.step import unwrap
 from mptrain.training.sweep import JobResult, current_sweep_job, eval_summary
-from mptrain.training.throughput import flops_per_iteration, memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
+from mptrain.training.throughput import memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 
 log = logging.getLogger("mptrain")
 
@@ -91,9 +92,7 @@ class Recorder:
         )
         m = cfg.model
         flops = flops_per_iteration(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            seq_length=m.seq_length,
+            m,
             padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, derived.tensor_model_parallel_size),
             tokens_per_iteration=cfg.train.global_batch_size * m.seq_length,
         )

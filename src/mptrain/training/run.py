@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from mptrain.config.schema import Config
-from mptrain.config.validate import as_config, check_vocab_size, validate_config
+from mptrain.config.validate import as_config, validate_config
 from mptrain.data.provider import build_provider, empty_split_reason, provider_target
-from mptrain.data.tokenizers import build_tokenizer
+from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.errors import ConfigError, launch_rank_and_world, report_and_exit

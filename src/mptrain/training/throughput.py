@@ -1,18 +1,9 @@
-"""Throughput: FLOPs per iteration, tokens/s, TFLOP/s per GPU, MFU, start-up times, memory (DESIGN.md §2).
+"""Throughput: tokens/s, TFLOP/s per GPU, MFU, start-up times, memory (DESIGN.md §2).
 
-FLOPs per iteration — the only formula (the peer harness uses it too):
-
-    F = 6·N·T + 12·L·h·s·T,     N = 12·L·h² + V_pad·h
-
-T = tokens per iteration (global_batch_size × seq_length), L layers, h hidden size, s sequence
-length, V_pad the padded vocabulary. 6·N·T counts forward (2 FLOPs per multiply-add) plus
-backward (twice the forward) for every weight; 12·L·h·s·T is attention's QKᵀ and PV, counted in
-full (no causal halving; Megatron core_v0.9's `num_floating_point_operations` for GPT with MHA:
-72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)), the no-recompute form of Narayanan et al. 2021's FLOP
-count, whose 96 includes the recomputed forward). Recompute is not counted (model FLOPs).
-
-MFU = F / time / GPUs / peak, with peak the dense bf16 rate (989 TFLOP/s for H100 / H200 SXM) for
-every precision; None when the peak is unknown (CPU). "GPU" means a process in the world.
+FLOPs per iteration and the peak rates come from `mptrain.layers.params` (`flops_per_iteration`,
+`DENSE_BF16_PEAK_TFLOPS`), the one home of that arithmetic, shared with the planner and the
+benchmark harness. MFU = F / time / GPUs / peak, with peak the dense bf16 rate for every
+precision; None when the peak is unknown (CPU). "GPU" means a process in the world.
 """
 
 from __future__ import annotations
@@ -23,24 +14,9 @@ from typing import Optional
 
 import torch
 
-H100_H200_DENSE_BF16_TFLOPS = 989.0
-# Dense bf16 tensor-core peaks (TFLOP/s) by a substring of torch.cuda.get_device_name; first match wins.
-PEAK_TFLOPS_BY_NAME: tuple = (("H200", H100_H200_DENSE_BF16_TFLOPS), ("H100", H100_H200_DENSE_BF16_TFLOPS), ("A100", 312.0))
+from mptrain.layers.params import peak_tflops_for_device
+
 GIB = 2**30
-
-
-def flops_num_params(num_layers: int, hidden_size: int, padded_vocab_size: int) -> int:
-    """N = 12·L·h² + V_pad·h: the weights of the FLOP formula (no biases, norms or position table)."""
-    return 12 * num_layers * hidden_size**2 + padded_vocab_size * hidden_size
-
-
-def flops_per_iteration(
-    *, num_layers: int, hidden_size: int, seq_length: int, padded_vocab_size: int, tokens_per_iteration: int
-) -> int:
-    """F = 6·N·T + 12·L·h·s·T (FLOPs, exact integer)."""
-    n = flops_num_params(num_layers, hidden_size, padded_vocab_size)
-    t = tokens_per_iteration
-    return 6 * n * t + 12 * num_layers * hidden_size * seq_length * t
 
 
 def peak_tflops_per_gpu(device: torch.device, override: Optional[float] = None) -> Optional[float]:
@@ -49,11 +25,7 @@ def peak_tflops_per_gpu(device: torch.device, override: Optional[float] = None) 
         return float(override)
     if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in PEAK_TFLOPS_BY_NAME:
-        if key in name:
-            return peak
-    return None
+    return peak_tflops_for_device(torch.cuda.get_device_name(device))
 
 
 @dataclasses.dataclass(frozen=True)
