@@ -97,10 +97,6 @@ VARIANTS = {
     "unfused_compile_sp_tpo_nogaf": ("model.attention_backend=unfused", "model.compile_layers=true",
                                      "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
                                      "parallel.gradient_accumulation_fusion=false"),
-    # parallel.tf32_wgrad_transpose is on by default (acts on fp32 + TF32 only): this A/Bs it off
-    "unfused_compile_sp_tpo_nowt": ("model.attention_backend=unfused", "model.compile_layers=true",
-                                    "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
-                                    "parallel.tf32_wgrad_transpose=false"),
     # every GEMM through cuBLASLt (PyTorch's TORCH_BLAS_PREFER_CUBLASLT) instead of cuBLAS
     "unfused_compile_sp_tpo_lt": ("model.attention_backend=unfused", "model.compile_layers=true",
                                   "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",

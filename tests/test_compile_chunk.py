@@ -16,7 +16,8 @@ import torch
 from mptrain.config.model import ModelConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.errors import ConfigError
-from mptrain.layers.gpt import check_model_config, chunk_compile_blocker, compile_mode_for
+from mptrain.layers.compile import chunk_compile_blocker, compile_mode_for
+from mptrain.layers.gpt import check_model_config
 from mptrain.training.recorder import compile_note
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

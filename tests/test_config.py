@@ -205,7 +205,8 @@ def test_vocab_size_vs_tokenizer():
 
 @pytest.mark.parametrize(
     "overrides",
-    [["train.micro_batchsize=2"], ["train.micro_batch_size=abc"], ["parallel=tp3pp1"], ["model.num_layers=1.5"]],
+    [["train.micro_batchsize=2"], ["train.micro_batch_size=abc"], ["parallel=tp3pp1"], ["model.num_layers=1.5"],
+     ["parallel.tf32_wgrad_transpose=false"]],  # a removed key: the runtime decides the TF32 K-major operand
 )
 def test_typos_and_wrong_types_fail_at_compose_time(overrides):
     with pytest.raises((HydraException, OmegaConfBaseException)):

@@ -138,7 +138,7 @@ def test_fused_accumulation_tp2(tp2_buffers, sp, compile_layers):
 
 @pytest.mark.parametrize("fused, compile_layers", [(True, False), (False, False), (True, True)])
 def test_kmajor_weight_grad_equals_plain(tp2_buffers, fused, compile_layers):
-    """parallel.tf32_wgrad_transpose's Xᵀ copies (forced on CPU): same grads, fused into main_grad
+    """The K-major Xᵀ copies of `grad_accumulation.tf32_kmajor_pays` (forced on CPU): same grads, fused into main_grad
     or returned. With SP the column-parallel layers take `transpose.transpose_copy` (its CPU
     fallback here), the row-parallel ones ``.contiguous()``; under compile those are Inductor's.
     """

@@ -26,18 +26,20 @@ class SlidingWindowAttention(torch.nn.Module):
     """Explicit softmax(QKᵀ/√d + mask)·V on this TP rank's heads (no fused kernel).
 
     Args:
-        config: the model config (attention_dropout). sequence_parallel, rng_tracker: the runtime's,
-            for dropout inside the TP region (the interface's rule).
+        config: the model config (attention_dropout).
+        context: the layer-construction context (`mptrain.layers.context.LayerContext`); this core
+            reads ``context.sequence_parallel`` for dropout inside the TP region (the interface's rule),
+            a core with parameters would take ``context.params_dtype`` / ``context.device`` / ``context.init``.
+        rng_tracker: the runtime's RNG streams (``rng_tracker.fork()``: the TP region's stream).
         window: keys per query (the query's own position included); None = full causal.
     """
 
-    def __init__(self, *, config, sequence_parallel: bool = False, rng_tracker=None,
-                 window: Optional[int] = None) -> None:
+    def __init__(self, *, config, context, rng_tracker=None, window: Optional[int] = None) -> None:
         super().__init__()
         if window is not None and window < 1:
             raise ValueError(f"window={window} must be >= 1 or null")
         self.window, self.dropout_p = window, config.attention_dropout
-        self.sequence_parallel, self.rng_tracker = sequence_parallel, rng_tracker
+        self.sequence_parallel, self.rng_tracker = context.sequence_parallel, rng_tracker
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -4,8 +4,8 @@ The model is a component (`_target_`: the model provider, one pipeline chunk per
 transformer layer is a tree of component nodes, Megatron-core's ``ModuleSpec`` written as config
 (docs/COMPONENTS.md "Layer spec tree"). Every node is ``{_target_, _partial_: true[, submodules]}``;
 `mptrain.layers.spec.build_module` builds it with `mptrain.components.build` and calls it with the
-runtime keywords (config, groups, init, rng_tracker, sequence_parallel, dtype, ...). A user's class
-is one override away::
+runtime keywords (config, the chunk's `mptrain.layers.context.LayerContext` as ``context``, sizes,
+rng_tracker, ...). A user's class is one override away::
 
     model.transformer_layer.submodules.self_attention.submodules.core_attention._target_=my_pkg.MyCore
 
@@ -171,13 +171,14 @@ class ModelConfig:
     TransformerLayer separately (and the cross entropy's passes). ``chunk`` falls back to ``layer``,
     saying why in the log, where the chunk cannot be one graph: activation recomputation
     (``recompute_granularity``) or dropout drawn in the TP RNG fork (``attention_dropout > 0``, or
-    ``hidden_dropout > 0`` with sequence parallelism) (`mptrain.layers.gpt.chunk_compile_blocker`)."""
+    ``hidden_dropout > 0`` with sequence parallelism) (`mptrain.layers.compile.chunk_compile_blocker`;
+    applied by `mptrain.layers.compile.apply_compile`)."""
     compile_mode: Optional[str] = "auto"
     """``torch.compile(mode=...)`` of the compiled regions: ``auto``, null (Inductor's default), or one of
     torch's modes (``default``, ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``).
     ``auto`` = ``reduce-overhead`` (CUDA graphs: each micro-batch's forward and backward replayed as
     one graph launch each) where the chunk is one graph on a CUDA GPU at tp = pp = 1 — there every
     graph's outputs are consumed before its next replay and no collective is inside the graph —
-    and Inductor's default elsewhere (`mptrain.layers.transformer.compile_mode_for`)."""
+    and Inductor's default elsewhere (`mptrain.layers.compile.compile_mode_for`)."""
     transformer_layer: TransformerLayerSpec = dataclasses.field(default_factory=TransformerLayerSpec)
     """The layer spec tree (a registered component: `_target_` + `_partial_` + `submodules`)."""

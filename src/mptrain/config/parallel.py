@@ -30,11 +30,6 @@ class ParallelConfig:
     """Column/row-parallel linear layers accumulate their weight grad straight into the DDP
     buffer's ``main_grad`` from the weight-grad GEMM (no transient ``param.grad``, no add pass).
     Megatron's name and default. Same math up to rounding (fp32 accumulation is kept)."""
-    tf32_wgrad_transpose: bool = True
-    """fp32 params on CUDA with TF32 on: copy each weight-grad GEMM's input operand Xᵀ to K-major
-    layout first: Hopper's TF32 MMA reads only K-major operands, so the token-strided layout runs
-    the GEMM markedly slower (numbers: bench/reports/2026-12-01-micro-benchmarks.md). No effect on bf16/fp16,
-    TF32 off, or CPU. Same math."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: shard fp32 main params and optimizer state over DP."""
     overlap_grad_reduce: bool = False

@@ -40,9 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
+from mptrain.config.model import SelfAttentionSubmodules
+from mptrain.layers.context import LayerContext
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
-from mptrain.layers.random import ParamInit, checkpoint
+from mptrain.layers.random import checkpoint
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
 
 KEY = "model.transformer_layer.submodules.self_attention"
@@ -76,14 +78,14 @@ def check_attention_backend(model) -> None:
 class CoreAttention(Protocol):
     """The attention core of one layer, on this TP rank's heads (Megatron's ``core_attention``).
 
-    Built as ``target(*, config, layer_number, groups, sequence_parallel, rng_tracker)`` (only the
-    keywords it accepts). ``forward(query, key, value, attention_mask) -> context``:
+    Built as ``target(*, config, layer_number, context, rng_tracker)`` (only the keywords it accepts;
+    ``context``: the chunk's `LayerContext`). ``forward(query, key, value, attention_mask) -> context``:
         query ``[s, b, np/tp, hn]``; key, value ``[s, b, ng/tp, hn]`` (RoPE already applied; query head
         i uses K/V group ``i // (np/ng)``); attention_mask ``[b, 1, s, s]`` bool, True = masked, or None
         for plain causal; context ``[s, b, np/tp · hn]`` in the input dtype, heads in query order.
     Scale 1/sqrt(hn) unless the core decides otherwise. Attention dropout (``config.attention_dropout``,
     only while ``self.training``) is inside a TP region: draw it in ``rng_tracker.fork()`` unless
-    ``sequence_parallel`` (the trainer already runs the whole block in that fork). The trainer wraps
+    ``context.sequence_parallel`` (the trainer already runs the whole block in that fork). The trainer wraps
     the call in activation checkpointing under ``recompute_granularity=selective``; the core holds no
     parameters of its own in the default tree (any it adds are replicated over TP).
     """
@@ -95,7 +97,7 @@ class CoreAttention(Protocol):
 
 
 CORE_ATTENTION = ComponentKind("core attention", methods=("forward",),
-                               runtime_keywords=("config", "layer_number", "groups", "sequence_parallel", "rng_tracker"),
+                               runtime_keywords=("config", "layer_number", "context", "rng_tracker"),
                                interface=CoreAttention)
 
 
@@ -104,20 +106,19 @@ class DotProductAttention(torch.nn.Module):
 
     Args:
         config: ModelConfig (attention_dropout, attention_softmax_in_fp32, attention_backend).
-        sequence_parallel: effective SP (the block already runs in the model-parallel RNG fork).
-        rng_tracker: RNGStatesTracker. layer_number, groups: unused (the interface's keywords).
+        context: `LayerContext`; its ``sequence_parallel`` says the block already runs in the
+            model-parallel RNG fork. rng_tracker: RNGStatesTracker. layer_number: unused (the interface's keyword).
     Raises:
         ConfigError: unknown ``model.attention_backend``.
     """
 
-    def __init__(self, *, config, layer_number: int = 0, groups=None, sequence_parallel: bool = False,
-                 rng_tracker=None) -> None:
+    def __init__(self, *, config, context: LayerContext, layer_number: int = 0, rng_tracker=None) -> None:
         super().__init__()
         check_attention_backend(config)
         self.attention_dropout = config.attention_dropout
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
         self.attention_backend = config.attention_backend
-        self.sequence_parallel, self.rng_tracker = sequence_parallel, rng_tracker
+        self.sequence_parallel, self.rng_tracker = context.sequence_parallel, rng_tracker
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -184,23 +185,20 @@ class SelfAttention(torch.nn.Module):
     """Column-parallel QKV -> (RoPE) -> core attention on np/tp heads -> row-parallel projection.
 
     Args:
-        config: ModelConfig. groups: ParallelGroups. layer_number: global 0-based layer index.
-        init: ParamInit. sequence_parallel: effective SP (tp > 1). rng_tracker: RNGStatesTracker.
+        config: ModelConfig. context: `LayerContext` (groups, sequence_parallel, init, ...), handed
+            to every child node. layer_number: global 0-based layer index. rng_tracker: RNGStatesTracker.
         submodules: the spec node's ``submodules`` (linear_qkv, core_attention, linear_proj); None =
             the default `mptrain.config.model.SelfAttentionSubmodules`.
     forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, or None for
     causal) -> ``[s(/tp), b, h]`` (projection bias added).
     """
 
-    def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, rng_tracker,
-                 submodules=None, params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 async_grad_allreduce: bool = True, wgrad_transpose: bool = False) -> None:
+    def __init__(self, config, context: LayerContext, *, layer_number: int, rng_tracker, submodules=None) -> None:
         super().__init__()
         if submodules is None:
-            from mptrain.config.model import SelfAttentionSubmodules
-
             submodules = SelfAttentionSubmodules()
         node = {"submodules": submodules}
+        groups, sequence_parallel = context.groups, context.sequence_parallel
         tp = groups.tp_size
         self.np = config.num_attention_heads
         self.ng = config.num_query_groups or self.np
@@ -211,15 +209,14 @@ class SelfAttention(torch.nn.Module):
         self.rotary_base = config.rotary_base
         self.recompute_core = config.recompute_granularity == "selective"
         prefix = f"decoder.layers.{layer_number}.self_attention"
-        common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device, wgrad_transpose=wgrad_transpose)
+        common = dict(context=context, bias=config.add_bias_linear)
         self.linear_qkv = build_module(f"{KEY}.submodules.linear_qkv", submodule(node, "linear_qkv"),
                                        COLUMN_PARALLEL_LINEAR, input_size=config.hidden_size,
                                        output_size=(self.np + 2 * self.ng) * self.hn, name=f"{prefix}.linear_qkv",
-                                       async_grad_allreduce=async_grad_allreduce, **common)
+                                       **common)
         self.core_attention = build_module(f"{KEY}.submodules.core_attention", submodule(node, "core_attention"),
-                                           CORE_ATTENTION, config=config, layer_number=layer_number, groups=groups,
-                                           sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
+                                           CORE_ATTENTION, config=config, layer_number=layer_number, context=context,
+                                           rng_tracker=rng_tracker)
         self.linear_proj = build_module(f"{KEY}.submodules.linear_proj", submodule(node, "linear_proj"),
                                         ROW_PARALLEL_LINEAR, input_size=self.np * self.hn, output_size=config.hidden_size,
                                         name=f"{prefix}.linear_proj", input_is_parallel=True, scaled_init=True, **common)
@@ -262,6 +259,5 @@ class SelfAttention(torch.nn.Module):
 
 SELF_ATTENTION = ComponentKind(
     "self attention", methods=("forward",),
-    runtime_keywords=("config", "groups", "layer_number", "init", "sequence_parallel", "rng_tracker", "submodules",
-                      "params_dtype", "device", "async_grad_allreduce", "wgrad_transpose"),
+    runtime_keywords=("config", "context", "layer_number", "rng_tracker", "submodules"),
     interface=SelfAttention)

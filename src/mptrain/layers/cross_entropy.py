@@ -16,12 +16,12 @@ The Σ logits term is a sum over the *global* vocabulary, so label smoothing is 
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from mptrain.layers.compile import compile_pass
 from mptrain.layers.mappings import _all_reduce
 
 
@@ -133,21 +133,11 @@ def _local_grad_(logits, x_max, sum_exp, local_t, in_range, grad_loss, out, star
     out.copy_(grad * grad_loss.unsqueeze(-1))
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_pass(fn):
-    return torch.compile(fn, dynamic=False)
-
-
-def _compiled(fn):
-    """One torch.compile wrapper per local pass (Inductor fuses each into one or two kernels); the
-    plain function when already compiling (inside a compiled model chunk, ``compile_scope=chunk``)."""
-    return fn if torch.compiler.is_compiling() else _compiled_pass(fn)
-
-
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     """Same loss and grad as `_VocabParallelCrossEntropy` (module docstring), computed in three
-    compiled passes over the logits: local max; target logit + Σ exp (+ Σ logits); and, in
-    backward, the grad with the softmax recomputed from the saved logits. No fp32 ``[s, b, V/tp]``
+    compiled passes over the logits (`mptrain.layers.compile.compile_pass`): local max; target
+    logit + Σ exp (+ Σ logits); and, in backward, the grad with the softmax recomputed from the
+    saved logits. No fp32 ``[s, b, V/tp]``
     softmax is kept between forward and backward (the logits, in the model dtype, are).
 
     ``inplace_backward``: write the grad over the saved logits instead of allocating it. Backward
@@ -163,12 +153,12 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         tp, rank = _tp(group)
         n_local = logits.shape[-1]
         start = rank * n_local
-        x_max = _compiled(_local_max)(logits, start, vocab_size)
+        x_max = compile_pass(_local_max)(logits, start, vocab_size)
         if tp > 1:  # functional under torch.compile (mappings' note on in-place c10d ops)
             x_max = _all_reduce(x_max, group, "max")
         in_range = (target >= start) & (target < start + n_local)
         local_t = (target - start).masked_fill(~in_range, 0)
-        stacked = _compiled(_local_stats)(logits, x_max, local_t, in_range, start, vocab_size, label_smoothing > 0)
+        stacked = compile_pass(_local_stats)(logits, x_max, local_t, in_range, start, vocab_size, label_smoothing > 0)
         if tp > 1:
             stacked = _all_reduce(stacked, group)  # the one SUM all-reduce
         loss, alpha = _loss_from_stats(stacked, vocab_size, label_smoothing)
@@ -180,7 +170,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, x_max, sum_exp, local_t, in_range = ctx.saved_tensors
         grad = logits if ctx.inplace else torch.empty_like(logits)
-        _compiled(_local_grad_)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), grad, ctx.start,
+        compile_pass(_local_grad_)(logits, x_max, sum_exp, local_t, in_range, grad_loss.contiguous(), grad, ctx.start,
                                 ctx.vocab_size, ctx.alpha)
         return grad, None, None, None, None, None
 

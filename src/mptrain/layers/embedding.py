@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mptrain.layers.context import LayerContext
 from mptrain.layers.mappings import reduce_from_tp_region, scatter_to_sequence_parallel_region
-from mptrain.layers.random import ParamInit
 from mptrain.layers.sharding import ShardSpec, take_shard
 
 
@@ -46,22 +46,22 @@ class VocabParallelEmbedding(torch.nn.Module):
     embeddings are summed over TP (g). Output ``[s, b, h]`` (the ids are transposed).
 
     Args:
-        vocab_size: V (unpadded). hidden_size: h. make_vocab_size_divisible_by: d.
+        vocab_size: V (unpadded). hidden_size: h. context: `LayerContext` (groups, init, params_dtype,
+            device). make_vocab_size_divisible_by: d.
         name: global parameter prefix. tied: this weight is also the output layer (spec flag).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, groups, init: ParamInit, name: str,
-                 make_vocab_size_divisible_by: int = 128, tied: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, *, context: LayerContext, name: str,
+                 make_vocab_size_divisible_by: int = 128, tied: bool = False) -> None:
         super().__init__()
+        groups, init = context.groups, context.init
         self.groups, self.vocab_size = groups, vocab_size
         self.vocab_size_padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, groups.tp_size)
         self.vocab_start, self.vocab_end = vocab_range(self.vocab_size_padded, groups.tp_rank, groups.tp_size)
         self._spec = vocab_shard_spec(vocab_size, hidden_size, self.vocab_size_padded, groups, tied_embedding=tied)
         full = init.normal(f"{name}.weight", (vocab_size, hidden_size))
         w = take_shard(full, self._spec, self.vocab_end - self.vocab_start)
-        device = device if device is not None else init.device
-        self.weight = torch.nn.Parameter(w.to(device=device, dtype=params_dtype))
+        self.weight = torch.nn.Parameter(w.to(device=context.device, dtype=context.params_dtype))
 
     def local_shard_specs(self) -> dict:
         return {"weight": self._spec}
@@ -85,22 +85,25 @@ class GPTEmbedding(torch.nn.Module):
     every TP rank and needs no extra reduction). Dropout: outside SP in the default RNG (same
     mask on every TP rank, the activation is replicated); under SP inside the model-parallel
     fork (each rank holds a different sequence slice). The position embedding is replicated.
+
+    Args:
+        config: ModelConfig. context: `LayerContext` (groups, init, sequence_parallel, params_dtype, device).
+        vocab_size: V (unpadded). rng_tracker: RNGStatesTracker.
     """
 
-    def __init__(self, config, groups, *, vocab_size: int, init: ParamInit, sequence_parallel: bool,
-                 rng_tracker, params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+    def __init__(self, config, context: LayerContext, *, vocab_size: int, rng_tracker) -> None:
         super().__init__()
-        self.groups, self.sequence_parallel, self.rng_tracker = groups, sequence_parallel, rng_tracker
+        self.groups, self.sequence_parallel, self.rng_tracker = context.groups, context.sequence_parallel, rng_tracker
         self.dropout_p = config.hidden_dropout
-        device = device if device is not None else init.device
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, groups=groups, init=init, name="embedding.word_embeddings",
+            vocab_size, config.hidden_size, context=context, name="embedding.word_embeddings",
             make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-            tied=not config.untie_embeddings_and_output_weights, params_dtype=params_dtype, device=device)
+            tied=not config.untie_embeddings_and_output_weights)
         if config.position_embedding_type == "learned_absolute":
             max_pos = config.max_position_embeddings or config.seq_length
-            full = init.normal("embedding.position_embeddings.weight", (max_pos, config.hidden_size))
-            self.position_embeddings = torch.nn.Embedding(max_pos, config.hidden_size, device=device, dtype=params_dtype)
+            full = context.init.normal("embedding.position_embeddings.weight", (max_pos, config.hidden_size))
+            self.position_embeddings = torch.nn.Embedding(max_pos, config.hidden_size, device=context.device,
+                                                          dtype=context.params_dtype)
             with torch.no_grad():
                 self.position_embeddings.weight.copy_(full)
         else:

@@ -27,6 +27,8 @@ from mptrain.components import ComponentKind, build
 from mptrain.config.model import ModelConfig
 from mptrain.errors import ConfigError
 from mptrain.layers.attention import check_attention_backend
+from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
+from mptrain.layers.context import LayerContext, layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
 from mptrain.layers.linear import column_parallel_linear
@@ -34,30 +36,11 @@ from mptrain.layers.mlp import check_activation
 from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
-from mptrain.layers.spec import check_choice, check_spec_tree
-from mptrain.layers.transformer import COMPILE_MODES, TransformerBlock, check_recompute, compile_mode_for
+from mptrain.layers.spec import check_choice
+from mptrain.layers.transformer import TransformerBlock, check_recompute, check_spec_tree
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 """``model.position_embedding_type``: learned absolute (the embedding) or rotary (`attention.apply_rope`)."""
-
-COMPILE_SCOPES = ("chunk", "layer")
-"""``model.compile_scope``: one graph per model chunk, or one per TransformerLayer (`ModelConfig.compile_scope`)."""
-
-
-def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
-    """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can).
-
-    The chunk graph holds no RNG fork and no recomputation: `RNGStatesTracker.fork` swaps the
-    device generator's state (not traceable) and the recompute checkpoint saves and replays it.
-    Where either is needed the layers are compiled one by one, as ``compile_scope=layer``.
-    """
-    if config.recompute_granularity is not None:
-        return f"model.recompute_granularity={config.recompute_granularity} (recomputation replays the RNG state)"
-    if config.attention_dropout > 0:
-        return f"model.attention_dropout={config.attention_dropout} (drawn in the TP RNG fork)"
-    if sequence_parallel and config.hidden_dropout > 0:
-        return f"model.hidden_dropout={config.hidden_dropout} with sequence parallelism (drawn in the TP RNG fork)"
-    return None
 
 
 # --- validation ---------------------------------------------------------------------------------
@@ -106,8 +89,7 @@ def check_model_config(model, parallel) -> None:
     check_activation(model)
     check_attention_backend(model)
     check_choice("model.position_embedding_type", model.position_embedding_type, POSITION_EMBEDDING_TYPES)
-    check_choice("model.compile_scope", model.compile_scope, COMPILE_SCOPES)
-    check_choice("model.compile_mode", model.compile_mode, COMPILE_MODES)
+    check_compile(model)
     check_recompute(model)
     hn = model.kv_channels or h // heads
     if model.position_embedding_type == "rope" and hn % 2:
@@ -231,16 +213,20 @@ class OutputLayer(torch.nn.Module):
     Holds its own ``weight`` when untied, or as the last stage's copy of a tied embedding
     (pp > 1); otherwise (tied, same chunk as the embedding) the caller passes the embedding weight.
     ``weight_main_grad``: the used weight's ``main_grad`` view under gradient accumulation fusion
-    (set by the DDP wrapper through `GPTModel.output_weight`), else None. ``wgrad_transpose``: as
-    `ColumnParallelLinear`.
+    (set by the DDP wrapper through `GPTModel.output_weight`), else None.
+
+    Args:
+        config: ModelConfig. context: `LayerContext` (groups, sequence_parallel, init, params_dtype,
+            device, async_tensor_model_parallel_allreduce). vocab_size: V (unpadded).
+        own_weight: ``untied`` (its own weight), ``shared_copy`` (the last stage's zero copy of the
+            tied embedding) or ``none`` (the caller passes the embedding weight).
     """
 
-    def __init__(self, config, groups, *, vocab_size: int, init: ParamInit, own_weight: str, sequence_parallel: bool,
-                 params_dtype: torch.dtype, device, async_grad_allreduce: bool = True,
-                 wgrad_transpose: bool = False) -> None:
+    def __init__(self, config, context: LayerContext, *, vocab_size: int, own_weight: str) -> None:
         super().__init__()
-        self.groups, self.sequence_parallel, self.async_grad_allreduce = groups, sequence_parallel, async_grad_allreduce
-        self.wgrad_transpose = wgrad_transpose
+        groups = context.groups
+        self.groups, self.sequence_parallel = groups, context.sequence_parallel
+        self.async_grad_allreduce = context.async_tensor_model_parallel_allreduce
         h = config.hidden_size
         v_pad = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, groups.tp_size)
         start, end = vocab_range(v_pad, groups.tp_rank, groups.tp_size)
@@ -254,8 +240,8 @@ class OutputLayer(torch.nn.Module):
         if shared:  # zeros; build_model_chunks all-reduces the first stage's embedding into it
             w = torch.zeros(end - start, h)
         else:
-            w = take_shard(init.normal("output_layer.weight", (vocab_size, h)), self._spec, end - start)
-        self.weight = torch.nn.Parameter(w.to(device=device, dtype=params_dtype))
+            w = take_shard(context.init.normal("output_layer.weight", (vocab_size, h)), self._spec, end - start)
+        self.weight = torch.nn.Parameter(w.to(device=context.device, dtype=context.params_dtype))
 
     def local_shard_specs(self) -> dict:
         return {} if self._spec is None else {"weight": self._spec}
@@ -263,8 +249,7 @@ class OutputLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if weight is None else weight
         return column_parallel_linear(x, w, None, self.groups, self.sequence_parallel,
-                                      self.async_grad_allreduce, self.weight_main_grad,
-                                      self.wgrad_transpose)  # [s, b, V_pad/tp]
+                                      self.async_grad_allreduce, self.weight_main_grad)  # [s, b, V_pad/tp]
 
 
 class GPTModel(torch.nn.Module):
@@ -281,6 +266,11 @@ class GPTModel(torch.nn.Module):
         params_dtype: dtype of params and activations. device: default ``groups.device``.
         seed: ``train.seed`` (init; and the RNG streams when ``rng_tracker`` is None).
         rng_tracker: the rank's shared RNGStatesTracker; None builds one (seeding torch's generators).
+
+    Every layer of the chunk is built with one `LayerContext` (``context``: groups, effective sequence
+    parallelism, params_dtype, device, init from (seed, name), the ``parallel`` TP-communication
+    options). ``model.compile_layers`` is applied once built (`mptrain.layers.compile.apply_compile`,
+    plan ``compile_plan``; ``compiled_chunk``, ``compile_mode``, ``compile_blocker`` say what it did).
     Raises:
         ConfigError: a bad node of the layer spec tree (see `mptrain.layers.spec`).
     """
@@ -294,34 +284,45 @@ class GPTModel(torch.nn.Module):
         self.config, self.groups, self.vocab_size = config, groups, vocab_size
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         self.layer_numbers = list(layer_numbers)
-        self.sequence_parallel = bool(parallel.sequence_parallel) and groups.tp_size > 1
         self.tied = not config.untie_embeddings_and_output_weights
         self.rng_tracker = rng_tracker if rng_tracker is not None else init_rng_tracker(seed, groups, device)
         self.input_tensor = None
         init = ParamInit(seed=seed, std=config.init_method_std, num_layers=config.num_layers, device=device)
-        kw = dict(params_dtype=params_dtype, device=device)
-        # model.compile_scope=chunk: this whole forward is one torch.compile graph; the layers are
-        # then built uncompiled (their config says compile_layers=false) and the block skips its SP
-        # RNG fork, which only matters for dropout draws (chunk_compile_blocker rules those out).
-        self.compile_blocker = (chunk_compile_blocker(config, self.sequence_parallel)
-                                if config.compile_scope == "chunk" else "model.compile_scope=layer")
-        self.compiled_chunk = config.compile_layers and self.compile_blocker is None
-        layer_config = dataclasses.replace(config, compile_layers=False) if self.compiled_chunk else config
+        self.context = layer_context(parallel, groups, init=init, params_dtype=params_dtype, device=device)
+        self.sequence_parallel = self.context.sequence_parallel
+        self.compile_plan: CompilePlan = plan_compile(config, groups, device, self.sequence_parallel)
+        self._compiled_forward = None  # set by `compile`
         if pre_process:
-            self.embedding = GPTEmbedding(config, groups, vocab_size=vocab_size, init=init,
-                                          sequence_parallel=self.sequence_parallel, rng_tracker=self.rng_tracker, **kw)
-        self.decoder = TransformerBlock(layer_config, groups, parallel=parallel, layer_numbers=self.layer_numbers,
-                                        init=init, rng_tracker=self.rng_tracker, final_norm=post_process,
-                                        rng_fork=not self.compiled_chunk, **kw)
+            self.embedding = GPTEmbedding(config, self.context, vocab_size=vocab_size, rng_tracker=self.rng_tracker)
+        # in the chunk graph the block skips its SP RNG fork (not traceable), which only matters for
+        # dropout draws (chunk_compile_blocker rules those out)
+        self.decoder = TransformerBlock(config, self.context, layer_numbers=self.layer_numbers,
+                                        rng_tracker=self.rng_tracker, final_norm=post_process,
+                                        rng_fork=not self.compile_plan.chunk)
         if post_process:
             own = "untied" if not self.tied else ("none" if pre_process else "shared_copy")
-            self.output_layer = OutputLayer(config, groups, vocab_size=vocab_size, init=init, own_weight=own,
-                                            sequence_parallel=self.sequence_parallel,
-                                            async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
-                                            wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
-        self.compile_mode = compile_mode_for(config, groups, device, self.compiled_chunk)
-        self._compiled_forward = (torch.compile(self._forward, mode=self.compile_mode) if self.compiled_chunk
-                                  else None)
+            self.output_layer = OutputLayer(config, self.context, vocab_size=vocab_size, own_weight=own)
+        apply_compile(self, self.compile_plan)
+
+    @property
+    def compiled_chunk(self) -> bool:
+        """This chunk's forward is one compiled graph (``compile_scope=chunk``, nothing blocking it)."""
+        return self.compile_plan.chunk
+
+    @property
+    def compile_mode(self) -> Optional[str]:
+        """The ``torch.compile`` mode of the compiled regions (None: Inductor's default)."""
+        return self.compile_plan.mode
+
+    @property
+    def compile_blocker(self) -> Optional[str]:
+        """Why the chunk is not one graph (`mptrain.layers.compile.chunk_compile_blocker`); None when it is."""
+        return self.compile_plan.blocker
+
+    def compile(self, *args, **kwargs) -> None:
+        """This chunk's forward as one ``torch.compile`` graph, in place (`mptrain.layers.compile.apply_compile`
+        under ``compile_scope=chunk``); the received activations are a graph input, parameter names unchanged."""
+        self._compiled_forward = torch.compile(self._forward, *args, **kwargs)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activations ``[s(/tp), b, h]`` from the previous stage (a tensor or a one-element list)."""
@@ -368,8 +369,8 @@ class GPTModel(torch.nn.Module):
             return logits.transpose(0, 1).contiguous()  # [b, s, V_pad/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), group=self.groups.tp_group, vocab_size=self.vocab_size,
                                             label_smoothing=self.config.label_smoothing,
-                                            fused=self.config.compile_layers,
-                                            inplace_backward=not self.compiled_chunk)  # [s, b] fp32; the logits are ours
+                                            fused=self.compile_plan.fused_cross_entropy,
+                                            inplace_backward=self.compile_plan.cross_entropy_inplace_backward)  # [s, b] fp32; the logits are ours
         return loss.t().contiguous()  # [b, s]
 
 

@@ -21,7 +21,7 @@ weight's AccumulateGrad node (with an undefined grad) after this backward, so it
 ``register_post_accumulate_grad_hook`` fires with ``param.grad is None`` after the accumulation,
 eager and compiled alike (tests/test_grad_accumulation.py checks the launch timing).
 
-K-major operands under TF32 (``parallel.tf32_wgrad_transpose``): the weight-grad GEMM contracts over
+K-major operands under TF32 (decided at run time by `tf32_kmajor_pays`): the weight-grad GEMM contracts over
 tokens, the strided dim of both row-major ``dY [T, out]`` and ``X [T, in]``, so both operands are
 MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared memory (16-bit
 types read either), so cuBLAS's TF32 kernels for this layout are markedly slower than with ``X``

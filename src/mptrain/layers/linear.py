@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from mptrain.errors import ConfigError
 from mptrain.layers import grad_accumulation
+from mptrain.layers.context import LayerContext
 from mptrain.layers.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -26,7 +27,6 @@ from mptrain.layers.mappings import (
     scatter_to_tp_region,
     start_grad_collective,
 )
-from mptrain.layers.random import ParamInit
 from mptrain.layers.sharding import ShardSpec, take_shard
 
 
@@ -56,17 +56,16 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     runs outside).
 
     With ``main_grad`` (``parallel.gradient_accumulation_fusion``) the weight-grad GEMM accumulates
-    into it and no weight grad is returned (`grad_accumulation.wgrad_accumulate`).
-    ``wgrad_transpose`` (``parallel.tf32_wgrad_transpose``): under TF32, give the weight-grad GEMM
-    K-major operand copies (`grad_accumulation.weight_grad`).
+    into it and no weight grad is returned (`grad_accumulation.wgrad_accumulate`). Where
+    `grad_accumulation.tf32_kmajor_pays` (fp32 on CUDA with TF32 on), the weight-grad GEMM gets a
+    K-major operand copy (`grad_accumulation.weight_grad`).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None, wgrad_transpose=False):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None):
         total = gather_from_sequence_parallel_region_raw(x, group) if sequence_parallel else x
         ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        ctx.wgrad_transpose = wgrad_transpose
         ctx.main_grad = main_grad  # not saved: a buffer view that other views mutate (version check)
         return F.linear(total, weight, bias)  # [s, b, out/tp]
 
@@ -82,7 +81,7 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = None
         if ctx.needs_input_grad[1]:
-            kmajor = ctx.wgrad_transpose and grad_accumulation.tf32_kmajor_pays(go2)
+            kmajor = grad_accumulation.tf32_kmajor_pays(go2)
             grad_w = grad_accumulation.weight_grad(go2, total.reshape(-1, total.shape[-1]), ctx.main_grad, kmajor,
                                                    gathered_input=ctx.sequence_parallel)
         grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -90,24 +89,23 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_in = pending.wait()
         elif not ctx.needs_input_grad[0]:
             grad_in = None
-        return grad_in, grad_w, grad_b, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           main_grad: Optional[torch.Tensor], wgrad_transpose: bool = False) -> torch.Tensor:
+           main_grad: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear``, with our weight-grad GEMM (into ``main_grad`` when one is given; K-major
-    operands under ``wgrad_transpose`` and TF32) when grads are on; torch's autograd otherwise."""
+    operands where `grad_accumulation.tf32_kmajor_pays`) when grads are on; torch's autograd otherwise."""
     ours = torch.is_grad_enabled() and weight.requires_grad and (
-        main_grad is not None or (wgrad_transpose and grad_accumulation.tf32_kmajor_pays(weight)))
+        main_grad is not None or grad_accumulation.tf32_kmajor_pays(weight))
     if ours:
-        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad,
-                                                                      wgrad_transpose)
+        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad)
     return F.linear(x, weight, bias)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups,
                            sequence_parallel: bool, async_grad_allreduce: bool = True,
-                           main_grad: Optional[torch.Tensor] = None, wgrad_transpose: bool = False) -> torch.Tensor:
+                           main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """f (or SP's all-gather) then ``F.linear``: ``[s(/tp), b, in] -> [s, b, out/tp]``.
 
     ``async_grad_allreduce`` (``parallel.async_tensor_model_parallel_allreduce``) overlaps the
@@ -115,12 +113,11 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     (`_LinearWithGradAccumulationAndAsyncCommunication`); off, the
     collective runs after both GEMMs (autograd of `column_parallel_input` + ``F.linear``).
     ``main_grad``: accumulate the weight grad into it (gradient accumulation fusion).
-    ``wgrad_transpose``: K-major weight-grad operands under TF32 (`grad_accumulation.weight_grad`).
     """
     if async_grad_allreduce and groups.tp_size > 1 and torch.is_grad_enabled():
         return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, groups.tp_group,
-                                                                      sequence_parallel, main_grad, wgrad_transpose)
-    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad, wgrad_transpose)
+                                                                      sequence_parallel, main_grad)
+    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad)
 
 
 def _divide(n: int, tp: int, what: str, key: str) -> int:
@@ -132,8 +129,8 @@ def _divide(n: int, tp: int, what: str, key: str) -> int:
 class ColumnParallelLinear(torch.nn.Module):
     """Y = X A + b with A split along its output columns: A = [A_1 ... A_tp], rank r holds A_r.
 
-    Shapes: input ``[s, b, in]`` (or ``[s/tp, b, in]`` under SP: all-gathered on the sequence
-    first), output ``[s, b, out/tp]`` (``[s, b, out]`` with ``gather_output``). Weight
+    Shapes: input ``[s, b, in]`` (or ``[s/tp, b, in]`` under ``context.sequence_parallel``:
+    all-gathered on the sequence first), output ``[s, b, out/tp]`` (``[s, b, out]`` with ``gather_output``). Weight
     ``[out/tp, in]``, bias ``[out/tp]`` (both TP-sharded on dim 0).
 
     ``parts`` > 1 (SwiGLU's fused [gate; up]) splits the global output dim into ``parts`` equal
@@ -142,14 +139,12 @@ class ColumnParallelLinear(torch.nn.Module):
 
     Args:
         input_size, output_size: global sizes (elements).
-        groups: ParallelGroups.
-        init: ParamInit; ``name`` is the global parameter prefix (e.g. ``layers.3.mlp.linear_fc1``).
+        context: `LayerContext`: groups, init, sequence_parallel (the input is sequence-sharded),
+            params_dtype, device, async_tensor_model_parallel_allreduce (overlap the backward
+            input-grad collective with the weight-grad GEMM, `column_parallel_linear`).
+        name: the global parameter prefix (e.g. ``decoder.layers.3.mlp.linear_fc1``), which seeds the init.
         bias: add a bias. gather_output: all-gather the output on the last dim.
-        skip_bias_add: return the bias instead of adding it. sequence_parallel: input is
-            sequence-sharded. scaled_init: use std / sqrt(2 L).
-        async_grad_allreduce: overlap the backward input-grad collective with the weight-grad
-            GEMM (`column_parallel_linear`).
-        wgrad_transpose: ``parallel.tf32_wgrad_transpose`` (K-major weight-grad GEMM under TF32).
+        skip_bias_add: return the bias instead of adding it. scaled_init: use std / sqrt(2 L).
 
     ``weight_main_grad`` (None unless set by the DDP wrapper under
     ``parallel.gradient_accumulation_fusion``): the weight's ``main_grad`` view, into which
@@ -158,22 +153,21 @@ class ColumnParallelLinear(torch.nn.Module):
         ConfigError: output_size not divisible by tp × parts.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, groups, init: ParamInit, name: str, bias: bool = True,
-                 gather_output: bool = False, skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 scaled_init: bool = False, parts: int = 1, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, async_grad_allreduce: bool = True,
-                 wgrad_transpose: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, *, context: LayerContext, name: str, bias: bool = True,
+                 gather_output: bool = False, skip_bias_add: bool = False, scaled_init: bool = False,
+                 parts: int = 1) -> None:
         super().__init__()
+        groups, init, sequence_parallel = context.groups, context.init, context.sequence_parallel
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output with sequence_parallel is not supported")
         tp = groups.tp_size
         self.groups, self.gather_output, self.skip_bias_add = groups, gather_output, skip_bias_add
-        self.sequence_parallel, self.async_grad_allreduce = sequence_parallel, async_grad_allreduce
-        self.wgrad_transpose = wgrad_transpose
+        self.sequence_parallel = sequence_parallel
+        self.async_grad_allreduce = context.async_tensor_model_parallel_allreduce
         self.input_size, self.output_size, self.parts = input_size, output_size, parts
         part_local = _divide(output_size // parts, tp, f"{name} output size / {parts} =", "hidden sizes")
         self.output_size_per_partition = part_local * parts
-        device = device if device is not None else init.device
+        device, params_dtype = context.device, context.params_dtype
         self._weight_spec = ShardSpec(global_shape=(output_size, input_size), partition_dim=0,
                                       offset=groups.tp_rank * part_local,
                                       valid=None if parts > 1 else part_local, interleave=parts)
@@ -197,7 +191,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
-                                   self.async_grad_allreduce, self.weight_main_grad, self.wgrad_transpose)  # [s, b, out/tp]
+                                   self.async_grad_allreduce, self.weight_main_grad)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.groups.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -214,23 +208,22 @@ class RowParallelLinear(torch.nn.Module):
     Args:
         input_is_parallel: the input is already ``[s, b, in/tp]`` (from a column-parallel
             layer); otherwise it is scattered on the last dim first. Must be True under SP.
-        others: as `ColumnParallelLinear` (``weight_main_grad`` and ``wgrad_transpose`` too).
+        others: as `ColumnParallelLinear` (``weight_main_grad`` too).
     Raises:
         ConfigError: input_size not divisible by tp.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, groups, init: ParamInit, name: str, bias: bool = True,
-                 input_is_parallel: bool = True, skip_bias_add: bool = False, sequence_parallel: bool = False,
-                 scaled_init: bool = True, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, wgrad_transpose: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, *, context: LayerContext, name: str, bias: bool = True,
+                 input_is_parallel: bool = True, skip_bias_add: bool = False, scaled_init: bool = True) -> None:
         super().__init__()
+        groups, init, sequence_parallel = context.groups, context.init, context.sequence_parallel
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         tp = groups.tp_size
         self.groups, self.input_is_parallel, self.skip_bias_add = groups, input_is_parallel, skip_bias_add
-        self.sequence_parallel, self.wgrad_transpose = sequence_parallel, wgrad_transpose
+        self.sequence_parallel = sequence_parallel
         self.input_size_per_partition = _divide(input_size, tp, f"{name} input size", "hidden sizes")
-        device = device if device is not None else init.device
+        device, params_dtype = context.device, context.params_dtype
         self._weight_spec = ShardSpec(global_shape=(output_size, input_size), partition_dim=1,
                                       offset=groups.tp_rank * self.input_size_per_partition,
                                       valid=self.input_size_per_partition)
@@ -254,7 +247,7 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.groups.tp_group)
-        partial = linear(x, self.weight, None, self.weight_main_grad, self.wgrad_transpose)  # [s, b, out], partial over TP
+        partial = linear(x, self.weight, None, self.weight_main_grad)  # [s, b, out], partial over TP
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
         else:

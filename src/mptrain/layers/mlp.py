@@ -14,13 +14,14 @@ table `ACTIVATIONS`); a node naming another class (``torch.nn.SiLU``) ignores th
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
-from mptrain.layers.random import ParamInit
+from mptrain.config.model import MLPSubmodules
+from mptrain.layers.context import LayerContext
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
 
 KEY = "model.transformer_layer.submodules.mlp"
@@ -73,30 +74,25 @@ class MLP(torch.nn.Module):
     """forward(x ``[s(/tp), b, h]``) -> ``[s(/tp), b, h]`` (fc2 bias added).
 
     Args:
+        config: ModelConfig. context: `LayerContext`, handed to both linears.
+        layer_number: global 0-based layer index (names the parameters ``decoder.layers.<n>.mlp.*``).
         submodules: the spec node's ``submodules`` (linear_fc1, activation, linear_fc2); None = the default
             `mptrain.config.model.MLPSubmodules`.
-        others: the runtime's (see `TransformerLayer`).
     """
 
-    def __init__(self, config, groups, *, layer_number: int, init: ParamInit, sequence_parallel: bool, submodules=None,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 async_grad_allreduce: bool = True, wgrad_transpose: bool = False) -> None:
+    def __init__(self, config, context: LayerContext, *, layer_number: int, submodules=None) -> None:
         super().__init__()
         if submodules is None:
-            from mptrain.config.model import MLPSubmodules
-
             submodules = MLPSubmodules()
         node = {"submodules": submodules}
         act = build_module(f"{KEY}.submodules.activation", submodule(node, "activation"), ACTIVATION, config=config)
         parts = int(getattr(act, "fc1_parts", 1))  # optional attribute of the interface (1: not gated)
         ffn = config.ffn_hidden_size or 4 * config.hidden_size
         prefix = f"decoder.layers.{layer_number}.mlp"
-        common = dict(groups=groups, init=init, bias=config.add_bias_linear, sequence_parallel=sequence_parallel,
-                      params_dtype=params_dtype, device=device, wgrad_transpose=wgrad_transpose)
+        common = dict(context=context, bias=config.add_bias_linear)
         self.linear_fc1 = build_module(f"{KEY}.submodules.linear_fc1", submodule(node, "linear_fc1"),
                                        COLUMN_PARALLEL_LINEAR, input_size=config.hidden_size, output_size=parts * ffn,
-                                       name=f"{prefix}.linear_fc1", parts=parts,
-                                       async_grad_allreduce=async_grad_allreduce, **common)
+                                       name=f"{prefix}.linear_fc1", parts=parts, **common)
         self.act = act
         self.linear_fc2 = build_module(f"{KEY}.submodules.linear_fc2", submodule(node, "linear_fc2"),
                                        ROW_PARALLEL_LINEAR, input_size=ffn, output_size=config.hidden_size,
@@ -109,6 +105,5 @@ class MLP(torch.nn.Module):
 
 
 MLP_KIND = ComponentKind("MLP", methods=("forward",),
-                         runtime_keywords=("config", "groups", "layer_number", "init", "sequence_parallel", "submodules",
-                                           "params_dtype", "device", "async_grad_allreduce", "wgrad_transpose"),
+                         runtime_keywords=("config", "context", "layer_number", "submodules"),
                          interface=MLP)

@@ -14,12 +14,13 @@ from ``model.normalization`` (LayerNorm | RMSNorm, the table `NORMALIZATIONS`), 
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
 from mptrain.components import ComponentKind
 from mptrain.errors import ConfigError
+from mptrain.layers.context import LayerContext
 from mptrain.layers.sharding import ShardSpec
 from mptrain.layers.spec import check_choice
 
@@ -27,9 +28,10 @@ from mptrain.layers.spec import check_choice
 class NormModule(Protocol):
     """A normalisation over the last dim h.
 
-    Built as ``target(hidden_size, *, config, eps, sequence_parallel, params_dtype, device)`` (only the
-    keywords it accepts). ``forward(x [s(/tp), b, h]) -> [s(/tp), b, h]``, same dtype. Its parameters
-    are replicated over TP; under sequence parallelism their grads are partial sums that
+    Built as ``target(hidden_size, *, config, eps, context)`` (only the keywords it accepts;
+    ``context``: `LayerContext`, whose ``params_dtype`` / ``device`` its parameters take).
+    ``forward(x [s(/tp), b, h]) -> [s(/tp), b, h]``, same dtype. Its parameters are replicated over
+    TP; under ``context.sequence_parallel`` their grads are partial sums that
     ``finalize_model_grads`` all-reduces over TP when the module's `local_shard_specs` marks them
     ``sequence_parallel_grad`` (a module without `local_shard_specs` gets replicated specs: fine
     without SP, wrong grads with SP). Weights should not depend on the layout.
@@ -39,7 +41,7 @@ class NormModule(Protocol):
 
 
 NORM = ComponentKind("norm", methods=("forward",),
-                     runtime_keywords=("hidden_size", "config", "eps", "sequence_parallel", "params_dtype", "device"),
+                     runtime_keywords=("hidden_size", "config", "eps", "context"),
                      interface=NormModule)
 
 
@@ -56,10 +58,9 @@ class LayerNorm(torch.nn.LayerNorm):
     kernel = "torch.nn.functional.layer_norm"
     """What computes the forward (the start-up log's ``kernels:`` line, `describe_norm`)."""
 
-    def __init__(self, hidden_size: int, *, eps: float, sequence_parallel: bool, params_dtype: torch.dtype,
-                 device: Optional[torch.device]) -> None:
-        super().__init__(hidden_size, eps=eps, device=device, dtype=params_dtype)
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, hidden_size: int, *, eps: float, context: LayerContext) -> None:
+        super().__init__(hidden_size, eps=eps, device=context.device, dtype=context.params_dtype)
+        self.sequence_parallel = context.sequence_parallel
 
     def local_shard_specs(self) -> dict:
         return _norm_specs(self, self.sequence_parallel)
@@ -70,10 +71,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
     kernel = "torch.nn.functional.rms_norm"
 
-    def __init__(self, hidden_size: int, *, eps: float, sequence_parallel: bool, params_dtype: torch.dtype,
-                 device: Optional[torch.device]) -> None:
-        super().__init__(hidden_size, eps=eps, device=device, dtype=params_dtype)
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, hidden_size: int, *, eps: float, context: LayerContext) -> None:
+        super().__init__(hidden_size, eps=eps, device=context.device, dtype=context.params_dtype)
+        self.sequence_parallel = context.sequence_parallel
 
     def local_shard_specs(self) -> dict:
         return _norm_specs(self, self.sequence_parallel)
@@ -131,11 +131,9 @@ def check_normalization(model) -> None:
     check_choice("model.normalization", model.normalization, tuple(NORMALIZATIONS))
 
 
-def Norm(hidden_size: int, *, config, eps: float, sequence_parallel: bool, params_dtype: torch.dtype = torch.float32,
-         device: Optional[torch.device] = None) -> torch.nn.Module:  # noqa: N802 - a class-like factory (Megatron's WrappedTorchNorm)
-    """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, ...)``."""
-    return NORMALIZATIONS[config.normalization](hidden_size, eps=eps, sequence_parallel=sequence_parallel,
-                                                params_dtype=params_dtype, device=device)
+def Norm(hidden_size: int, *, config, eps: float, context: LayerContext) -> torch.nn.Module:  # noqa: N802 - a class-like factory (Megatron's WrappedTorchNorm)
+    """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)``."""
+    return NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)
 
 
 def describe_norm(module: torch.nn.Module) -> str:

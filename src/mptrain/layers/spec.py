@@ -17,10 +17,15 @@ The tree lives under ``model.transformer_layer`` (schema: `mptrain.config.model.
 `build_module` is the one way a parent builds a child: `mptrain.components.build` (import,
 interface methods, the node's own keys checked against the target's signature) returns a partial,
 which is called with the runtime keywords the target accepts. Passing only the accepted ones lets
-a plain class such as ``torch.nn.GELU`` or ``torch.nn.LayerNorm`` sit in the tree unchanged.
-Runtime keywords win over the node's keys of the same name (sizes and groups are not the
-config's to choose). `check_spec_tree` runs the same import/interface/keyword checks on every node
-at start-up (`mptrain.config.validate.validate_config`), before any process group exists.
+a plain class such as ``torch.nn.GELU`` sit in the tree unchanged. Runtime keywords win over the
+node's keys of the same name (sizes and the context are not the config's to choose). Every
+parallel node gets the chunk's one `mptrain.layers.context.LayerContext` as ``context`` (groups,
+sequence_parallel, params_dtype, device, init, the TP-communication options).
+
+Import order: this module knows no layer; the layers import it to build their children, and the
+tree of kinds (`mptrain.layers.transformer.spec_kinds`) lives with the tree's root. `check_spec_node`
+runs the import/interface/keyword checks on every node at start-up
+(`mptrain.layers.transformer.check_spec_tree`), before any process group exists.
 """
 
 from __future__ import annotations
@@ -36,18 +41,18 @@ SUBMODULES = "submodules"
 
 COLUMN_PARALLEL_LINEAR = ComponentKind(
     "column-parallel linear", methods=("forward",),
-    runtime_keywords=("input_size", "output_size", "groups", "init", "name", "bias", "sequence_parallel", "parts",
-                      "params_dtype", "device", "async_grad_allreduce", "wgrad_transpose"),
+    runtime_keywords=("input_size", "output_size", "context", "name", "bias", "parts"),
     interface=ColumnParallelLinear)
-"""linear_qkv / linear_fc1: ``forward(x [s(/tp), b, in]) -> (y [s, b, out/tp], bias or None)``; see
+"""linear_qkv / linear_fc1: ``target(input_size, output_size, *, context, name, bias, parts)``,
+``forward(x [s(/tp), b, in]) -> (y [s, b, out/tp], bias or None)``; see
 `ColumnParallelLinear` (weight ``[out/tp, in]``, `local_shard_specs`, ``weight_main_grad``)."""
 
 ROW_PARALLEL_LINEAR = ComponentKind(
     "row-parallel linear", methods=("forward",),
-    runtime_keywords=("input_size", "output_size", "groups", "init", "name", "bias", "sequence_parallel",
-                      "input_is_parallel", "scaled_init", "params_dtype", "device", "wgrad_transpose"),
+    runtime_keywords=("input_size", "output_size", "context", "name", "bias", "input_is_parallel", "scaled_init"),
     interface=RowParallelLinear)
-"""linear_proj / linear_fc2: ``forward(x [s, b, in/tp]) -> (y [s(/tp), b, out], bias or None)``; see
+"""linear_proj / linear_fc2: ``target(input_size, output_size, *, context, name, bias, input_is_parallel,
+scaled_init)``, ``forward(x [s, b, in/tp]) -> (y [s(/tp), b, out], bias or None)``; see
 `RowParallelLinear` (weight ``[out, in/tp]``, reduce over TP, or reduce-scatter under SP)."""
 
 
@@ -78,7 +83,7 @@ def build_module(key: str, node: Any, kind: ComponentKind, **runtime: Any) -> An
         key: the node's config key, for messages (``model.transformer_layer.submodules.mlp``).
         node: the spec node (``_target_``, ``_partial_``, optional ``submodules``, the target's own keys).
         kind: the node's ComponentKind.
-        runtime: what the parent supplies (config, groups, sizes, init, dtype, ...); a node with
+        runtime: what the parent supplies (config, context, sizes, name, ...); a node with
             ``submodules`` also gets them as ``submodules=``.
     Returns:
         the built module (or whatever the target returns).
@@ -113,35 +118,3 @@ def check_spec_node(key: str, node: Any, kinds: dict) -> None:
     for name, child_kinds in kinds.items():
         if name != "_kind":
             check_spec_node(f"{key}.{SUBMODULES}.{name}", submodule(node, name), child_kinds)
-
-
-def spec_kinds() -> dict:
-    """The kind of every node of the default tree (nested like the config)."""
-    from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
-    from mptrain.layers.mlp import ACTIVATION, MLP_KIND
-    from mptrain.layers.norms import NORM
-    from mptrain.layers.transformer import TRANSFORMER_LAYER
-
-    return {
-        "_kind": TRANSFORMER_LAYER,
-        "input_layernorm": {"_kind": NORM},
-        "self_attention": {"_kind": SELF_ATTENTION, "linear_qkv": {"_kind": COLUMN_PARALLEL_LINEAR},
-                           "core_attention": {"_kind": CORE_ATTENTION}, "linear_proj": {"_kind": ROW_PARALLEL_LINEAR}},
-        "pre_mlp_layernorm": {"_kind": NORM},
-        "mlp": {"_kind": MLP_KIND, "linear_fc1": {"_kind": COLUMN_PARALLEL_LINEAR}, "activation": {"_kind": ACTIVATION},
-                "linear_fc2": {"_kind": ROW_PARALLEL_LINEAR}},
-    }
-
-
-def check_spec_tree(model) -> None:
-    """Start-up check of ``model.transformer_layer`` and every node under it (pure: imports and signatures).
-
-    A user's layer target without submodules is checked alone (its tree is its own business).
-    Raises:
-        ConfigError: the first bad node (no import, missing method, unknown keyword), naming its key.
-    """
-    node = model.transformer_layer
-    kinds = spec_kinds()
-    if node_items(node).get(SUBMODULES) is None:
-        kinds = {"_kind": kinds["_kind"]}
-    check_spec_node(LAYER_KEY, node, kinds)

@@ -16,8 +16,13 @@ Recomputation (DESIGN.md §1 keys, Megatron ``transformer_block.py::_checkpointe
 of each chunk one by one; ``selective`` recomputes only the attention core (`SelfAttention`).
 
 Spec tree: ``model.transformer_layer`` (kind `TRANSFORMER_LAYER`) with ``submodules``
-input_layernorm, self_attention, pre_mlp_layernorm, mlp (`mptrain.layers.spec`). The block's
-``final_layernorm`` is built from the ``input_layernorm`` node (one norm choice per model).
+input_layernorm, self_attention, pre_mlp_layernorm, mlp, each built by
+`mptrain.layers.spec.build_module` with the chunk's `LayerContext`. The block's ``final_layernorm``
+is built from the ``input_layernorm`` node (one norm choice per model). The tree's kinds
+(`spec_kinds`) and its start-up check (`check_spec_tree`) live here, with the tree's root.
+
+Compilation (``model.compile_layers``) is applied from outside (`mptrain.layers.compile.apply_compile`):
+under ``compile_scope=layer`` each layer's ``compile`` compiles its body in place.
 """
 
 from __future__ import annotations
@@ -29,14 +34,25 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from mptrain.components import ComponentKind
+from mptrain.components import ComponentKind, node_items
+from mptrain.config.model import TransformerLayerSubmodules
 from mptrain.errors import ConfigError
-from mptrain.layers.attention import SELF_ATTENTION
+from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
+from mptrain.layers.context import LayerContext
 from mptrain.layers.kv_cache import LayerKVCache
-from mptrain.layers.mlp import MLP_KIND
+from mptrain.layers.mlp import ACTIVATION, MLP_KIND
 from mptrain.layers.norms import NORM
-from mptrain.layers.random import ParamInit, checkpoint
-from mptrain.layers.spec import LAYER_KEY, build_module, check_choice, submodule
+from mptrain.layers.random import checkpoint
+from mptrain.layers.spec import (
+    COLUMN_PARALLEL_LINEAR,
+    LAYER_KEY,
+    ROW_PARALLEL_LINEAR,
+    SUBMODULES,
+    build_module,
+    check_choice,
+    check_spec_node,
+    submodule,
+)
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 """``model.recompute_granularity`` (null | full | selective)."""
@@ -65,71 +81,48 @@ def check_recompute(model) -> None:
         raise ConfigError(f"model.recompute_num_layers={n} must be an integer >= 1")
 
 
-COMPILE_MODES = ("auto", None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-"""``model.compile_mode``: ``auto``, null (Inductor's default) and torch.compile's modes."""
-
-
-def compile_mode_for(config, groups, device: Optional[torch.device], chunk: bool) -> Optional[str]:
-    """The ``torch.compile`` mode of a model chunk's graph (``chunk``) or of a layer's graph:
-    ``model.compile_mode``, with ``auto`` resolved to ``reduce-overhead`` (CUDA graphs) for a chunk
-    graph on CUDA at tp = pp = 1, else None (Inductor's default). Why only there: with pp > 1 several micro-batches' outputs are alive at once (1F1B), and
-    at tp > 1 the graph holds NCCL collectives; CUDA graphs pay off where the host is the bottleneck,
-    which is the small single-GPU model."""
-    if config.compile_mode != "auto":
-        return config.compile_mode
-    single = groups.tp_size == 1 and groups.pp_size == 1
-    return "reduce-overhead" if chunk and device.type == "cuda" and single else None
-
-
 def _layer_submodules(submodules):
     if submodules is None:
-        from mptrain.config.model import TransformerLayerSubmodules
-
         submodules = TransformerLayerSubmodules()
     return {"submodules": submodules}
 
 
-def build_norm_node(submodules, name: str, config, *, sequence_parallel: bool, params_dtype: torch.dtype,
-                    device: Optional[torch.device]) -> torch.nn.Module:
+def build_norm_node(submodules, name: str, config, *, context: LayerContext) -> torch.nn.Module:
     """The norm node ``submodules.<name>`` over h with ``model.layernorm_epsilon`` (kind NORM)."""
     return build_module(f"{LAYER_KEY}.submodules.{name}", submodule(_layer_submodules(submodules), name), NORM,
-                        hidden_size=config.hidden_size, config=config, eps=config.layernorm_epsilon,
-                        sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
+                        hidden_size=config.hidden_size, config=config, eps=config.layernorm_epsilon, context=context)
 
 
 class TransformerLayer(torch.nn.Module):
     """One pre-LN layer; the registered component ``model.transformer_layer`` (kind `TRANSFORMER_LAYER`).
 
     Args:
-        config: ModelConfig. groups: ParallelGroups. parallel: ParallelConfig.
+        config: ModelConfig. context: `LayerContext` (groups, sequence_parallel, init, params_dtype,
+            device, TP-communication options), handed to every child node.
         layer_number: global 0-based index (names its params ``decoder.layers.<n>.*`` and seeds their init).
-        init: ParamInit. rng_tracker: RNGStatesTracker.
+        rng_tracker: RNGStatesTracker.
         submodules: the node's ``submodules`` (input_layernorm, self_attention, pre_mlp_layernorm, mlp);
             None = the default `mptrain.config.model.TransformerLayerSubmodules`.
     forward(x ``[s(/tp), b, h]``, attention_mask) -> same shape.
     """
 
-    def __init__(self, config, groups, *, parallel, layer_number: int, init: ParamInit, rng_tracker,
-                 submodules=None, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(self, config, context: LayerContext, *, layer_number: int, rng_tracker, submodules=None) -> None:
         super().__init__()
-        sp = bool(parallel.sequence_parallel) and groups.tp_size > 1
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
         node = _layer_submodules(submodules)
-        kw = dict(params_dtype=params_dtype, device=device)
-        linear_kw = dict(async_grad_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
-                         wgrad_transpose=bool(parallel.tf32_wgrad_transpose), **kw)
-        inner = dict(config=config, groups=groups, layer_number=layer_number, init=init, sequence_parallel=sp,
-                     **linear_kw)
-        self.input_layernorm = build_norm_node(submodules, "input_layernorm", config, sequence_parallel=sp, **kw)
+        inner = dict(config=config, context=context, layer_number=layer_number)
+        self.input_layernorm = build_norm_node(submodules, "input_layernorm", config, context=context)
         self.self_attention = build_module(f"{LAYER_KEY}.submodules.self_attention", submodule(node, "self_attention"),
                                            SELF_ATTENTION, rng_tracker=rng_tracker, **inner)
-        self.pre_mlp_layernorm = build_norm_node(submodules, "pre_mlp_layernorm", config, sequence_parallel=sp, **kw)
+        self.pre_mlp_layernorm = build_norm_node(submodules, "pre_mlp_layernorm", config, context=context)
         self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
-        # model.compile_layers: one torch.compile wrapper per layer; Dynamo caches by code object, so
-        # every layer reuses the graphs traced for the first one (parameters are graph inputs).
-        self._compiled_body = (torch.compile(self._body, mode=compile_mode_for(config, groups, device, chunk=False))
-                               if config.compile_layers else None)
+        self._compiled_body: Optional[Callable] = None  # set by `compile`
+
+    def compile(self, *args, **kwargs) -> None:
+        """Compile this layer's body in place (``torch.compile(self._body, *args, **kwargs)``; called by
+        `mptrain.layers.compile.apply_compile` under ``compile_scope=layer``). Unlike
+        ``torch.nn.Module.compile`` the forward hooks stay eager; parameter names are unchanged."""
+        self._compiled_body = torch.compile(self._body, *args, **kwargs)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
@@ -156,8 +149,7 @@ class TransformerLayer(torch.nn.Module):
 
 TRANSFORMER_LAYER = ComponentKind(
     "transformer layer", methods=("forward",),
-    runtime_keywords=("config", "groups", "parallel", "layer_number", "init", "rng_tracker", "submodules",
-                      "params_dtype", "device"),
+    runtime_keywords=("config", "context", "layer_number", "rng_tracker", "submodules"),
     interface=TransformerLayer)
 """``forward(x [s(/tp), b, h], attention_mask [b, 1, s, s] bool | None) -> [s(/tp), b, h]``; parameters
 named relative to ``decoder.layers.<n>`` (checkpoints address them by name)."""
@@ -170,19 +162,19 @@ class TransformerBlock(torch.nn.Module):
     (``decoder.layers.5.mlp.linear_fc1.weight``) are the same in every layout.
 
     Args:
-        layer_factory: builds one layer from the runtime keywords (config, groups, parallel, layer_number,
-            init, rng_tracker, params_dtype, device); default: the ``model.transformer_layer`` spec node.
+        config: ModelConfig. context: `LayerContext` (every layer gets it).
+        layer_factory: builds one layer from the runtime keywords (config, context, layer_number,
+            rng_tracker); default: the ``model.transformer_layer`` spec node.
         layer_numbers: global indices of this chunk's layers. final_norm: add ``final_layernorm`` (built
             from the layer spec's ``input_layernorm`` node).
         rng_fork: under sequence parallelism run the layers in the TP RNG fork (default); False inside a
-            compiled chunk, where nothing draws (`mptrain.layers.gpt.chunk_compile_blocker`).
+            compiled chunk, where nothing draws (`mptrain.layers.compile.chunk_compile_blocker`).
     """
 
-    def __init__(self, config, groups, *, parallel, layer_numbers: list, init: ParamInit, rng_tracker,
-                 final_norm: bool, layer_factory: Optional[Callable] = None, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None, rng_fork: bool = True) -> None:
+    def __init__(self, config, context: LayerContext, *, layer_numbers: list, rng_tracker, final_norm: bool,
+                 layer_factory: Optional[Callable] = None, rng_fork: bool = True) -> None:
         super().__init__()
-        self.sequence_parallel = bool(parallel.sequence_parallel) and groups.tp_size > 1
+        self.sequence_parallel = context.sequence_parallel
         self.rng_fork = rng_fork and self.sequence_parallel
         self.rng_tracker = rng_tracker
         self.recompute = config.recompute_granularity == "full"
@@ -192,14 +184,12 @@ class TransformerBlock(torch.nn.Module):
         if layer_factory is None:
             layer_factory = functools.partial(build_module, LAYER_KEY, spec, TRANSFORMER_LAYER)
         self.layers = torch.nn.ModuleDict({
-            str(n): layer_factory(config=config, groups=groups, parallel=parallel, layer_number=n, init=init,
-                                  rng_tracker=rng_tracker, params_dtype=params_dtype, device=device)
+            str(n): layer_factory(config=config, context=context, layer_number=n, rng_tracker=rng_tracker)
             for n in layer_numbers
         })
         self.final_layernorm = (build_norm_node(getattr(spec, "submodules", None) if not isinstance(spec, dict)
                                                 else spec.get("submodules"), "input_layernorm", config,
-                                                sequence_parallel=self.sequence_parallel, params_dtype=params_dtype,
-                                                device=device) if final_norm else None)
+                                                context=context) if final_norm else None)
 
     def _run(self, layers: list, x: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         for layer in layers:
@@ -226,3 +216,30 @@ class TransformerBlock(torch.nn.Module):
             if self.final_layernorm is not None:
                 x = self.final_layernorm(x)
         return x
+
+
+def spec_kinds() -> dict:
+    """The kind of every node of the default tree (nested like the config: ``{"_kind": kind, "<child>": {...}}``)."""
+    return {
+        "_kind": TRANSFORMER_LAYER,
+        "input_layernorm": {"_kind": NORM},
+        "self_attention": {"_kind": SELF_ATTENTION, "linear_qkv": {"_kind": COLUMN_PARALLEL_LINEAR},
+                           "core_attention": {"_kind": CORE_ATTENTION}, "linear_proj": {"_kind": ROW_PARALLEL_LINEAR}},
+        "pre_mlp_layernorm": {"_kind": NORM},
+        "mlp": {"_kind": MLP_KIND, "linear_fc1": {"_kind": COLUMN_PARALLEL_LINEAR}, "activation": {"_kind": ACTIVATION},
+                "linear_fc2": {"_kind": ROW_PARALLEL_LINEAR}},
+    }
+
+
+def check_spec_tree(model) -> None:
+    """Start-up check of ``model.transformer_layer`` and every node under it (pure: imports and signatures).
+
+    A user's layer target without submodules is checked alone (its tree is its own business).
+    Raises:
+        ConfigError: the first bad node (no import, missing method, unknown keyword), naming its key.
+    """
+    node = model.transformer_layer
+    kinds = spec_kinds()
+    if node_items(node).get(SUBMODULES) is None:
+        kinds = {"_kind": kinds["_kind"]}
+    check_spec_node(LAYER_KEY, node, kinds)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from mptrain.layers.compile import compile_reason
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.params import flops_per_iteration
 from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, optimizer_state_bytes
@@ -51,16 +52,8 @@ def kernels_line(built) -> str:
 
 
 def compile_note(chunks) -> str:
-    """`` compile=chunk`` / `` compile=layer`` (+ why a chunk graph was not possible) for ``model.compile_layers``;
-    empty when nothing is compiled or the model provider is a user's without these attributes."""
-    inner = [unwrap(chunk) for chunk in chunks]
-    if not any(getattr(getattr(m, "config", None), "compile_layers", False) for m in inner):
-        return ""
-    if all(getattr(m, "compiled_chunk", False) for m in inner):
-        modes = dict.fromkeys(str(getattr(m, "compile_mode", None) or "default") for m in inner)
-        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)})"
-    blockers = dict.fromkeys(str(getattr(m, "compile_blocker", "")) for m in inner)
-    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'})"
+    """What ``model.compile_layers`` compiled in these (wrapped) chunks: `mptrain.layers.compile.compile_reason`."""
+    return compile_reason([unwrap(chunk) for chunk in chunks])
 
 
 @dataclasses.dataclass
