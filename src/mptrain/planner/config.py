@@ -8,12 +8,12 @@ what `train.py` would.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 from mptrain.config.schema import Config
+from mptrain.resources import conf_dir
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+CONF_DIR = conf_dir()
 FORMATS = ("table", "json")
 
 
