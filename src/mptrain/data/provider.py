@@ -339,10 +339,14 @@ class GPTDataProvider:
             box = [error, available]  # every rank learns rank 0's outcome (and which splits exist)
             dist.broadcast_object_list(box, src=0)
             error, available = box
-        if error is not None:
+        if error is not None:  # every rank raises: rank 0 alone prints (symmetric), its own error
             if original is not None:
+                if isinstance(original, ConfigError):
+                    original.symmetric = True
                 raise original
-            raise DataError(f"rank 0 could not build the data: {error}")
+            err = DataError(f"rank 0 could not build the data: {error}")
+            err.symmetric = True
+            raise err
         self.available: dict[str, bool] = available
         if splits is None and self.needs_data:
             splits = self._build_splits()
