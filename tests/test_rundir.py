@@ -189,3 +189,81 @@ def test_config_yaml_and_checkpoint_meta_keep_keys_added_with_plus(tmp_path):
         assert saved["optim"]["alpha"] == 0.95
         node = saved["model"]["transformer_layer"]["submodules"]["self_attention"]["submodules"]["core_attention"]
         assert node["window"] == 16
+
+
+def _hold_run(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text("x: 1\n")
+    (path / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+
+
+def test_configured_folder_holding_a_run_gives_way_to_the_first_free_suffix(tmp_path, capsys):
+    """run.dir named by the config (not the command line): a fresh run moves to <dir>-2, then <dir>-3; one
+    line on stderr names the folder; a `${run.dir}/...` path moves with it; the folder's run is untouched."""
+    d = tmp_path / "r"
+    _hold_run(d)
+    cfg = _cfg(run__dir=str(d))
+    cfg.checkpoint.save = "${run.dir}/checkpoints"
+    assert _single(cfg, from_command_line=False) == tmp_path / "r-2"
+    assert cfg.run.dir == str(tmp_path / "r-2") and cfg.checkpoint.save == f"{tmp_path}/r-2/checkpoints"
+    assert capsys.readouterr().err == (f"run.dir: {d} already holds a run; this run writes to {tmp_path}/r-2 "
+                                       "(pick the folder with run.dir=, or resume with checkpoint.load=)\n")
+    assert (d / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
+    assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    saved = yaml.safe_load((tmp_path / "r-2" / "config.yaml").read_text())
+    assert saved["run"]["dir"] == str(tmp_path / "r-2") and saved["checkpoint"]["save"] == f"{tmp_path}/r-2/checkpoints"
+    (tmp_path / "r-2" / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+    (tmp_path / "r-3").mkdir()
+    (tmp_path / "r-3" / "notes.txt").write_text("x")  # not a run folder: skipped, never written to
+    assert _single(_cfg(run__dir=str(d)), from_command_line=False) == tmp_path / "r-4"
+    assert sorted(p.name for p in (tmp_path / "r-3").iterdir()) == ["notes.txt"]
+
+
+def test_configured_folder_moves_the_literal_paths_inside_it_of_a_config_object(tmp_path):
+    """A resolved `Config` (what the trainer passes): literal values under the configured folder move, others stay."""
+    from mptrain.config.validate import as_config
+
+    d = tmp_path / "r"
+    _hold_run(d)
+    cfg = as_config(_cfg(run__dir=str(d), checkpoint__save=f"{d}/ck", checkpoint__load=f"{tmp_path}/other"))
+    assert _single(cfg, from_command_line=False) == tmp_path / "r-2"
+    assert (cfg.run.dir, cfg.checkpoint.save, cfg.checkpoint.load) == (
+        str(tmp_path / "r-2"), f"{tmp_path}/r-2/ck", f"{tmp_path}/other")
+
+
+def test_default_folder_holding_a_run_gives_way(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _hold_run(tmp_path / "outputs" / "tiny-tp1pp1-fp32")
+    assert _single(_cfg(), from_command_line=False) == tmp_path / "outputs" / "tiny-tp1pp1-fp32-2"
+
+
+def test_command_line_folder_holding_a_run_is_refused_and_resume_appends(tmp_path):
+    d = tmp_path / "r"
+    _hold_run(d)
+    with pytest.raises(ConfigError, match=r"run.dir=.*already holds a run \(config.yaml, metrics.jsonl\)") as err:
+        _single(_cfg(run__dir=str(d)), from_command_line=True)
+    assert err.value.symmetric  # the same line on every rank: rank 0 alone prints it
+    assert _single(_cfg(run__dir=str(d)), resuming=True, from_command_line=False) == d  # a resume appends
+    assert _single(_cfg(run__dir=str(d)), resuming=True, from_command_line=True) == d
+    assert not (tmp_path / "r-2").exists()
+
+
+def test_composed_outside_a_hydra_app_counts_as_command_line():
+    from mptrain.training.rundir import run_dir_from_command_line
+
+    assert run_dir_from_command_line() is True
+
+
+def _resolve_configured_on_world(rank, world_size, root):
+    cfg = _cfg(run__dir=str(Path(root) / "run"))
+    cfg.checkpoint.save = "${run.dir}/ck"
+    if rank == 0:
+        _hold_run(Path(root) / "run")
+    path = resolve_run_dir(cfg, rank=rank, world_size=world_size, resuming=False, from_command_line=False)
+    return str(path), cfg.run.dir, cfg.checkpoint.save
+
+
+def test_world2_moved_folder_broadcast_to_every_rank(tmp_path):
+    out = run_distributed(_resolve_configured_on_world, 2, str(tmp_path))
+    moved = str(tmp_path / "run-2")
+    assert out == [(moved, moved, f"{moved}/ck")] * 2

@@ -26,7 +26,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from mptrain.errors import ConfigError
-from mptrain.planner.config import register_plan
+from mptrain.planner.config import CONF_DIR, register_plan
 
 register_plan()
 
@@ -145,7 +145,7 @@ def format_report(cfg, facts: list) -> tuple:
     return "\n".join(lines), worst
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="plan")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")
 def main(cfg) -> None:
     c = OmegaConf.to_object(cfg)
     try:

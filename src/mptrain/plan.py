@@ -28,7 +28,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from mptrain.errors import ConfigError
-from mptrain.planner.config import FORMATS, register_plan
+from mptrain.planner.config import CONF_DIR, FORMATS, register_plan
 from mptrain.planner.layouts import plan
 
 register_plan()
@@ -81,7 +81,7 @@ def format_table(records: list, *, top=None, gpu_memory_gib: float) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="plan")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="plan")
 def main(cfg) -> None:
     try:
         c, records = plan_from_config(cfg)

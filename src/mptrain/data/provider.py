@@ -24,7 +24,8 @@ when rank 0 fails: every rank raises). Other ranks then open the same files read
 (memory-mapped; all ranks must see one filesystem, as in Megatron). Ranks with
 `needs_data=False` open nothing and yield `None` batches.
 Cache folder: `data.cache_dir`, else beside the data (`<prefix dir>/mptrain_index_cache/`; for
-Shakespeare `<repo>/data/cache/`).
+Shakespeare `mptrain.resources.default_cache_dir()`: `data/cache/` in a checkout, the user's cache
+folder for an installed package).
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ from mptrain.data.mock import MockDataset
 from mptrain.data.sampler import PretrainingSampler
 from mptrain.data.tokenizers import TokenizerProtocol, check_tokenizer_record
 from mptrain.errors import ConfigError
+from mptrain.resources import default_cache_dir, shipped_corpus
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-SHIPPED_CORPUS = REPO_ROOT / "data" / "shakespeare.jsonl.gz"
 
 
 @runtime_checkable
@@ -339,10 +339,14 @@ class GPTDataProvider:
             box = [error, available]  # every rank learns rank 0's outcome (and which splits exist)
             dist.broadcast_object_list(box, src=0)
             error, available = box
-        if error is not None:
+        if error is not None:  # every rank raises: rank 0 alone prints (symmetric), its own error
             if original is not None:
+                if isinstance(original, ConfigError):
+                    original.symmetric = True
                 raise original
-            raise DataError(f"rank 0 could not build the data: {error}")
+            err = DataError(f"rank 0 could not build the data: {error}")
+            err.symmetric = True
+            raise err
         self.available: dict[str, bool] = available
         if splits is None and self.needs_data:
             splits = self._build_splits()
@@ -528,11 +532,11 @@ class IndexedDataProvider(GPTDataProvider):
 
 class ShakespeareDataProvider(IndexedDataProvider):
     """`data=shakespeare`: the shipped corpus (or `corpus`), preprocessed on first use with the
-    configured tokenizer into `<cache_dir or repo/data/cache>/<name>-<fingerprint>-<size>.bin/.idx`,
+    configured tokenizer into `<cache_dir or mptrain.resources.default_cache_dir()>/<name>-<fingerprint>-<size>.bin/.idx`,
     then cut by `split` as `data=indexed`.
 
     Args:
-        corpus: a JSONL(.gz) path; None = the shipped data/shakespeare.jsonl.gz.
+        corpus: a JSONL(.gz) path; None = the shipped shakespeare.jsonl.gz (`mptrain.resources.shipped_corpus`).
         (the rest: `GPTDataProvider`)
     """
 
@@ -542,7 +546,7 @@ class ShakespeareDataProvider(IndexedDataProvider):
                  dp_rank: int, dp_size: int, needs_data: bool, seed: int = 1234, split: Any = "969,30,1",
                  cache_dir: Optional[str] = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,
                  eod_mask_loss: bool = False) -> None:
-        self.corpus = Path(corpus or SHIPPED_CORPUS)
+        self.corpus = Path(corpus) if corpus else shipped_corpus()
         self.prefixes, self.per_split = [], None
         GPTDataProvider.__init__(self, tokenizer=tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, needs_data=needs_data,
@@ -555,7 +559,7 @@ class ShakespeareDataProvider(IndexedDataProvider):
         corpus = self.corpus
         if not corpus.is_file():
             raise DataError(f"{corpus}: the Shakespeare corpus is missing; set data.corpus=PATH/shakespeare.jsonl(.gz)")
-        root = self.cache_root if self.cache_root is not None else REPO_ROOT / "data" / "cache"
+        root = self.cache_root if self.cache_root is not None else default_cache_dir()
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", self.tokenizer.fingerprint)
         prefix = root / f"{corpus.name.split('.')[0]}-{tag}-{corpus.stat().st_size}"
         if not Path(f"{prefix}.idx").is_file():

@@ -8,13 +8,13 @@ what `train.py` would.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 from mptrain.config.schema import Config
 from mptrain.layers.params import DEFAULT_PEAK_TFLOPS
+from mptrain.resources import conf_dir
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+CONF_DIR = conf_dir()
 FORMATS = ("table", "json")
 
 

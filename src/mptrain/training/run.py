@@ -46,6 +46,7 @@ from mptrain.training.manual_gc import ManualGC
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.timers import Timers
 from mptrain.training.step import FaultInjector, Trainer, chunk_needs_data, make_forward_step
+from mptrain.training.interrupt import exit_interrupted, note_stop
 from mptrain.training.watchdog import StepWatchdog, StopSignal
 
 
@@ -436,6 +437,8 @@ def run(cfg: Any) -> dict:
             evaluate("valid")
             evaluate("test")
         result = recorder.finish(built, iteration=iteration, stopped=exit_code_reason)
+        if exit_code_reason == "signal":  # the entry point's last line and exit code (training/interrupt.py)
+            note_stop(stop.signum, iteration=iteration, save=cfg.checkpoint.save, saved=bool(cfg.checkpoint.save))
         clean_exit = True
         return result
     except (ConfigError, TooManySkippedStepsError) as err:
@@ -516,6 +519,8 @@ def hydra_main(cfg) -> Any:
         return result
     except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
         exit_on_config_error(err)
+    except KeyboardInterrupt:  # Ctrl-C before the loop's stop handler took over SIGINT: one line, exit 130
+        exit_interrupted(None)
     except BaseException as err:  # noqa: BLE001
         if isinstance(err, SystemExit) and not err.code:
             raise

@@ -12,19 +12,25 @@ Order (every rank runs `resolve_run_dir`; it is collective over the default grou
 Existing-folder policy: a missing folder is created; an existing empty folder is used; a folder
 that already holds a run (config.yaml, metrics.jsonl, layout.json or train.log) is appended to only
 when the run resumes from a checkpoint, or when that run is a failed start (no metrics row, no
-layout.json: `is_failed_start`), which the new start replaces; anything else is refused with one
-line naming `run.dir`. Nothing is written before `validate_config` passed (it runs first).
+layout.json: `is_failed_start`), which the new start replaces. Otherwise a folder that holds a run
+and was named by the config (the schema default or an experiment YAML, not `run.dir=` on the
+command line) gives way to the first free `<dir>-2`, `<dir>-3`, ... (one line on stderr says which
+and why; config values inside the folder, such as `checkpoint.save: ${run.dir}/checkpoints`, move
+with it), so consecutive fresh runs of one command never collide. Anything else is refused with
+one line naming `run.dir`. Nothing is written before `validate_config` passed (it runs first).
 """
 
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mptrain.config.validate import config_to_container
 from mptrain.errors import ConfigError
@@ -105,6 +111,70 @@ def run_dir_decision(path: str | os.PathLike, *, resuming: bool) -> Optional[str
     return f"run.dir={p} exists, is not empty ({entries[0]}, ...) and is not a run folder; pick an empty or new run.dir="
 
 
+def holds_run(path: str | os.PathLike) -> bool:
+    """`path` is a folder holding a run (one of `RUN_FILES`)."""
+    p = Path(path)
+    return p.is_dir() and any((p / name).exists() for name in RUN_FILES)
+
+
+def free_run_dir(path: str | os.PathLike, *, resuming: bool) -> Path:
+    """The first of `path`, `<path>-2`, `<path>-3`, ... that `run_dir_decision` accepts (no side effects)."""
+    p = Path(path)
+    candidate, n = p, 1
+    while run_dir_decision(candidate, resuming=resuming) is not None:
+        n += 1
+        candidate = p.with_name(f"{p.name}-{n}")
+    return candidate
+
+
+def run_dir_from_command_line() -> bool:
+    """`run.dir=` was given on the command line (Hydra's task overrides). Outside a Hydra app (a
+    config composed by code) the folder counts as chosen by the caller: True."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True
+    overrides = HydraConfig.get().overrides.task
+    return any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides)
+
+
+def _move_paths(node: Any, old: str, new: str) -> None:
+    """Point every string value equal to `old` or under `old/` at `new` instead (in place).
+
+    Interpolations of a `DictConfig` are left alone: they follow `run.dir` by themselves.
+    """
+    def moved(value: Any) -> Any:
+        if isinstance(value, str) and value and (value == old or value.startswith(old + "/")):
+            return new + value[len(old):]
+        return None
+
+    if isinstance(node, (DictConfig, ListConfig)):
+        for key in list(node.keys()) if isinstance(node, DictConfig) else range(len(node)):
+            if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
+                continue
+            child = node[key]
+            target = moved(child)
+            if target is not None:
+                node[key] = target
+            elif isinstance(child, (DictConfig, ListConfig)):
+                _move_paths(child, old, new)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            child = getattr(node, field.name)
+            target = moved(child)
+            if target is not None:
+                setattr(node, field.name, target)
+            else:
+                _move_paths(child, old, new)
+    elif isinstance(node, (dict, list)):
+        for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
+            target = moved(child)
+            if target is not None:
+                node[key] = target
+            else:
+                _move_paths(child, old, new)
+
+
 def is_failed_start(path: Path) -> bool:
     """A folder whose only run is a start that failed before its first iteration was recorded.
 
@@ -145,6 +215,7 @@ def resolve_run_dir(
     broadcast_object: Optional[Callable[[Any], Any]] = None,
     all_gather_object: Optional[Callable[[Any], list]] = None,
     sweep_job: Any = None,
+    from_command_line: Optional[bool] = None,
 ) -> Path:
     """Agree on the config and the run folder on every rank; rank 0 creates it and writes config.yaml.
 
@@ -158,8 +229,12 @@ def resolve_run_dir(
             `broadcast_object_list` (identity for a world of 1).
         all_gather_object: `f(obj) -> [obj of rank 0, 1, ...]`; None = `all_gather_object`.
         sweep_job: the `SweepJob` in a multirun (folder `<root>/<subdir>`), else None.
+        from_command_line: `run.dir` was named by the user on the command line (such a folder holding
+            a run is refused; a folder named by the config gives way to `<dir>-N`); None =
+            `run_dir_from_command_line()`.
     Returns:
-        the absolute run folder, the same on every rank.
+        the absolute run folder, the same on every rank; when it moved to `<dir>-N`, ``cfg.run.dir``
+        and the config's paths under the configured folder are set to it (on every rank).
     Raises:
         ConfigError (on every rank): config mismatch between ranks; the folder refused by the policy.
     """
@@ -175,22 +250,41 @@ def resolve_run_dir(
     broadcast_object = broadcast_object or _torch_broadcast
     all_gather_object = all_gather_object or _torch_all_gather
 
-    check_config_agreement(all_gather_object(config_fingerprint(cfg)))
+    try:
+        check_config_agreement(all_gather_object(config_fingerprint(cfg)))
+    except ConfigError as err:
+        err.symmetric = True  # every rank compares the same gathered list: rank 0 alone prints the line
+        raise
 
     decision: Optional[tuple] = None
     if rank == 0:
+        configured = None
         if sweep_job is not None:
             path = Path(sweep_job.root) / sweep_job.subdir
         else:
-            path = Path(cfg.run.dir if cfg.run.dir else default_run_dir(cfg))
+            configured = cfg.run.dir if cfg.run.dir else default_run_dir(cfg)
+            path = Path(configured)
         refusal = run_dir_decision(path, resuming=resuming)
+        moved_from = None
+        if refusal is not None and configured is not None and holds_run(path) and not (
+                run_dir_from_command_line() if from_command_line is None else from_command_line):
+            moved_from, path = configured, free_run_dir(path, resuming=resuming)
+            refusal = None
+            print(f"run.dir: {configured} already holds a run; this run writes to {path} (pick the folder with "
+                  f"run.dir=, or resume with checkpoint.load=)", file=sys.stderr, flush=True)
         if refusal is None:
             path.mkdir(parents=True, exist_ok=True)
-        decision = (str(path.resolve()), refusal)
-    path_str, refusal = broadcast_object(decision)
+        decision = (str(path.resolve()), refusal, moved_from)
+    path_str, refusal, moved_from = broadcast_object(decision)
     if refusal is not None:
-        raise ConfigError(refusal)
+        err = ConfigError(refusal)
+        err.symmetric = True  # rank 0's decision, broadcast: every rank raises this line, rank 0 prints it
+        raise err
     run_dir = Path(path_str)
+    if moved_from is not None:  # the folder moved: so do the config's paths inside it, alike on every rank
+        _move_paths(cfg, str(Path(moved_from)), path_str)
+        _move_paths(cfg, str(Path(moved_from).resolve()), path_str)
+        cfg.run.dir = path_str
     if rank == 0:
         write_config(run_dir, cfg)
     return run_dir

@@ -58,6 +58,7 @@ class StopSignal:
 
     def __init__(self, *, min_grace_s: float = MIN_STOP_GRACE_S, exit_fn: Callable[[int], None] = os._exit) -> None:
         self.received = False
+        self.signum: Optional[int] = None  # the signal received (SIGINT: the entry point then exits 130)
         self.step_time_s = 0.0
         self.min_grace_s = min_grace_s
         self._exit_fn = exit_fn
@@ -118,6 +119,7 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+        self.signum = signum
         self._start_grace(signum)
 
     def _start_grace(self, signum: int) -> None:

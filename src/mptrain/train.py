@@ -1,0 +1,47 @@
+"""Training entry point: `python -m mptrain.train`, the `mptrain-train` command and `train.py`.
+
+    python -m mptrain.train [group=option ...] [key=value ...]                       # world size 1
+    python -m mptrain.launch --nproc_per_node=N -m mptrain.train [overrides]         # N processes
+    torchrun --nproc_per_node=N train.py [overrides]                                 # from a checkout
+
+Hydra composes the config from the package's `conf/` (`mptrain.resources.conf_dir`);
+`mptrain.training.run.hydra_main` does the rest. Ends: 0 when done (or stopped by SIGTERM); 1
+with one line for a config error; 130 with one line for Ctrl-C (`mptrain.training.interrupt`).
+"""
+
+from __future__ import annotations
+
+import hydra
+
+from mptrain.config.cli import exit_on_compose_error
+from mptrain.config.schema import register
+from mptrain.resources import conf_dir
+from mptrain.training.interrupt import exit_interrupted, take_interrupt
+
+register()
+CONF = conf_dir()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
+def main(cfg):
+    """Hydra's task function: one job (or one job of a sweep); returns its JobResult dict."""
+    from mptrain.training.run import hydra_main
+
+    result = hydra_main(cfg)  # the JobResult: the sweep summary records it
+    stop = take_interrupt()
+    if stop is not None:  # Ctrl-C: the step finished (and was saved if checkpoint.save is set)
+        exit_interrupted(stop)
+    return result
+
+
+def cli() -> None:
+    """Compose-check the command line (one line, rank 0, exit 1 for an override Hydra cannot compose), then run."""
+    try:
+        exit_on_compose_error(str(CONF))
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT
+        exit_interrupted(None)
+
+
+if __name__ == "__main__":
+    cli()

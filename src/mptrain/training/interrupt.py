@@ -1,0 +1,70 @@
+"""Ctrl-C as a clean stop: one line saying what was saved, exit code 130, no traceback.
+
+The loop already treats SIGINT like SIGTERM (`mptrain.training.watchdog.StopSignal`): every rank
+finishes its step and, when `checkpoint.save` is set, saves it. What this module adds is the end
+a user sees: the loop records the stop (`note_stop`), and the entry point (`mptrain.train`)
+then prints one line on rank 0 and exits 130, the code shells report for a job ended by Ctrl-C
+(128 + SIGINT). SIGTERM (a scheduler's stop) keeps exit 0, so a job split across time limits
+ends cleanly. `mptrain.launch` passes the workers' 130 through without torchrun's report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+from typing import NoReturn, Optional
+
+from mptrain.errors import launch_rank_and_world
+
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130: what a shell reports for a job ended by Ctrl-C
+
+
+@dataclasses.dataclass
+class Stop:
+    """How a stop signal ended the loop: the signal, the last finished iteration, the save folder
+    (`checkpoint.save`, None when unset) and whether that iteration was saved there."""
+
+    signum: int
+    iteration: int
+    save: Optional[str]
+    saved: bool
+
+
+_last_stop: Optional[Stop] = None
+
+
+def note_stop(signum: Optional[int], *, iteration: int, save: Optional[str], saved: bool) -> None:
+    """Record that a stop signal ended the training loop after `iteration` (called by the loop)."""
+    global _last_stop
+    _last_stop = Stop(int(signum), iteration, save or None, saved) if signum is not None else None
+
+
+def take_interrupt() -> Optional[Stop]:
+    """The recorded stop when it was SIGINT (Ctrl-C), else None; clears the record."""
+    global _last_stop
+    stop, _last_stop = _last_stop, None
+    return stop if stop is not None and stop.signum == signal.SIGINT else None
+
+
+def interrupted_line(stop: Optional[Stop]) -> str:
+    """The one line for a Ctrl-C stop (`stop` None: interrupted before the first iteration)."""
+    if stop is None:
+        return "interrupted before the first iteration: nothing saved"
+    if stop.saved:
+        return (f"interrupted: iteration {stop.iteration} saved to {stop.save}/iter_{stop.iteration:07d}; "
+                f"resume with checkpoint.load={stop.save}")
+    return (f"interrupted after iteration {stop.iteration}: nothing saved; set checkpoint.save=DIR to save "
+            "when stopped")
+
+
+def exit_interrupted(stop: Optional[Stop]) -> NoReturn:
+    """Print `interrupted_line` on rank 0 (stderr, one write) and exit `INTERRUPTED_EXIT_CODE` on every rank."""
+    try:
+        rank = launch_rank_and_world()[0]
+    except ValueError:
+        rank = 0
+    if rank == 0:
+        sys.stderr.write(interrupted_line(stop) + "\n")
+        sys.stderr.flush()
+    sys.exit(INTERRUPTED_EXIT_CODE)

@@ -1,0 +1,173 @@
+"""The newcomer's path: the quick-start job saves a checkpoint that generate, export and transformers then
+use as written; Ctrl-C is one line and exit 130; consecutive runs never collide on a folder named by the
+config; a refusal under the launcher is one line.
+
+The quick start runs `make train`'s job (experiment=shakespeare_cpu, tp2 x pp2 on 4 ranks, defaults for
+every path) on the gloo pool in an empty folder, with fewer iterations; the follow-ups call the tools'
+`main(ARGS)` with the command lines the README gives. The launcher tests are real `python -m mptrain.launch`
+processes (the signal and the exit code are what they check)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_distributed
+from train_utils import read_rows, run_job
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK_START = ["experiment=shakespeare_cpu", "train.train_iters=20", "train.eval_interval=null"]
+GENERATE = ["--checkpoint", "outputs/shakespeare_cpu/checkpoints", "--prompt", "ROMEO:", "--max-new-tokens", "100"]
+EXPORT = ["--checkpoint", "outputs/shakespeare_cpu/checkpoints", "--format", "hf-gpt2", "--output", "outputs/shakespeare_hf"]
+TINY = ["model=tiny", "parallel=tp2pp1", "train.eval_interval=null"]
+
+
+def _in(cwd: str, fn, *args):
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return fn(*args)
+    finally:
+        os.chdir(old)
+
+
+def _train_task(rank: int, world: int, cwd: str, overrides: list):
+    return _in(cwd, run_job, rank, world, overrides)
+
+
+def _generate_task(rank: int, world: int, cwd: str, argv: list) -> tuple:
+    from mptrain.generate import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = _in(cwd, main, argv)
+    return code, buf.getvalue()
+
+
+def test_quick_start_checkpoint_feeds_generate_export_and_transformers(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from mptrain.export import load_consolidated
+    from mptrain.export import main as export
+
+    run_distributed(_train_task, 4, str(tmp_path), QUICK_START, timeout_s=600)
+    ckpt = tmp_path / "outputs" / "shakespeare_cpu" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "20"
+    assert [r["iteration"] for r in read_rows(tmp_path / "outputs" / "shakespeare_cpu")] == list(range(1, 21))
+
+    (code, text), = run_distributed(_generate_task, 1, str(tmp_path), GENERATE)
+    (code_json, raw), = run_distributed(_generate_task, 1, str(tmp_path), GENERATE + ["--json"])
+    assert code == code_json == 0
+    out = json.loads(raw)
+    assert text == out["text"] + "\n" and text.startswith("ROMEO:")  # greedy: the same text each run
+    assert len(out["new_ids"]) == 100 and out["completion"].strip()
+
+    monkeypatch.chdir(tmp_path)
+    assert export(EXPORT) == 0
+    assert export(["--checkpoint", "outputs/shakespeare_cpu/checkpoints", "--output", "st"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained("outputs/shakespeare_hf").eval()
+    ours = load_consolidated("st").eval()
+    ids = torch.tensor([out["prompt_ids"] + out["new_ids"]])
+    vocab = hf.config.vocab_size
+    with torch.no_grad():
+        want = ours(ids, torch.arange(ids.shape[1])[None])[..., :vocab]
+        got = hf(ids).logits
+    # fp32, same math; HF's attention kernel sums in another order than SDPA: 1e-4 absolute on O(1) logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # generate's tokens are transformers' greedy choices (where the top two are not a near tie)
+    n = len(out["prompt_ids"])
+    top2 = got[0, n - 1:-1].topk(2, dim=-1)
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > 1e-3
+    assert clear.sum() > 50
+    assert torch.equal(top2.indices[clear, 0], torch.tensor(out["new_ids"])[clear])
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _launch(nproc: int, overrides: list, cwd: Path) -> list:
+    return [sys.executable, "-m", "mptrain.launch", "--standalone", f"--nproc_per_node={nproc}", "-m", "mptrain.train",
+            *overrides]
+
+
+def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) -> subprocess.Popen:
+    """Start `cmd` in its own process group, wait for `rows` metrics rows, send SIGINT to the group (as a
+    terminal's Ctrl-C does: the launcher and every worker get it)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300  # hang guard only
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    return proc
+
+
+def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(tmp_path):
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    cmd = _launch(2, [*TINY, "train.train_iters=100000", f"checkpoint.save={ck}", f"run.dir={run_dir}"], tmp_path)
+    proc = _interrupt_after_rows(cmd, tmp_path, run_dir)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    last = int((ck / "latest").read_text())
+    assert last >= 3 and read_rows(run_dir)[-1]["iteration"] == last
+    assert (ck / f"iter_{last:07d}" / ".metadata").is_file()
+    assert err.splitlines() == [f"interrupted: iteration {last} saved to {ck}/iter_{last:07d}; "
+                                f"resume with checkpoint.load={ck}"]
+
+
+def test_ctrl_c_without_checkpoint_save_names_the_key(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "train.eval_interval=null", "train.train_iters=100000",
+           f"run.dir={run_dir}"]
+    proc = _interrupt_after_rows(cmd, tmp_path, run_dir)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    last = read_rows(run_dir)[-1]["iteration"]
+    assert err.splitlines() == [f"interrupted after iteration {last}: nothing saved; set checkpoint.save=DIR to "
+                                "save when stopped"]
+
+
+def test_launcher_fresh_run_moves_on_and_explicit_run_dir_is_refused_once(tmp_path):
+    """The default folder (named by the config) holds a run: the fresh run goes to `<dir>-2` and says so once;
+    the same folder given as run.dir= on the command line is refused with one line, printed once."""
+    taken = tmp_path / "outputs" / "tiny-tp2pp1-fp32"
+    taken.mkdir(parents=True)
+    (taken / "config.yaml").write_text("x: 1\n")
+    (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+    proc = subprocess.run(_launch(2, [*TINY, "train.train_iters=2"], tmp_path), cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "run.dir: outputs/tiny-tp2pp1-fp32 already holds a run; this run writes to outputs/tiny-tp2pp1-fp32-2 "
+        "(pick the folder with run.dir=, or resume with checkpoint.load=)"]
+    assert [r["iteration"] for r in read_rows(tmp_path / "outputs" / "tiny-tp2pp1-fp32-2")] == [1, 2]
+    assert (taken / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
+    proc = subprocess.run(_launch(2, [*TINY, "train.train_iters=2", "run.dir=outputs/tiny-tp2pp1-fp32"], tmp_path),
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "error: run.dir=outputs/tiny-tp2pp1-fp32 already holds a run (config.yaml, metrics.jsonl) and this run does "
+        "not resume from a checkpoint; pick a new run.dir=, delete the folder, or resume with checkpoint.load="]
