@@ -107,7 +107,7 @@ STEP_STATS = ("grad_norm", "skipped", "num_zeros")
 """What `StepStats.values` holds, in order."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class StepStats:
     """One optimizer step's statistics, not yet read on the host (what `OptimizerWrapper.step` returns).
 
@@ -116,23 +116,27 @@ class StepStats:
             1.0 when the step was skipped (non-finite grads) else 0.0, the zero count (nan when not
             counted). The trainer copies it to the host in the same copy as its loss totals.
         on_read: ``list of 3 floats -> StepResult``: the wrapper's host bookkeeping for these values
-            (skip counters, the skip limit). Call it through `settle`, once, in step order.
+            (skip counters, the skip limit). Called by `settle`, once, in step order.
     """
 
     values: torch.Tensor
     on_read: Callable[[list], StepResult]
+    _result: Optional[StepResult] = dataclasses.field(default=None, init=False, repr=False)
 
     def settle(self, values: list) -> StepResult:
-        """The `StepResult` for ``values`` (`values` read on the host).
+        """The `StepResult` for ``values`` (`values` read on the host); later calls return the same
+        result without counting the step again.
 
         Raises:
             TooManySkippedStepsError: as `OptimizerWrapper.step` describes.
         """
-        return self.on_read(list(values))
+        if self._result is None:
+            self._result = self.on_read(list(values))
+        return self._result
 
     def result(self) -> StepResult:
         """Read `values` (a host sync) and `settle`: for callers without a buffer of their own."""
-        return self.settle(self.values.tolist())
+        return self._result if self._result is not None else self.settle(self.values.tolist())
 
 
 class TooManySkippedStepsError(RuntimeError):
