@@ -1,7 +1,7 @@
 """Schemas of the `precision` and `loss_scaler` config groups (DESIGN.md §1 "Components").
 
 ``precision._target_`` is the optimizer wrapper (FP32Optimizer / MixedPrecisionOptimizer; the rule
-for ``parallel.use_distributed_optimizer`` is `mptrain.precision.optimizer.wrapper_target`);
+for ``parallel.use_distributed_optimizer`` is `mptrain.distributed.distrib_optimizer.wrapper_target`);
 ``loss_scaler._target_`` the loss scaler (`mptrain.precision.scaler.build_loss_scaler`; auto is the
 function `mptrain.precision.scaler.auto_loss_scaler`, which decides on the params dtype).
 """

@@ -16,6 +16,12 @@ One iteration:
    clip → inner optimizer step on the fp32 pieces → write the pieces into a bucket-sized scratch
    (param dtype values) → all-gather over DP → copy every param of the bucket from the scratch.
 A skipped step (found_inf) changes nothing and gathers nothing.
+3. Checkpoint: `OptimizerWrapper.sharded_state_dict` lists each piece with its ``flat_range`` (elements
+   [lo, hi) of the flattened local param); `mptrain.checkpoint.reshard.flat_piece_chunks` maps it to
+   global boxes, so the state loads under any DP size or ZeRO setting.
+
+`wrapper_target` / `build_optimizer_wrapper` live here, above the wrappers they choose between: the
+one rule that a built-in wrapper becomes `DistributedOptimizer` with ``parallel.use_distributed_optimizer``.
 
 Memory: main params + Adam's exp_avg/exp_avg_sq are 12 bytes per owned element, i.e. ≈ 12·N/dp
 bytes per rank instead of 12·N (`optimizer_state_bytes`).
