@@ -102,8 +102,6 @@ VARIANTS = {
                                   "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
                                   "env:TORCH_BLAS_PREFER_CUBLASLT=1"),
     "compile_cdmc1": ("model.compile_layers=true", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
-    # the flat Adam step (precision.flat_adam_step, opt-in; BENCHMARKS.md "GPU round 7")
-    "compile_flat": ("model.compile_layers=true", "precision.flat_adam_step=true"),
     "unfused_compile_cdmc1": ("model.attention_backend=unfused", "model.compile_layers=true",
                               "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
 }

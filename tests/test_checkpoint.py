@@ -54,24 +54,29 @@ def _expected(record, kind: str, like: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _local_of(entry, local_full: torch.Tensor) -> torch.Tensor:
-    """The part of a whole-shard tensor that an optimizer entry holds (a ZeRO-1 flat piece or all of it)."""
-    if hasattr(entry, "lo"):  # DistributedOptimizer's ShardEntry: elements [lo, hi) of the flat shard
-        return local_full.reshape(-1)[entry.lo:entry.hi]
+def _local_of(piece, local_full: torch.Tensor) -> torch.Tensor:
+    """The part of a whole-shard tensor that a listed optimizer piece holds (a ZeRO-1 flat range or all of it)."""
+    if piece.flat_range is not None:  # DistributedOptimizer: elements [lo, hi) of the flat shard
+        lo, hi = piece.flat_range
+        return local_full.reshape(-1)[lo:hi]
     return local_full
 
 
+def _stepped(piece) -> torch.Tensor:
+    return piece.main if piece.main is not None else piece.param
+
+
 def _fill_synthetic(built) -> None:
-    from mptrain.checkpoint.state import optimizer_entries, param_records
+    from mptrain.checkpoint.state import optimizer_pieces, param_records
 
     records = param_records(built.chunks)
     with torch.no_grad():
         for r in records:
             r.param.copy_(_expected(r, "main", r.param).to(r.param.dtype))
         opt = built.trainer.optimizer
-        for r, e in optimizer_entries(opt, records):
-            e.main.copy_(_local_of(e, _expected(r, "main", r.param)))
-            opt.optimizer.state[e.main] = {
+        for r, e in optimizer_pieces(opt.sharded_state_dict(), records):
+            _stepped(e).copy_(_local_of(e, _expected(r, "main", r.param)))
+            opt.optimizer.state[_stepped(e)] = {
                 "step": torch.tensor(3.0),
                 "exp_avg": _local_of(e, _expected(r, "exp_avg", r.param)).clone(),
                 "exp_avg_sq": _local_of(e, _expected(r, "exp_avg_sq", r.param)).abs().clone(),
@@ -83,7 +88,7 @@ def _fill_synthetic(built) -> None:
 
 def _check_synthetic(built, expect_scale) -> dict:
     """Compare everything loaded with the synthetic expectation; returns counts for the caller."""
-    from mptrain.checkpoint.state import optimizer_entries, param_records
+    from mptrain.checkpoint.state import optimizer_pieces, param_records
 
     records = param_records(built.chunks)
     n = 0
@@ -92,16 +97,17 @@ def _check_synthetic(built, expect_scale) -> dict:
         assert torch.equal(r.param.data, want), f"model param {r.name} (ckpt {r.ckpt_name})"
         n += 1
     opt = built.trainer.optimizer
-    for r, e in optimizer_entries(opt, records):
-        assert torch.equal(e.main.data, _local_of(e, _expected(r, "main", r.param))), f"main {r.name}"
-        st = opt.optimizer.state[e.main]
+    listed = opt.sharded_state_dict()
+    for r, e in optimizer_pieces(listed, records):
+        assert torch.equal(_stepped(e).data, _local_of(e, _expected(r, "main", r.param))), f"main {r.name}"
+        st = e.state
         assert float(st["step"]) == 3.0
         assert torch.equal(st["exp_avg"], _local_of(e, _expected(r, "exp_avg", r.param))), f"exp_avg {r.name}"
         assert torch.equal(st["exp_avg_sq"], _local_of(e, _expected(r, "exp_avg_sq", r.param)).abs()), r.name
     assert built.trainer.lr_scheduler.num_steps == 5
     if built.scaler is not None:  # the saved scale, or the initial one when the checkpoint had no scaler
         assert float(built.scaler.scale.item()) == expect_scale
-    return {"params": n, "entries": len(list(optimizer_entries(opt, records)))}
+    return {"params": n, "entries": len(list(optimizer_pieces(listed, records)))}
 
 
 def _save_task(rank, world, root, overrides, tp, pp, vpp=None):

@@ -37,8 +37,6 @@ EXACT = {
     "fp32-dropout-tp1pp2": (2, ["parallel=tp1pp2", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]),
     # fp16: the scale grows every 2 good steps, so the scaler's trackers must cross the checkpoint intact
     "fp16-tp1pp1": (1, ["precision=fp16", "loss_scaler.initial_scale=65536", "loss_scaler.growth_interval=2"]),
-    # the flat Adam step (forced on the CPU): its moments are re-bound from the loaded torch state
-    "bf16-flat-tp1pp2": (2, ["parallel=tp1pp2", "precision=bf16", "optim=adamw", "precision.flat_adam_step=true"]),
 }
 
 

@@ -83,9 +83,9 @@ def _step(rank, world, tp, pp, clip_grad, precision="fp32"):
         opt = wrapper(build_optimizer_factory(OptimConfig(_target_="torch.optim.SGD", lr=1.0)), params, specs,
                             lambda p: owner[p].main_grad(p), groups, scaler=None, clip_grad=clip_grad,
                             max_consecutive_skips=0)
-        before = [m.detach().clone() for m in opt.main_params()]
-        result = opt.step()
-        deltas = [m.detach() - b for m, b, s in zip(opt.main_params(), before, specs) if s.counts_on(groups.tp_rank)]
+        before = [m.detach().clone() for m in [e.main for e in opt.entries]]
+        result = opt.step().result()
+        deltas = [m.detach() - b for m, b, s in zip([e.main for e in opt.entries], before, specs) if s.counts_on(groups.tp_rank)]
         update_norm = get_grad_norm_fp32(deltas, groups.mp_group).item()
         return result.grad_norm, update_norm
     finally:

@@ -118,7 +118,7 @@ def _norm_on_layout(rank, world, tp, pp, clip, dtype_name):
         counted = [g.float() for p, s, g in triples if s.counts_on(groups.tp_rank)]
         direct = get_grad_norm_fp32(counted, groups.mp_group).item()
         originals = [g.float().clone() for _, _, g in triples]  # fp32 grads are clipped in place (aliased)
-        result = opt.step()
+        result = opt.step().result()
         # SGD lr 1 from params = 1: the applied (clipped) update is 1 - p
         updates = [(1.0 - p.detach().float()) for p, _, _ in triples]
         applied_vs_grad = [float((u - g).abs().max()) for u, g in zip(updates, originals)]

@@ -148,7 +148,7 @@ def train(rank, world, pp=1, steps=5, overlap=False, distopt=False, bucket_size=
                 loss_sum_total += ls
                 num_tokens += nt
             total = finalize_model_grads([ddp], groups, num_tokens=num_tokens, max_tokens=max_tokens)
-            result = opt.step()
+            result = opt.step().result()
             norms.append(result.grad_norm)
             if groups.is_last_stage:
                 if dp > 1:
@@ -163,10 +163,22 @@ def train(rank, world, pp=1, steps=5, overlap=False, distopt=False, bucket_size=
             out["owned"] = sum(e.main.numel() for e in opt.entries)
             out["pieces"] = len(opt.entries)
         if return_state:
-            out["opt_state"] = opt.state_dict()
+            out["opt_state"] = listed_state(opt, stage)
         return out
     finally:
         groups.destroy()
+
+
+def listed_state(opt, stage) -> dict:
+    """Copies of the optimizer's `sharded_state_dict`: {"params": [{"name", "flat_range", "main_param",
+    "state"}], "counters"}, by the param's name in ``stage``."""
+    names = {id(p): n for n, p in stage.named_parameters()}
+    own = opt.sharded_state_dict()
+    pieces = [{"name": names[id(p.param)], "flat_range": p.flat_range,
+               "main_param": None if p.main is None else p.main.detach().clone(),
+               "state": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in p.state.items()}}
+              for p in own.params]
+    return {"params": pieces, "counters": dict(own.counters)}
 
 
 class _nullcontext:

@@ -65,20 +65,20 @@ def _no_sync_and_overlap(rank, world, overlap):
         net = _Net()
         ddp = DistributedDataParallel(net, groups, grad_reduce_in_fp32=False, overlap_grad_reduce=overlap,
                                       bucket_size=20, use_distributed_optimizer=False)
-        n_buckets = len(ddp.buffers[0].buckets)
+        n_buckets = len(ddp.grad_buffers[0].buckets)
         xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * rank + m)) for m in range(3)]
         with ddp.no_sync():
             for x in xs[:2]:
                 ddp(x).square().sum().backward()
         launched_after_no_sync = ddp.launched_buckets()
-        local_two = ddp.buffers[0].data.clone()
+        local_two = ddp.grad_buffers[0].data.clone()
         ddp(xs[2]).square().sum().backward()
         launched_in_backward = ddp.launched_buckets()
         assert all(p.grad is None for p in net.parameters())  # hooks moved grads into the buffer
         if not overlap:
-            local_all = ddp.buffers[0].data.clone()
+            local_all = ddp.grad_buffers[0].data.clone()
         ddp.finish_grad_sync()
-        synced = ddp.buffers[0].data.clone()
+        synced = ddp.grad_buffers[0].data.clone()
         # reference: the same three micro-batches with plain autograd, summed over ranks by hand
         ref = _Net()
         for x in xs:
@@ -123,7 +123,7 @@ def _fp32_reduce(rank, world):
         ddp.finish_grad_sync()
         g = ddp.main_grad(net.a.weight)
         ddp.scale_gradients(0.5)
-        return [b.dtype for b in ddp.buffers], g.dtype, len(ddp.buffers[0].buckets), ddp.main_grad(net.a.weight).clone(), g.clone()
+        return [b.dtype for b in ddp.grad_buffers], g.dtype, len(ddp.grad_buffers[0].buckets), ddp.main_grad(net.a.weight).clone(), g.clone()
     finally:
         groups.destroy()
 

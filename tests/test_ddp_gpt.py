@@ -86,7 +86,7 @@ def _train_gpt(rank, world, pp, distopt, overlap):
             reports, num_tokens = fb(spec, forward_step_func=_forward_step, data_iterator=iter(batches), model=chunks,
                                      no_sync_func=chunks[0].no_sync)
             total = finalize_model_grads(chunks, groups, num_tokens=num_tokens, max_tokens=M * MBS * SEQ)
-            norms.append(opt.step().grad_norm)
+            norms.append(opt.step().result().grad_norm)
             if groups.is_last_stage:
                 loss_sum = torch.stack([r["loss_sum"] for r in reports]).sum()
                 if groups.dp_size > 1:

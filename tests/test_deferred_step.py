@@ -1,8 +1,9 @@
 """The deferred step read (``train.defer_step_read``) changes when the host reads a step's
 statistics, never what the step does.
 
-- the optimizer: a launched step makes no host read; a skipped launch leaves params, main params,
-  moments and step counts bitwise as they were, and the steps after it equal a run that never saw it;
+- the optimizer: a step makes no host read; the trainer's `StepRead` reads the loss and the step's
+  statistics in one copy; a skipped step leaves params, main params, moments and step counts
+  bitwise as they were, and the steps after it equal a run that never saw it;
 - the trainer: metrics.jsonl (train and evaluation rows, their order), the LR schedule around a
   skipped step and the skip counters are the same with the read deferred and not, at tp1pp1 and at
   pp2 x dp2 with ZeRO-1; a step that raises still leaves the rows of the iterations before it.
@@ -21,8 +22,8 @@ from mptrain.config.optim import OptimConfig
 from mptrain.layers.sharding import ShardSpec
 from mptrain.optim import build_optimizer_factory
 from mptrain.precision import FP32Optimizer, MixedPrecisionOptimizer
-from mptrain.precision.optimizer import PendingStep, TooManySkippedStepsError
-from mptrain.training.step import launches_steps
+from mptrain.precision.optimizer import TooManySkippedStepsError
+from mptrain.training.step import StepRead
 from train_utils import compose, count_host_reads, read_rows, run_job
 
 SOLO = types.SimpleNamespace(mp_group=None, tp_rank=0, device=torch.device("cpu"))
@@ -61,25 +62,27 @@ def test_launched_skip_changes_nothing_and_later_steps_match(cls, dtype, monkeyp
     opt, params = _optimizer(cls, dtype)
     ref, ref_params = _optimizer(cls, dtype)  # the same steps, never shown the poisoned one
     _grads(params, 0), _grads(ref_params, 0)
-    assert opt.step().update_successful and ref.step().update_successful
+    assert opt.step().result().update_successful and ref.step().result().update_successful
     before = _state(opt, params)
 
     _grads(params, 1, poison=True)
     totals = torch.tensor([12.5, 4.0], dtype=torch.float64)
     calls = count_host_reads(monkeypatch)
-    pending = opt.launch_step(read_along=totals)
-    assert calls == {"tolist": 0, "item": 0} and not pending.is_settled  # launched without a host read
-    result = pending.result()
-    assert calls == {"tolist": 1, "item": 0}  # one read: norm, non-finite count, the loss totals
-    assert not result.update_successful and result.grad_norm is None and result.read_along == (12.5, 4.0)
-    assert pending.result() is result and calls["tolist"] == 1  # settled once
+    stats = opt.step()
+    read = StepRead(totals, stats)  # the trainer's buffer: its loss totals and the step's statistics
+    assert calls == {"tolist": 0, "item": 0}  # launched without a host read
+    loss_sum, tokens, *values = read.values()
+    result = stats.settle(values)
+    assert calls == {"tolist": 1, "item": 0}  # one read: norm, skip flag, the loss totals
+    assert not result.update_successful and result.grad_norm is None and (loss_sum, tokens) == (12.5, 4.0)
+    assert stats.result() is result and calls["tolist"] == 1  # settled once
     assert opt.skipped_iters_total == 1 and opt.nan_iters_total == 1 and opt.consecutive_skips == 1
     after = _state(opt, params)
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
 
     for seed in (2, 3):
         _grads(params, seed), _grads(ref_params, seed)
-        got, want = opt.launch_step().result(), ref.step()
+        got, want = opt.step().result(), ref.step().result()
         assert got.update_successful and got.grad_norm == want.grad_norm
     assert opt.consecutive_skips == 0
     assert all(torch.equal(a, b) for a, b in zip(_state(opt, params), _state(ref, ref_params)))
@@ -88,29 +91,11 @@ def test_launched_skip_changes_nothing_and_later_steps_match(cls, dtype, monkeyp
 def test_skip_limit_raises_when_the_step_is_settled():
     opt, params = _optimizer(FP32Optimizer, torch.float32, max_consecutive_skips=1)
     _grads(params, 0, poison=True)
-    assert not opt.launch_step().result().update_successful  # 1 skip: within the limit
+    assert not opt.step().result().update_successful  # 1 skip: within the limit
     _grads(params, 1, poison=True)
-    pending = opt.launch_step()  # launching never raises: the decision is on the device
+    stats = opt.step()  # the step never raises: the decision is on the device
     with pytest.raises(TooManySkippedStepsError, match="2 consecutive steps"):
-        pending.result()
-
-
-class _OwnStep(MixedPrecisionOptimizer):
-    def step(self, grad_scale=None):  # a user wrapper overriding step alone: its step must run
-        return super().step(grad_scale)
-
-
-class _OwnLaunch(_OwnStep):
-    def launch_step(self, grad_scale=None, read_along=None):
-        return super().launch_step(grad_scale, read_along)
-
-
-def test_trainer_launches_only_the_step_the_wrapper_runs():
-    assert launches_steps(_optimizer(FP32Optimizer, torch.float32)[0])
-    assert not launches_steps(_optimizer(_OwnStep, torch.bfloat16)[0])
-    assert launches_steps(_optimizer(_OwnLaunch, torch.bfloat16)[0])
-    assert not launches_steps(types.SimpleNamespace(step=lambda: None))
-    assert PendingStep.settled("done").is_settled
+        stats.result()
 
 
 SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.global_batch_size=8",

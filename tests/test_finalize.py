@@ -42,7 +42,7 @@ def _finalize(rank, world, tp, pp, distopt, num_tokens_by_dp):
         grads = {n: ddp.main_grad(p).clone() for n, p in mod.named_parameters()}
         shard = None
         if distopt:
-            buf = ddp.buffers[0]
+            buf = ddp.grad_buffers[0]
             shard = [(buf.slot(p).name, buf.slot(p).start, buf.slot(p).end) for p in buf.params()]
         return {"total": float(total), "grads": grads, "coords": (groups.tp_rank, groups.dp_rank, groups.pp_rank),
                 "ranks": groups.ranks, "shard": shard}

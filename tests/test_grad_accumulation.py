@@ -64,9 +64,9 @@ def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=Fal
             if chunk.output_weight().grad is not None:
                 grads_seen.add("tied embedding")
             launched.append(ddp.launched_buckets())
-        n_buckets = len(ddp.buffers[0].buckets)
-        tied = ddp.buffers[0].slot(chunk.output_weight())
-        data = ddp.buffers[0].data.clone()
+        n_buckets = len(ddp.grad_buffers[0].buckets)
+        tied = ddp.grad_buffers[0].slot(chunk.output_weight())
+        data = ddp.grad_buffers[0].data.clone()
         ddp.finish_grad_sync()
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
         return {"data": data, "launched": launched, "n_buckets": n_buckets, "grads_seen": sorted(grads_seen), "breaks": breaks,

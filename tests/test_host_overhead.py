@@ -13,14 +13,14 @@ from mptrain.groups import build_groups
 from mptrain.layers.sharding import ShardSpec
 from mptrain.optim import build_optimizer_factory
 from mptrain.precision import FP32Optimizer, MixedPrecisionOptimizer
-from mptrain.training.step import _takes_keyword
+from mptrain.training.step import StepRead
 from train_utils import count_host_reads
 
 SOLO = types.SimpleNamespace(mp_group=None, tp_rank=0, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_folded_step_reads_the_loss_along_in_its_one_host_read(dtype, monkeypatch):
+def test_folded_step_and_the_loss_are_read_in_one_host_read(dtype, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4, 3, generator=gen).to(dtype)),
               torch.nn.Parameter(torch.randn(4, generator=gen).to(dtype))]
@@ -33,10 +33,11 @@ def test_folded_step_reads_the_loss_along_in_its_one_host_read(dtype, monkeypatc
         p.grad = torch.randn(p.shape, generator=gen).to(dtype)
     totals = torch.tensor([1234.5678901, 768.0], dtype=torch.float64)  # the trainer's [Σ loss_sum, Σ tokens]
     calls = count_host_reads(monkeypatch)
-    result = opt.step(read_along=totals)
+    stats = opt.step()
+    loss_sum, tokens, *values = StepRead(totals, stats).values()
+    result = stats.settle(values)
     assert calls == {"tolist": 1, "item": 0}  # one host read for the norm, the skip decision and the loss
-    assert result.update_successful and result.read_along == (1234.5678901, 768.0)
-    assert _takes_keyword(opt.step, "read_along") and not _takes_keyword(lambda grad_scale=None: None, "read_along")
+    assert result.update_successful and (loss_sum, tokens) == (1234.5678901, 768.0)
 
 
 def _counting(name: str, seen: list):

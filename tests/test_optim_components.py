@@ -18,7 +18,7 @@ import torch
 from harness import run_distributed
 from mptrain.config.validate import validate_config
 from mptrain.errors import ConfigError
-from mptrain.precision.optimizer import MixedPrecisionOptimizer
+from mptrain.precision.optimizer import MixedPrecisionOptimizer, ParamState, StepResult, StepStats, WrapperState
 from mptrain.precision.scaler import ConstantLossScaler
 from train_utils import compose, read_rows, run_job
 
@@ -42,6 +42,69 @@ class CountingWrapper(MixedPrecisionOptimizer):
     def step(self, grad_scale=None):
         self.steps_taken = getattr(self, "steps_taken", 0) + 1
         return super().step(grad_scale)
+
+
+class PlainFP32Wrapper:
+    """A user optimizer wrapper written against the declared interface only (no mptrain base class):
+    the run's inner optimizer over the fp32 model params, stepped in place; no loss scaler, no clipping;
+    a step with a non-finite grad norm is skipped. ``steps_taken`` counts its steps in this process."""
+
+    steps_taken = 0
+
+    def __init__(self, build_optimizer, params: list, grad_fn) -> None:
+        self.params, self.grad_fn = list(params), grad_fn
+        self.optimizer = build_optimizer([{"params": self.params}])
+        self.skipped = 0
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def get_loss_scale(self) -> float:
+        return 1.0
+
+    @torch.no_grad()
+    def step(self, grad_scale=None) -> StepStats:
+        PlainFP32Wrapper.steps_taken += 1
+        for p in self.params:
+            grad = self.grad_fn(p)
+            p.grad = grad.clone() if grad_scale is None else grad * grad_scale.to(grad.dtype)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params]))
+        skipped = not bool(torch.isfinite(norm))
+        if not skipped:
+            self.optimizer.step()
+        values = torch.stack([norm.double(), torch.tensor(float(skipped), dtype=torch.float64),
+                              torch.tensor(math.nan, dtype=torch.float64)])
+        return StepStats(values, self._settle)
+
+    def _settle(self, values: list) -> StepResult:
+        norm, skipped, _ = values
+        self.skipped += int(skipped)
+        return StepResult(update_successful=not skipped, grad_norm=None if skipped else norm, num_zeros=None,
+                          found_inf=bool(skipped), skipped_iters_total=self.skipped, nan_iters_total=self.skipped)
+
+    def sharded_state_dict(self) -> WrapperState:
+        return WrapperState(params=[ParamState(p, None, dict(self.optimizer.state.get(p, {}))) for p in self.params],
+                            counters={"skipped_iters_total": self.skipped, "nan_iters_total": self.skipped,
+                                      "consecutive_skips": 0})
+
+    def load_sharded_state_dict(self, state: WrapperState) -> None:
+        if state.params is not None:
+            saved = self.optimizer.state_dict()
+            saved["state"] = {i: dict(piece.state) for i, piece in enumerate(state.params) if piece.state}
+            self.optimizer.load_state_dict(saved)
+        if state.counters is not None:
+            self.skipped = int(state.counters.get("skipped_iters_total", 0))
+
+
+def _count_wrapper_steps(rank, world, overrides) -> int:
+    PlainFP32Wrapper.steps_taken = 0
+    run_job(rank, world, overrides)
+    return PlainFP32Wrapper.steps_taken
 
 
 class DrawingRMSprop(torch.optim.RMSprop):
@@ -138,7 +201,8 @@ def test_bad_plugins_are_one_config_error_line_naming_the_key(overrides, match):
 def test_distributed_optimizer_replaces_the_builtin_wrappers_only():
     from mptrain.config.validate import as_config
     from mptrain.distributed import DistributedOptimizer
-    from mptrain.precision.optimizer import FP32Optimizer, wrapper_target
+    from mptrain.distributed.distrib_optimizer import wrapper_target
+    from mptrain.precision.optimizer import FP32Optimizer
 
     for precision, plain in (("fp32", FP32Optimizer), ("bf16", MixedPrecisionOptimizer), ("fp16", MixedPrecisionOptimizer)):
         node = as_config(compose([f"precision={precision}"])).precision
@@ -160,6 +224,21 @@ def test_rmsprop_trains_and_resumes_bitwise(tmp_path):
     assert sorted(got) == list(range(1, 7))
     assert _pick(got, range(1, 7)) == _pick(want, range(1, 7))  # bitwise: RMSprop's square_avg crossed the checkpoint
     assert want[6]["lm_loss"] < want[1]["lm_loss"]  # it trains
+
+
+def test_user_wrapper_of_the_declared_interface_trains_and_resumes_bitwise(tmp_path):
+    """8 straight iterations == 4 + a resume to 8 through the checkpoint (Adam's moments and step count
+    saved from the wrapper's `sharded_state_dict`), with the user's wrapper taking every step."""
+    common = SMALL + ["precision._target_=test_optim_components.PlainFP32Wrapper", "train.train_iters=8"]
+    assert run_distributed(_count_wrapper_steps, 1, common + [f"run.dir={tmp_path / 'straight'}"]) == [8]
+    ckpt = tmp_path / "ckpt"
+    split = [f"run.dir={tmp_path / 'split'}", f"checkpoint.save={ckpt}"]
+    assert run_distributed(_count_wrapper_steps, 1, common + split + ["train.exit_interval=4"]) == [4]
+    assert run_distributed(_count_wrapper_steps, 1, common + split + [f"checkpoint.load={ckpt}"]) == [4]
+    want, got = _rows(tmp_path / "straight"), _rows(tmp_path / "split")
+    assert sorted(got) == list(range(1, 9))
+    assert _pick(got, range(1, 9)) == _pick(want, range(1, 9))  # bitwise: the moments crossed the checkpoint
+    assert want[8]["lm_loss"] < want[1]["lm_loss"]  # it trains
 
 
 def test_user_lr_schedule_sets_the_expected_lr(tmp_path):

@@ -44,7 +44,7 @@ def _measure_rank(rank, world, cfg, vocab_size):
     try:
         torch.manual_seed(0)
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
-        result = optimizer.step()  # zero grads: a real step that creates Adam's state
+        result = optimizer.step().result()  # zero grads: a real step that creates Adam's state
         assert result.update_successful
         measured = measured_rank_bytes(chunks, optimizer)
         layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,

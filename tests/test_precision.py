@@ -1,4 +1,4 @@
-"""Optimizer wrappers (skips, counters, main params, state_dict) and Float16Module, single process and gloo."""
+"""Optimizer wrappers (skips, counters, main params, sharded_state_dict) and Float16Module, single process and gloo."""
 
 import copy
 import types
@@ -18,6 +18,7 @@ from mptrain.precision import (
     FP32Optimizer,
     MixedPrecisionOptimizer,
     TooManySkippedStepsError,
+    WrapperState,
 )
 
 # A world of one without torch.distributed: no group to reduce over.
@@ -67,10 +68,11 @@ def _assert_same(a, b):
 def test_main_params_are_fp32_copies_and_round_trip(dtype):
     params, specs = _model(dtype)
     opt = _wrap(params, specs, scaler=ConstantLossScaler(1.0))
-    mains = opt.main_params()
+    mains = [e.main for e in opt.entries]
     assert [m.dtype for m in mains] == [torch.float32, torch.float32]
     assert all(m is not p for m, p in zip(mains, params))
-    assert opt.main_param_map()[params[0]] is mains[0]
+    listed = opt.sharded_state_dict().params  # what a checkpoint saves: the main copies, per model param
+    assert [(p.param, p.main) for p in listed] == list(zip(params, mains))
     for p, m in zip(params, mains):
         assert torch.equal(m.to(dtype), p)  # fp16/bf16 -> fp32 is exact, so the round trip is the identity
     # the inner optimizer steps the main params, with no weight decay on the bias
@@ -78,7 +80,7 @@ def test_main_params_are_fp32_copies_and_round_trip(dtype):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     for step in range(3):
         _set_grads(params, step)
-        result = opt.step()
+        result = opt.step().result()
         assert result.update_successful and not result.found_inf
         for p, m in zip(params, mains):
             assert p.dtype == dtype
@@ -100,10 +102,10 @@ def test_mixed_precision_step_equals_fp32_step_on_the_main_params(dtype):
         _set_grads(ref_params, step)
         for p, r in zip(params, ref_params):  # the reference sees the same (rounded) unscaled grads
             r.grad = p.grad.float() / (1024.0 if dtype == torch.float16 else 1.0)
-        a, b = opt.step(), ref.step()
+        a, b = opt.step().result(), ref.step().result()
         # 1e-6: the fp16 grads times 1024 are exact; unscaling by 2^-10 is exact; same fp32 math after that
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
-        for m, r in zip(opt.main_params(), ref_params):
+        for m, r in zip([e.main for e in opt.entries], ref_params):
             torch.testing.assert_close(m.detach(), r.detach(), rtol=1e-6, atol=1e-7)  # same fp32 ops, same order
 
 
@@ -123,12 +125,12 @@ def test_grad_scale_in_the_unscale_pass_equals_scaling_the_grads_first(dtype):
         _set_grads(ref_params, step, scale=loss_scale or 1.0)
         for r in ref_params:
             r.grad = (r.grad.float() * float(factor)).to(r.dtype)  # scaled first, in the grads' dtype
-        a, b = opt.step(grad_scale=factor), ref.step()
+        a, b = opt.step(grad_scale=factor).result(), ref.step().result()
         assert a.update_successful and b.update_successful
         # one rounding of the factor into the grads differs: fp32 grads agree to ~1 ulp, fp16/bf16 to their own
         tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=tol)
-        for m, r in zip(opt.main_params(), ref.main_params()):
+        for m, r in zip([e.main for e in opt.entries], [e.main for e in ref.entries]):
             torch.testing.assert_close(m.detach(), r.detach(), rtol=tol, atol=tol * 1e-2)
         opt.zero_grad()
         ref.zero_grad()
@@ -154,11 +156,11 @@ def test_folded_step_equals_the_five_pass_step(dtype, clip, with_grad_scale):
     for step in range(3):
         _set_grads(params, step, scale=3.0)
         _set_grads(ref_params, step, scale=3.0)
-        a, b = opt.step(grad_scale=factor), ref.step(grad_scale=factor)
+        a, b = opt.step(grad_scale=factor).result(), ref.step(grad_scale=factor).result()
         assert a.update_successful and b.update_successful
         # the grads are multiplied by (factor x coef) once vs divided by 1 / (factor x coef): fp32 ulps
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-6)
-        for m, r in zip(opt.main_params(), ref.main_params()):
+        for m, r in zip([e.main for e in opt.entries], [e.main for e in ref.entries]):
             torch.testing.assert_close(m.detach(), r.detach(), rtol=1e-6, atol=1e-8)
         for sa, sb in zip(opt.optimizer.state.values(), ref.optimizer.state.values()):
             torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-5, atol=1e-9)
@@ -185,14 +187,14 @@ def test_skipped_step_changes_no_weight_and_no_optimizer_state(dtype):
     scaler = DynamicLossScaler(2.0**16, 1.0, 2.0, 0.5, 1000, 1) if dtype == torch.float16 else None
     opt = _wrap(params, specs, scaler=scaler)
     _set_grads(params, 0)
-    assert opt.step().update_successful  # one real step so that Adam has state to protect
+    assert opt.step().result().update_successful  # one real step so that Adam has state to protect
     opt.zero_grad()
     before = _snapshot(opt)
     _set_grads(params, 1, poison=True)
-    result = opt.step()
+    result = opt.step().result()
     assert (result.update_successful, result.grad_norm, result.num_zeros, result.found_inf) == (False, None, None, True)
     _assert_same(before, _snapshot(opt))
-    assert all(m.grad is None for m in opt.main_params())  # the poisoned grads are dropped
+    assert all(m.grad is None for m in [e.main for e in opt.entries])  # the poisoned grads are dropped
     assert opt.skipped_iters_total == 1 and opt.consecutive_skips == 1
     if dtype == torch.float16:
         assert opt.nan_iters_total == 0  # an expected overflow of the dynamic scaler
@@ -202,7 +204,7 @@ def test_skipped_step_changes_no_weight_and_no_optimizer_state(dtype):
         assert opt.get_loss_scale() == 1.0
     opt.zero_grad()
     _set_grads(params, 2)
-    assert opt.step().update_successful
+    assert opt.step().result().update_successful
     assert opt.consecutive_skips == 0 and opt.skipped_iters_total == 1
 
 
@@ -211,17 +213,17 @@ def test_max_consecutive_skips_raises_with_the_key():
     opt = _wrap(params, specs, scaler=DynamicLossScaler(4.0, 1.0, 2.0, 0.5, 1000, 1), max_skips=3)
     for _ in range(3):
         _set_grads(params, 0, poison=True)
-        assert not opt.step().update_successful
+        assert not opt.step().result().update_successful
     _set_grads(params, 0, poison=True)
     with pytest.raises(TooManySkippedStepsError, match=r"4 consecutive steps .*loss scale 1\).*max_consecutive_skips=3"):
-        opt.step()
+        opt.step().result()
 
 
 def test_fp32_optimizer_rejects_half_params_and_has_no_copies():
     params, specs = _model(torch.float32)
     opt = _wrap(params, specs)
-    assert opt.main_params() == params and opt.main_params()[0] is params[0]
-    assert opt.state_dict()["main_params"] == []
+    assert [e.main for e in opt.entries] == params and [e.main for e in opt.entries][0] is params[0]
+    assert [p.main for p in opt.sharded_state_dict().params] == [None, None]  # no copies to save
     half, hspecs = _model(torch.float16)
     with pytest.raises(ValueError, match="FP32Optimizer: param dtype torch.float16"):
         FP32Optimizer(build_optimizer_factory(OptimConfig()), half, hspecs, lambda p: p.grad, SOLO,
@@ -233,11 +235,11 @@ def test_grad_fn_with_an_fp32_buffer_for_bf16_params():
     buffers = {id(p): torch.zeros(p.shape, dtype=torch.float32) for p in params}  # grad_reduce_in_fp32 main_grad
     opt = MixedPrecisionOptimizer(build_optimizer_factory(OptimConfig(_target_="torch.optim.SGD", lr=1.0)), params, specs,
                                   lambda p: buffers[id(p)], SOLO, scaler=None, clip_grad=0.0, max_consecutive_skips=0)
-    before = [m.detach().clone() for m in opt.main_params()]
+    before = [m.detach().clone() for m in [e.main for e in opt.entries]]
     for b in buffers.values():
         b.fill_(0.25)
-    assert opt.step().update_successful
-    for m, b0 in zip(opt.main_params(), before):
+    assert opt.step().result().update_successful
+    for m, b0 in zip([e.main for e in opt.entries], before):
         assert torch.equal(m.detach(), b0 - 0.25)  # fp32 main grads used as they are (no bf16 rounding)
 
 
@@ -251,29 +253,34 @@ def test_optimizer_state_dict_round_trip(dtype, scaler):
     params, opt = make()
     for step in range(4):
         _set_grads(params, step, poison=(step == 1))
-        opt.step()
+        opt.step().result()
         opt.zero_grad()
-    saved = copy.deepcopy(opt.state_dict())
-    assert saved["counters"] == {"skipped_iters_total": 1, "nan_iters_total": 0 if scaler else 1, "consecutive_skips": 0}
+    saved = copy.deepcopy(opt.sharded_state_dict())  # copies: what a checkpoint writes
+    assert saved.counters == {"skipped_iters_total": 1, "nan_iters_total": 0 if scaler else 1, "consecutive_skips": 0}
     params2, opt2 = make()
     with torch.no_grad():  # the model weights come from the model checkpoint, not from the optimizer's
         for p2, p in zip(params2, params):
             p2.copy_(p)
-    opt2.load_state_dict(saved)
+    own = opt2.sharded_state_dict()
+    with torch.no_grad():  # as the checkpoint loads: main params filled in place, the state handed over
+        for mine, theirs in zip(own.params, saved.params):
+            if mine.main is not None:
+                mine.main.copy_(theirs.main)
+            mine.state = theirs.state
+    opt2.load_sharded_state_dict(WrapperState(params=own.params, scaler=saved.scaler, counters=saved.counters))
     assert opt2.get_loss_scale() == opt.get_loss_scale()
     assert (opt2.skipped_iters_total, opt2.nan_iters_total) == (opt.skipped_iters_total, opt.nan_iters_total)
     _assert_same(_snapshot(opt), _snapshot(opt2))
     for step in range(4, 7):  # continuing gives bitwise the same trajectory
         _set_grads(params, step)
         _set_grads(params2, step)
-        assert opt.step() == opt2.step()
-        for a, b in zip(params + opt.main_params(), params2 + opt2.main_params()):
+        assert opt.step().result() == opt2.step().result()
+        for a, b in zip(params + [e.main for e in opt.entries], params2 + [e.main for e in opt2.entries]):
             assert torch.equal(a, b)
-    bad = copy.deepcopy(saved)
-    if bad["main_params"]:
-        bad["main_params"] = bad["main_params"][:1]
-        with pytest.raises(ValueError, match="1 saved main params, expected 2"):
-            opt2.load_state_dict(bad)
+    with pytest.raises(ValueError, match="the params are not the ones sharded_state_dict listed"):
+        opt2.load_sharded_state_dict(WrapperState(params=own.params[:1]))
+    with pytest.raises(ValueError, match="the params are not the ones sharded_state_dict listed"):
+        opt2.load_sharded_state_dict(WrapperState(params=saved.params))  # another wrapper's params
 
 
 def test_lr_scheduler_drives_the_wrapper():
@@ -294,13 +301,13 @@ def _poison_one_rank(rank, world, poisoned_rank, dtype):
         scaler = DynamicLossScaler(2.0**10, 1.0, 2.0, 0.5, 1000, 1) if dtype == torch.float16 else None
         opt = _wrap(params, specs, scaler=scaler, groups=groups)
         assert opt.folded_step == (scaler is None)
-        before = [p.detach().clone() for p in params + opt.main_params()]
+        before = [p.detach().clone() for p in params + [e.main for e in opt.entries]]
         _set_grads(params, rank, poison=(rank == poisoned_rank))
-        skipped = opt.step()
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, params + opt.main_params()))
+        skipped = opt.step().result()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, params + [e.main for e in opt.entries]))
         opt.zero_grad()
         _set_grads(params, 10 + rank)
-        clean = opt.step()
+        clean = opt.step().result()
         return skipped.update_successful, skipped.found_inf, unchanged, clean.update_successful, opt.get_loss_scale(), \
             opt.skipped_iters_total
     finally:

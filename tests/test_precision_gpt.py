@@ -51,14 +51,14 @@ def _train(groups, precision, steps, scaler_args):
         assert loss_tokens.dtype == torch.float32
         loss = loss_tokens.sum() / loss_tokens.numel()
         (loss * scale).backward()
-        before = [p.detach().clone() for p in params + opt.main_params()]
-        result = opt.step()
-        unchanged = all(torch.equal(p, q) for p, q in zip(params + opt.main_params(), before))
+        before = [p.detach().clone() for p in params + [e.main for e in opt.entries]]
+        result = opt.step().result()
+        unchanged = all(torch.equal(p, q) for p, q in zip(params + [e.main for e in opt.entries], before))
         log.append(dict(loss=loss.item(), scale_used=scale, scale_after=opt.get_loss_scale(),
                         ok=result.update_successful, grad_norm=result.grad_norm, unchanged_by_step=unchanged,
                         unchanged_since_init=all(torch.equal(p, q) for p, q in zip(params, initial))))
     layout = dict(param_dtypes=sorted({str(p.dtype) for p in params}),
-                  main_dtypes=sorted({str(m.dtype) for m in opt.main_params()}),
+                  main_dtypes=sorted({str(m.dtype) for m in [e.main for e in opt.entries]}),
                   skipped=opt.skipped_iters_total, nan=opt.nan_iters_total)
     return log, layout
 

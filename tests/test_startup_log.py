@@ -23,9 +23,9 @@ def _kernels_line(run_dir) -> str:
          "(torch.nn.functional.layer_norm)"),
     (["optim=sgd", "model.normalization=RMSNorm", "precision=bf16"],
      "kernels: optimizer=torch.optim.SGD (fused=True) norm=mptrain.layers.norms.RMSNorm (torch.nn.functional.rms_norm)"),
-    (["optim=adamw", "precision=bf16", "precision.flat_adam_step=true"],  # forced on the CPU
-     "kernels: optimizer=torch.optim.AdamW (fused=True) flat_adam_step=on (1 buffer(s)) "
-     "norm=mptrain.layers.norms.LayerNorm (torch.nn.functional.layer_norm)"),
+    (["optim=adamw", "precision=bf16"],
+     "kernels: optimizer=torch.optim.AdamW (fused=True) norm=mptrain.layers.norms.LayerNorm "
+     "(torch.nn.functional.layer_norm)"),
     (["optim._target_=torch.optim.RMSprop"],  # takes foreach but not fused
      "kernels: optimizer=torch.optim.RMSprop (foreach=True) norm=mptrain.layers.norms.LayerNorm "
      "(torch.nn.functional.layer_norm)"),

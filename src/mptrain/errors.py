@@ -1,8 +1,9 @@
-"""The project's error type for user mistakes (DESIGN.md §5), and how a rank reports one.
+"""The project's error types for what a user can fix (DESIGN.md §5), and how a rank reports one.
 
-`train.py` catches `ConfigError`, prints its one-line message to stderr and exits 1 without a
-traceback (`report_and_exit`). Raise it on every rank *before* any collective so that no rank
-hangs waiting.
+`train.py` catches `ConfigError` (a mistake in the config, found at start-up) and `StorageError`
+(the storage the config points at fails at run time), prints the one-line message to stderr and
+exits 1 without a traceback (`report_and_exit`). Raise a `ConfigError` on every rank *before* any
+collective so that no rank hangs waiting.
 """
 
 import os
@@ -19,10 +20,12 @@ class ConfigError(ValueError):
     """A user-facing configuration error: one line naming the key(s), the values and the fix."""
 
 
-class StorageError(ConfigError):
+class StorageError(RuntimeError):
     """A run-time failure of the storage the user pointed us at (disk full, unwritable, corrupt).
 
-    One line naming the cause, the path and the fix, like a `ConfigError`. ``all_ranks``: raised
+    Not a `ConfigError`: the config was valid, the storage failed later (a sweep aborts on it instead
+    of recording the job as rejected). One line naming the cause, the path and the fix, reported as a
+    `ConfigError` is. ``all_ranks``: raised
     on every rank at the same point (a checkpoint save: every rank agrees first), so the process
     groups may be torn down and only rank 0 prints it; False when only the writing rank raises it
     (metrics.jsonl / train.log on rank 0): that rank exits and torchrun stops its peers.

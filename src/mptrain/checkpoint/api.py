@@ -1,8 +1,8 @@
 """`save_checkpoint` / `maybe_load_checkpoint`: what the training loop calls (DESIGN.md §4).
 
 Everything comes from the loop's ``built`` (`mptrain.training.run.Built`): ``cfg``, ``groups``,
-``chunks`` (DDP wrappers), ``trainer.optimizer`` (any optimizer wrapper), ``trainer.lr_scheduler``,
-``scaler``, ``rng_tracker``. Keys and what they hold: `mptrain.checkpoint.state`; addressing by
+``chunks`` (DDP wrappers), ``trainer.optimizer`` (any optimizer wrapper: its state, loss scaler and
+skip counters come from its ``sharded_state_dict()``), ``trainer.lr_scheduler``, ``rng_tracker``. Keys and what they hold: `mptrain.checkpoint.state`; addressing by
 global unpadded shape + offsets: `mptrain.checkpoint.reshard`; the DCP planners:
 `mptrain.checkpoint.dcp_io`; folders / ``latest`` / pruning: `mptrain.checkpoint.atomic`; RNG:
 `mptrain.checkpoint.rng`. Megatron's counterparts: ``training/checkpointing.py::save_checkpoint``
@@ -22,13 +22,14 @@ import torch.distributed as dist
 from mptrain.checkpoint import atomic, dcp_io, integrity, rng
 from mptrain.checkpoint.reshard import check_coverage
 from mptrain.checkpoint.state import (
-    install_optimizer_state,
     model_chunks,
     optimizer_load_items,
     optimizer_save_items,
     param_records,
+    resolve_optimizer_state,
 )
 from mptrain.errors import ConfigError, StorageError
+from mptrain.precision.optimizer import WrapperState
 from mptrain.training.step import unwrap
 
 FORMAT = "mptrain-dcp-1"
@@ -69,19 +70,15 @@ def _param_dtype(built) -> str:
     return "float32"
 
 
-def _common_state(built, iteration: int, consumed_samples: int) -> dict:
-    opt = _optimizer(built)
+def _common_state(built, optimizer_state: WrapperState, iteration: int, consumed_samples: int) -> dict:
+    """The ``common`` object; the wrapper's loss scaler and skip counters (``optimizer_state``) are saved here."""
     return {
         "format": FORMAT,
         "iteration": int(iteration),
         "consumed_samples": int(consumed_samples),
-        "scaler": built.scaler.state_dict() if built.scaler is not None else None,
+        "scaler": optimizer_state.scaler,
         "lr_scheduler": built.trainer.lr_scheduler.state_dict(),
-        "counters": {
-            "skipped_iters_total": int(opt.skipped_iters_total),
-            "nan_iters_total": int(opt.nan_iters_total),
-            "consecutive_skips": int(getattr(opt, "consecutive_skips", 0)),
-        },
+        "counters": {k: int(v) for k, v in (optimizer_state.counters or {}).items()},
         "layout": rng.layout_of(built.groups),
         "vocab_size": _vocab_size(built),
         "param_dtype": _param_dtype(built),
@@ -210,8 +207,9 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
         saves.wait(recorder)
     records = param_records(built.chunks)
     chunks = model_chunks(records)
-    opt_chunks, objects = optimizer_save_items(_optimizer(built), records)
-    common = _common_state(built, iteration, consumed_samples)
+    optimizer_state = _optimizer(built).sharded_state_dict()  # the wrapper lists its state: saved here only
+    opt_chunks, objects = optimizer_save_items(optimizer_state, records)
+    common = _common_state(built, optimizer_state, iteration, consumed_samples)
     objects["common"] = common
     objects[rng.rng_key(groups)] = rng.capture(built.rng_tracker)
     faults = getattr(built.trainer, "faults", None)
@@ -450,10 +448,11 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
                           "to resume with a fresh optimizer state, checkpoint.finetune=true to start a new run from "
                           "the weights, or select the checkpoint's optimizer (optim / optim._target_)")
     chunks = model_chunks(records, tensor_keys=set(tkeys))
-    opt_chunks, opt_objects, pending = optimizer_load_items(optimizer, records, set(tkeys), okeys)
+    optimizer_state = optimizer.sharded_state_dict()
+    opt_chunks, opt_objects = optimizer_load_items(optimizer_state, records, set(tkeys), okeys)
     if not load_optim:  # keep the main-param fills (they are weights); drop the optimizer state
         opt_chunks = [c for c in opt_chunks if not c.key.startswith("optim/")]
-        opt_objects, pending = [], []
+        opt_objects = []
     my_rng = rng.rng_key(groups)
     want = ["common"] + opt_objects + ([my_rng] if (load_rng and my_rng in okeys) else [])
     with torch.no_grad():
@@ -466,21 +465,18 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
         _log(recorder, f"checkpoint: fine-tuning from the weights of iteration {common['iteration']} {where} "
                        "(checkpoint.finetune=true): iteration 0, fresh optimizer, loss scaler, LR schedule and data order")
         return fresh
+    counters = common.get("counters", {})
     if load_optim:
-        install_optimizer_state(optimizer, pending, objects)
-        if built.scaler is not None:
-            if common.get("scaler") is not None:
-                built.scaler.load_state_dict(common["scaler"])
-            else:
-                _log(recorder, "checkpoint: no loss-scaler state saved (fp32/bf16 checkpoint); keeping the initial scale")
+        resolve_optimizer_state(optimizer_state, objects)
+        if optimizer_state.scaler is not None and common.get("scaler") is None:
+            _log(recorder, "checkpoint: no loss-scaler state saved (fp32/bf16 checkpoint); keeping the initial scale")
+        optimizer.load_sharded_state_dict(WrapperState(params=optimizer_state.params, scaler=common.get("scaler"),
+                                                       counters=counters))
     else:
         _log(recorder, "checkpoint: optimizer state and loss scaler not loaded (checkpoint.load_optim=false); "
                        + (f"{change}; " if change else "") + "they start fresh")
+        optimizer.load_sharded_state_dict(WrapperState(counters=counters))  # the skip counts belong to the run
     built.trainer.lr_scheduler.load_state_dict(common["lr_scheduler"])
-    counters = common.get("counters", {})
-    for key in ("skipped_iters_total", "nan_iters_total", "consecutive_skips"):
-        if hasattr(optimizer, key):
-            setattr(optimizer, key, int(counters.get(key, 0)))
     iteration = int(common["iteration"])
     if load_rng:
         reason = rng.restore_or_rederive(objects.get(my_rng), common.get("layout", {}), seed=cfg.train.seed,

@@ -80,94 +80,79 @@ def model_chunks(records: list, *, tensor_keys: set | None = None) -> list:
     return out
 
 
-def _entry_chunks(key: str, record: ParamRecord, entry, tensor: torch.Tensor) -> list:
-    """Chunks of a tensor shaped like ``entry.main`` (a whole-shard main param, or a ZeRO-1 flat piece)."""
-    if hasattr(entry, "lo") and hasattr(entry, "hi") and tensor.dim() == 1 and tensor.numel() == entry.hi - entry.lo:
-        return flat_piece_chunks(key, record.spec, tuple(entry.model_param.shape), entry.lo, entry.hi, tensor)
+def _piece_chunks(key: str, record: ParamRecord, piece, tensor: torch.Tensor) -> list:
+    """Chunks of a tensor shaped like the piece's main param (the whole param, or a ZeRO-1 flat range)."""
+    if piece.flat_range is not None:
+        lo, hi = piece.flat_range
+        return flat_piece_chunks(key, record.spec, tuple(piece.param.shape), lo, hi, tensor)
     return tensor_chunks(key, record.spec, tensor)
 
 
-def optimizer_entries(optimizer, records: list) -> Iterator[tuple]:
-    """(ParamRecord, entry) for every main-param entry of the optimizer wrapper (any wrapper kind)."""
+def _stepped(piece) -> torch.Tensor:
+    """The tensor the inner optimizer steps for ``piece``: its own main param, or the model param itself."""
+    return piece.main if piece.main is not None else piece.param
+
+
+def optimizer_pieces(state, records: list) -> Iterator[tuple]:
+    """(ParamRecord, `ParamState`) for every piece of a wrapper's `sharded_state_dict` (any wrapper kind)."""
     by_param = {id(r.param): r for r in records}
-    for entry in optimizer.entries:
-        record = by_param.get(id(entry.model_param))
+    for piece in state.params:
+        record = by_param.get(id(piece.param))
         if record is None:
-            raise KeyError("optimizer entry for a parameter that is not in the model chunks")
-        yield record, entry
+            raise KeyError("optimizer state for a parameter that is not in the model chunks")
+        yield record, piece
 
 
-def needs_main_key(entry) -> bool:
-    """fp32 main params are saved separately only when the model params are half precision."""
-    return entry.model_param.dtype != torch.float32
-
-
-def optimizer_save_items(optimizer, records: list) -> tuple[list, dict]:
-    """(chunks, objects) of main params and optimizer state for saving (shared copies excluded)."""
+def optimizer_save_items(state, records: list) -> tuple[list, dict]:
+    """(chunks, objects) of a wrapper's `sharded_state_dict` ``state``: main params (``main/``, only for
+    half-precision params) and optimizer state (``optim/``); shared copies excluded."""
     chunks, objects = [], {}
-    for record, entry in optimizer_entries(optimizer, records):
+    for record, piece in optimizer_pieces(state, records):
         if not record.saved_here:
             continue
-        if needs_main_key(entry):
-            chunks += _entry_chunks(f"main/{record.ckpt_name}", record, entry, entry.main.detach())
-        for key, value in optimizer.optimizer.state.get(entry.main, {}).items():
+        if piece.main is not None and piece.param.dtype != torch.float32:  # an fp32 model param is its main param
+            chunks += _piece_chunks(f"main/{record.ckpt_name}", record, piece, piece.main.detach())
+        stepped = _stepped(piece)
+        for key, value in piece.state.items():
             full = f"optim/{record.ckpt_name}/{key}"
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == entry.main.shape:
-                chunks += _entry_chunks(full, record, entry, value.detach())
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == stepped.shape:
+                chunks += _piece_chunks(full, record, piece, value.detach())
             else:
                 # scalars (Adam's step) go to CPU: a fused/capturable optimizer keeps them on the device
                 objects[full] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
     return chunks, objects
 
 
-def optimizer_load_items(optimizer, records: list, tensor_keys: set, object_keys: set) -> tuple[list, list, list]:
-    """What loading the optimizer needs.
+def optimizer_load_items(state, records: list, tensor_keys: set, object_keys: set) -> tuple[list, list]:
+    """What loading a wrapper's `sharded_state_dict` ``state`` needs.
 
     Args:
         tensor_keys / object_keys: the keys present in the checkpoint.
     Returns:
-        (chunks to fill, object keys to read, [(entry, {state key: tensor to fill | object key})]).
-        Main params are filled in place (from ``main/`` or, for fp32 checkpoints, ``model/``);
-        per-element state goes into fresh zero tensors installed by `install_optimizer_state`.
+        (chunks to fill, object keys to read). Main params are filled in place (from ``main/`` or, for
+        fp32 checkpoints, ``model/``); each piece's ``state`` is replaced by fresh zero tensors (filled by
+        the chunks) and object keys, which `resolve_optimizer_state` turns into values once read.
     """
-    chunks, objs, pending = [], [], []
-    for record, entry in optimizer_entries(optimizer, records):
+    chunks, objs = [], []
+    for record, piece in optimizer_pieces(state, records):
         name = record.ckpt_name
-        if entry.main is not entry.model_param:  # (an fp32 param that is its own main is loaded by model_chunks)
+        if piece.main is not None:  # (an fp32 param that is its own main is loaded by model_chunks)
             main_key = f"main/{name}" if f"main/{name}" in tensor_keys else f"model/{name}"
-            chunks += _entry_chunks(main_key, record, entry, entry.main.data)
-        state = {}
+            chunks += _piece_chunks(main_key, record, piece, piece.main.data)
+        loaded = {}
         prefix = f"optim/{name}/"
         for key in sorted(k for k in tensor_keys if k.startswith(prefix)):
-            value = torch.zeros_like(entry.main, dtype=torch.float32)
-            chunks += _entry_chunks(key, record, entry, value)
-            state[key[len(prefix):]] = value
+            value = torch.zeros_like(_stepped(piece), dtype=torch.float32)
+            chunks += _piece_chunks(key, record, piece, value)
+            loaded[key[len(prefix):]] = value
         for key in sorted(k for k in object_keys if k.startswith(prefix)):
             objs.append(key)
-            state[key[len(prefix):]] = key
-        pending.append((entry, state))
-    return chunks, objs, pending
+            loaded[key[len(prefix):]] = key
+        piece.state = loaded
+    return chunks, objs
 
 
-def install_optimizer_state(optimizer, pending: list, objects: dict) -> None:
-    """Put the loaded state into the inner torch optimizer (objects resolved by key).
-
-    Goes through ``torch.optim.Optimizer.load_state_dict`` so that torch applies its own placement
-    rules (``step`` on the param's device for fused / capturable Adam, moments cast to the param's
-    dtype and device). Params are numbered as torch's ``state_dict()`` numbers them: in
-    ``param_groups`` order.
-    """
-    inner = optimizer.optimizer
-    index, n = {}, 0
-    for group in inner.param_groups:
-        for p in group["params"]:
-            index[id(p)] = n
-            n += 1
-    state = {}
-    for entry, saved in pending:
-        resolved = {k: (objects[v] if isinstance(v, str) else v) for k, v in saved.items()}
-        if resolved:
-            state[index[id(entry.main)]] = resolved
-    sd = inner.state_dict()
-    sd["state"] = state
-    inner.load_state_dict(sd)
+def resolve_optimizer_state(state, objects: dict) -> None:
+    """Replace the object keys `optimizer_load_items` left in each piece's ``state`` by the values read."""
+    for piece in state.params:
+        piece.state = {k: (objects[v] if isinstance(v, str) else v) for k, v in piece.state.items()}

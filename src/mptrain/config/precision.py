@@ -1,7 +1,7 @@
 """Schemas of the `precision` and `loss_scaler` config groups (DESIGN.md §1 "Components").
 
 ``precision._target_`` is the optimizer wrapper (FP32Optimizer / MixedPrecisionOptimizer; the rule
-for ``parallel.use_distributed_optimizer`` is `mptrain.precision.optimizer.wrapper_target`);
+for ``parallel.use_distributed_optimizer`` is `mptrain.distributed.distrib_optimizer.wrapper_target`);
 ``loss_scaler._target_`` the loss scaler (`mptrain.precision.scaler.build_loss_scaler`; auto is the
 function `mptrain.precision.scaler.auto_loss_scaler`, which decides on the params dtype).
 """
@@ -23,12 +23,6 @@ class PrecisionConfig:
     """fp32 | bf16 | fp16: the dtype of model params and activations (main params stay fp32; `mptrain.precision.PARAM_DTYPES`)."""
     allow_tf32: bool = False
     """fp32 only: let CUDA matmuls / convolutions use TF32 tensor cores."""
-    flat_adam_step: bool = False
-    """Opt-in: bf16 / fp16 without a loss scaler and torch's fused Adam / AdamW (not with the distributed
-    optimizer): main params, moments and model params in flat buffers laid out like the DDP grad buffer,
-    stepped by one fused pass per buffer that also writes the model params (`mptrain.precision.flat_adam`;
-    compiled on CUDA, eager on the CPU). gpt_1.3b on an H200: 13.0 instead of 16.4 ms per optimizer step,
-    +1 byte per param; not bitwise torch's kernel (BENCHMARKS.md "GPU round 7"), hence off by default."""
 
 
 @dataclasses.dataclass

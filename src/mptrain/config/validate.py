@@ -187,7 +187,7 @@ def resolve_loss_scaler(cfg: Config) -> str:
     from mptrain.optim.builders import check_optimizer
     from mptrain.optim.lr_scheduler import check_lr_scheduler
     from mptrain.precision import params_dtype
-    from mptrain.precision.optimizer import wrapper_target
+    from mptrain.distributed.distrib_optimizer import wrapper_target
     from mptrain.precision.scaler import build_loss_scaler, scaler_label
 
     params_dtype(cfg.precision.name)

@@ -145,9 +145,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- buffers ---------------------------------------------------------------------------
     @property
-    def buffers(self) -> tuple:  # noqa: D401 - shadows nn.Module.buffers() on purpose (Megatron's name)
-        """The `GradBuffer`s (one per grad dtype). Note: shadows ``nn.Module.buffers()``; use
-        ``self.module.buffers()`` for registered module buffers."""
+    def grad_buffers(self) -> tuple:
+        """The `GradBuffer`s (one per grad dtype); ``buffers()`` stays ``nn.Module``'s (registered module buffers)."""
         return self._grad_buffers
 
     def _buffer_of(self, param: torch.Tensor) -> GradBuffer:

@@ -16,6 +16,12 @@ One iteration:
    clip → inner optimizer step on the fp32 pieces → write the pieces into a bucket-sized scratch
    (param dtype values) → all-gather over DP → copy every param of the bucket from the scratch.
 A skipped step (found_inf) changes nothing and gathers nothing.
+3. Checkpoint: `OptimizerWrapper.sharded_state_dict` lists each piece with its ``flat_range`` (elements
+   [lo, hi) of the flattened local param); `mptrain.checkpoint.reshard.flat_piece_chunks` maps it to
+   global boxes, so the state loads under any DP size or ZeRO setting.
+
+`wrapper_target` / `build_optimizer_wrapper` live here, above the wrappers they choose between: the
+one rule that a built-in wrapper becomes `DistributedOptimizer` with ``parallel.use_distributed_optimizer``.
 
 Memory: main params + Adam's exp_avg/exp_avg_sq are 12 bytes per owned element, i.e. ≈ 12·N/dp
 bytes per rank instead of 12·N (`optimizer_state_bytes`).
@@ -24,16 +30,18 @@ bytes per rank instead of 12·N (`optimizer_state_bytes`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from mptrain.precision.optimizer import MainParamEntry, OptimizerWrapper, StepResult
+from mptrain.components import build, extra_keys, resolve
+from mptrain.errors import ConfigError
+from mptrain.precision.optimizer import BUILTIN_WRAPPERS, OPTIMIZER_WRAPPER, MainParamEntry, OptimizerWrapper
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["DistributedOptimizer", "ShardEntry", "StepResult"]
+__all__ = ["DistributedOptimizer", "ShardEntry", "build_optimizer_wrapper", "wrapper_target"]
 
 
 @dataclasses.dataclass
@@ -48,6 +56,10 @@ class ShardEntry(MainParamEntry):
     lo: int
     hi: int
     buf_lo: int
+
+    @property
+    def flat_range(self) -> Optional[tuple]:
+        return (self.lo, self.hi)
 
 
 class DistributedOptimizer(OptimizerWrapper):
@@ -103,7 +115,7 @@ class DistributedOptimizer(OptimizerWrapper):
         g = self.groups
         entries = []
         for ci, chunk in enumerate(self.model_chunks):
-            for buf in chunk.buffers:
+            for buf in chunk.grad_buffers:
                 for bucket in buf.buckets:
                     s_lo, s_hi = bucket.shard_range(g.dp_rank, g.dp_size)
                     for param in buf.bucket_params(bucket):
@@ -129,11 +141,6 @@ class DistributedOptimizer(OptimizerWrapper):
             e.main.grad = view.float()
 
     @torch.no_grad()
-    def _copy_model_params_to_main_params(self) -> None:
-        for e in self.entries:
-            e.main.copy_(e.model_param.detach().reshape(-1)[e.lo : e.hi])
-
-    @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
         """Write the updated pieces into per-bucket scratch, all-gather over DP, copy into the model params."""
         by_bucket: dict = {}
@@ -141,7 +148,7 @@ class DistributedOptimizer(OptimizerWrapper):
             by_bucket.setdefault((id(e.buffer), e.bucket.index), []).append(e)
         g = self.groups
         for chunk in self.model_chunks:
-            for buf in chunk.buffers:
+            for buf in chunk.grad_buffers:
                 for bucket in buf.buckets:
                     # Scratch in the buffer's dtype: the param dtype, or fp32 (which holds any
                     # fp16/bf16 value exactly), so every param gets its own dtype's rounding.
@@ -167,82 +174,47 @@ class DistributedOptimizer(OptimizerWrapper):
                     total += v.numel() * v.element_size()
         return total
 
-    # --- checkpoint (layout-independent) ---------------------------------------------------
-    def state_dict(self) -> dict:
-        """Per-parameter pieces addressable without knowing the DP layout.
 
-        Returns:
-            {"kind": "distributed", "param_groups": [hyper-parameters without "params"],
-             "params": [ {name: {"local_shape", "flat_range": (lo, hi), "main_param": fp32 [hi-lo],
-                                 "state": {key: tensor [hi-lo] or scalar}}} per model chunk ],
-             "scaler", "counters": {skipped_iters_total, nan_iters_total, consecutive_skips}}
-            ``name`` is the param's name in its chunk; ``flat_range`` indexes the flattened LOCAL
-            (TP-sharded) param, which its ShardSpec maps to global coordinates. The pieces of one
-            param from all DP ranks tile [0, numel).
-        """
-        chunks: list = [{} for _ in self.model_chunks]
-        for e in self.entries:
-            state = self.optimizer.state.get(e.main, {})
-            chunks[e.chunk][e.name] = {
-                "local_shape": tuple(e.model_param.shape),
-                "flat_range": (e.lo, e.hi),
-                "main_param": e.main.detach().clone(),
-                "state": {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
-            }
-        return {
-            "kind": "distributed",
-            "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in self.optimizer.param_groups],
-            "params": chunks,
-            **self._scaler_and_counters_state(),
-        }
+def wrapper_target(precision_cfg, use_distributed_optimizer: bool):
+    """The wrapper class that runs, the one rule: ``precision._target_``, except that with
+    ``parallel.use_distributed_optimizer=true`` a built-in wrapper (FP32Optimizer / MixedPrecisionOptimizer)
+    is replaced by `DistributedOptimizer` (ZeRO-1 shards fp32 main params of any params dtype); a user
+    wrapper must then itself be a DistributedOptimizer subclass.
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict saved under any DP size (pieces may come from several ranks).
-
-        Each param entry may be one dict or a list of dicts (pieces from several ranks, or one
-        piece with ``flat_range = (0, numel)``); together they must cover this rank's range.
-        Per-element state tensors are sliced; scalars (Adam's ``step``) are copied.
-
-        Raises:
-            KeyError: a param of this rank is missing from the state dict.
-            ValueError: the pieces do not cover this rank's range of a param.
-        """
-        for e in self.entries:
-            entry = state_dict["params"][e.chunk][e.name]
-            entries = entry if isinstance(entry, (list, tuple)) else [entry]
-            e.main.copy_(_cover(entries, e, lambda x: x["main_param"]))
-            state = {}
-            for key, value in entries[0]["state"].items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == _span(entries[0]):
-                    state[key] = _cover(entries, e, lambda x, k=key: x["state"][k])
-                else:
-                    state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            if state:
-                self.optimizer.state[e.main] = state
-        for grp, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
-            grp.update({k: v for k, v in saved.items() if k != "params"})
-        self._load_scaler_and_counters(state_dict)
+    Raises:
+        ConfigError: the target does not import or lacks a method; a user wrapper that cannot shard
+            with use_distributed_optimizer=true.
+    """
+    target, _ = resolve("precision", {"_target_": precision_cfg._target_}, OPTIMIZER_WRAPPER)
+    if not use_distributed_optimizer:
+        return target
+    if target in BUILTIN_WRAPPERS:
+        return DistributedOptimizer
+    if isinstance(target, type) and issubclass(target, DistributedOptimizer):
+        return target
+    raise ConfigError(f"precision._target_={precision_cfg._target_} is not a DistributedOptimizer, but "
+                      "parallel.use_distributed_optimizer=true shards the optimizer; subclass "
+                      "mptrain.distributed.DistributedOptimizer or set parallel.use_distributed_optimizer=false")
 
 
-def _span(entry: dict) -> int:
-    lo, hi = entry["flat_range"]
-    return hi - lo
+def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, build_optimizer, model_chunks: list,
+                            groups, scaler, clip_grad: float, max_consecutive_skips: int):
+    """The optimizer wrapper over this rank's DDP ``model_chunks`` (the one place it is built).
 
-
-def _cover(entries: list, piece: ShardEntry, get) -> torch.Tensor:
-    """Elements [piece.lo, piece.hi) of one param assembled from saved pieces (each with a flat_range)."""
-    out = torch.empty(piece.hi - piece.lo, dtype=torch.float32)
-    filled = 0
-    for e in sorted(entries, key=lambda e: e["flat_range"][0]):
-        lo, hi = e["flat_range"]
-        a, b = max(lo, piece.lo), min(hi, piece.hi)
-        if a < b:
-            out[a - piece.lo : b - piece.lo].copy_(get(e).reshape(-1)[a - lo : b - lo])
-            filled += b - a
-    if filled != piece.hi - piece.lo:
-        raise ValueError(
-            f"optimizer state of {piece.name!r}: saved pieces cover {filled} of this rank's "
-            f"{piece.hi - piece.lo} elements [{piece.lo}, {piece.hi})"
-        )
-    return out.to(piece.main.device)
+    The runtime offers ``build_optimizer`` (param groups -> inner optimizer), the flat ``params`` /
+    ``specs`` / ``grad_fn`` (the DDP main grad of each param), ``model_chunks``, ``groups``, ``scaler``,
+    ``clip_grad``, ``max_consecutive_skips``; a wrapper gets those its constructor takes (FP32Optimizer
+    and MixedPrecisionOptimizer the flat lists, DistributedOptimizer the chunks).
+    """
+    params, specs, owner = [], [], {}
+    for chunk in model_chunks:
+        for name, param in chunk.module.named_parameters():
+            params.append(param)
+            specs.append(chunk.specs[name])
+            owner[param] = chunk
+    target = wrapper_target(precision_cfg, use_distributed_optimizer)
+    node = {"_target_": target, **extra_keys(precision_cfg)}
+    offered = dict(build_optimizer=build_optimizer, params=params, specs=specs, grad_fn=lambda p: owner[p].main_grad(p),
+                   model_chunks=list(model_chunks), groups=groups, scaler=scaler, clip_grad=clip_grad,
+                   max_consecutive_skips=max_consecutive_skips)
+    return build("precision", node, OPTIMIZER_WRAPPER, mapped=offered, partial=False)

@@ -29,7 +29,6 @@ def measured_rank_bytes(chunks: list, optimizer) -> dict:
         rows and the tied copy excluded, from the ShardSpecs).
     """
     params = [p for c in chunks for p in c.module.parameters()]
-    model_ids = {id(p) for p in params}
     num_params = 0
     for c in chunks:
         for name, p in c.module.named_parameters():
@@ -40,15 +39,16 @@ def measured_rank_bytes(chunks: list, optimizer) -> dict:
                 num_params += p.numel() // p.shape[spec.partition_dim] * spec.valid
             else:
                 num_params += p.numel()
-    mains = [e.main for e in optimizer.entries if id(e.main) not in model_ids]
+    pieces = optimizer.sharded_state_dict().params
+    mains = [p.main for p in pieces if p.main is not None]
     state = 0
-    for st in optimizer.optimizer.state.values():
-        for v in st.values():
+    for piece in pieces:
+        for v in piece.state.values():
             if isinstance(v, torch.Tensor):
                 state += _bytes(v)
     return {
         "weights": sum(_bytes(p) for p in params),
-        "grads": sum(_bytes(b.data) for c in chunks for b in c.buffers),
+        "grads": sum(_bytes(b.data) for c in chunks for b in c.grad_buffers),
         "main_params": sum(_bytes(m) for m in mains),
         "optimizer_state": state,
         "numel": sum(p.numel() for p in params),

@@ -8,8 +8,11 @@ from mptrain.precision.optimizer import (
     OPTIMIZER_WRAPPER,
     MixedPrecisionOptimizer,
     OptimizerWrapper,
+    ParamState,
     StepResult,
+    StepStats,
     TooManySkippedStepsError,
+    WrapperState,
 )
 from mptrain.precision.scaler import (
     ConstantLossScaler,
@@ -45,6 +48,6 @@ __all__ = [
     "ConstantLossScaler", "DynamicLossScaler", "LossScaler", "build_loss_scaler",
     "LOSS_SCALER", "auto_loss_scaler", "no_loss_scaler", "check_scaler_for_precision",
     "Float16Module", "FP32Optimizer", "MainParamEntry", "MixedPrecisionOptimizer", "OPTIMIZER_WRAPPER", "OptimizerWrapper",
-    "StepResult", "TooManySkippedStepsError", "clip_grads_by_total_norm", "count_zeros_fp32",
+    "ParamState", "StepResult", "StepStats", "TooManySkippedStepsError", "WrapperState", "clip_grads_by_total_norm", "count_zeros_fp32",
     "get_grad_norm_fp32", "PARAM_DTYPES", "params_dtype",
 ]

@@ -1,36 +1,45 @@
 """Optimizer wrappers: fp32 main params, loss-scale unscaling, non-finite check, global-norm clipping.
 
 Megatron names: `MegatronOptimizer`, `MixedPrecisionOptimizer`, `Float16OptimizerWithFloat16Params`
-and `FP32Optimizer` (megatron/core/optimizer/optimizer.py). ``step()`` runs, in order:
+and `FP32Optimizer` (megatron/core/optimizer/optimizer.py). `OptimizerWrapper.step`, the one entry
+point, runs three phases (Megatron's ``prepare_grads`` / ``step_with_ready_grads``):
 
-1. copy model grads (``grad_fn(param)``: the DP wrapper's main_grad view, fp32 or param dtype)
-   into fp32 main grads;
-2. unscale by 1/S and detect inf/nan in one fused pass (`torch._amp_foreach_non_finite_check_and_unscale_`;
-   with no scaler the factor is 1, so bf16/fp32 non-finite grads are caught too);
-3. all-reduce found_inf with MAX over the grad-stats group(s) (model-parallel group; the
-   distributed optimizer adds DP), so every rank takes the same decision; update the scaler;
-4. on non-finite grads: skip (count ``skipped_iters_total``; without a dynamic scaler to explain
-   the overflow also ``nan_iters_total``), nothing is applied;
-5. otherwise: global L2 norm over the counted grads (``ShardSpec.counts_on(tp_rank)``, reduced
-   over the grad-stats groups), clip by it when ``clip_grad > 0``, optional zero count, inner
-   optimizer step on the main params, copy main params back into the model params.
+1. `prepare_grads`: copy model grads (``grad_fn(param)``: the DP wrapper's main_grad view, fp32 or
+   param dtype) into fp32 main grads and look for inf/nan over the grad-stats group(s)
+   (model-parallel group; the distributed optimizer adds DP), so every rank takes the same decision;
+2. `decide`: skip on non-finite grads (nothing is applied), update the loss scaler, compute the
+   global L2 norm over the counted grads (``ShardSpec.counts_on(tp_rank)``) and the clip factor;
+3. `apply`: the inner optimizer step on the main params, then copy main params back into the
+   model params.
 
-Folded step (no loss scaler, i.e. bf16 / fp32, and a fused torch Adam / AdamW inner optimizer):
-steps 2 and 5's clip pass are folded into the fused kernel. The global norm of the raw grads
-(one pass) times ``grad_scale`` is the norm; a non-finite norm means a non-finite grad (skip, as
-step 4); otherwise the kernel divides every grad by its ``grad_scale`` attribute (the one
-`torch.amp.GradScaler` uses) = 1 / (grad_scale × clip coefficient). Two passes over the fp32
-grads fewer per step (the separate unscale and clip passes; bench/reports/2026-11-30-megatron-core.md);
-same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the five steps.
+Where the decision is taken:
 
-The folded step also makes its skip decision on the device: the kernel gets the 0/1 ``found_inf``
-tensor (``non-finite count > 0 or the norm is not finite``; again `GradScaler`'s attribute) and
-leaves every param, moment and step count as they were when it is 1. So `launch_step` enqueues the
-whole update without waiting for the host and returns a `PendingStep`: its `PendingStep.result`
-reads the norm, the non-finite count (and the caller's ``read_along``) later, in one host read,
-and does the host's bookkeeping (skip counters, the skip limit). `step` is ``launch_step().result()``.
-The other paths (a loss scaler, a non-fused inner optimizer) decide on the host inside
-`launch_step` and return an already settled `PendingStep`.
+- on the host (a loss scaler, or an inner optimizer other than torch's fused Adam / AdamW): phase 1
+  unscales by 1/S and finds inf/nan in one fused pass
+  (`torch._amp_foreach_non_finite_check_and_unscale_`; with no scaler the factor is 1, so bf16/fp32
+  non-finite grads are caught too) and phase 2 reads that verdict (one host sync), updates the
+  scaler, and on a clean step clips the grads in place (``clip_grad > 0``).
+- on the device (no loss scaler, i.e. bf16 / fp32, and a fused torch Adam / AdamW: the folded step):
+  phase 1 computes the global norm of the raw grads and their non-finite count in one pass; phase 2
+  forms ``found_inf`` (0/1: non-finite count > 0 or the norm is not finite) and the divisor
+  1 / (grad_scale × clip coefficient) as tensors, and phase 3 hands both to the fused kernel
+  (`torch.amp.GradScaler`'s ``grad_scale`` / ``found_inf`` attributes), which divides every grad by the
+  divisor and leaves every param, moment and step count untouched when ``found_inf`` is 1. Nothing
+  waits for the host: two passes over the fp32 grads fewer per step (the unscale and clip passes),
+  same math, rounding differs by ulps. ``fold_into_fused_step=False`` keeps the host decision.
+
+`step` returns `StepStats`: the step's statistics as one small device tensor (grad norm, skip flag,
+zero count) that the trainer reads together with its loss in one device-to-host copy, whenever it
+chooses (``train.defer_step_read``); `StepStats.settle` then does the host's bookkeeping (skip
+counters, the skip limit) and returns the `StepResult`.
+
+A skipped step counts ``skipped_iters_total``; without a dynamic scaler to explain the overflow it
+also counts ``nan_iters_total``.
+
+Checkpoint state: `OptimizerWrapper.sharded_state_dict` lists it (per model param: the fp32 main
+param when it is a separate tensor, the inner optimizer's state, the flat range a ZeRO-1 piece
+covers; the loss scaler; the skip counters) and `load_sharded_state_dict` takes it back;
+`mptrain.checkpoint.state` maps it to layout-independent keys.
 
 Hooks for subclasses (the distributed optimizer, ZeRO-1, overrides "which main params / grads do
 I own" and nothing else):
@@ -38,10 +47,9 @@ I own" and nothing else):
 - `_make_main_param(param, spec) -> Parameter | None`: the fp32 main param this rank steps for a
   model param (None: this rank owns none of it). Called once per param by `__init__`. A ZeRO-1
   subclass can instead override `_build_entries` to return `MainParamEntry` subclasses carrying a
-  range into the param.
+  flat range of the param (``flat_range``).
 - `_copy_model_grads_to_main_grads()`: fill ``entry.main.grad`` for every entry.
-- `_copy_main_params_to_model_params()` / `_copy_model_params_to_main_params()`: write back after
-  the step (ZeRO-1: shard copy + all-gather over DP) / reload after the model params changed.
+- `_copy_main_params_to_model_params()`: write back after the step (ZeRO-1: shard copy + all-gather over DP).
 - `_grad_stats_groups() -> list[ProcessGroup]`: reduced over, in turn, for found_inf (MAX), the
   grad norm and the zero count (SUM). Default ``[groups.mp_group]``; ZeRO-1 adds ``groups.dp_group``.
 
@@ -59,8 +67,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mptrain.components import ComponentKind, accepted_keywords, build, extra_keys, resolve
-from mptrain.errors import ConfigError
+from mptrain.components import ComponentKind
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.optim.builders import param_groups as build_param_groups
 from mptrain.precision.clip_grads import (
@@ -70,7 +77,6 @@ from mptrain.precision.clip_grads import (
     get_grad_norm_and_non_finite_count_fp32,
     get_grad_norm_fp32,
 )
-from mptrain.precision.flat_adam import FlatAdamStep, why_not_flat
 from mptrain.precision.scaler import LossScaler
 
 logger = logging.getLogger(__name__)
@@ -80,76 +86,58 @@ _HALF = HALF_DTYPES
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """Outcome of one optimizer step.
+    """Outcome of one optimizer step, on the host.
 
     Attributes:
         update_successful: the params were updated (False on a skipped step).
         grad_norm: global L2 norm of the unscaled grads before clipping; None on a skipped step.
         num_zeros: zero grad elements over the grad-stats group (only with ``log_num_zeros``), else None.
         found_inf: some grad was inf/nan on some rank of the grad-stats group.
-        read_along: the values of ``step(read_along=...)``'s tensor, read on the host with the
-            step's own host read (None without it).
+        skipped_iters_total / nan_iters_total: the wrapper's counters after this step.
     """
 
     update_successful: bool
     grad_norm: Optional[float]
     num_zeros: Optional[int]
     found_inf: bool
-    read_along: Optional[tuple] = None
+    skipped_iters_total: int = 0
+    nan_iters_total: int = 0
 
 
-class PendingStep:
-    """An optimizer step whose update is enqueued and whose outcome is read on the host later
-    (`OptimizerWrapper.launch_step`; the module docstring's folded step).
+STEP_STATS = ("grad_norm", "skipped", "num_zeros")
+"""What `StepStats.values` holds, in order."""
 
-    ``stats``: float64 ``[norm, non-finite count, zero count or nan, *read_along]``, filled (on CUDA
-    into pinned host memory, asynchronously) by the time ``ready`` (a CUDA event, or None on the CPU)
-    has fired. `result` waits for it (the step's one host read), settles the step with the wrapper
-    once, and returns the same `StepResult` on every later call.
+
+@dataclasses.dataclass(eq=False)
+class StepStats:
+    """One optimizer step's statistics, not yet read on the host (what `OptimizerWrapper.step` returns).
+
+    Attributes:
+        values: float64 ``[3]`` on the grads' device, `STEP_STATS`: the grad norm (nan when skipped),
+            1.0 when the step was skipped (non-finite grads) else 0.0, the zero count (nan when not
+            counted). The trainer copies it to the host in the same copy as its loss totals.
+        on_read: ``list of 3 floats -> StepResult``: the wrapper's host bookkeeping for these values
+            (skip counters, the skip limit). Called by `settle`, once, in step order.
     """
 
-    def __init__(self, wrapper: "OptimizerWrapper", stats: Optional[torch.Tensor] = None, ready=None,
-                 has_along: bool = False, result: Optional[StepResult] = None) -> None:
-        self._wrapper, self._stats, self._ready, self._has_along = wrapper, stats, ready, has_along
-        self._result = result
+    values: torch.Tensor
+    on_read: Callable[[list], StepResult]
+    _result: Optional[StepResult] = dataclasses.field(default=None, init=False, repr=False)
 
-    @classmethod
-    def settled(cls, result: StepResult) -> "PendingStep":
-        """A step already decided on the host (the unfolded paths)."""
-        return cls(None, result=result)
-
-    @property
-    def is_settled(self) -> bool:
-        return self._result is not None
-
-    def result(self) -> StepResult:
-        """The step's `StepResult` (a host sync the first time; cheap when ``ready`` has fired).
+    def settle(self, values: list) -> StepResult:
+        """The `StepResult` for ``values`` (`values` read on the host); later calls return the same
+        result without counting the step again.
 
         Raises:
-            TooManySkippedStepsError: as `OptimizerWrapper.step`, on the call that settles it.
+            TooManySkippedStepsError: as `OptimizerWrapper.step` describes.
         """
         if self._result is None:
-            if self._ready is not None:
-                self._ready.synchronize()
-            norm, non_finite, zeros, *along = self._stats.tolist()
-            wrapper, self._wrapper = self._wrapper, None  # settled once, even when settling raises
-            if wrapper is None:
-                raise RuntimeError("PendingStep: settling it raised before; the step's outcome is lost")
-            self._result = wrapper._settle(norm, non_finite, None if math.isnan(zeros) else int(zeros),
-                                           tuple(along) if self._has_along else None)
+            self._result = self.on_read(list(values))
         return self._result
 
-
-def _to_host_async(stats: torch.Tensor) -> tuple:
-    """(host tensor, event): ``stats`` copied to pinned host memory behind the work enqueued so far,
-    without waiting for it (CUDA); on the CPU the tensor itself and no event."""
-    if stats.device.type != "cuda":
-        return stats, None
-    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-    host.copy_(stats, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    def result(self) -> StepResult:
+        """Read `values` (a host sync) and `settle`: for callers without a buffer of their own."""
+        return self._result if self._result is not None else self.settle(self.values.tolist())
 
 
 class TooManySkippedStepsError(RuntimeError):
@@ -175,9 +163,55 @@ class MainParamEntry:
     def has_copy(self) -> bool:
         return self.main is not self.model_param
 
+    @property
+    def flat_range(self) -> Optional[tuple]:
+        """Elements [lo, hi) of the flattened model param that ``main`` holds; None: all of it."""
+        return None
+
+
+@dataclasses.dataclass
+class ParamState:
+    """One model param's part of a wrapper's checkpoint state (`OptimizerWrapper.sharded_state_dict`).
+
+    Attributes:
+        param: the model param (the checkpoint knows its global name and `ShardSpec`).
+        main: the fp32 main param when it is a tensor of its own (filled in place on load); None when
+            the model param itself is stepped.
+        state: the inner optimizer's state for it: per-element tensors shaped like ``main`` (or the
+            param) and scalars (Adam's ``step``); empty before the first step.
+        flat_range: (lo, hi): ``main`` and the per-element state hold elements [lo, hi) of the
+            flattened param (a ZeRO-1 piece); None: the whole param.
+    """
+
+    param: torch.nn.Parameter
+    main: Optional[torch.Tensor]
+    state: dict
+    flat_range: Optional[tuple] = None
+
+
+@dataclasses.dataclass
+class WrapperState:
+    """A wrapper's checkpoint state: what `OptimizerWrapper.sharded_state_dict` lists and
+    `OptimizerWrapper.load_sharded_state_dict` takes back (a field left None there: keep what is).
+
+    Attributes:
+        params: one `ParamState` per main param this rank steps.
+        scaler: the loss scaler's ``state_dict()`` (None: no scaler).
+        counters: ``{"skipped_iters_total", "nan_iters_total", "consecutive_skips"}`` (ints).
+    """
+
+    params: Optional[list] = None
+    scaler: Optional[dict] = None
+    counters: Optional[dict] = None
+
 
 class OptimizerWrapper:
     """Shared logic of `MixedPrecisionOptimizer` and `FP32Optimizer` (see the module docstring).
+
+    The optimizer-wrapper interface (`OPTIMIZER_WRAPPER`), what the trainer and the checkpoint call:
+    `step`, `zero_grad`, `get_loss_scale`, `param_groups`, `optimizer` (the inner torch optimizer:
+    its class and state keys for the checkpoint's optimizer-change check, its kernel for the
+    start-up log), `sharded_state_dict`, `load_sharded_state_dict`.
 
     Args:
         build_optimizer: ``param_groups -> torch.optim.Optimizer`` (`mptrain.optim.build_optimizer_factory`).
@@ -190,10 +224,7 @@ class OptimizerWrapper:
         max_consecutive_skips: raise `TooManySkippedStepsError` when the number of consecutive
             skipped steps exceeds this (0 = never raise).
         log_num_zeros: also count zero grads (one more pass and all-reduce per step).
-        fold_into_fused_step: use the folded step (module docstring) when it applies.
-        flat_adam_step: the folded step's update as one fused pass over flat buffers where it applies
-            (`mptrain.precision.flat_adam`; compiled on CUDA, eager elsewhere); False: torch's fused Adam
-            kernel, then the model-param copy.
+        fold_into_fused_step: take the skip decision on the device where it applies (module docstring).
     Raises:
         ValueError: params and specs differ in length.
     """
@@ -211,7 +242,6 @@ class OptimizerWrapper:
         max_consecutive_skips: int,
         log_num_zeros: bool = False,
         fold_into_fused_step: bool = True,
-        flat_adam_step: bool = False,
     ) -> None:
         if len(params) != len(specs):
             raise ValueError(f"{type(self).__name__}: {len(params)} params but {len(specs)} specs")
@@ -232,20 +262,6 @@ class OptimizerWrapper:
             self.optimizer.defaults.get("fused"))
         self.folded_step = bool(fold_into_fused_step) and scaler is None and fused_adam
         self._counted_masks: dict = {}  # (counts-in-norm flags, device) -> float mask (`_counted_mask`)
-        self.flat_step: Optional[FlatAdamStep] = None
-        self.flat_step_note = self._build_flat_step(flat_adam_step, grad_fn)
-
-    def _build_flat_step(self, wanted: bool, grad_fn) -> str:
-        """Build `flat_step` where ``flat_adam_step`` asks for it and it applies; the start-up log's note."""
-        if not wanted:
-            return "off (precision.flat_adam_step=false)"
-        reason = why_not_flat(self.entries, self.optimizer, grad_fn) if self.folded_step else \
-            "no folded step (a loss scaler, or not torch's fused Adam / AdamW)"
-        if reason is not None:
-            logger.warning("precision.flat_adam_step=true does not apply (%s): torch's kernel steps", reason)
-            return f"off ({reason})"
-        self.flat_step = FlatAdamStep(self.entries, self.optimizer, grad_fn)
-        return f"on ({len(self.flat_step.buffers)} buffer(s))"
 
     # --- hooks (override in the distributed optimizer) ----------------------------------
     def _make_main_param(self, param: torch.nn.Parameter, spec) -> Optional[torch.nn.Parameter]:
@@ -276,12 +292,6 @@ class OptimizerWrapper:
         if pairs:
             torch._foreach_copy_([m for m, _ in pairs], [w for _, w in pairs])  # fp32 -> fp16/bf16 (round to nearest)
 
-    @torch.no_grad()
-    def _copy_model_params_to_main_params(self) -> None:
-        pairs = [(e.model_param, e.main) for e in self.entries if e.has_copy]
-        if pairs:
-            torch._foreach_copy_([w for _, w in pairs], [m for m, _ in pairs])
-
     def _grad_stats_groups(self) -> list:
         return [self.groups.mp_group]
 
@@ -293,27 +303,15 @@ class OptimizerWrapper:
         tp_rank = self.groups.tp_rank
         return [e.main.grad for e in self.entries if e.main.grad is not None and e.spec.counts_on(tp_rank)]
 
-    # --- public interface ---------------------------------------------------------------
+    # --- the interface ------------------------------------------------------------------
     @property
     def param_groups(self) -> list:
         """The inner optimizer's param groups (the LR scheduler writes ``lr`` here)."""
         return self.optimizer.param_groups
 
-    def main_params(self) -> list:
-        """The fp32 params the inner optimizer steps, in entry order."""
-        return [e.main for e in self.entries]
-
-    def main_param_map(self) -> dict:
-        """{model param: fp32 main param} (the same tensor for fp32 params)."""
-        return {e.model_param: e.main for e in self.entries}
-
     def get_loss_scale(self) -> float:
         """The loss scale S to multiply the loss by before backward (1.0 without a scaler)."""
         return 1.0 if self.scaler is None else float(self.scaler.scale.item())
-
-    def reload_model_params(self) -> None:
-        """Re-copy the model params into the main params (after loading model weights)."""
-        self._copy_model_params_to_main_params()
 
     def zero_grad(self) -> None:
         """Drop the main grads and the model params' ``.grad`` (the DP buffer is zeroed by the DDP wrapper)."""
@@ -321,7 +319,96 @@ class OptimizerWrapper:
             e.main.grad = None
             e.model_param.grad = None
 
-    def _found_non_finite(self, main_grads: list, grad_scale: Optional[torch.Tensor] = None) -> bool:
+    @torch.no_grad()
+    def step(self, grad_scale: Optional[torch.Tensor] = None) -> StepStats:
+        """One optimizer step: `prepare_grads` → `decide` → `apply` (module docstring). Collective over
+        the grad-stats groups. The update is enqueued; on the host path the decision read ``found_inf``.
+
+        Args:
+            grad_scale: an extra factor for every grad (0-d tensor, e.g. `finalize.token_scale`),
+                multiplied in by the unscale pass (host decision) or the fused kernel (None = 1).
+        Returns:
+            `StepStats`; its `StepStats.settle` gives the `StepResult` (``update_successful`` False,
+            and no param changed, on non-finite grads). Settle each step before the next one's `step`.
+        Raises (from `StepStats.settle`):
+            TooManySkippedStepsError: more than ``max_consecutive_skips`` skipped steps in a row.
+        """
+        return StepStats(self.apply(self.decide(self.prepare_grads(grad_scale))), self._settle)
+
+    # --- the phases ---------------------------------------------------------------------
+    def prepare_grads(self, grad_scale: Optional[torch.Tensor] = None) -> "_Grads":
+        """Phase 1: model grads into the fp32 main grads, and the non-finite check over the grad-stats
+        groups (no host sync). Host decision: the grads are unscaled by 1/S × ``grad_scale`` in the same
+        pass. Device decision: the global norm and non-finite count of the raw grads in one pass."""
+        self._copy_model_grads_to_main_grads()
+        if not self.folded_step:
+            main_grads = self._main_grads()
+            return _Grads(found_inf=self._unscale_and_check(main_grads, grad_scale))
+        tp_rank = self.groups.tp_rank
+        pairs = [(e.main.grad, e.spec.counts_on(tp_rank)) for e in self.entries if e.main.grad is not None]
+        device = pairs[0][0].device if pairs else self.groups.device
+        total_norm, non_finite = get_grad_norm_and_non_finite_count_fp32(
+            [g for g, _ in pairs], self._counted_mask(tuple(c for _, c in pairs), device), self._grad_stats_groups(),
+            device=device)
+        divisor = torch.ones((), dtype=torch.float32, device=total_norm.device)
+        if grad_scale is not None:
+            factor = grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
+            total_norm, divisor = total_norm * factor, divisor / factor
+        # the same decision on every rank (the stats were all-reduced); 1.0 makes the kernel return untouched
+        found_inf = ((non_finite > 0) | ~torch.isfinite(total_norm)).float().reshape(())
+        return _Grads(found_inf=found_inf, total_norm=total_norm, divisor=divisor)
+
+    def decide(self, grads: "_Grads") -> "_Decision":
+        """Phase 2: skip or update, and the clip. Host: reads ``found_inf`` (the step's host sync),
+        updates the loss scaler, clips the grads in place. Device: the skip flag and the divisor
+        (grad scale × clip coefficient) stay tensors for the fused kernel."""
+        stats_groups = self._grad_stats_groups()
+        if not self.folded_step:
+            found_inf = bool(grads.found_inf.item() > 0)  # host sync, once per step
+            if self.scaler is not None:
+                self.scaler.update(found_inf)
+            if found_inf:
+                nan = torch.full((), math.nan, dtype=torch.float64, device=grads.found_inf.device)
+                return _Decision(skip=True, total_norm=nan, found_inf=grads.found_inf, num_zeros=nan)
+            total_norm = get_grad_norm_fp32(self._main_grads_for_norm(), stats_groups, device=self.groups.device)
+            if self.clip_grad > 0:
+                clip_grads_by_total_norm(self._main_grads(), self.clip_grad, total_norm)
+            return _Decision(skip=False, total_norm=total_norm, found_inf=grads.found_inf,
+                             num_zeros=self._count_zeros(stats_groups, total_norm.device))
+        divisor = grads.divisor
+        # of the raw grads: a finite non-zero factor keeps zeros zero
+        num_zeros = self._count_zeros(stats_groups, grads.total_norm.device)
+        if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
+            divisor = divisor / (self.clip_grad / (grads.total_norm + 1e-6)).clamp(max=1.0)
+        return _Decision(skip=None, total_norm=grads.total_norm, found_inf=grads.found_inf, num_zeros=num_zeros,
+                         divisor=divisor)
+
+    def apply(self, decision: "_Decision") -> torch.Tensor:
+        """Phase 3: the inner optimizer step and the copy of the main params into the model params
+        (nothing on a host-decided skip; a device-decided skip leaves every value as it was).
+
+        Returns:
+            `StepStats.values` of this step (float64 [3] on the grads' device).
+        """
+        if decision.skip is None:
+            # torch's fused Adam divides each grad by grad_scale in the kernel and skips the update on found_inf
+            self.optimizer.grad_scale, self.optimizer.found_inf = decision.divisor, decision.found_inf
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
+            self._copy_main_params_to_model_params()  # after a skipped update: the values they already hold
+        elif not decision.skip:
+            self.optimizer.step()
+            self._copy_main_params_to_model_params()
+        device = decision.total_norm.device
+        parts = (decision.total_norm, decision.found_inf, decision.num_zeros)
+        return torch.stack([t.to(device=device, dtype=torch.float64).reshape(()) for t in parts])
+
+    # --- helpers of the phases ----------------------------------------------------------
+    def _unscale_and_check(self, main_grads: list, grad_scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """Unscale ``main_grads`` in place by 1/S × ``grad_scale`` and return found_inf ([1] float32,
+        MAX-reduced over the grad-stats groups; no host sync)."""
         device = main_grads[0].device if main_grads else self.groups.device
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if main_grads:
@@ -330,7 +417,31 @@ class OptimizerWrapper:
                 inv_scale = (inv_scale.double() * grad_scale.to(device).reshape(1)).float()
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
         all_reduce_over(found_inf, self._grad_stats_groups(), dist.ReduceOp.MAX)
-        return bool(found_inf.item() > 0)  # host sync, once per step
+        return found_inf
+
+    def _count_zeros(self, stats_groups: list, device) -> torch.Tensor:
+        """Zero elements of the counted main grads over the grad-stats groups (``log_num_zeros``), else nan."""
+        if not self.log_num_zeros:
+            return torch.full((), math.nan, dtype=torch.float64, device=device)
+        return count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=device)
+
+    def _counted_mask(self, counted: tuple, device: torch.device) -> torch.Tensor:
+        """The 0/1 float mask of `counted` on `device`, built once: a fresh host-to-device copy each
+        step would be a pageable, synchronising copy in the middle of the step."""
+        key = (counted, str(device))
+        if key not in self._counted_masks:
+            self._counted_masks[key] = torch.tensor(counted, dtype=torch.float32, device=device)
+        return self._counted_masks[key]
+
+    def _settle(self, values: list) -> StepResult:
+        """The host's side of a step once its `StepStats.values` are read: skip counters, the skip limit."""
+        norm, skipped, zeros = values
+        if skipped > 0:
+            return self._skip()
+        self.consecutive_skips = 0
+        return StepResult(update_successful=True, grad_norm=norm, num_zeros=None if math.isnan(zeros) else int(zeros),
+                          found_inf=False, skipped_iters_total=self.skipped_iters_total,
+                          nan_iters_total=self.nan_iters_total)
 
     def _skip(self) -> StepResult:
         self.skipped_iters_total += 1
@@ -348,177 +459,69 @@ class OptimizerWrapper:
                 f"{self.get_loss_scale():g}) > loss_scaler.max_consecutive_skips={self.max_consecutive_skips}; "
                 "lower optim.lr, check the data, or use precision=bf16"
             )
-        return StepResult(update_successful=False, grad_norm=None, num_zeros=None, found_inf=True)
-
-    @torch.no_grad()
-    def step(self, grad_scale: Optional[torch.Tensor] = None, read_along: Optional[torch.Tensor] = None) -> StepResult:
-        """One optimizer step (module docstring, steps 1-5). Collective over the grad-stats groups.
-
-        Args:
-            grad_scale: an extra factor for every grad (0-d tensor, e.g. `finalize.token_scale`),
-                multiplied in by the unscale pass of step 2 (None = 1).
-            read_along: a small tensor the caller wants on the host (the trainer's loss totals):
-                read together with the step's own host read (the folded step's norm), so that an
-                iteration syncs once; returned as ``StepResult.read_along`` (a tuple of floats).
-
-        Returns:
-            `StepResult`; ``update_successful`` False (and no param changed) on non-finite grads.
-        Raises:
-            TooManySkippedStepsError: more than ``max_consecutive_skips`` skipped steps in a row.
-        """
-        return self.launch_step(grad_scale, read_along).result()
-
-    @torch.no_grad()
-    def launch_step(self, grad_scale: Optional[torch.Tensor] = None,
-                    read_along: Optional[torch.Tensor] = None) -> PendingStep:
-        """`step` without waiting for its outcome where the skip decision can stay on the device
-        (the folded step); the other paths settle on the host here. Same arguments as `step`.
-
-        Returns:
-            a `PendingStep`; its ``result()`` is `step`'s `StepResult`. Settle it before the next
-            step (the trainer does, after the next forward-backward is enqueued).
-        """
-        if self.folded_step:
-            return self._launch_folded(grad_scale, read_along)
-        return PendingStep.settled(self._step_on_host(grad_scale, read_along))
-
-    def _step_on_host(self, grad_scale: Optional[torch.Tensor], read_along: Optional[torch.Tensor]) -> StepResult:
-        """Steps 1-5 of the module docstring, deciding on the host (a loss scaler; a non-fused inner optimizer)."""
-        self._copy_model_grads_to_main_grads()
-        main_grads = self._main_grads()
-        found_inf = self._found_non_finite(main_grads, grad_scale)
-        # the scaler's path syncs on found_inf already; the values were enqueued before it, so no wait
-        along = None if read_along is None else tuple(read_along.reshape(-1).tolist())
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            return dataclasses.replace(self._skip(), read_along=along)
-        stats_groups = self._grad_stats_groups()
-        norm_grads = self._main_grads_for_norm()
-        total_norm = get_grad_norm_fp32(norm_grads, stats_groups, device=self.groups.device)
-        if self.clip_grad > 0:
-            clip_grads_by_total_norm(main_grads, self.clip_grad, total_norm)
-        num_zeros = self._count_zeros(stats_groups)
-        self.optimizer.step()
-        return dataclasses.replace(self._applied(float(total_norm.item()), num_zeros), read_along=along)
-
-    def _count_zeros(self, stats_groups: list) -> Optional[int]:
-        """Zero elements of the counted main grads over the grad-stats groups (``log_num_zeros``), else None."""
-        if not self.log_num_zeros:
-            return None
-        return int(count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=self.groups.device).item())
-
-    def _applied(self, grad_norm: float, num_zeros: Optional[int]) -> StepResult:
-        """After the inner step: write the main params back into the model params; the step's result."""
-        self._copy_main_params_to_model_params()
-        self.consecutive_skips = 0
-        return StepResult(update_successful=True, grad_norm=grad_norm, num_zeros=num_zeros, found_inf=False)
-
-    def _counted_mask(self, counted: tuple, device: torch.device) -> torch.Tensor:
-        """The 0/1 float mask of `counted` on `device`, built once: a fresh host-to-device copy each
-        step would be a pageable, synchronising copy in the middle of the step."""
-        key = (counted, str(device))
-        if key not in self._counted_masks:
-            self._counted_masks[key] = torch.tensor(counted, dtype=torch.float32, device=device)
-        return self._counted_masks[key]
-
-    def _launch_folded(self, grad_scale: Optional[torch.Tensor], read_along: Optional[torch.Tensor]) -> PendingStep:
-        """`launch_step` with the unscale and clip passes folded into the fused Adam kernel and the skip
-        decision on the device (module docstring); nothing here waits for the host."""
-        self._copy_model_grads_to_main_grads()
-        stats_groups = self._grad_stats_groups()
-        tp_rank = self.groups.tp_rank
-        pairs = [(e.main.grad, e.spec.counts_on(tp_rank)) for e in self.entries if e.main.grad is not None]
-        device = pairs[0][0].device if pairs else self.groups.device
-        total_norm, non_finite = get_grad_norm_and_non_finite_count_fp32(
-            [g for g, _ in pairs], self._counted_mask(tuple(c for _, c in pairs), device), stats_groups, device=device)
-        divisor = torch.ones((), dtype=torch.float32, device=total_norm.device)
-        if grad_scale is not None:
-            factor = grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
-            total_norm, divisor = total_norm * factor, divisor / factor
-        # of the raw grads: a finite non-zero factor keeps zeros zero
-        zeros = (count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=device).double()
-                 if self.log_num_zeros else torch.full((), math.nan, dtype=torch.float64, device=device))
-        parts = [total_norm.double().reshape(1), non_finite.double().reshape(1), zeros.reshape(1).to(device)]
-        if read_along is not None:  # float32 -> float64 is exact: the same Python floats
-            parts.append(read_along.reshape(-1).to(device=device, dtype=torch.float64))
-        stats, ready = _to_host_async(torch.cat(parts))
-        # the same decision on every rank (the stats were all-reduced); 1.0 makes the kernel return untouched
-        found_inf = ((non_finite > 0) | ~torch.isfinite(total_norm)).float().reshape(())
-        if self.clip_grad > 0:  # as clip_grads_by_total_norm: coef = clip / (norm + 1e-6), at most 1
-            divisor = divisor / (self.clip_grad / (total_norm + 1e-6)).clamp(max=1.0)
-        why_not = None if self.flat_step is None else self.flat_step.why_not_now()
-        if why_not is not None:  # the params and state stay valid views: torch's kernel steps them as they are
-            logger.warning("precision.flat_adam_step: %s; torch's kernel steps from now on", why_not)
-            self.flat_step = None
-        if self.flat_step is not None:
-            self.flat_step.step(divisor, found_inf)  # the same update, the model params written in the pass
-            return PendingStep(self, stats, ready, has_along=read_along is not None)
-        # torch's fused Adam divides each grad by grad_scale in the kernel and skips the update on found_inf
-        self.optimizer.grad_scale, self.optimizer.found_inf = divisor, found_inf
-        try:
-            self.optimizer.step()
-        finally:
-            del self.optimizer.grad_scale, self.optimizer.found_inf
-        self._copy_main_params_to_model_params()  # after a skipped update: the values they already hold
-        return PendingStep(self, stats, ready, has_along=read_along is not None)
-
-    def _settle(self, norm: float, non_finite: float, num_zeros: Optional[int], along: Optional[tuple]) -> StepResult:
-        """The host's side of a folded step once its statistics are read: skip counters, the skip limit."""
-        if non_finite > 0 or not math.isfinite(norm):  # the decision the kernel took from found_inf
-            return dataclasses.replace(self._skip(), read_along=along)
-        self.consecutive_skips = 0
-        return StepResult(update_successful=True, grad_norm=norm, num_zeros=num_zeros, found_inf=False,
-                          read_along=along)
+        return StepResult(update_successful=False, grad_norm=None, num_zeros=None, found_inf=True,
+                          skipped_iters_total=self.skipped_iters_total, nan_iters_total=self.nan_iters_total)
 
     # --- checkpointing ------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """{"optimizer": inner state, "main_params": [fp32 copies, entry order], "scaler", "counters"}."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "main_params": [e.main.detach().clone() for e in self.entries if e.has_copy],
-            **self._scaler_and_counters_state(),
-        }
-
-    def _scaler_and_counters_state(self) -> dict:
-        """{"scaler", "counters"}: the part of the state every wrapper (ZeRO-1 included) saves alike."""
-        return {
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "counters": {
-                "skipped_iters_total": self.skipped_iters_total,
-                "nan_iters_total": self.nan_iters_total,
-                "consecutive_skips": self.consecutive_skips,
-            },
-        }
-
-    def _load_scaler_and_counters(self, state_dict: dict) -> None:
-        if self.scaler is not None:
-            if state_dict.get("scaler") is None:
-                logger.warning("optimizer state has no loss scaler state; keeping the scaler's initial state")
-            else:
-                self.scaler.load_state_dict(state_dict["scaler"])
-        counters = state_dict.get("counters", {})
-        self.skipped_iters_total = int(counters.get("skipped_iters_total", 0))
-        self.nan_iters_total = int(counters.get("nan_iters_total", 0))
-        self.consecutive_skips = int(counters.get("consecutive_skips", 0))
+    def sharded_state_dict(self) -> WrapperState:
+        """This rank's checkpoint state (live tensors, not copies): one `ParamState` per entry, the
+        loss scaler's state, the skip counters. `mptrain.checkpoint.state` maps it to its keys."""
+        params = [ParamState(e.model_param, e.main if e.has_copy else None, dict(self.optimizer.state.get(e.main, {})),
+                             e.flat_range) for e in self.entries]
+        return WrapperState(params=params, scaler=None if self.scaler is None else self.scaler.state_dict(),
+                            counters={"skipped_iters_total": self.skipped_iters_total,
+                                      "nan_iters_total": self.nan_iters_total,
+                                      "consecutive_skips": self.consecutive_skips})
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what `state_dict` saved (model params are loaded separately and not touched).
+    def load_sharded_state_dict(self, state: WrapperState) -> None:
+        """Take back what `sharded_state_dict` listed, ``params`` in the same order, their ``main``
+        already filled in place; a field that is None is left as it is.
+
+        The inner state goes through ``torch.optim.Optimizer.load_state_dict`` so that torch applies its
+        own placement rules (``step`` on the param's device for fused / capturable Adam, moments cast to
+        the param's dtype and device); params are numbered as torch's ``state_dict()`` numbers them.
 
         Raises:
-            ValueError: the number or shapes of main params differ from this optimizer's.
+            ValueError: ``params`` does not list this rank's entries.
         """
-        copies = [e.main for e in self.entries if e.has_copy]
-        saved = state_dict["main_params"]
-        if len(saved) != len(copies):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: {len(saved)} saved main params, expected {len(copies)}")
-        for main, value in zip(copies, saved):
-            if tuple(value.shape) != tuple(main.shape):
-                raise ValueError(f"main param shape {tuple(value.shape)} in the state dict, expected {tuple(main.shape)}")
-            main.copy_(value)
-        self.optimizer.load_state_dict(state_dict["optimizer"])  # a flat step re-binds at its next step
-        self._load_scaler_and_counters(state_dict)
+        if state.params is not None:
+            if len(state.params) != len(self.entries) or any(
+                    p.param is not e.model_param for p, e in zip(state.params, self.entries)):
+                raise ValueError(f"{type(self).__name__}.load_sharded_state_dict: the params are not the ones "
+                                 "sharded_state_dict listed")
+            index = {id(p): n for n, p in enumerate(p for group in self.optimizer.param_groups for p in group["params"])}
+            saved = self.optimizer.state_dict()
+            saved["state"] = {index[id(e.main)]: dict(p.state) for p, e in zip(state.params, self.entries) if p.state}
+            self.optimizer.load_state_dict(saved)
+        if state.scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state.scaler)
+        if state.counters is not None:
+            self.skipped_iters_total = int(state.counters.get("skipped_iters_total", 0))
+            self.nan_iters_total = int(state.counters.get("nan_iters_total", 0))
+            self.consecutive_skips = int(state.counters.get("consecutive_skips", 0))
+
+
+@dataclasses.dataclass
+class _Grads:
+    """What `OptimizerWrapper.prepare_grads` hands to `decide`: found_inf (0/1 float tensor) and, for
+    the device decision, the norm of the raw grads × grad_scale and 1 / grad_scale."""
+
+    found_inf: torch.Tensor
+    total_norm: Optional[torch.Tensor] = None
+    divisor: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class _Decision:
+    """What `OptimizerWrapper.decide` hands to `apply`. ``skip``: True / False decided on the host,
+    None decided on the device (``found_inf`` and ``divisor`` go to the fused kernel)."""
+
+    skip: Optional[bool]
+    total_norm: torch.Tensor
+    found_inf: torch.Tensor
+    num_zeros: torch.Tensor
+    divisor: Optional[torch.Tensor] = None
 
 
 class MixedPrecisionOptimizer(OptimizerWrapper):
@@ -551,59 +554,9 @@ class FP32Optimizer(OptimizerWrapper):
 
 
 OPTIMIZER_WRAPPER = ComponentKind(
-    "optimizer wrapper", methods=("step", "zero_grad", "state_dict", "load_state_dict", "get_loss_scale",
-                                  "reload_model_params"),
+    "optimizer wrapper", methods=("step", "zero_grad", "get_loss_scale", "sharded_state_dict",
+                                  "load_sharded_state_dict"),
     interface=OptimizerWrapper)
-_BUILTIN_WRAPPERS = (FP32Optimizer, MixedPrecisionOptimizer)
-
-
-def wrapper_target(precision_cfg, use_distributed_optimizer: bool):
-    """The wrapper class that runs, the one rule: ``precision._target_``, except that with
-    ``parallel.use_distributed_optimizer=true`` a built-in wrapper (FP32Optimizer / MixedPrecisionOptimizer)
-    is replaced by `mptrain.distributed.DistributedOptimizer` (ZeRO-1 shards fp32 main params of any
-    params dtype); a user wrapper must then itself be a DistributedOptimizer subclass.
-
-    Raises:
-        ConfigError: the target does not import or lacks a method; a user wrapper that cannot shard
-            with use_distributed_optimizer=true.
-    """
-    from mptrain.distributed.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - it imports this module
-
-    target, _ = resolve("precision", {"_target_": precision_cfg._target_}, OPTIMIZER_WRAPPER)
-    if not use_distributed_optimizer:
-        return target
-    if target in _BUILTIN_WRAPPERS:
-        return DistributedOptimizer
-    if isinstance(target, type) and issubclass(target, DistributedOptimizer):
-        return target
-    raise ConfigError(f"precision._target_={precision_cfg._target_} is not a DistributedOptimizer, but "
-                      "parallel.use_distributed_optimizer=true shards the optimizer; subclass "
-                      "mptrain.distributed.DistributedOptimizer or set parallel.use_distributed_optimizer=false")
-
-
-def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, build_optimizer, model_chunks: list,
-                            groups, scaler, clip_grad: float, max_consecutive_skips: int):
-    """The optimizer wrapper over this rank's DDP ``model_chunks`` (the one place it is built).
-
-    The runtime offers ``build_optimizer`` (param groups -> inner optimizer), the flat ``params`` /
-    ``specs`` / ``grad_fn`` (the DDP main grad of each param), ``model_chunks``, ``groups``, ``scaler``,
-    ``clip_grad``, ``max_consecutive_skips``; a wrapper gets those its signature takes (FP32Optimizer
-    and MixedPrecisionOptimizer the flat lists, DistributedOptimizer the chunks).
-    """
-    params, specs, owner = [], [], {}
-    for chunk in model_chunks:
-        for name, param in chunk.module.named_parameters():
-            params.append(param)
-            specs.append(chunk.specs[name])
-            owner[param] = chunk
-    target = wrapper_target(precision_cfg, use_distributed_optimizer)
-    flat = bool(getattr(precision_cfg, "flat_adam_step", False))
-    if flat and "flat_adam_step" not in (accepted_keywords(target) or {"flat_adam_step"}):
-        logger.warning("precision.flat_adam_step=true is ignored: the optimizer wrapper %s does not take it",
-                       getattr(target, "__name__", target))
-    node = {"_target_": target, **extra_keys(precision_cfg)}
-    offered = dict(build_optimizer=build_optimizer, params=params, specs=specs, grad_fn=lambda p: owner[p].main_grad(p),
-                   model_chunks=list(model_chunks), groups=groups, scaler=scaler, clip_grad=clip_grad,
-                   max_consecutive_skips=max_consecutive_skips,
-                   flat_adam_step=flat)
-    return build("precision", node, OPTIMIZER_WRAPPER, mapped=offered, partial=False)
+"""The optimizer-wrapper kind: the methods above, plus the attributes ``param_groups`` (the LR
+schedule writes ``lr``) and ``optimizer`` (the inner torch optimizer), as `OptimizerWrapper` documents."""
+BUILTIN_WRAPPERS = (FP32Optimizer, MixedPrecisionOptimizer)

@@ -18,7 +18,7 @@ import torch
 from mptrain.layers.compile import compile_reason
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.params import flops_per_iteration
-from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, optimizer_state_bytes
+from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, tensor_bytes
 from mptrain.training.loggers import LoggerGroup, build_loggers, logged_metrics
 from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow, read_metrics
 from mptrain.training.rundir import config_container, resolve_run_dir
@@ -35,9 +35,9 @@ def checkpoint_exists(load_dir: Optional[str]) -> bool:
 
 
 def kernels_line(built) -> str:
-    """``kernels: optimizer=<class> (<kernel>) [flat_adam_step=on (N buffer(s))] norm=<class> (<kernel>)``: the
+    """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the
     inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
-    apex's class), the flat Adam step when it runs the update (`mptrain.precision.flat_adam`) and the
+    apex's class) and the
     norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`)."""
     from mptrain.layers.norms import describe_norm
     from mptrain.optim import optimizer_kernel
@@ -46,8 +46,7 @@ def kernels_line(built) -> str:
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
-    flat = f" flat_adam_step={wrapper.flat_step_note}" if getattr(wrapper, "flat_step", None) is not None else ""
-    return (f"kernels: optimizer={optimizer_kernel(inner)}{flat} norm={', '.join(norms) or 'none on this rank'}"
+    return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
             f"{compile_note(built.chunks)}")
 
 
@@ -215,12 +214,10 @@ class Recorder:
         for kind, nbytes in _collective_bytes_per_iteration(built).items():
             counters.bytes_sent[kind] = nbytes * counters.iterations
         counters.samples_read = built.provider.samples_read
-        optimizer = built.trainer.optimizer
-        entries = getattr(optimizer, "entries", [])
-        has_copy = any(e.main is not e.model_param for e in entries)
-        state_bytes = optimizer_state_bytes(optimizer.optimizer) + sum(
-            e.main.numel() * e.main.element_size() for e in entries if e.main is not e.model_param
-        )
+        pieces = built.trainer.optimizer.sharded_state_dict().params  # the wrapper's own listing of its state
+        copies = [p.main for p in pieces if p.main is not None]
+        has_copy = bool(copies)
+        state_bytes = tensor_bytes([p.state for p in pieces]) + tensor_bytes(copies)
         return RankFacts.build(
             g,
             layers=[n for c in built.chunks for n in unwrap(c).layer_numbers],
@@ -266,7 +263,7 @@ def _collective_bytes_per_iteration(built) -> dict:
     g, cfg = built.groups, built.cfg
     out = {"tp": 0, "dp": 0, "embedding": 0}
     for chunk in built.chunks:
-        for buf in chunk.buffers:
+        for buf in chunk.grad_buffers:
             out["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:

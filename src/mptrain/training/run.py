@@ -28,7 +28,7 @@ from mptrain.data.provider import build_provider, empty_split_reason, provider_t
 from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
-from mptrain.errors import ConfigError, launch_rank_and_world, report_and_exit
+from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
 from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
@@ -37,7 +37,8 @@ from mptrain.optim.builders import build_optimizer_factory
 from mptrain.optim.lr_scheduler import build_lr_scheduler
 from mptrain.precision import params_dtype as precision_params_dtype
 from mptrain.precision.module import Float16Module
-from mptrain.precision.optimizer import TooManySkippedStepsError, build_optimizer_wrapper
+from mptrain.distributed.distrib_optimizer import build_optimizer_wrapper
+from mptrain.precision.optimizer import TooManySkippedStepsError
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleSpec, ScheduleStats, build_schedule
 from mptrain.training.batch import CheckedProvider
@@ -441,7 +442,7 @@ def run(cfg: Any) -> dict:
             note_stop(stop.signum, iteration=iteration, save=cfg.checkpoint.save, saved=bool(cfg.checkpoint.save))
         clean_exit = True
         return result
-    except (ConfigError, TooManySkippedStepsError) as err:
+    except (ConfigError, StorageError, TooManySkippedStepsError) as err:
         # raised alike on every rank (validation, data, checkpoint shape, a failed save, skips): no peer
         # waits; a StorageError of rank 0's metrics writes is this rank's alone (all_ranks False)
         clean_exit = getattr(err, "all_ranks", True)
@@ -517,7 +518,7 @@ def hydra_main(cfg) -> Any:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return result
-    except (ConfigError, TooManySkippedStepsError) as err:  # raised alike on every rank: one line, exit 1
+    except (ConfigError, StorageError, TooManySkippedStepsError) as err:  # one line, exit 1
         exit_on_config_error(err)
     except KeyboardInterrupt:  # Ctrl-C before the loop's stop handler took over SIGINT: one line, exit 130
         exit_interrupted(None)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from mptrain.distributed.finalize import token_scale
 from mptrain.groups import ParallelGroups
 from mptrain.layers.spec import check_choice
-from mptrain.precision.optimizer import PendingStep
+from mptrain.precision.optimizer import StepStats
 from mptrain.training.batch import get_batch
 
 
@@ -160,14 +159,28 @@ def reduce_loss(reports: list, groups: ParallelGroups, device: torch.device) -> 
     return loss_sum, tokens
 
 
-def launches_steps(optimizer: Any) -> bool:
-    """Whether the wrapper's `launch_step` is the step it runs: it has one, and its class did not
-    override ``step`` below the class that defines it (a user wrapper overriding ``step`` alone keeps
-    its own step, settled at once)."""
-    mro = type(optimizer).__mro__
-    launch_owner = next((c for c in mro if "launch_step" in vars(c)), None)
-    step_owner = next((c for c in mro if "step" in vars(c)), None)
-    return launch_owner is not None and step_owner is not None and issubclass(launch_owner, step_owner)
+class StepRead:
+    """The trainer's buffer for one iteration's host read: ``[Σ loss_sum, Σ num_tokens, *StepStats.values]``
+    (float64), copied to the host in one device-to-host copy (on CUDA into pinned memory, behind the
+    work enqueued so far, without waiting for it); `values` waits for that copy only.
+    """
+
+    def __init__(self, totals: torch.Tensor, stats: StepStats) -> None:
+        buffer = torch.cat([totals.reshape(-1).to(torch.float64), stats.values.to(totals.device, torch.float64)])
+        self._ready = None
+        if buffer.device.type == "cuda":
+            host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+            host.copy_(buffer, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+            buffer = host
+        self._host = buffer
+
+    def values(self) -> list:
+        """The buffer's floats (a host sync the first time unless the copy has landed)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 @dataclasses.dataclass
@@ -205,18 +218,9 @@ class _Launched:
     """What settling a launched iteration needs (`Trainer.settle`)."""
 
     outcome: IterationOutcome
-    step: PendingStep
+    stats: StepStats
     lr: float
-    totals: torch.Tensor  # [Σ loss_sum, Σ num_tokens] (`loss_totals`)
-
-
-def _takes_keyword(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` accepts the keyword ``name`` (a user optimizer wrapper's ``step`` may not)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    read: StepRead  # loss totals and the step's statistics, on their way to the host
 
 
 @dataclasses.dataclass
@@ -239,8 +243,6 @@ class Trainer:
     defer_step_read: bool = False
 
     def __post_init__(self) -> None:
-        self._step_reads_along = _takes_keyword(self.optimizer.step, "read_along")
-        self._launches = launches_steps(self.optimizer)
         self._launched: Optional[_Launched] = None
 
     @property
@@ -273,8 +275,7 @@ class Trainer:
         moved) after this one's forward-backward is enqueued and before its optimizer step.
 
         Returns:
-            this iteration's `IterationOutcome`: settled already unless ``defer_step_read`` and the
-            optimizer's step can be launched (`launches_steps`: the folded step).
+            this iteration's `IterationOutcome`: settled already unless ``defer_step_read``.
         """
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
@@ -290,18 +291,15 @@ class Trainer:
             self.poison_grads()
         self.settle()  # the previous iteration: by now its statistics are on the host, or nearly
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
-        # the logged loss, reduced before the optimizer step so that the step's one host read (grad
-        # norm, non-finite count) carries it too: one host sync per iteration, not two
+        # the logged loss, read with the step's statistics (grad norm, skip) in one host read per iteration
         totals = loss_totals(reports, self.groups, self.device)
-        along = {"read_along": totals} if self._step_reads_along else {}
         # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
         grad_scale = None if total is None else token_scale(total, self.max_tokens)
         with self.timers("optimizer"):
-            step = (self.optimizer.launch_step(grad_scale=grad_scale, **along) if self._launches
-                    else PendingStep.settled(self.optimizer.step(grad_scale=grad_scale, **along)))
+            stats = self.optimizer.step(grad_scale=grad_scale)
         outcome = IterationOutcome(self)
-        self._launched = _Launched(outcome, step, lr, totals)
-        if not self.defer_step_read or step.is_settled:  # decided on the host already: its row needs no wait
+        self._launched = _Launched(outcome, stats, lr, StepRead(totals, stats))
+        if not self.defer_step_read:
             self.settle()
         return outcome
 
@@ -315,20 +313,18 @@ class Trainer:
         launched, self._launched = self._launched, None
         if launched is None:
             return
-        result = launched.step.result()
+        loss_sum, tokens, *step_values = launched.read.values()  # host sync: the iteration's one read
+        result = launched.stats.settle(step_values)
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()
-        read = getattr(result, "read_along", None)
-        loss_sum, tokens = read if read is not None else launched.totals.tolist()
-        optimizer = self.optimizer  # its counters and scale as of this iteration (the row may be written later)
         launched.outcome._metrics = {
             "lm_loss": loss_sum / max(tokens, 1.0),
             "lr": launched.lr,
             "grad_norm": result.grad_norm if result.update_successful else None,
             "skipped_iter": not result.update_successful,
-            "loss_scale": optimizer.get_loss_scale(),
-            "skipped_iters_total": optimizer.skipped_iters_total,
-            "nan_iters_total": optimizer.nan_iters_total,
+            "loss_scale": self.optimizer.get_loss_scale(),  # as of this iteration: settled before the next step
+            "skipped_iters_total": result.skipped_iters_total,
+            "nan_iters_total": result.nan_iters_total,
         }
 
     def _no_sync_func(self):
