@@ -11,7 +11,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from mptrain.config.schema import register
-from mptrain.config.validate import DerivedLayout, as_config, check_vocab_size, validate_config
+from mptrain.config.schema import as_config
+from mptrain.training.validate import DerivedLayout, check_vocab_size, validate_config
 from mptrain.errors import ConfigError
 from procs import run_python
 

@@ -29,7 +29,7 @@ def _cfg(overrides):
 def _measure_rank(rank, world, cfg, vocab_size):
     import torch
 
-    from mptrain.config.validate import validate_config
+    from mptrain.training.validate import validate_config
     from mptrain.groups import build_groups
     from mptrain.planner.layouts import layout_config
     from mptrain.planner.measure import layers_of, measured_rank_bytes
@@ -74,7 +74,7 @@ CASES = [  # (model overrides, world, layout overrides)
 
 @pytest.mark.parametrize("model, world, layout", CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
 def test_model_states_equal_what_the_trainer_allocates(model, world, layout):
-    from mptrain.config.validate import check_vocab_size
+    from mptrain.training.validate import check_vocab_size
     from mptrain.data.tokenizers import build_tokenizer
 
     cfg = _cfg([*model, *layout, f"world_size={world}", "train.global_batch_size=8", "train.micro_batch_size=2"])

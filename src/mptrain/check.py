@@ -86,7 +86,8 @@ def run_check(cfg, world_size: int, *, timeout_s: float = 600.0) -> list:
         ConfigError: the config is invalid (before any process is spawned).
         RuntimeError: a rank failed (its traceback) or timed out.
     """
-    from mptrain.config.validate import as_config, check_vocab_size, validate_config
+    from mptrain.config.schema import as_config
+    from mptrain.training.validate import check_vocab_size, validate_config
     from mptrain.data.tokenizers import build_tokenizer
 
     cfg = as_config(cfg)

@@ -27,7 +27,7 @@ from typing import Any
 import hydra
 from omegaconf import OmegaConf
 
-from mptrain.config.validate import check_vocab_size
+from mptrain.training.validate import check_vocab_size
 from mptrain.errors import ConfigError
 from mptrain.planner.config import FORMATS, register_plan
 from mptrain.planner.layouts import Hardware, plan

@@ -28,8 +28,9 @@ from mptrain.checkpoint.state import (
     optimizer_save_items,
     param_records,
 )
+from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError, StorageError
-from mptrain.training.step import unwrap
+from mptrain.precision.module import unwrap
 
 FORMAT = "mptrain-dcp-1"
 FULL_DISK_BYTES = 1 << 20  # a failed save with less free space than this on checkpoint.save is reported as a full disk
@@ -47,8 +48,6 @@ def _log(recorder, msg: str) -> None:
 def config_dict(cfg: Any) -> dict:
     """The resolved config as plain data (a `Config` dataclass or a DictConfig)."""
     if dataclasses.is_dataclass(cfg):
-        from mptrain.config.validate import config_to_container
-
         return config_to_container(cfg)  # dataclasses.asdict would drop the keys added with `+`
     from omegaconf import OmegaConf
 

@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
+from mptrain.errors import check_choice
 from mptrain.layers.random import ParamInit, checkpoint
-from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
 KEY = "model.transformer_layer.submodules.self_attention"
 ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
+from mptrain.errors import check_choice
 from mptrain.layers.random import ParamInit
-from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
 KEY = "model.transformer_layer.submodules.mlp"
 

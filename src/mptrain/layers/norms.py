@@ -19,9 +19,8 @@ from typing import Optional, Protocol
 import torch
 
 from mptrain.components import ComponentKind
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.sharding import ShardSpec
-from mptrain.layers.spec import check_choice
 
 
 class NormModule(Protocol):

@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.attention import SELF_ATTENTION
 from mptrain.layers.mlp import MLP_KIND
 from mptrain.layers.norms import NORM
 from mptrain.layers.random import ParamInit, checkpoint
-from mptrain.layers.spec import LAYER_KEY, build_module, check_choice, submodule
+from mptrain.layers.spec import LAYER_KEY, build_module, submodule
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 """``model.recompute_granularity`` (null | full | selective)."""

@@ -16,11 +16,11 @@ from typing import Any, Optional
 import torch
 
 from mptrain.layers.embedding import padded_vocab_size
+from mptrain.precision.module import unwrap
 from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, optimizer_state_bytes
 from mptrain.training.loggers import LoggerGroup, build_loggers, logged_metrics
 from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow, read_metrics
 from mptrain.training.rundir import config_container, resolve_run_dir
-from mptrain.training.step import unwrap
 from mptrain.training.sweep import JobResult, current_sweep_job, eval_summary
 from mptrain.training.throughput import flops_per_iteration, memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 
