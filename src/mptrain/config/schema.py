@@ -1,4 +1,4 @@
-"""The top-level config and its ConfigStore registration."""
+"""The top-level config, its ConfigStore registration, and a composed config turned into it (`as_config`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def register() -> None:
     Also registers the `mptrain_sweep_root` resolver used by conf/config.yaml's `hydra.sweep.dir`
     (`run.dir`, or `outputs/multirun` when null; see `mptrain.training.sweep`).
     """
-    from hydra.core.config_store import ConfigStore  # only the entry points register: `as_config` users skip Hydra's import
+    from hydra.core.config_store import ConfigStore  # Hydra's import only where the entry points register
 
     OmegaConf.register_new_resolver("mptrain_sweep_root", sweep_root, replace=True)
 
