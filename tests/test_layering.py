@@ -25,8 +25,8 @@ SRC = ROOT / "src" / "mptrain"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
 ORDER_LINE = re.compile(r"^- \*\*L(\d+)\*\* `([A-Za-z_]\w*)(?:\.py|/)?`")
 
-# Module cycles still being taken apart, with the upward edges inside them. Each entry names every
-# module of the cycle; a cycle found within one entry's modules is not reported.
+# Known module cycles, each entry naming all of its modules: a cycle found within one entry's
+# modules is not reported, nor an upward import between two of them.
 KNOWN_CYCLES = (
     # the precision wrappers and the distributed optimizer: precision.optimizer imports
     # distributed.distrib_optimizer inside a function, which subclasses precision.optimizer's
