@@ -36,7 +36,7 @@ def _compose(overrides: list):
 
 
 def _prediction(cfg, rank_coords: dict, vocab_size: int) -> dict:
-    from mptrain.config.validate import validate_config
+    from mptrain.training.validate import validate_config
     from mptrain.planner.layouts import layout_config
     from mptrain.planner.memory import PlanLayout, stage_memory
     from mptrain.planner.params import rank_params
@@ -53,7 +53,7 @@ def _prediction(cfg, rank_coords: dict, vocab_size: int) -> dict:
 
 
 def main(argv: list) -> None:
-    from mptrain.config.validate import as_config
+    from mptrain.config.schema import as_config
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
     from mptrain.groups import rank_coordinates
     from mptrain.training.run import run

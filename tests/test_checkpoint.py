@@ -34,7 +34,7 @@ def _build(rank, world, overrides, tp, pp, vpp=None):
     """(built, groups) with the real model chunks and optimizer wrapper of run.py."""
     from train_utils import compose
 
-    from mptrain.config.validate import as_config
+    from mptrain.config.schema import as_config
     from mptrain.groups import build_groups
     from mptrain.training.run import build_model_and_optimizer
 

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from mptrain import errors
 from mptrain.config.cli import FIX, compose_error, exit_on_compose_error
 from mptrain.config.schema import register
-from mptrain.config.validate import as_config
+from mptrain.config.schema import as_config
 from mptrain.errors import ConfigError
 from procs import run_python
 

@@ -16,12 +16,12 @@ from mptrain.config.model import ModelConfig
 from mptrain.config.optim import OptimConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.distributed.ddp import DistributedDataParallel
-from mptrain.training.step import unwrap
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.groups import build_groups
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.optim import build_optimizer_factory
 from mptrain.precision import Float16Module, FP32Optimizer, MixedPrecisionOptimizer, get_grad_norm_fp32
+from mptrain.precision.module import unwrap
 from schedule_utils import make_spec, schedule_fn
 
 VOCAB, SEQ, MBS, HIDDEN, LAYERS, M = 101, 16, 2, 32, 4, 4

@@ -11,8 +11,9 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from mptrain.config.schema import register
-from mptrain.config.validate import DerivedLayout, as_config, validate_config
+from mptrain.config.schema import as_config
 from mptrain.data.tokenizers import check_vocab_size
+from mptrain.training.validate import DerivedLayout, validate_config
 from mptrain.errors import ConfigError
 from procs import run_python
 

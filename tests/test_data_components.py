@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from mptrain.config.validate import validate_config
+from mptrain.training.validate import validate_config
 from mptrain.data import build_provider, build_tokenizer
 from mptrain.data.gpt_dataset import split_document_ranges
 from mptrain.data.preprocess import preprocess

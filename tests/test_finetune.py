@@ -26,7 +26,7 @@ def _reference_loss(rank: int, world: int, overrides: list, export_dir: str) -> 
     """Pool task: the exported weights' mean loss on the first global batch of ``overrides``' data."""
     import torch
 
-    from mptrain.config.validate import as_config
+    from mptrain.config.schema import as_config
     from mptrain.data.provider import build_provider
     from mptrain.data.tokenizers import build_tokenizer
     from mptrain.export import load_consolidated
@@ -123,7 +123,7 @@ def test_optimizer_change_from_state_keys_and_classes():
 
 
 def test_load_rng_false_rederives_and_finetune_needs_load(pretrained, tmp_path):
-    from mptrain.config.validate import validate_config
+    from mptrain.training.validate import validate_config
     from mptrain.errors import ConfigError
 
     run_distributed(run_job, 1, SMALL + ["train.train_iters=4", f"checkpoint.load={pretrained / 'ckpt'}",

@@ -20,7 +20,7 @@ import yaml
 
 from harness import run_distributed
 from mptrain.components import build
-from mptrain.config.validate import validate_config
+from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
 from mptrain.training.loggers import (
     LOGGER_KIND,
@@ -30,7 +30,7 @@ from mptrain.training.loggers import (
     check_logger_config,
     logged_metrics,
 )
-from mptrain.config.validate import as_config
+from mptrain.config.schema import as_config
 from train_utils import compose, run_job
 
 SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.global_batch_size=4",

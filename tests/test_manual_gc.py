@@ -64,7 +64,8 @@ def test_collection_left_off_stays_off():
 
 
 def test_negative_interval_is_one_line():
-    from mptrain.config.validate import as_config, check_training_keys
+    from mptrain.config.schema import as_config
+    from mptrain.training.validate import check_training_keys
 
     cfg = as_config(compose(["train.manual_gc=true", "train.manual_gc_interval=-1"]))
     with pytest.raises(ConfigError, match=r"^train\.manual_gc_interval=-1 must be >= 0"):

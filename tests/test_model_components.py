@@ -6,7 +6,8 @@ import torch
 from omegaconf import OmegaConf
 
 from harness import run_distributed
-from mptrain.config.validate import as_config, validate_config
+from mptrain.config.schema import as_config
+from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.gpt import GPTModel
 from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear

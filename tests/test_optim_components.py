@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from mptrain.config.validate import validate_config
+from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
 from mptrain.precision.optimizer import MixedPrecisionOptimizer, ParamState, StepResult, StepStats, WrapperState
 from mptrain.precision.scaler import ConstantLossScaler
@@ -151,7 +151,7 @@ def test_cfg_job_shows_targets_and_the_schema_defaults_are_the_default_options()
 
 
 def test_rmsprop_from_overrides_is_built_with_mapped_and_own_keywords():
-    from mptrain.config.validate import as_config
+    from mptrain.config.schema import as_config
     from mptrain.optim import build_optimizer_factory
 
     cfg = as_config(compose(RMSPROP + ["optim.lr=0.01", "optim.weight_decay=0.1"]))
@@ -199,7 +199,7 @@ def test_bad_plugins_are_one_config_error_line_naming_the_key(overrides, match):
 
 
 def test_distributed_optimizer_replaces_the_builtin_wrappers_only():
-    from mptrain.config.validate import as_config
+    from mptrain.config.schema import as_config
     from mptrain.distributed import DistributedOptimizer
     from mptrain.distributed.distrib_optimizer import wrapper_target
     from mptrain.precision.optimizer import FP32Optimizer

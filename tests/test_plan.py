@@ -29,7 +29,7 @@ def _cfg(overrides):
 def _measure_rank(rank, world, cfg, vocab_size):
     import torch
 
-    from mptrain.config.validate import validate_config
+    from mptrain.training.validate import validate_config
     from mptrain.groups import build_groups
     from mptrain.planner.layouts import layout_config
     from mptrain.planner.measure import layers_of, measured_rank_bytes

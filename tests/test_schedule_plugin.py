@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from harness import run_distributed
-from mptrain.config.validate import validate_config
+from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
 from mptrain.export import load_full_state
 from procs import run_python

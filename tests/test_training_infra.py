@@ -11,6 +11,7 @@ import torch
 from harness import run_distributed
 from procs import run_python
 from mptrain.config.model import ModelConfig
+from mptrain.config.schema import sweep_root
 from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
 from mptrain.layers.params import flops_per_iteration, matmul_weights
@@ -29,7 +30,6 @@ from mptrain.training.sweep import (
     job_subdir,
     read_summary,
     record_job,
-    sweep_root,
     swept_keys,
 )
 from mptrain.training.throughput import (
@@ -232,7 +232,7 @@ APP = textwrap.dedent('''
 
     @hydra.main(version_base="1.3", config_path={conf!r}, config_name="config")
     def main(cfg):
-        from mptrain.config.validate import validate_config
+        from mptrain.training.validate import validate_config
         from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout
         from mptrain.training.metrics import MetricsWriter, TrainRow
         from mptrain.training.rundir import resolve_run_dir

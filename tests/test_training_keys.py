@@ -1,8 +1,8 @@
-"""Value ranges of train.* / checkpoint.* keys (config/validate.py::check_training_keys): one ConfigError line."""
+"""Value ranges of train.* / checkpoint.* keys (training/validate.py::check_training_keys): one ConfigError line."""
 
 import pytest
 
-from mptrain.config.validate import validate_config
+from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
 from train_utils import compose
 

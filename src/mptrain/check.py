@@ -86,8 +86,9 @@ def run_check(cfg, world_size: int, *, timeout_s: float = 600.0) -> list:
         ConfigError: the config is invalid (before any process is spawned).
         RuntimeError: a rank failed (its traceback) or timed out.
     """
-    from mptrain.config.validate import as_config, validate_config
+    from mptrain.config.schema import as_config
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
+    from mptrain.training.validate import validate_config
 
     cfg = as_config(cfg)
     derived = validate_config(cfg, world_size)

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 CONFIG_ERROR_GRACE_S = 5.0
 """Seconds a rank that may be silent waits before exiting after a config error (`report_and_exit`)."""
@@ -70,3 +70,14 @@ def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool,
         signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
         time.sleep(grace_s)
     sys.exit(1)
+
+
+def check_choice(key: str, value: Any, choices: tuple) -> None:
+    """A closed Megatron choice (``model.normalization``): one line naming the key, the value and the options.
+
+    Raises:
+        ConfigError: `value` not in `choices`.
+    """
+    if value not in choices:
+        valid = ", ".join("null" if c is None else str(c) for c in choices)
+        raise ConfigError(f"{key}: unknown option {value!r}; valid: {valid}; set {key} to one of them")

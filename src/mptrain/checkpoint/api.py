@@ -28,9 +28,10 @@ from mptrain.checkpoint.state import (
     param_records,
     resolve_optimizer_state,
 )
+from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError, StorageError
+from mptrain.precision.module import unwrap
 from mptrain.precision.optimizer import WrapperState
-from mptrain.training.step import unwrap
 
 FORMAT = "mptrain-dcp-1"
 FULL_DISK_BYTES = 1 << 20  # a failed save with less free space than this on checkpoint.save is reported as a full disk
@@ -48,8 +49,6 @@ def _log(recorder, msg: str) -> None:
 def config_dict(cfg: Any) -> dict:
     """The resolved config as plain data (a `Config` dataclass or a DictConfig)."""
     if dataclasses.is_dataclass(cfg):
-        from mptrain.config.validate import config_to_container
-
         return config_to_container(cfg)  # dataclasses.asdict would drop the keys added with `+`
     from omegaconf import OmegaConf
 

@@ -28,7 +28,7 @@ import torch
 
 from mptrain.checkpoint.reshard import flat_piece_chunks, tensor_chunks
 from mptrain.layers.sharding import collect_shard_specs
-from mptrain.training.step import unwrap
+from mptrain.precision.module import unwrap
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 

@@ -1,9 +1,12 @@
-"""The top-level config and its ConfigStore registration."""
+"""The top-level config, its ConfigStore registration, and a composed config turned into it (`as_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from mptrain.config.data import DataConfig
 from mptrain.config.model import ModelConfig
@@ -12,6 +15,9 @@ from mptrain.config.parallel import ParallelConfig
 from mptrain.config.precision import LossScalerConfig, PrecisionConfig
 from mptrain.config.schedule import ScheduleConfig
 from mptrain.config.train import CheckpointConfig, DebugConfig, LoggerConfig, RunConfig, TrainConfig
+from mptrain.errors import ConfigError
+
+DEFAULT_SWEEP_ROOT = "outputs/multirun"
 
 
 @dataclasses.dataclass
@@ -48,10 +54,7 @@ def register() -> None:
     Also registers the `mptrain_sweep_root` resolver used by conf/config.yaml's `hydra.sweep.dir`
     (`run.dir`, or `outputs/multirun` when null; see `mptrain.training.sweep`).
     """
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    from mptrain.training.sweep import sweep_root
+    from hydra.core.config_store import ConfigStore  # Hydra's import only where the entry points register
 
     OmegaConf.register_new_resolver("mptrain_sweep_root", sweep_root, replace=True)
 
@@ -59,3 +62,79 @@ def register() -> None:
     cs.store(name="base_config", node=Config)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+def sweep_root(run_dir: Optional[str]) -> str:
+    """The sweep root for a `run.dir` value (null → `outputs/multirun`). Also the `mptrain_sweep_root` resolver."""
+    return DEFAULT_SWEEP_ROOT if run_dir in (None, "", "None", "null") else str(run_dir)
+
+
+def as_config(cfg: Any) -> Config:
+    """A `Config` object from a Hydra `DictConfig` (typed or plain, e.g. a saved config.yaml) or a `Config`.
+
+    Merging onto the structured schema makes unknown keys and wrong types fail here too. A key
+    that Hydra's ``+key=value`` forced into a typed group survives that merge, so unknown keys are
+    also looked for in the result (`_reject_unknown_keys`).
+
+    Raises:
+        omegaconf.errors.ValidationError / ConfigKeyError: unknown key or wrong type.
+        ConfigError: a key added with ``+`` that the schema does not have (e.g. a misspelt key); an
+            interpolation that does not resolve (a missing key, an unset ``oc.env`` variable).
+    """
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    if not isinstance(cfg, DictConfig):
+        raise TypeError(f"as_config: expected a DictConfig, dict or Config, got {type(cfg).__name__}")
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    try:
+        obj = OmegaConf.to_object(merged)
+    except InterpolationResolutionError as err:  # ${...} naming a missing key or an unset variable
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        error = ConfigError(f"{err.full_key}: {reason}; fix the ${{...}} interpolation (or write a literal $ as \\$)")
+        error.symmetric = False  # ${oc.env:X} may resolve on one node and not on another: each failing rank prints
+        raise error from None
+    _reject_unknown_keys(obj, "")
+    return obj
+
+
+def config_to_container(cfg: Any) -> dict:
+    """The config as plain dicts / lists: every schema field and, on component nodes, the keys a user
+    added with ``+`` (their target's own keywords, e.g. ``optim.alpha``), which
+    ``OmegaConf.structured(cfg)`` would drop. What config.yaml, a checkpoint's meta and the loggers record.
+
+    Args:
+        cfg: a `Config` (or anything `as_config` takes).
+    """
+    return _to_container(as_config(cfg))
+
+
+def _to_container(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: _to_container(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out.update({k: _to_container(v) for k, v in vars(obj).items() if k not in out})  # keys added with `+`
+        return out
+    if isinstance(obj, dict):
+        return {k: _to_container(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_container(v) for v in obj]
+    return obj
+
+
+def _reject_unknown_keys(obj: Any, prefix: str) -> None:
+    """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields.
+
+    A component node (a schema with a ``_target_`` field, `mptrain.components`) keeps such keys:
+    they are its target's own keywords (``+optim.alpha=0.95`` for torch.optim.RMSprop), checked
+    against the target's signature at start-up instead (`mptrain.components.resolve`)."""
+    fields = {f.name for f in dataclasses.fields(obj)}
+    for key in vars(obj):
+        if key not in fields and "_target_" not in fields:
+            where = prefix.rstrip(".") or "the top level"
+            raise ConfigError(f"{prefix}{key}: unknown config key (misspelt? `+` adds keys the schema does not have); "
+                              f"valid keys of {where}: {', '.join(sorted(fields))}")
+    for name in fields:
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _reject_unknown_keys(value, f"{prefix}{name}.")

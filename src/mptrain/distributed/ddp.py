@@ -19,10 +19,11 @@ document §4.1 "main_grad"), without the attributes Megatron bolts onto paramete
   bucket's async collective starts as soon as every param of the bucket has its grad in the synced
   micro-batch. Buckets are launched strictly in index order on every rank (a ready bucket waits
   for its predecessors) so that collectives match across DP ranks even when a param gets no grad;
-* with ``gradient_accumulation_fusion`` the column/row-parallel linear layers get their weight's
-  ``main_grad`` view and accumulate into it from the weight-grad GEMM (no ``param.grad``, no
-  add pass; `mptrain.layers.grad_accumulation`); the hook then fires with ``param.grad`` None and
-  only marks the weight ready.
+* with ``gradient_accumulation_fusion`` the layers that implement
+  `mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation` (the column/row-parallel linears,
+  the output layer) get their weight's ``main_grad`` view and accumulate into it from the weight-grad
+  GEMM (no ``param.grad``, no add pass; `mptrain.layers.grad_accumulation`); the hook then fires
+  with ``param.grad`` None and only marks the weight ready.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ import torch.distributed as dist
 
 from mptrain.distributed.accumulate import StagedAdd
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer
-from mptrain.layers.gpt import GPTModel
-from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+from mptrain.layers.grad_accumulation_fusion import FusesGradAccumulation
 from mptrain.layers.sharding import collect_shard_specs
 
 # torch >= 2.10 renamed the tensor collectives (the old names warn); accept both.
@@ -74,12 +74,12 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size: elements per bucket; None = max(40M, 1M × dp) (Megatron's default).
         use_distributed_optimizer: reduce-scatter instead of all-reduce; buckets padded to a
             multiple of dp so each DP rank owns a contiguous 1/dp of every bucket.
-        gradient_accumulation_fusion: hand each `ColumnParallelLinear` / `RowParallelLinear`
-            weight, and the output layer's weight (`GPTModel.output_weight`, the tied embedding's
-            included), its ``main_grad`` view (``weight_main_grad``) so that backward accumulates
-            into it directly (Megatron's ``gradient_accumulation_fusion``). A tied weight's other
-            use (the embedding lookup) still arrives as ``param.grad`` through the hook, which
-            autograd calls once, after both.
+        gradient_accumulation_fusion: call ``fuse_grad_accumulation(main_grad)`` on every submodule
+            that implements `mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation` (the
+            column/row-parallel linears, `GPTModel` for its output layer, a user's layer), so that
+            its backward accumulates into the weights' ``main_grad`` views directly (Megatron's
+            ``gradient_accumulation_fusion``). A tied weight's other use (the embedding lookup)
+            still arrives as ``param.grad`` through the hook, which autograd calls once, after both.
     Raises:
         ValueError: bucket_size < 1.
     """
@@ -134,14 +134,8 @@ class DistributedDataParallel(torch.nn.Module):
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._make_hook(state, param)))
         if gradient_accumulation_fusion:
             for layer in module.modules():
-                if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                    target, weight = layer, layer.weight
-                elif isinstance(layer, GPTModel) and layer.post_process:
-                    target, weight = layer.output_layer, layer.output_weight()
-                else:
-                    continue
-                if weight.requires_grad:
-                    target.weight_main_grad = self._buffer_of(weight).main_grad(weight)
+                if isinstance(layer, FusesGradAccumulation):
+                    layer.fuse_grad_accumulation(self._fused_main_grad)
 
     # --- buffers ---------------------------------------------------------------------------
     @property
@@ -154,6 +148,10 @@ class DistributedDataParallel(torch.nn.Module):
             if param in buf:
                 return buf
         raise KeyError("parameter is not managed by this DistributedDataParallel (requires_grad=False?)")
+
+    def _fused_main_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """`FusesGradAccumulation`'s ``main_grad``: None for a param without grad (no slot here)."""
+        return self.main_grad(param) if param.requires_grad else None
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """The accumulated grad of ``param``: a view of the contiguous buffer, shaped like ``param``.

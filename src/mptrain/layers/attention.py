@@ -41,11 +41,12 @@ import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
 from mptrain.config.model import SelfAttentionSubmodules
+from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.random import checkpoint
-from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
 KEY = "model.transformer_layer.submodules.self_attention"
 ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")

@@ -25,18 +25,18 @@ import torch.distributed as dist
 
 from mptrain.components import ComponentKind, build
 from mptrain.config.model import ModelConfig
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.attention import check_attention_backend
 from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
 from mptrain.layers.context import LayerContext, layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
+from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.linear import column_parallel_linear
 from mptrain.layers.mlp import check_activation
 from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
-from mptrain.layers.spec import check_choice
 from mptrain.layers.transformer import TransformerBlock, check_recompute, check_spec_tree
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -345,6 +345,12 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return None
         return self.embedding.word_embeddings.weight if (self.tied and self.pre_process) else self.output_layer.weight
+
+    def fuse_grad_accumulation(self, main_grad: MainGradOf) -> None:
+        """`mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation`: the output layer (last stage)
+        accumulates into the ``main_grad`` of the weight it multiplies by (`output_weight`)."""
+        if self.post_process:
+            self.output_layer.weight_main_grad = main_grad(self.output_weight())
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers import grad_accumulation
 from mptrain.layers.context import LayerContext
+from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -188,6 +189,11 @@ class ColumnParallelLinear(torch.nn.Module):
             specs["bias"] = self._bias_spec
         return specs
 
+    def fuse_grad_accumulation(self, main_grad: MainGradOf) -> None:
+        """`mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation`: backward accumulates the
+        weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
+        self.weight_main_grad = main_grad(self.weight)
+
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
@@ -243,6 +249,11 @@ class RowParallelLinear(torch.nn.Module):
         if self.bias is not None:
             specs["bias"] = self._bias_spec
         return specs
+
+    def fuse_grad_accumulation(self, main_grad: MainGradOf) -> None:
+        """`mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation`: backward accumulates the
+        weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
+        self.weight_main_grad = main_grad(self.weight)
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
 from mptrain.config.model import MLPSubmodules
+from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
-from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, check_choice, submodule
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
 KEY = "model.transformer_layer.submodules.mlp"
 

@@ -19,10 +19,9 @@ from typing import Protocol
 import torch
 
 from mptrain.components import ComponentKind
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.context import LayerContext
 from mptrain.layers.sharding import ShardSpec
-from mptrain.layers.spec import check_choice
 
 
 class NormModule(Protocol):

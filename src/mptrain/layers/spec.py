@@ -56,17 +56,6 @@ scaled_init)``, ``forward(x [s, b, in/tp]) -> (y [s(/tp), b, out], bias or None)
 `RowParallelLinear` (weight ``[out, in/tp]``, reduce over TP, or reduce-scatter under SP)."""
 
 
-def check_choice(key: str, value: Any, choices: tuple) -> None:
-    """A closed Megatron choice (``model.normalization``): one line naming the key, the value and the options.
-
-    Raises:
-        ConfigError: `value` not in `choices`.
-    """
-    if value not in choices:
-        valid = ", ".join("null" if c is None else str(c) for c in choices)
-        raise ConfigError(f"{key}: unknown option {value!r}; valid: {valid}; set {key} to one of them")
-
-
 def submodule(node: Any, name: str) -> Any:
     """The child node ``node.submodules.<name>`` (schema dataclass or mapping)."""
     subs = node_items(node).get(SUBMODULES)

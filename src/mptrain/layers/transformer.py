@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from mptrain.components import ComponentKind, node_items
 from mptrain.config.model import TransformerLayerSubmodules
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
 from mptrain.layers.context import LayerContext
 from mptrain.layers.kv_cache import LayerKVCache
@@ -49,7 +49,6 @@ from mptrain.layers.spec import (
     ROW_PARALLEL_LINEAR,
     SUBMODULES,
     build_module,
-    check_choice,
     check_spec_node,
     submodule,
 )

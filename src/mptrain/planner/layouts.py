@@ -28,7 +28,8 @@ import copy
 import dataclasses
 from typing import Optional
 
-from mptrain.config.validate import as_config, validate_config
+from mptrain.config.schema import as_config
+from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config

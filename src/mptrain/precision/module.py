@@ -36,6 +36,14 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under model wrappers (`Float16Module`, `DistributedDataParallel`): each
+    holds the module it wraps as ``.module``; returns the model chunk (e.g. `GPTModel`)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 class Float16Module(torch.nn.Module):
     """A model chunk with fp16/bf16 parameters, fp16/bf16 first-stage inputs and fp32 last-stage outputs.
 

@@ -35,7 +35,9 @@ import torch
 
 from mptrain import components
 from mptrain.components import ComponentKind
+from mptrain.config.precision import LossScalerConfig
 from mptrain.errors import ConfigError
+from mptrain.precision.dtypes import params_dtype
 
 
 class LossScaler:
@@ -220,9 +222,6 @@ def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
     Raises:
         ConfigError: unknown precision; the component checks; the scalers' constructors; rejected pairs.
     """
-    from mptrain.config.precision import LossScalerConfig
-    from mptrain.precision import params_dtype
-
     dtype = params_dtype(precision)
     target = getattr(cfg, "_target_", None)
     node = {"_target_": target, **components.extra_keys(cfg)}
@@ -251,8 +250,6 @@ def check_scaler_for_precision(scaler: Optional[LossScaler], precision: str, lab
     Raises:
         ConfigError: naming `loss_scaler` and `precision`.
     """
-    from mptrain.precision import params_dtype
-
     half = params_dtype(precision) == torch.float16
     if half and scaler is None:
         raise ConfigError(

@@ -10,7 +10,7 @@ The shipped options (conf/schedule/*.yaml) keep their names and set ``_target_``
 Every schedule has the `ForwardBackwardFunc` signature ``fn(spec: ScheduleSpec, *, forward_step_func,
 data_iterator, model, forward_only, loss_scale, no_sync_func, stats)``. Layout rules live with the
 schedule they belong to, as its optional ``check_layout(PipelineLayout)`` (pure): `resolve_schedule`
-applies them once at start-up (from `mptrain.config.validate.validate_config`, before any process
+applies them once at start-up (from `mptrain.training.validate.validate_config`, before any process
 group exists) and `build_schedule` builds what they selected. Communication lives in `p2p.py`; the
 shared forward/backward step and the loss normalisation in `common.py`.
 """
@@ -30,7 +30,6 @@ from mptrain.schedules.common import (
     forward_step,
     new_step_state,
     no_sync_context,
-    pipeline_tensor_shape,
     set_input_tensor,
 )
 from mptrain.schedules.gpipe import forward_backward_gpipe
@@ -41,6 +40,7 @@ from mptrain.schedules.interface import (
     ScheduleSpec,
     check_signature,
     dotted_path,
+    pipeline_tensor_shape,
 )
 from mptrain.schedules.interleaved import forward_backward_interleaved_1f1b
 from mptrain.schedules.no_pipelining import forward_backward_no_pipelining

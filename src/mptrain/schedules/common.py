@@ -68,18 +68,6 @@ class InflightCounter:
         self.current -= 1
 
 
-def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, *, tp_size: int,
-                          sequence_parallel: bool) -> tuple[int, int, int]:
-    """Shape of the activations exchanged between stages: ``[s/tp if sequence_parallel else s, b, h]``.
-
-    ``seq_length % tp == 0`` under sequence parallelism is a config rule checked once, by
-    `mptrain.config.validate.validate_config` (naming the keys); here it is an invariant.
-    """
-    assert not sequence_parallel or seq_length % tp_size == 0, (seq_length, tp_size)
-    seq = seq_length // tp_size if sequence_parallel else seq_length
-    return (seq, micro_batch_size, hidden_size)
-
-
 def validate_common(spec: Any, *, name: str, model: Sequence[torch.nn.Module], expected_chunks: int,
                     forward_only: bool = False) -> None:
     """Checks of the call every schedule makes before its first communication (identical on every rank, so no hang).
@@ -103,31 +91,6 @@ def validate_common(spec: Any, *, name: str, model: Sequence[torch.nn.Module], e
             f"schedule={name}: got {len(model)} model chunks, expected {expected_chunks} "
             "(parallel.virtual_pipeline_model_parallel_size); use schedule=auto"
         )
-
-
-def one_chunk_layout_rule(name: str) -> Callable:
-    """The `check_layout` of a schedule that runs one model chunk per rank (gpipe, 1f1b).
-
-    The returned rule: a virtual pipeline (vpp > 1) needs the interleaved schedule (ConfigError naming
-    ``virtual_pipeline_model_parallel_size``); with one stage the schedule degenerates to no_pipelining
-    (no warmup, no p2p; Megatron's ``get_forward_backward_func`` does the same), which it returns.
-    """
-
-    def check_layout(layout) -> Optional[Callable]:
-        vpp = layout.virtual_pipeline_model_parallel_size
-        if vpp:
-            raise ConfigError(
-                f"parallel.virtual_pipeline_model_parallel_size={vpp} needs schedule=interleaved_1f1b or auto "
-                f"(got schedule={name}); pick schedule=auto or a parallel= without vpp"
-            )
-        if layout.pipeline_model_parallel_size == 1:
-            from mptrain.schedules.no_pipelining import forward_backward_no_pipelining
-
-            return forward_backward_no_pipelining
-        return None
-
-    check_layout.__qualname__ = check_layout.__name__ = f"check_{name}_layout"
-    return check_layout
 
 
 def set_input_tensor(chunk: torch.nn.Module, tensor: Optional[torch.Tensor]) -> None:

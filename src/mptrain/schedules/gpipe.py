@@ -15,10 +15,10 @@ from mptrain.schedules.common import (
     forward_step,
     new_step_state,
     no_sync_context,
-    one_chunk_layout_rule,
     validate_common,
 )
 from mptrain.schedules.interface import ScheduleSpec
+from mptrain.schedules.no_pipelining import one_chunk_layout_rule
 
 
 def forward_backward_gpipe(

@@ -24,7 +24,7 @@ from mptrain.errors import ConfigError
 class PipelineLayout:
     """What a schedule may require of the job, known before any process group exists (pure).
 
-    Built by `mptrain.config.validate.validate_config` from the config and the world size, and by
+    Built by `mptrain.training.validate.validate_config` from the config and the world size, and by
     `ScheduleSpec.layout` from the groups at run time (the same numbers).
 
     Attributes:
@@ -45,6 +45,18 @@ class PipelineLayout:
     def global_batch_size(self) -> int:
         """Sequences per iteration over all DP ranks: num_microbatches × micro_batch_size × dp."""
         return self.num_microbatches * self.micro_batch_size * self.data_parallel_size
+
+
+def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, *, tp_size: int,
+                          sequence_parallel: bool) -> tuple[int, int, int]:
+    """Shape of the activations exchanged between stages: ``[s/tp if sequence_parallel else s, b, h]``.
+
+    ``seq_length % tp == 0`` under sequence parallelism is a config rule checked once, by
+    `mptrain.training.validate.validate_config` (naming the keys); here it is an invariant.
+    """
+    assert not sequence_parallel or seq_length % tp_size == 0, (seq_length, tp_size)
+    seq = seq_length // tp_size if sequence_parallel else seq_length
+    return (seq, micro_batch_size, hidden_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +90,6 @@ class ScheduleSpec:
     @property
     def tensor_shape(self) -> tuple[int, int, int]:
         """``[s/tp if sequence_parallel else s, micro_batch_size, hidden_size]``: what p2p sends and receives."""
-        from mptrain.schedules.common import pipeline_tensor_shape
-
         return pipeline_tensor_shape(self.seq_length, self.micro_batch_size, self.hidden_size,
                                      tp_size=self.groups.tp_size, sequence_parallel=self.sequence_parallel)
 

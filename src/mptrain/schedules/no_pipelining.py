@@ -81,3 +81,26 @@ def forward_backward_no_pipelining(
 
 
 forward_backward_no_pipelining.check_layout = check_no_pipelining_layout
+
+
+def one_chunk_layout_rule(name: str) -> Callable:
+    """The `check_layout` of a schedule that runs one model chunk per rank (gpipe, 1f1b).
+
+    The returned rule: a virtual pipeline (vpp > 1) needs the interleaved schedule (ConfigError naming
+    ``virtual_pipeline_model_parallel_size``); with one stage the schedule degenerates to no_pipelining
+    (no warmup, no p2p; Megatron's ``get_forward_backward_func`` does the same), which it returns.
+    """
+
+    def check_layout(layout) -> Optional[Callable]:
+        vpp = layout.virtual_pipeline_model_parallel_size
+        if vpp:
+            raise ConfigError(
+                f"parallel.virtual_pipeline_model_parallel_size={vpp} needs schedule=interleaved_1f1b or auto "
+                f"(got schedule={name}); pick schedule=auto or a parallel= without vpp"
+            )
+        if layout.pipeline_model_parallel_size == 1:
+            return forward_backward_no_pipelining
+        return None
+
+    check_layout.__qualname__ = check_layout.__name__ = f"check_{name}_layout"
+    return check_layout

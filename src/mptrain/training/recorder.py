@@ -18,11 +18,11 @@ import torch
 from mptrain.layers.compile import compile_reason
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.params import flops_per_iteration
+from mptrain.precision.module import unwrap
 from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, tensor_bytes
 from mptrain.training.loggers import LoggerGroup, build_loggers, logged_metrics
 from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow, read_metrics
 from mptrain.training.rundir import config_container, resolve_run_dir
-from mptrain.training.step import unwrap
 from mptrain.training.sweep import JobResult, current_sweep_job, eval_summary
 from mptrain.training.throughput import memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 

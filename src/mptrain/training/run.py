@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from mptrain.config.schema import Config
-from mptrain.config.validate import as_config, validate_config
+from mptrain.config.schema import as_config
+from mptrain.training.validate import validate_config
 from mptrain.data.provider import build_provider, empty_split_reason, provider_target
 from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 from mptrain.distributed.ddp import DistributedDataParallel

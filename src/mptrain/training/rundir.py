@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from mptrain.config.validate import config_to_container
+from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")

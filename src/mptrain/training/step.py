@@ -19,17 +19,11 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
+from mptrain.errors import check_choice
 from mptrain.groups import ParallelGroups
-from mptrain.layers.spec import check_choice
+from mptrain.precision.module import unwrap
 from mptrain.precision.optimizer import StepStats
 from mptrain.training.batch import get_batch
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The innermost module under DDP / Float16Module wrappers (the GPTModel chunk)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def chunk_needs_data(chunk: torch.nn.Module, with_attention_mask: bool) -> bool:

@@ -38,7 +38,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 from mptrain.errors import ConfigError
 
-DEFAULT_SWEEP_ROOT = "outputs/multirun"
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 STATUSES = ("completed", "rejected", "failed")
@@ -49,11 +48,6 @@ _FLAGS_WITH_VALUE = {
     "-cd", "--config-dir", "--experimental-rerun", "-sc", "--shell-completion",
 }
 _INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
-
-
-def sweep_root(run_dir: Optional[str]) -> str:
-    """The sweep root for a `run.dir` value (null → `outputs/multirun`). Also the `mptrain_sweep_root` resolver."""
-    return DEFAULT_SWEEP_ROOT if run_dir in (None, "", "None", "null") else str(run_dir)
 
 
 def command_line_overrides(argv: Sequence[str]) -> list[str]:

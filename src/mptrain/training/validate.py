@@ -21,15 +21,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
-
-from mptrain.config.schema import Config
+from mptrain.checkpoint.finetune import check_load_keys
+from mptrain.config.schema import Config, as_config
 from mptrain.data.provider import check_data_config
+from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
 from mptrain.groups import validate_layout
 from mptrain.layers.gpt import check_model_components, check_model_config
+from mptrain.optim.builders import check_optimizer
+from mptrain.optim.lr_scheduler import check_lr_scheduler
+from mptrain.precision import params_dtype
+from mptrain.precision.scaler import build_loss_scaler, scaler_label
 from mptrain.schedules import PipelineLayout, resolve_schedule
+from mptrain.training.loggers import check_logger_config
+from mptrain.training.step import check_fault_config
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
 
@@ -59,77 +64,6 @@ class DerivedLayout:
     schedule: str
     sequence_parallel: bool
     loss_scaler: str
-
-
-def as_config(cfg: Any) -> Config:
-    """A `Config` object from a Hydra `DictConfig` (typed or plain, e.g. a saved config.yaml) or a `Config`.
-
-    Merging onto the structured schema makes unknown keys and wrong types fail here too. A key
-    that Hydra's ``+key=value`` forced into a typed group survives that merge, so unknown keys are
-    also looked for in the result (`_reject_unknown_keys`).
-
-    Raises:
-        omegaconf.errors.ValidationError / ConfigKeyError: unknown key or wrong type.
-        ConfigError: a key added with ``+`` that the schema does not have (e.g. a misspelt key); an
-            interpolation that does not resolve (a missing key, an unset ``oc.env`` variable).
-    """
-    if isinstance(cfg, Config):
-        return cfg
-    if isinstance(cfg, dict):
-        cfg = OmegaConf.create(cfg)
-    if not isinstance(cfg, DictConfig):
-        raise TypeError(f"as_config: expected a DictConfig, dict or Config, got {type(cfg).__name__}")
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    try:
-        obj = OmegaConf.to_object(merged)
-    except InterpolationResolutionError as err:  # ${...} naming a missing key or an unset variable
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        error = ConfigError(f"{err.full_key}: {reason}; fix the ${{...}} interpolation (or write a literal $ as \\$)")
-        error.symmetric = False  # ${oc.env:X} may resolve on one node and not on another: each failing rank prints
-        raise error from None
-    _reject_unknown_keys(obj, "")
-    return obj
-
-
-def config_to_container(cfg: Any) -> dict:
-    """The config as plain dicts / lists: every schema field and, on component nodes, the keys a user
-    added with ``+`` (their target's own keywords, e.g. ``optim.alpha``), which
-    ``OmegaConf.structured(cfg)`` would drop. What config.yaml, a checkpoint's meta and the loggers record.
-
-    Args:
-        cfg: a `Config` (or anything `as_config` takes).
-    """
-    return _to_container(as_config(cfg))
-
-
-def _to_container(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: _to_container(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        out.update({k: _to_container(v) for k, v in vars(obj).items() if k not in out})  # keys added with `+`
-        return out
-    if isinstance(obj, dict):
-        return {k: _to_container(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_to_container(v) for v in obj]
-    return obj
-
-
-def _reject_unknown_keys(obj: Any, prefix: str) -> None:
-    """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields.
-
-    A component node (a schema with a ``_target_`` field, `mptrain.components`) keeps such keys:
-    they are its target's own keywords (``+optim.alpha=0.95`` for torch.optim.RMSprop), checked
-    against the target's signature at start-up instead (`mptrain.components.resolve`)."""
-    fields = {f.name for f in dataclasses.fields(obj)}
-    for key in vars(obj):
-        if key not in fields and "_target_" not in fields:
-            where = prefix.rstrip(".") or "the top level"
-            raise ConfigError(f"{prefix}{key}: unknown config key (misspelt? `+` adds keys the schema does not have); "
-                              f"valid keys of {where}: {', '.join(sorted(fields))}")
-    for name in fields:
-        value = getattr(obj, name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            _reject_unknown_keys(value, f"{prefix}{name}.")
 
 
 def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
@@ -184,12 +118,6 @@ def resolve_loss_scaler(cfg: Config) -> str:
     Raises:
         ConfigError: one line naming the key, the dotted path and the fix.
     """
-    from mptrain.optim.builders import check_optimizer
-    from mptrain.optim.lr_scheduler import check_lr_scheduler
-    from mptrain.precision import params_dtype
-    from mptrain.distributed.distrib_optimizer import wrapper_target
-    from mptrain.precision.scaler import build_loss_scaler, scaler_label
-
     params_dtype(cfg.precision.name)
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
     check_lr_scheduler(cfg.optim, cfg.train.train_iters, optimizer=check_optimizer(cfg.optim))
@@ -251,9 +179,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             training keys.
     """
     c = as_config(cfg)
-    from mptrain.training.step import check_fault_config  # the debug.* rules live with the fault injector
-
-    check_fault_config(c.debug)
+    check_fault_config(c.debug)  # the debug.* rules live with the fault injector
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
@@ -272,11 +198,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         )
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
-    from mptrain.checkpoint.finetune import check_load_keys  # the load keys' rules live with the load
-
-    check_load_keys(c)
-    from mptrain.training.loggers import check_logger_config
-
+    check_load_keys(c)  # the load keys' rules live with the load
     check_logger_config(c)  # logger.mode, and the logger.loggers.* components (import, methods, keywords, packages)
     check_data_config(c.data)  # data._target_, data.tokenizer._target_, corpora, split (mptrain.data.provider)
     return DerivedLayout(
