@@ -250,7 +250,7 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             training keys.
     """
     c = as_config(cfg)
-    from mptrain.training.step import check_fault_config  # the debug.* rules live with the fault injector
+    from mptrain.training.faults import check_fault_config  # the debug.* rules live with the fault injector
 
     check_fault_config(c.debug)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
