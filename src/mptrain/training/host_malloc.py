@@ -1,15 +1,13 @@
-"""glibc malloc settings for training steps on the CPU (``run.cpu_malloc_tuning``; issue 20).
+"""glibc malloc settings for training steps on the CPU (``run.cpu_malloc_tuning``, off by default).
 
 A CPU step allocates and frees the same activations every iteration, several MB each. glibc's
 default malloc returns the freed top of its heap to the OS once it exceeds ``M_TRIM_THRESHOLD``
 (and serves blocks above ``M_MMAP_THRESHOLD`` with fresh ``mmap``s); both thresholds move with
 the sizes freed so far, so whether a given process trims every step depends on its allocation
-history. mptrain's 4 × 128 step did: ~2,300-2,700 minor page faults per step, all in the forward
-(the heap re-grown after the previous step trimmed it; ~3-5 ms of a ~75 ms step here), where the
-eager reference GPT (`bench/cpu_reference.py`) had none. Fixing both thresholds keeps the peak a
-step reaches mapped, so the next step reuses it: 0 faults per step. Values are unchanged (only
-where memory comes from); the cost is that up to ``trim_threshold`` of freed heap stays with the
-process instead of going back to the OS between steps.
+history. A process that trims re-grows its heap in the next step's forward, page fault by page
+fault. Fixing both thresholds keeps the peak a step reaches mapped, so the next step reuses it.
+Values are unchanged (only where memory comes from); the cost is that up to ``trim_threshold`` of
+freed heap stays with the process instead of going back to the OS between steps.
 
 Nothing is changed when the user already chose: any ``MALLOC_*_`` threshold variable or a malloc
 ``GLIBC_TUNABLES`` entry in the environment, or another allocator preloaded (jemalloc, tcmalloc,
