@@ -3,7 +3,7 @@ then hands every "when" to its owner: the metrics rows (`mptrain.training.metric
 gc (`mptrain.training.manual_gc.ManualGC`), evaluation (`mptrain.training.evaluation.Evaluator`),
 checkpoints and early stops (`mptrain.training.checkpointing.Checkpointer`), the stuck-rank timers
 (`mptrain.training.watchdog.LoopWatch`). Loop hooks (``built.hooks``: ``before_step(iteration)``,
-``before_save(iteration)``) are empty unless a ``debug.*`` fault is set (`mptrain.training.faults`).
+``before_save(iteration)``) are empty unless a fault-injection key is set (`mptrain.training.faults`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 validate (config + world size, checkpoint paths) → init (distributed, groups) → build (model chunks
 per stage → Float16Module / DDP wrappers → optimizer + LR scheduler → data provider → `Trainer`;
-loop hooks only when a ``debug.*`` fault is set: `mptrain.training.faults`) → train
+loop hooks only when a fault-injection key is set: `mptrain.training.faults`) → train
 (`mptrain.training.loop.train`: checkpoint load, validation at iteration 0, the loop, final
 evaluation, layout.json) → teardown in `finally`.
 
