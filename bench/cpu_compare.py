@@ -40,7 +40,7 @@ def mptrain_overrides(train_iters: int, run_dir: str) -> list:
             f"train.micro_batch_size={s['mbs']}", f"train.global_batch_size={s['mbs']}", "optim=adamw",
             "optim.weight_decay=0.01", "train.clip_grad=1.0", f"train.train_iters={train_iters}",
             "train.eval_interval=null", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
-            "run.progress_bar=false", f"run.dir={run_dir}"]
+            "run.progress_bar=false", "run.cpu_malloc_tuning=true", f"run.dir={run_dir}"]
 
 
 def run_mptrain(iters: int, warmup: int, extra: list, stat=statistics.median) -> float:

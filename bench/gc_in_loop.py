@@ -29,6 +29,7 @@ def main() -> None:
     a = ap.parse_args()
     import tempfile
 
+    import mptrain.training.metrics as metrics_module
     import mptrain.training.run as run_module
     from cpu_compare import mptrain_overrides
     from train_utils import compose
@@ -43,7 +44,7 @@ def main() -> None:
             spent["seconds"] += time.perf_counter() - started[0]
             spent["by_generation"][info["generation"]] += 1
 
-    rows_init = run_module._TrainRows.__init__
+    rows_init = metrics_module.TrainRows.__init__
     loop_start = [0.0]
 
     def init(self, *args, **kwargs):  # built right before the loop's first iteration
@@ -51,7 +52,7 @@ def main() -> None:
         gc.callbacks.append(on_gc)
         loop_start[0] = time.perf_counter()
 
-    run_module._TrainRows.__init__ = init
+    metrics_module.TrainRows.__init__ = init
     with tempfile.TemporaryDirectory() as tmp:
         run_module.run(compose([*mptrain_overrides(a.iters, f"{tmp}/run"), *a.extra]))
     loop_s = time.perf_counter() - loop_start[0]

@@ -211,7 +211,7 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
     common = _common_state(built, optimizer_state, iteration, consumed_samples)
     objects["common"] = common
     objects[rng.rng_key(groups)] = rng.capture(built.rng_tracker)
-    faults = getattr(built.trainer, "faults", None)
+    faults = getattr(built, "faults", None)  # the save_write fault site (mptrain.training.faults)
     chunks = chunks + opt_chunks
     folder = Path(root) / atomic.iter_dir_name(iteration)
     if not asynchronous:

@@ -96,10 +96,11 @@ class RunConfig:
     interactive terminals only."""
     peak_tflops_per_gpu: Optional[float] = None
     """Peak dense TFLOP/s per accelerator for MFU; null = 989 on H100/H200, MFU null when unknown (CPU)."""
-    cpu_malloc_tuning: bool = True
-    """On the CPU, fix glibc malloc's mmap / trim thresholds so that each step reuses the memory the
-    previous one freed instead of page-faulting it back in (`mptrain.training.host_malloc`); skipped
-    when the environment already sets MALLOC_* thresholds or preloads another allocator."""
+    cpu_malloc_tuning: bool = False
+    """Off by default. true: on the CPU, fix glibc malloc's mmap / trim thresholds so that each step
+    reuses the memory the previous one freed instead of page-faulting it back in
+    (`mptrain.training.host_malloc`); skipped when the environment already sets MALLOC_* thresholds
+    or preloads another allocator. No effect on GPU runs."""
 
 
 @dataclasses.dataclass

@@ -1,15 +1,13 @@
-"""glibc malloc settings for training steps on the CPU (``run.cpu_malloc_tuning``).
+"""glibc malloc settings for training steps on the CPU (``run.cpu_malloc_tuning``, off by default).
 
 A CPU step allocates and frees the same activations every iteration, several MB each. glibc's
 default malloc returns the freed top of its heap to the OS once it exceeds ``M_TRIM_THRESHOLD``
 (and serves blocks above ``M_MMAP_THRESHOLD`` with fresh ``mmap``s); both thresholds move with
 the sizes freed so far, so whether a given process trims every step depends on its allocation
-history. A small model's CPU step can then re-fault its whole heap in every forward (thousands of
-minor page faults per step, where the eager reference GPT `bench/cpu_reference.py` had none;
-bench/reports/2026-12-01-cpu-speed.md). Fixing both thresholds keeps the peak a step reaches
-mapped, so the next step reuses it: no faults per step. Values are unchanged (only
-where memory comes from); the cost is that up to ``trim_threshold`` of freed heap stays with the
-process instead of going back to the OS between steps.
+history. A process that trims re-grows its heap in the next step's forward, page fault by page
+fault. Fixing both thresholds keeps the peak a step reaches mapped, so the next step reuses it.
+Values are unchanged (only where memory comes from); the cost is that up to ``trim_threshold`` of
+freed heap stays with the process instead of going back to the OS between steps.
 
 Nothing is changed when the user already chose: any ``MALLOC_*_`` threshold variable or a malloc
 ``GLIBC_TUNABLES`` entry in the environment, or another allocator preloaded (jemalloc, tcmalloc,

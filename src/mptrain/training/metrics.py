@@ -17,11 +17,13 @@ iteration once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import IO, Any, Optional
 
@@ -272,3 +274,78 @@ class MetricsWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@dataclasses.dataclass
+class _PendingRow:
+    iteration: int
+    consumed: int
+    outcome: Any  # training.step.IterationOutcome
+    t_begin: float  # time.time() when its train_step began
+    step_time_s: Optional[float] = None  # until the next iteration begins (or a flush): the iteration period
+
+
+class TrainRows:
+    """The loop's metrics.jsonl train rows, written in iteration order once their iteration is settled
+    (``train.defer_step_read``: by the next `Trainer.train_step`) and its time is known.
+
+    An iteration's time (the row's tokens/s) is the wall time from the start of its train_step to the
+    start of the next one, or to a flush before an evaluation, a save or the end (which it excludes):
+    the period at which iterations go through, as Megatron's interval timer. The duration of a
+    train_step call alone is not: with a deferred read the wait for the device falls in the next one.
+
+    Args:
+        recorder: `mptrain.training.recorder.Recorder` (its ``train_row`` writes a row).
+        trainer: the `mptrain.training.step.Trainer` whose outcomes the rows report.
+        stop: the loop's `mptrain.training.watchdog.StopSignal`; its grace scales with the last ``step_time_s``.
+    """
+
+    def __init__(self, recorder: Any, trainer: Any, stop: Any) -> None:
+        self.recorder, self.trainer, self.stop = recorder, trainer, stop
+        self.waiting: list[_PendingRow] = []
+        self.t_begin = time.time()
+
+    def begin(self) -> None:
+        """An iteration starts now: this ends the previous one's time, and writes its row if it is settled."""
+        self.t_begin = time.time()
+        self._close(self.t_begin)
+        self._write_ready()
+
+    def add(self, iteration: int, consumed: int, outcome: Any) -> None:
+        """Queue the iteration that just ran; write every row that is ready."""
+        self.waiting.append(_PendingRow(iteration, consumed, outcome, self.t_begin))
+        self._write_ready()
+
+    def _write_ready(self) -> None:
+        while self.waiting and self.waiting[0].outcome.is_settled and self.waiting[0].step_time_s is not None:
+            self._write(self.waiting.pop(0))
+
+    def flush(self) -> None:
+        """Settle every waiting row (a host sync), end the current iteration's time there, write them."""
+        for row in self.waiting:
+            row.outcome.metrics()
+        self._close(time.time())
+        while self.waiting:
+            self._write(self.waiting.pop(0))
+
+    def _close(self, now: float) -> None:
+        if self.waiting and self.waiting[-1].step_time_s is None:
+            self.waiting[-1].step_time_s = now - self.waiting[-1].t_begin
+            self.stop.step_time_s = self.waiting[-1].step_time_s  # the stop signal's grace scales with it
+
+    def _write(self, row: _PendingRow) -> None:
+        self.recorder.train_row(row.iteration, row.consumed, row.outcome.metrics(), self.trainer,
+                                step_time_s=row.step_time_s)
+
+    @contextlib.contextmanager
+    def written_on_failure(self):
+        """A training step that raises still leaves the rows of the iterations before it (best effort:
+        a row that cannot be settled any more is dropped; the step's own error is what propagates)."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - e.g. the skip limit, or a device error: the first error wins
+                self.waiting.clear()
+            raise

@@ -32,55 +32,6 @@ def chunk_needs_data(chunk: torch.nn.Module, with_attention_mask: bool) -> bool:
     return inner.pre_process or inner.post_process or with_attention_mask
 
 
-FAULT_SITES = ("forward", "data", "save", "save_write")
-"""Where ``debug.fail_where`` can inject a failure: the `FaultInjector.maybe_fail` call sites (the forward
-step, the batch read, the checkpoint save in `mptrain.training.run`)."""
-
-
-FAULT_KINDS = ("raise", "sigkill")
-"""How an injected failure fails (``debug.fail_kind``): see `FaultInjector`."""
-
-
-def check_fault_config(debug) -> None:
-    """``debug.fail_where`` is one of `FAULT_SITES`, ``debug.fail_kind`` one of `FAULT_KINDS`; pure (called
-    by `validate_config`).
-
-    Raises:
-        ConfigError: naming the key, the value and the valid sites.
-    """
-    check_choice("debug.fail_where", debug.fail_where, FAULT_SITES)
-    check_choice("debug.fail_kind", debug.fail_kind, FAULT_KINDS)
-
-
-@dataclasses.dataclass
-class FaultInjector:
-    """The debug.* fault injection of DESIGN.md §1 for this rank (all None = off).
-
-    `fail_kind`: "raise" (a RuntimeError) or "sigkill" (the process kills itself with SIGKILL, as a
-    lost node or the OOM killer would). It fires on torchrun's first attempt only (`attempt` =
-    TORCHELASTIC_RESTART_COUNT = 0), so a job restarted by ``--max-restarts`` runs through.
-    """
-
-    rank: int
-    fail_rank: Optional[int] = None
-    fail_iteration: Optional[int] = None
-    fail_where: str = "forward"
-    fail_kind: str = "raise"
-    attempt: int = 0
-    iteration: int = 0
-
-    def maybe_fail(self, where: str) -> None:
-        assert where in FAULT_SITES, where  # a new call site is added to FAULT_SITES too
-        if (self.fail_rank == self.rank and self.fail_iteration == self.iteration and self.fail_where == where
-                and self.attempt == 0):
-            if self.fail_kind == "sigkill":
-                import os
-                import signal
-
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"debug: injected failure on rank {self.rank} at iteration {self.iteration} in {where}")
-
-
 def make_forward_step(
     groups: ParallelGroups,
     *,
@@ -88,7 +39,6 @@ def make_forward_step(
     seq_length: int,
     with_attention_mask: bool,
     device: torch.device,
-    faults: Optional[FaultInjector] = None,
     timers: Any = None,
 ) -> Callable:
     """The forward_step_func of the schedules: (data_iterator, model_chunk) -> (output, loss_func).
@@ -101,8 +51,6 @@ def make_forward_step(
         inner = unwrap(model)
         batch = None
         if chunk_needs_data(model, with_attention_mask):
-            if faults is not None:
-                faults.maybe_fail("data")
             with batch_timer:
                 batch = get_batch(
                     data_iterator,
@@ -112,8 +60,6 @@ def make_forward_step(
                     with_attention_mask=with_attention_mask,
                     device=device,
                 )
-        if faults is not None:
-            faults.maybe_fail("forward")
         output = model(
             batch["tokens"] if inner.pre_process else None,
             batch["position_ids"] if inner.pre_process else None,
@@ -232,8 +178,6 @@ class Trainer:
     device: torch.device
     timers: Any  # mptrain.training.timers.Timers
     stats: Any = None
-    poison_grads: Optional[Callable[[], None]] = None
-    faults: Optional[FaultInjector] = None
     defer_step_read: bool = False
 
     def __post_init__(self) -> None:
@@ -281,8 +225,6 @@ class Trainer:
         with self.timers("grads-all-reduce"):  # DP sync, SP / tied-embedding grads, token normalisation
             total = self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens,
                                               max_tokens=self.max_tokens, scale_grads=False)
-        if self.poison_grads is not None:
-            self.poison_grads()
         self.settle()  # the previous iteration: by now its statistics are on the host, or nearly
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         # the logged loss, read with the step's statistics (grad norm, skip) in one host read per iteration

@@ -34,7 +34,7 @@ from mptrain.precision import params_dtype
 from mptrain.precision.scaler import build_loss_scaler, scaler_label
 from mptrain.schedules import PipelineLayout, resolve_schedule
 from mptrain.training.loggers import check_logger_config
-from mptrain.training.step import check_fault_config
+from mptrain.training.faults import check_fault_config
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
 

@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 MIN_STOP_GRACE_S = 10.0  # seconds a step gets to finish after a stop signal, at least
@@ -256,3 +256,85 @@ class StepWatchdog:
                          f"(train.step_timeout_s={self.step_timeout_s:g}); a peer rank failed or stalled; exiting\n")
         sys.stderr.flush()
         self._exit_fn(1)
+
+
+class StepTimeout:
+    """``train.step_timeout_s`` as the collective timeout of every group (`ParallelGroups.set_timeout`)
+    from the end of this process's first step (which may compile / autotune under
+    ``train.timeout_s``) to the last training step. Evaluation and checkpoint saves run under
+    ``train.timeout_s`` (`suspended`): one rank may legitimately take longer there (rank 0 publishes
+    and prunes checkpoints; uneven shards) while its peers wait in a collective."""
+
+    def __init__(self, groups: Any, timeout_s: float, step_timeout_s: Optional[float]) -> None:
+        self.groups, self.timeout_s, self.step_timeout_s = groups, timeout_s, step_timeout_s
+        self.on = False
+
+    def start(self) -> None:
+        if self.step_timeout_s is not None:
+            self.groups.set_timeout(self.step_timeout_s)
+            self.on = True
+
+    def end(self) -> None:
+        if self.on:
+            self.groups.set_timeout(self.timeout_s)
+            self.on = False
+
+    @contextlib.contextmanager
+    def suspended(self):
+        if not self.on:
+            yield
+            return
+        self.groups.set_timeout(self.timeout_s)
+        try:
+            yield
+        finally:
+            self.groups.set_timeout(self.step_timeout_s)
+
+
+class LoopWatch:
+    """What ends a stuck rank, as the training loop drives it: the heartbeat (`StepWatchdog`, or None)
+    armed around each step from this process's second on, the stop signal's grace, and the step
+    timeout of the collectives (`StepTimeout`), started after this process's first step.
+
+    This process's first step (the first `arm`ed iteration: one past a resumed checkpoint's) may
+    compile / autotune for minutes under the long start-up timeout: neither the heartbeat nor a
+    signal's grace times it. Evaluation and saves run in `untimed`.
+    """
+
+    def __init__(self, groups: Any, *, timeout_s: float, step_timeout_s: Optional[float], stop: StopSignal,
+                 heartbeat: Optional[StepWatchdog]) -> None:
+        self.stop, self.heartbeat = stop, heartbeat
+        self.step_timeout = StepTimeout(groups, timeout_s, step_timeout_s)
+        self.first_iteration: Optional[int] = None
+        self._armed = False
+
+    def arm(self, iteration: int) -> None:
+        """`iteration` (from 1) is about to run: the heartbeat times it unless it is this process's first."""
+        if self.first_iteration is None:
+            self.first_iteration = iteration
+        self._armed = self.heartbeat is not None and iteration > self.first_iteration
+        if self._armed:
+            self.heartbeat.arm(iteration)
+
+    def first_step_untimed(self, iteration: int):
+        """Around the step itself: a signal's grace starts after this process's first step."""
+        return self.stop.untimed() if iteration == self.first_iteration else contextlib.nullcontext()
+
+    def step_done(self, iteration: int) -> None:
+        """`iteration` finished: disarm the heartbeat (evaluation and saves may legitimately take long; after
+        a failure mid-step it is not called, and the heartbeat stays armed through the cleanup)."""
+        if self._armed:
+            self.heartbeat.disarm()
+        if iteration == self.first_iteration:
+            self.step_timeout.start()  # catches a stalled rank (DESIGN.md §5)
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Evaluation and saves: timed by neither the step timeout (`StepTimeout.suspended`) nor a
+        stop signal's grace (`StopSignal.untimed`)."""
+        with self.stop.untimed(), self.step_timeout.suspended():
+            yield
+
+    def end(self) -> None:
+        """No more training steps: collectives go back to ``train.timeout_s``."""
+        self.step_timeout.end()
