@@ -16,7 +16,6 @@ import ast
 import re
 import sys
 from pathlib import Path
-from typing import Iterable
 
 import pytest
 
@@ -27,17 +26,6 @@ ORDER_LINE = re.compile(r"^- \*\*L(\d+)\*\* `([A-Za-z_]\w*)(?:\.py|/)?`")
 
 # Known module cycles, each entry naming all of its modules: a cycle found within one entry's
 # modules is not reported, nor an upward import between two of them.
-KNOWN_CYCLES = (
-    # the precision wrappers and the distributed optimizer: precision.optimizer imports
-    # distributed.distrib_optimizer inside a function, which subclasses precision.optimizer's
-    # wrapper; precision.flat_adam and precision.optimizer import each other
-    frozenset({"mptrain.precision.optimizer", "mptrain.distributed.distrib_optimizer", "mptrain.precision.flat_adam"}),
-    # the layer spec tree and the layers it builds: layers.spec imports transformer / mlp /
-    # attention inside functions (their submodule kinds), which import layers.spec
-    frozenset({"mptrain.layers.spec", "mptrain.layers.transformer", "mptrain.layers.mlp", "mptrain.layers.attention"}),
-)
-
-
 def read_order(text: str) -> dict[str, int]:
     """{package or top-level module name: level} from the "Package order" list of ARCHITECTURE.md."""
     order: dict[str, int] = {}
@@ -92,18 +80,14 @@ def read_imports(src: Path) -> dict[str, set[tuple[str, int]]]:
     return edges
 
 
-def _in_known_cycle(a: str, b: str, known: Iterable[frozenset]) -> bool:
-    return any(a in cycle and b in cycle for cycle in known)
-
-
-def upward_edges(edges: dict, order: dict[str, int], known: Iterable[frozenset] = ()) -> list[str]:
+def upward_edges(edges: dict, order: dict[str, int]) -> list[str]:
     """Imports of a package of the same or a higher level, as ``module:line -> module (L<a> -> L<b>)``."""
     bad = []
     for module, targets in sorted(edges.items()):
         a = package_of(module)
         for target, line in sorted(targets):
             b = package_of(target)
-            if a != b and order[b] >= order[a] and not _in_known_cycle(module, target, known):
+            if a != b and order[b] >= order[a]:
                 bad.append(f"{module}:{line} -> {target} ({a} L{order[a]} -> {b} L{order[b]})")
     return bad
 
@@ -173,20 +157,13 @@ def test_every_package_is_in_the_documented_order(order, edges):
 
 
 def test_no_upward_import(order, edges):
-    bad = upward_edges(edges, order, KNOWN_CYCLES)
+    bad = upward_edges(edges, order)
     assert not bad, "imports against docs/ARCHITECTURE.md's package order:\n" + "\n".join(bad)
 
 
 def test_no_module_cycle(edges):
-    cycles = [c for c in module_cycles(edges) if not any(set(c) <= known for known in KNOWN_CYCLES)]
+    cycles = module_cycles(edges)
     assert not cycles, "import cycles between modules:\n" + "\n".join(_cycle_text(c, edges) for c in cycles)
-
-
-def test_known_cycles_still_exist(edges):
-    """An entry of KNOWN_CYCLES whose cycle is gone is removed, so that the test guards those modules again."""
-    found = {m for c in module_cycles(edges) for m in c}
-    stale = [sorted(known) for known in KNOWN_CYCLES if not known & found]
-    assert not stale, f"no longer cycles, remove them from KNOWN_CYCLES: {stale}"
 
 
 def test_config_imports_only_errors(edges):
@@ -215,7 +192,5 @@ def test_the_checks_see_every_kind_of_import(tmp_path):
     assert upward_edges(edges, order) == ["mptrain.low.a:2 -> mptrain.high.b (low L1 -> high L2)",
                                           "mptrain.low.c:3 -> mptrain.high.b (low L1 -> high L2)"]
     assert module_cycles(edges) == [["mptrain.high.b", "mptrain.low.a", "mptrain.low.c"]]
-    known = [frozenset({"mptrain.high.b", "mptrain.low.a", "mptrain.low.c"})]
-    assert upward_edges(edges, order, known) == []
     peers = read_order("- **L0** `mptrain`: root\n- **L1** `low/`: low\n- **L1** `high/`: peer\n")
     assert len(upward_edges(edges, peers)) == 4  # same level: neither imports the other

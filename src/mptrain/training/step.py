@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
-from mptrain.errors import check_choice
 from mptrain.groups import ParallelGroups
 from mptrain.precision.module import unwrap
 from mptrain.precision.optimizer import StepStats
