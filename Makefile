@@ -3,7 +3,7 @@ PY := .venv/bin/python
 NPROC ?= 4
 ARGS ?=
 
-.PHONY: setup train test
+.PHONY: setup train test lint
 setup:
 	@./scripts/setup.sh
 
@@ -18,3 +18,7 @@ train: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# ruff, configured in pyproject.toml
+lint: setup
+	.venv/bin/ruff check .

@@ -8,7 +8,11 @@ eager layers (apex's norm is an opaque autograd function). Runs are interleaved 
 processes; each prints one JSON line: the median step time after warm-up, tok/s, and the largest
 |lm_loss - lm_loss of the torch/torch run| over the iterations (same seeds and data: bf16 noise only).
 """
-import argparse, json, os, statistics, subprocess, sys
+import argparse
+import json
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +43,10 @@ def run(name, extra, out, iters, warmup, rep):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True); ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5); ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     results = []
@@ -54,7 +60,8 @@ def main():
     for name in ARMS:
         ok = [r for r in results if r["arm"] == name and r["status"] == "ok"]
         if not ok:
-            print(f"{name:12s} failed"); continue
+            print(f"{name:12s} failed")
+            continue
         t = statistics.median(r["iter_s_median"] for r in ok)
         d = max(abs(x - y) for x, y in zip(ok[0]["lm_loss"], base["lm_loss"])) if base else None
         print(f"{name:12s} {1e3 * t:28.2f} {12 * 1024 / t:10.0f} {d!s:>22s}")

@@ -229,7 +229,7 @@ def test_reshard_exact(tmp_path, src, dst):
     world, overrides, tp, pp, *vpp = LOAD_LAYOUTS[dst]
     expect_scale = 1024.0 if "precision=fp16" in SAVE_LAYOUTS[src][1] else 2.0**32  # fp32 saves no scaler
     results = run_distributed(_load_task, world, str(tmp_path), overrides, tp, pp, *vpp, expect_scale=expect_scale)
-    for state, counts, lines in results:
+    for state, counts, _lines in results:
         assert state == {"iteration": 6, "consumed_samples": 48}
         assert counts["params"] > 0 and counts["entries"] > 0
     lines = results[0][2]

@@ -19,7 +19,6 @@ from mptrain.data.preprocess import preprocess
 from mptrain.data.provider import MockDataProvider
 from mptrain.data.tokenizers import ByteTokenizer
 from mptrain.errors import ConfigError
-from mptrain_plugins.text_data import TextFileProvider
 from mptrain_plugins.tokenizers import CharTokenizer
 from test_data import shakespeare_docs
 from train_utils import compose, read_rows, run_job

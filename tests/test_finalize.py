@@ -31,7 +31,7 @@ def _finalize(rank, world, tp, pp, distopt, num_tokens_by_dp):
         mod = _Params()
         ddp = DistributedDataParallel(mod, groups, specs=SPECS, grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                       bucket_size=None, use_distributed_optimizer=distopt)
-        for name, p in mod.named_parameters():
+        for p in mod.parameters():
             ddp.main_grad(p).fill_(float(rank + 1))  # local grad = rank + 1 everywhere
         tokens = None
         if groups.is_last_stage:

@@ -84,7 +84,7 @@ def slurm_first_host(nodelist: str) -> str:
     except ImportError:
         pass
     except Exception as err:  # noqa: BLE001 - a parse error becomes the user-facing one-liner below
-        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} could not be parsed ({err}); export MASTER_ADDR=<first host>")
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} could not be parsed ({err}); export MASTER_ADDR=<first host>") from None
     import shutil
     import subprocess
 

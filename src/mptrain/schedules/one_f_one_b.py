@@ -96,10 +96,9 @@ def forward_backward_1f1b(
         input_grad = bwd(output_grad, sync=last_iteration and num_warmup == 0)
         del output_grad
         if last_iteration:
-            input_tensor = None
             p2p.send_backward(input_grad, cfg)
         else:
-            input_tensor = p2p.send_backward_recv_forward(input_grad, cfg)
+            input_tensor = p2p.send_backward_recv_forward(input_grad, cfg)  # noqa: F841 - the next iteration's forward reads it
         del input_grad
 
     # --- cooldown: the warmup's outstanding backwards ---

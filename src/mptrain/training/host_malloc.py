@@ -44,7 +44,7 @@ def tune_cpu_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = 
         return False
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only (musl has no mallopt thresholds)
+        _ = libc.gnu_get_libc_version  # glibc only (musl has no mallopt thresholds)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
