@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mptrain.layers.spec import check_choice
+from mptrain.errors import check_choice
 
 COMPILE_SCOPES = ("chunk", "layer")
 """``model.compile_scope``: one graph per model chunk, or one per TransformerLayer (`ModelConfig.compile_scope`)."""

@@ -19,7 +19,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Optional
 
-from mptrain.layers.spec import check_choice
+from mptrain.errors import check_choice
 from mptrain.training.memory import memory_snapshot
 from mptrain.training.step import chunk_needs_data
 
