@@ -16,7 +16,7 @@ import hydra
 from mptrain.config.cli import exit_on_compose_error
 from mptrain.config.schema import register
 from mptrain.resources import conf_dir
-from mptrain.training.interrupt import exit_interrupted, take_interrupt
+from mptrain.training.interrupt import exit_interrupted
 
 register()
 CONF = conf_dir()
@@ -27,11 +27,7 @@ def main(cfg):
     """Hydra's task function: one job (or one job of a sweep); returns its JobResult dict."""
     from mptrain.training.run import hydra_main
 
-    result = hydra_main(cfg)  # the JobResult: the sweep summary records it
-    stop = take_interrupt()
-    if stop is not None:  # Ctrl-C: the step finished (and was saved if checkpoint.save is set)
-        exit_interrupted(stop)
-    return result
+    return hydra_main(cfg)  # the JobResult: the sweep summary records it
 
 
 def cli() -> None:

@@ -2,8 +2,8 @@
 
 The loop already treats SIGINT like SIGTERM (`mptrain.training.watchdog.StopSignal`): every rank
 finishes its step and, when `checkpoint.save` is set, saves it. What this module adds is the end
-a user sees: the loop records the stop (`note_stop`), and the entry point (`mptrain.train`)
-then prints one line on rank 0 and exits 130, the code shells report for a job ended by Ctrl-C
+a user sees: the loop raises `Interrupted` after its last save, and the entry point
+(`mptrain.training.run.hydra_main`) then prints one line on rank 0 and exits 130, the code shells report for a job ended by Ctrl-C
 (128 + SIGINT). SIGTERM (a scheduler's stop) keeps exit 0, so a job split across time limits
 ends cleanly. `mptrain.launch` passes the workers' 130 through without torchrun's report.
 """
@@ -31,20 +31,21 @@ class Stop:
     saved: bool
 
 
-_last_stop: Optional[Stop] = None
+class Interrupted(Exception):
+    """Ctrl-C ended the training loop cleanly: raised by the loop once the last step is finished, saved
+    (when `checkpoint.save` is set) and summarised; the entry point turns it into `exit_interrupted`."""
+
+    def __init__(self, stop: Stop):
+        super().__init__(interrupted_line(stop))
+        self.stop = stop
 
 
-def note_stop(signum: Optional[int], *, iteration: int, save: Optional[str], saved: bool) -> None:
-    """Record that a stop signal ended the training loop after `iteration` (called by the loop)."""
-    global _last_stop
-    _last_stop = Stop(int(signum), iteration, save or None, saved) if signum is not None else None
-
-
-def take_interrupt() -> Optional[Stop]:
-    """The recorded stop when it was SIGINT (Ctrl-C), else None; clears the record."""
-    global _last_stop
-    stop, _last_stop = _last_stop, None
-    return stop if stop is not None and stop.signum == signal.SIGINT else None
+def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str]) -> Optional[Interrupted]:
+    """The `Interrupted` to raise when a stop signal ended the loop after `iteration` and it was
+    SIGINT (Ctrl-C); None for SIGTERM (a scheduler's stop ends with exit 0) or no signal."""
+    if signum != signal.SIGINT:
+        return None
+    return Interrupted(Stop(int(signum), iteration, save or None, saved=bool(save)))
 
 
 def interrupted_line(stop: Optional[Stop]) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from mptrain.training.checkpointing import Checkpointer, Progress
 from mptrain.training.evaluation import Evaluator, data_iterators
 from mptrain.training.faults import memory_snapshot_of
-from mptrain.training.interrupt import note_stop
+from mptrain.training.interrupt import interrupt_of
 from mptrain.training.manual_gc import ManualGC
 from mptrain.training.metrics import TrainRows
 from mptrain.training.watchdog import LoopWatch, StepWatchdog, StopSignal
@@ -43,8 +43,9 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
     if stopped is None:
         evaluator.at_end(at.iteration, trained=at.iteration > start_iteration)
     result = recorder.finish(built, iteration=at.iteration, stopped=stopped)
-    if stopped == "signal":  # the entry point's last line and exit code (training/interrupt.py)
-        note_stop(stop.signum, iteration=at.iteration, save=cfg.checkpoint.save, saved=bool(cfg.checkpoint.save))
+    interrupted = interrupt_of(stop.signum, iteration=at.iteration, save=cfg.checkpoint.save) if stopped else None
+    if interrupted is not None:
+        raise interrupted  # Ctrl-C: the entry point prints what was saved and exits 130 (training/interrupt.py)
     return result
 
 

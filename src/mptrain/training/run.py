@@ -47,7 +47,7 @@ from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
 from mptrain.training.timers import Timers
-from mptrain.training.interrupt import exit_interrupted
+from mptrain.training.interrupt import Interrupted, exit_interrupted
 from mptrain.training.step import Trainer, make_forward_step
 from mptrain.training.watchdog import StepWatchdog, StopSignal
 
@@ -200,9 +200,10 @@ def run(cfg: Any) -> dict:
         result = train(built, recorder, stop=stop, heartbeat=heartbeat)
         clean_exit = True
         return result
-    except (ConfigError, StorageError, TooManySkippedStepsError) as err:
-        # raised alike on every rank (validation, data, checkpoint shape, a failed save, skips): no peer
-        # waits; a StorageError of rank 0's metrics writes is this rank's alone (all_ranks False)
+    except (ConfigError, StorageError, TooManySkippedStepsError, Interrupted) as err:
+        # raised alike on every rank (validation, data, checkpoint shape, a failed save, skips, Ctrl-C
+        # after the loop's last save): no peer waits; a StorageError of rank 0's metrics writes is this
+        # rank's alone (all_ranks False)
         clean_exit = getattr(err, "all_ranks", True)
         raise
     finally:
@@ -288,6 +289,13 @@ def exit_on_config_error(err: BaseException) -> NoReturn:
     report_and_exit(f"error: {err}", rank=rank, world_size=world_size, symmetric=symmetric)
 
 
+def _release_default_group() -> None:
+    """A clean end releases the default group too (`ParallelGroups.destroy` keeps it for the test pool
+    and a sweep's next job); left to interpreter exit, gloo's threads can abort the process."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def hydra_main(cfg) -> Any:
     """The task function of train.py.
 
@@ -301,16 +309,19 @@ def hydra_main(cfg) -> Any:
 
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
-        return run(cfg)  # the sweep callback records and applies the policy
+        try:
+            return run(cfg)  # the sweep callback records and applies the policy
+        except Interrupted as err:  # Ctrl-C ends the sweep: one line, exit 130
+            exit_interrupted(err.stop)
     try:
         result = run(cfg)
-        # a clean end: release the default group too (`ParallelGroups.destroy` keeps it for the test pool
-        # and a sweep's next job); left to interpreter exit, gloo's threads can abort the process
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _release_default_group()
         return result
     except (ConfigError, StorageError, TooManySkippedStepsError) as err:  # one line, exit 1
         exit_on_config_error(err)
+    except Interrupted as err:  # Ctrl-C: the loop finished its step and saved it; one line, exit 130
+        _release_default_group()
+        exit_interrupted(err.stop)
     except KeyboardInterrupt:  # Ctrl-C before the loop's stop handler took over SIGINT: one line, exit 130
         exit_interrupted(None)
     except BaseException as err:  # noqa: BLE001
