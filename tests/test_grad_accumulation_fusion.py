@@ -57,7 +57,7 @@ def _buffer_after_two_microbatches(rank, world, fused: bool) -> dict:
             ddp(x).float().pow(2).mean().backward()
         view = user.weight_main_grad
         main = ddp.main_grad(user.weight)
-        return {"data": ddp.buffers[0].data.clone(), "seen": seen,
+        return {"data": ddp.grad_buffers[0].data.clone(), "seen": seen,
                 "is_view": view is not None and view.data_ptr() == main.data_ptr() and view.shape == main.shape,
                 "user_weight_main_grad": None if view is None else view.clone(),
                 "user_main_grad": main.clone(), "plain_main_grad": ddp.main_grad(plain.weight).clone(),

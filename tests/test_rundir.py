@@ -221,7 +221,7 @@ def test_configured_folder_holding_a_run_gives_way_to_the_first_free_suffix(tmp_
 
 def test_configured_folder_moves_the_literal_paths_inside_it_of_a_config_object(tmp_path):
     """A resolved `Config` (what the trainer passes): literal values under the configured folder move, others stay."""
-    from mptrain.config.validate import as_config
+    from mptrain.config.schema import as_config
 
     d = tmp_path / "r"
     _hold_run(d)

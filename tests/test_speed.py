@@ -3,13 +3,17 @@
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from mptrain.config.parallel import ParallelConfig
 from mptrain.errors import ConfigError
 from mptrain.layers import norms
+from mptrain.layers.context import layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
+from mptrain.layers.random import ParamInit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -22,7 +26,9 @@ APEX = importlib.util.find_spec("apex") is not None
 @pytest.mark.parametrize("name", ["ApexFusedLayerNorm", "ApexFusedRMSNorm"])
 def test_apex_norm_without_apex_is_one_config_error(name):
     with pytest.raises(ConfigError, match="normalization=ApexFused.*apex"):
-        norms.NORMALIZATIONS[name](16, eps=1e-5, sequence_parallel=False, params_dtype=torch.float32, device=None)
+        context = layer_context(ParallelConfig(), SimpleNamespace(tp_size=1),
+                                init=ParamInit(seed=1, std=0.02, num_layers=1, device=torch.device("cpu")))
+        norms.NORMALIZATIONS[name](16, eps=1e-5, context=context)
 
 
 def test_apex_norms_keep_the_torch_params_and_specs():

@@ -53,7 +53,7 @@ def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> No
 
 def check_model_config(model, parallel) -> None:
     """Every model × layout rule (DESIGN.md §5), once; pure (config only), run by
-    `mptrain.config.validate.validate_config` on every rank before any process group exists.
+    `mptrain.training.validate.validate_config` on every rank before any process group exists.
 
     Order: sizes, heads vs tp / hidden / query groups, ffn vs tp, the closed Megatron choices
     (normalization, activation, attention_backend, position_embedding_type, recompute_*), position
