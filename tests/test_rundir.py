@@ -88,6 +88,18 @@ def test_sweep_job_folder_under_the_root(tmp_path):
     assert (run_dir / "config.yaml").exists()
 
 
+def test_sweep_job_takes_the_paths_inside_the_configured_folder_along(tmp_path):
+    """A resolved `${run.dir}/checkpoints` follows each job into its own folder (jobs never share one)."""
+    from mptrain.config.schema import as_config
+
+    root = tmp_path / "S"
+    for sub in ("parallel=tp2pp1", "parallel=tp1pp2"):
+        job = SweepJob(root=str(root), subdir=sub, num=1, overrides=(sub,), swept=("parallel",))
+        cfg = as_config(_cfg(run__dir=str(root), checkpoint__save=f"{root}/checkpoints", checkpoint__load=f"{tmp_path}/x"))
+        assert _single(cfg, sweep_job=job) == root / sub
+        assert (cfg.checkpoint.save, cfg.checkpoint.load) == (f"{root}/{sub}/checkpoints", f"{tmp_path}/x")
+
+
 def test_fingerprint_ignores_run_dir_only():
     a, _ = config_fingerprint(_cfg(run__dir="/a"))
     b, _ = config_fingerprint(_cfg(run__dir="/b"))
@@ -231,6 +243,18 @@ def test_configured_folder_moves_the_literal_paths_inside_it_of_a_config_object(
         str(tmp_path / "r-2"), f"{tmp_path}/r-2/ck", f"{tmp_path}/other")
 
 
+def test_configured_folder_is_resumed_only_from_its_own_checkpoints(tmp_path):
+    """A resume appends to the configured folder when it loads that folder's checkpoints; loading
+    another run's checkpoints makes a fresh run, which gives way to <dir>-2 like any other."""
+    d = tmp_path / "r"
+    _hold_run(d)
+    other = f"{tmp_path}/other/checkpoints"
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=f"{d}/checkpoints"), resuming=True,
+                   from_command_line=False) == d
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=other), resuming=True, from_command_line=False) == tmp_path / "r-2"
+    assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
 def test_default_folder_holding_a_run_gives_way(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _hold_run(tmp_path / "outputs" / "tiny-tp1pp1-fp32")
@@ -243,7 +267,8 @@ def test_command_line_folder_holding_a_run_is_refused_and_resume_appends(tmp_pat
     with pytest.raises(ConfigError, match=r"run.dir=.*already holds a run \(config.yaml, metrics.jsonl\)") as err:
         _single(_cfg(run__dir=str(d)), from_command_line=True)
     assert err.value.symmetric  # the same line on every rank: rank 0 alone prints it
-    assert _single(_cfg(run__dir=str(d)), resuming=True, from_command_line=False) == d  # a resume appends
+    # a resume from the folder's own checkpoints appends
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=f"{d}/checkpoints"), resuming=True, from_command_line=False) == d
     assert _single(_cfg(run__dir=str(d)), resuming=True, from_command_line=True) == d
     assert not (tmp_path / "r-2").exists()
 

@@ -127,6 +127,14 @@ def free_run_dir(path: str | os.PathLike, *, resuming: bool) -> Path:
     return candidate
 
 
+def _inside(path: Optional[str], folder: Path) -> bool:
+    """`path` (e.g. ``checkpoint.load``) is `folder` or lies under it."""
+    if not path:
+        return False
+    p, f = Path(path).resolve(), folder.resolve()
+    return p == f or f in p.parents
+
+
 def run_dir_from_command_line() -> bool:
     """`run.dir=` was given on the command line (Hydra's task overrides). Outside a Hydra app (a
     config composed by code) the folder counts as chosen by the caller: True."""
@@ -138,14 +146,16 @@ def run_dir_from_command_line() -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides)
 
 
-def _move_paths(node: Any, old: str, new: str) -> None:
-    """Point every string value equal to `old` or under `old/` at `new` instead (in place).
+def _move_paths(node: Any, olds: tuple, new: str) -> None:
+    """Point every string value equal to one of `olds` or under it at `new` instead (in place; each
+    value moves once, so `new` may lie inside an old folder, as a sweep job's does).
 
     Interpolations of a `DictConfig` are left alone: they follow `run.dir` by themselves.
     """
     def moved(value: Any) -> Any:
-        if isinstance(value, str) and value and (value == old or value.startswith(old + "/")):
-            return new + value[len(old):]
+        for old in olds:
+            if isinstance(value, str) and value and (value == old or value.startswith(old + "/")):
+                return new + value[len(old):]
         return None
 
     if isinstance(node, (DictConfig, ListConfig)):
@@ -157,7 +167,7 @@ def _move_paths(node: Any, old: str, new: str) -> None:
             if target is not None:
                 node[key] = target
             elif isinstance(child, (DictConfig, ListConfig)):
-                _move_paths(child, old, new)
+                _move_paths(child, olds, new)
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         for field in dataclasses.fields(node):
             child = getattr(node, field.name)
@@ -165,14 +175,14 @@ def _move_paths(node: Any, old: str, new: str) -> None:
             if target is not None:
                 setattr(node, field.name, target)
             else:
-                _move_paths(child, old, new)
+                _move_paths(child, olds, new)
     elif isinstance(node, (dict, list)):
         for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
             target = moved(child)
             if target is not None:
                 node[key] = target
             else:
-                _move_paths(child, old, new)
+                _move_paths(child, olds, new)
 
 
 def is_failed_start(path: Path) -> bool:
@@ -258,16 +268,22 @@ def resolve_run_dir(
 
     decision: Optional[tuple] = None
     if rank == 0:
-        configured = None
+        configured, moved_from = None, None
         if sweep_job is not None:
             path = Path(sweep_job.root) / sweep_job.subdir
+            # a job writes under its own folder: literal paths inside the configured run.dir (a resolved
+            # `${run.dir}/checkpoints`) move with it, or the jobs would share (and overwrite) one folder
+            moved_from = cfg.run.dir if cfg.run.dir and Path(cfg.run.dir).resolve() != path.resolve() else None
         else:
             configured = cfg.run.dir if cfg.run.dir else default_run_dir(cfg)
             path = Path(configured)
+        explicit = run_dir_from_command_line() if from_command_line is None else from_command_line
+        if configured is not None and not explicit:
+            # a folder the config named is appended to only by a resume from its own checkpoints;
+            # resuming from another run's checkpoint is a fresh run here
+            resuming = resuming and _inside(getattr(cfg.checkpoint, "load", None), path)
         refusal = run_dir_decision(path, resuming=resuming)
-        moved_from = None
-        if refusal is not None and configured is not None and holds_run(path) and not (
-                run_dir_from_command_line() if from_command_line is None else from_command_line):
+        if refusal is not None and configured is not None and holds_run(path) and not explicit:
             moved_from, path = configured, free_run_dir(path, resuming=resuming)
             refusal = None
             print(f"run.dir: {configured} already holds a run; this run writes to {path} (pick the folder with "
@@ -282,8 +298,7 @@ def resolve_run_dir(
         raise err
     run_dir = Path(path_str)
     if moved_from is not None:  # the folder moved: so do the config's paths inside it, alike on every rank
-        _move_paths(cfg, str(Path(moved_from)), path_str)
-        _move_paths(cfg, str(Path(moved_from).resolve()), path_str)
+        _move_paths(cfg, (str(Path(moved_from)), str(Path(moved_from).resolve())), path_str)
         cfg.run.dir = path_str
     if rank == 0:
         write_config(run_dir, cfg)
