@@ -102,9 +102,9 @@ def _launch(nproc: int, overrides: list, cwd: Path) -> list:
             *overrides]
 
 
-def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) -> subprocess.Popen:
+def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) -> tuple:
     """Start `cmd` in its own process group, wait for `rows` metrics rows, send SIGINT to the group (as a
-    terminal's Ctrl-C does: the launcher and every worker get it)."""
+    terminal's Ctrl-C does: the launcher and every worker get it); (exit code, stderr) once it ended."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 300  # hang guard only
@@ -114,19 +114,19 @@ def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) ->
         assert time.monotonic() < deadline
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
-    return proc
-
-
-def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(tmp_path):
-    ck, run_dir = tmp_path / "ck", tmp_path / "run"
-    cmd = _launch(2, [*TINY, "train.train_iters=100000", f"checkpoint.save={ck}", f"run.dir={run_dir}"], tmp_path)
-    proc = _interrupt_after_rows(cmd, tmp_path, run_dir)
     try:
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err[-3000:]
+    return proc.returncode, err
+
+
+def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(tmp_path):
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    cmd = _launch(2, [*TINY, "train.train_iters=100000", f"checkpoint.save={ck}", f"run.dir={run_dir}"], tmp_path)
+    code, err = _interrupt_after_rows(cmd, tmp_path, run_dir)
+    assert code == 130, err[-3000:]
     last = int((ck / "latest").read_text())
     assert last >= 3 and read_rows(run_dir)[-1]["iteration"] == last
     assert (ck / f"iter_{last:07d}" / ".metadata").is_file()
@@ -138,13 +138,8 @@ def test_ctrl_c_without_checkpoint_save_names_the_key(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "train.eval_interval=null", "train.train_iters=100000",
            f"run.dir={run_dir}"]
-    proc = _interrupt_after_rows(cmd, tmp_path, run_dir)
-    try:
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err[-3000:]
+    code, err = _interrupt_after_rows(cmd, tmp_path, run_dir)
+    assert code == 130, err[-3000:]
     last = read_rows(run_dir)[-1]["iteration"]
     assert err.splitlines() == [f"interrupted after iteration {last}: nothing saved; set checkpoint.save=DIR to "
                                 "save when stopped"]
