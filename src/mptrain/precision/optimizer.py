@@ -81,8 +81,6 @@ from mptrain.precision.scaler import LossScaler
 
 logger = logging.getLogger(__name__)
 
-_HALF = HALF_DTYPES
-
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
@@ -532,7 +530,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     """
 
     def _make_main_param(self, param, spec):
-        if param.dtype in _HALF:
+        if param.dtype in HALF_DTYPES:
             return torch.nn.Parameter(param.detach().clone().float())
         if param.dtype == torch.float32:
             return param

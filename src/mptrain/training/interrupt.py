@@ -22,13 +22,12 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130: what a shell reports for a j
 
 @dataclasses.dataclass
 class Stop:
-    """How a stop signal ended the loop: the signal, the last finished iteration, the save folder
-    (`checkpoint.save`, None when unset) and whether that iteration was saved there."""
+    """How a stop signal ended the loop: the signal, the last finished iteration and the save folder
+    (`checkpoint.save`, None when unset: a stop saves its iteration whenever the folder is set)."""
 
     signum: int
     iteration: int
     save: Optional[str]
-    saved: bool
 
 
 class Interrupted(Exception):
@@ -45,14 +44,14 @@ def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str]) 
     SIGINT (Ctrl-C); None for SIGTERM (a scheduler's stop ends with exit 0) or no signal."""
     if signum != signal.SIGINT:
         return None
-    return Interrupted(Stop(int(signum), iteration, save or None, saved=bool(save)))
+    return Interrupted(Stop(int(signum), iteration, save or None))
 
 
 def interrupted_line(stop: Optional[Stop]) -> str:
     """The one line for a Ctrl-C stop (`stop` None: interrupted before the first iteration)."""
     if stop is None:
         return "interrupted before the first iteration: nothing saved"
-    if stop.saved:
+    if stop.save is not None:
         return (f"interrupted: iteration {stop.iteration} saved to {stop.save}/iter_{stop.iteration:07d}; "
                 f"resume with checkpoint.load={stop.save}")
     return (f"interrupted after iteration {stop.iteration}: nothing saved; set checkpoint.save=DIR to save "
