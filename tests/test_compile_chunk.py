@@ -16,7 +16,7 @@ import torch
 from mptrain.config.model import ModelConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.errors import ConfigError
-from mptrain.layers.compile import chunk_compile_blocker, compile_mode_for
+from mptrain.layers.compile import chunk_compile_blocker, compile_mode_for, resolve_compile_layers
 from mptrain.layers.gpt import check_model_config
 from mptrain.training.recorder import compile_note
 
@@ -31,18 +31,27 @@ def _groups(tp=1, pp=1):
     ({}, None),
     ({"recompute_granularity": "selective"}, "model.recompute_granularity=selective"),
     ({"recompute_granularity": "full", "recompute_num_layers": 1}, "model.recompute_granularity=full"),
-    ({"attention_dropout": 0.1}, "model.attention_dropout=0.1"),
-    ({"hidden_dropout": 0.1}, None),  # drawn in the default generator outside SP: the chunk graph holds it
+    ({"attention_dropout": 0.1}, None),  # drawn in the graph: slices of an all-heads mask (layers/random.py)
+    ({"hidden_dropout": 0.1}, None),
 ])
 def test_chunk_compile_blocker(override, want):
     got = chunk_compile_blocker(ModelConfig(**override), sequence_parallel=False)
     assert (got is None) if want is None else got.startswith(want), got
 
 
-def test_hidden_dropout_blocks_the_chunk_graph_under_sp_only():
-    cfg = ModelConfig(hidden_dropout=0.1)
-    assert chunk_compile_blocker(cfg, sequence_parallel=True).startswith("model.hidden_dropout=0.1 with sequence")
-    assert chunk_compile_blocker(cfg, sequence_parallel=False) is None
+def test_dropout_does_not_block_the_chunk_graph_under_sp():
+    cfg = ModelConfig(hidden_dropout=0.1, attention_dropout=0.1)
+    assert chunk_compile_blocker(cfg, sequence_parallel=True) is None
+
+
+@pytest.mark.parametrize("value, device, want", [
+    (None, CUDA, (True, "default on CUDA; model.compile_layers=false for eager")),
+    (None, CPU, (False, "default: eager on cpu; model.compile_layers=true compiles")),
+    (False, CUDA, (False, "model.compile_layers=false")),
+    (True, CPU, (True, "model.compile_layers=true")),
+])
+def test_compile_layers_default_is_on_for_cuda_only(value, device, want):
+    assert resolve_compile_layers(ModelConfig(compile_layers=value), device) == want
 
 
 @pytest.mark.parametrize("mode, device, tp, pp, chunk, want", [
@@ -86,9 +95,10 @@ def _notes(rank, world):
     g = build_groups(1, 1)
     try:
         out = []
-        for scope, recompute in (("layer", None), ("chunk", "selective"), ("chunk", None)):
+        for scope, recompute, on in (("layer", None, True), ("chunk", "selective", True), ("chunk", None, True),
+                                     ("chunk", None, None)):
             cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
-                              compile_layers=True, compile_scope=scope, recompute_granularity=recompute)
+                              compile_layers=on, compile_scope=scope, recompute_granularity=recompute)
             model = GPTModel(cfg, g, parallel=ParallelConfig(), pre_process=True, post_process=True,
                              layer_numbers=[0], vocab_size=32)
             out.append(compile_note([model]))  # torch.compile is lazy: nothing compiles here
@@ -101,7 +111,9 @@ def test_layer_scope_is_its_own_reason():
     from harness import run_distributed
 
     assert run_distributed(_notes, 1)[0] == [
-        " compile=layer (chunk graph: model.compile_scope=layer)",
-        " compile=layer (chunk graph: model.recompute_granularity=selective (recomputation replays the RNG state))",
-        " compile=chunk (one graph per model chunk, mode default)",
+        " compile=layer (chunk graph: model.compile_scope=layer; model.compile_layers=true)",
+        " compile=layer (chunk graph: model.recompute_granularity=selective (recomputation replays the RNG state); "
+        "model.compile_layers=true)",
+        " compile=chunk (one graph per model chunk, mode default; model.compile_layers=true)",
+        " compile=off (default: eager on cpu; model.compile_layers=true compiles)",
     ]

@@ -18,17 +18,21 @@ def _kernels_line(run_dir) -> str:
     return lines[0][lines[0].index("kernels:"):]
 
 
+EAGER = " compile=off (default: eager on cpu; model.compile_layers=true compiles)"  # model.compile_layers=null on CPU
+
+
 @pytest.mark.parametrize("overrides, want", [
     ([], "kernels: optimizer=torch.optim.Adam (fused=True) norm=mptrain.layers.norms.LayerNorm "
-         "(torch.nn.functional.layer_norm)"),
+         "(torch.nn.functional.layer_norm)" + EAGER),
     (["optim=sgd", "model.normalization=RMSNorm", "precision=bf16"],
-     "kernels: optimizer=torch.optim.SGD (fused=True) norm=mptrain.layers.norms.RMSNorm (torch.nn.functional.rms_norm)"),
+     "kernels: optimizer=torch.optim.SGD (fused=True) norm=mptrain.layers.norms.RMSNorm (torch.nn.functional.rms_norm)"
+     + EAGER),
     (["optim=adamw", "precision=bf16"],
      "kernels: optimizer=torch.optim.AdamW (fused=True) norm=mptrain.layers.norms.LayerNorm "
-     "(torch.nn.functional.layer_norm)"),
+     "(torch.nn.functional.layer_norm)" + EAGER),
     (["optim._target_=torch.optim.RMSprop"],  # takes foreach but not fused
      "kernels: optimizer=torch.optim.RMSprop (foreach=True) norm=mptrain.layers.norms.LayerNorm "
-     "(torch.nn.functional.layer_norm)"),
+     "(torch.nn.functional.layer_norm)" + EAGER),
 ])
 def test_train_log_names_the_optimizer_kernel_and_the_norm(tmp_path, overrides, want):
     run_distributed(run_job, 1, TINY + overrides + [f"run.dir={tmp_path}"])

@@ -159,20 +159,21 @@ class ModelConfig:
     above 256 (no flash / cuDNN kernel; SDPA would fall back to its slow memory-efficient or fp32 math
     kernels), where the unfused path runs: Q·Kᵀ GEMM, scale + causal mask + softmax (fp32 accumulation,
     half-precision in/out, as Megatron's fused softmax), P·V GEMM."""
-    compile_layers: bool = False
-    """Speed option: run the model through `torch.compile` (fuses bias-GeLU, bias-dropout-add, LayerNorm
-    epilogues, the cross entropy's passes); how much of it is one graph is ``compile_scope``. TP
-    collectives inside are the functional ones. Off by default: the first steps pay the compile time,
-    and with dropout > 0 the masks come from Inductor's RNG."""
+    compile_layers: Optional[bool] = None
+    """Run the model through `torch.compile` (fuses bias-GeLU, bias-dropout-add, LayerNorm epilogues, the
+    cross entropy's passes); how much of it is one graph is ``compile_scope``. TP collectives inside are
+    the functional ones. null (default): on for CUDA devices, eager on CPU
+    (`mptrain.layers.compile.resolve_compile_layers`); true / false force it. The first step pays the
+    compile time (logged); with dropout > 0 the masks come from the compiled graph's RNG, not the eager
+    ones (`mptrain.layers.random`, "Dropout in a compiled chunk")."""
     compile_scope: str = "chunk"
     """With ``compile_layers``: ``chunk`` compiles each model chunk's whole forward (embedding, layers,
     final norm, output layer, cross entropy) as one graph, so a micro-batch is one forward and one
     backward graph launch (torchtitan / a plain compiled GPT do the same); ``layer`` compiles each
     TransformerLayer separately (and the cross entropy's passes). ``chunk`` falls back to ``layer``,
     saying why in the log, where the chunk cannot be one graph: activation recomputation
-    (``recompute_granularity``) or dropout drawn in the TP RNG fork (``attention_dropout > 0``, or
-    ``hidden_dropout > 0`` with sequence parallelism) (`mptrain.layers.compile.chunk_compile_blocker`;
-    applied by `mptrain.layers.compile.apply_compile`)."""
+    (``recompute_granularity``) (`mptrain.layers.compile.chunk_compile_blocker`; applied by
+    `mptrain.layers.compile.apply_compile`). Dropout is drawn inside the graph."""
     compile_mode: Optional[str] = "auto"
     """``torch.compile(mode=...)`` of the compiled regions: ``auto``, null (Inductor's default), or one of
     torch's modes (``default``, ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``).

@@ -33,6 +33,7 @@ Spec tree (``model.transformer_layer.submodules.self_attention``, kind `SELF_ATT
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Optional, Protocol
 
@@ -45,7 +46,7 @@ from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
-from mptrain.layers.random import checkpoint
+from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
 KEY = "model.transformer_layer.submodules.self_attention"
@@ -120,6 +121,7 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
         self.attention_backend = config.attention_backend
         self.sequence_parallel, self.rng_tracker = context.sequence_parallel, rng_tracker
+        self.tp_rank, self.tp_size = context.groups.tp_rank, context.groups.tp_size
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -127,7 +129,10 @@ class DotProductAttention(torch.nn.Module):
 
         Attention-probability dropout is inside a TP region (each rank holds other heads): it runs
         in the model-parallel RNG fork, unless sequence parallelism already put the whole block in
-        that fork (megatron/core/transformer/dot_product_attention.py).
+        that fork (megatron/core/transformer/dot_product_attention.py). In a compiled region there is
+        no fork: at tp = 1 SDPA draws its mask from the current generator; at tp > 1 the unfused core
+        drops the probabilities with this rank's heads' slice of an all-heads mask
+        (`mptrain.layers.random.dropout_slice`).
         """
         s, b, np_local, hn = q.shape
         rep = np_local // k.shape[2]
@@ -136,13 +141,19 @@ class DotProductAttention(torch.nn.Module):
         if rep > 1:  # GQA; at rep 1 repeat_interleave would only copy (two copies a layer, and their backward)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [b, np/tp, s, hn]
         dropout_p = self.attention_dropout if self.training else 0.0
-        fork = dropout_p > 0 and not self.sequence_parallel
+        in_graph = dropout_p > 0 and in_compiled_region()
+        fork = dropout_p > 0 and not self.sequence_parallel and not in_graph
+        drop = None
+        if in_graph and self.tp_size > 1:
+            # compiled: no fork; this rank's heads' slice of a mask drawn over all heads (layers/random.py).
+            # SDPA's kernels draw their mask inside, per local head, so the core is the unfused one here
+            drop = functools.partial(dropout_slice, p=dropout_p, dim=1, index=self.tp_rank, parts=self.tp_size)
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
             half = q.dtype in HALF_DTYPES
             if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
-                out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p)
-            elif self._use_unfused(q):
-                out = unfused_attention(q, k, v, attention_mask, dropout_p)
+                out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop)
+            elif self._use_unfused(q) or drop is not None:
+                out = unfused_attention(q, k, v, attention_mask, dropout_p, drop)
             else:
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
@@ -155,8 +166,9 @@ class DotProductAttention(torch.nn.Module):
         return self.attention_backend == "unfused"
 
 
-def unfused_attention(q, k, v, attention_mask, dropout_p):
+def unfused_attention(q, k, v, attention_mask, dropout_p, drop=None):
     """GEMM, scale + mask + softmax, GEMM; inputs/outputs ``[b, heads, s, hn]`` in the model dtype.
+    ``drop``: the probabilities' dropout (``probs -> probs``; default ``F.dropout`` with ``dropout_p``).
 
     The scores ``[b, heads, s, s]`` stay in the input dtype; torch's softmax accumulates in fp32
     for half inputs. The masked fill is in place: the Q·Kᵀ GEMM keeps its inputs, not its output.
@@ -167,18 +179,19 @@ def unfused_attention(q, k, v, attention_mask, dropout_p):
         attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     probs = torch.softmax(scores.masked_fill_(attention_mask, float("-inf")), dim=-1)
     if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p, training=True)
+        probs = F.dropout(probs, dropout_p, training=True) if drop is None else drop(probs)
     return torch.matmul(probs, v)
 
 
-def fp32_softmax_attention(q, k, v, attention_mask, dropout_p):
-    """Unfused core with scores, softmax and dropout in fp32; inputs/outputs ``[b, heads, s, hn]``."""
+def fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop=None):
+    """Unfused core with scores, softmax and dropout in fp32; inputs/outputs ``[b, heads, s, hn]``.
+    ``drop``: as `unfused_attention`'s."""
     s = q.shape[2]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, heads, s, s]
     if attention_mask is None:
         attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     probs = torch.softmax(scores.masked_fill(attention_mask, float("-inf")), dim=-1)
-    probs = F.dropout(probs, dropout_p, training=True)
+    probs = F.dropout(probs, dropout_p, training=True) if drop is None else drop(probs)
     return torch.matmul(probs.to(v.dtype), v)
 
 

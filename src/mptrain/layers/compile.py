@@ -1,17 +1,26 @@
 """Where ``torch.compile`` applies to a model chunk: one plan from the config, applied in one place.
 
-The keys (`mptrain.config.model.ModelConfig`): ``compile_layers`` (on / off), ``compile_scope``
-(``chunk`` | ``layer``), ``compile_mode`` (``auto`` | null | torch.compile's modes).
+The keys (`mptrain.config.model.ModelConfig`): ``compile_layers`` (null = on for CUDA devices, eager
+elsewhere; true / false force it), ``compile_scope`` (``chunk`` | ``layer``), ``compile_mode`` (``auto`` |
+null | torch.compile's modes).
 
 * ``chunk``: the chunk's whole forward (embedding, layers, final norm, output layer, cross entropy)
   is one graph, so a micro-batch is one forward and one backward graph launch (torchtitan and a
-  plain compiled GPT do the same). It falls back to ``layer`` where the chunk cannot be one graph
-  (`chunk_compile_blocker`): activation recomputation, or dropout drawn in the TP RNG fork.
+  plain compiled GPT do the same). Dropout is drawn inside the graph (`mptrain.layers.random`, "Dropout in a
+  compiled chunk"). It falls back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`):
+  activation recomputation (its checkpoint saves and replays the RNG state on the host).
 * ``layer``: each layer of the block is compiled in place (its ``compile``; `TransformerLayer`
   compiles its body, so parameter names stay), and the cross entropy's passes one by one (`compile_pass`).
 
 `plan_compile` decides (pure: config, layout, device); `apply_compile` applies the plan to a built
-chunk; `compile_reason` says what was compiled, for the start-up log's ``kernels:`` line.
+chunk; `compile_reason` says what was compiled and why, for the start-up log's ``kernels:`` line;
+`compile_seconds` reads torch's compile-time counters (the first step's compile time in the log).
+
+Compile time: the chunk's shapes are static (micro-batch and sequence length are fixed by the config,
+evaluation uses the same shapes), so nothing is marked dynamic and one graph serves the whole run
+(evaluation adds one: module docstring of `mptrain.layers.gpt`). Inductor's FX-graph cache and
+AOTAutograd's cache (on by default in torch) make a second run of the same shape load the compiled
+kernels instead of generating them.
 Source: torchtitan ``torchtitan/distributed/compile.py::apply_compile`` (per-block compile, in place).
 """
 
@@ -41,19 +50,31 @@ def check_compile(model) -> None:
     check_choice("model.compile_mode", model.compile_mode, COMPILE_MODES)
 
 
+def resolve_compile_layers(config, device: torch.device) -> tuple[bool, str]:
+    """Whether ``model.compile_layers`` compiles on ``device``, and why (for the ``kernels:`` line).
+
+    null (the default): compile on CUDA, where the fused kernels and one graph launch per micro-batch
+    pay for the compile time within the first iterations; eager elsewhere (on CPU, Inductor's C++
+    compile takes longer than short CPU runs and the eager kernels are already fused where it counts).
+    """
+    if config.compile_layers is None:
+        on = torch.device(device).type == "cuda"
+        return on, ("default on CUDA; model.compile_layers=false for eager" if on
+                    else f"default: eager on {torch.device(device).type}; model.compile_layers=true compiles")
+    return bool(config.compile_layers), f"model.compile_layers={str(bool(config.compile_layers)).lower()}"
+
+
 def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
     """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can).
 
-    The chunk graph holds no RNG fork and no recomputation: `RNGStatesTracker.fork` swaps the
-    device generator's state (not traceable) and the recompute checkpoint saves and replays it.
-    Where either is needed the layers are compiled one by one, as ``compile_scope=layer``.
+    Dropout is no blocker: in the chunk graph it is drawn from the default stream at the TP-unsplit shape
+    and sliced (`mptrain.layers.random.in_graph_dropout`), so no RNG fork is needed. Recomputation is:
+    its checkpoint (`mptrain.layers.random.checkpoint`) captures and restores generator states on the
+    host, which Dynamo cannot trace; the layers are then compiled one by one, as ``compile_scope=layer``.
+    ``sequence_parallel``: the effective one (no rule depends on it since dropout is drawn in the graph).
     """
     if config.recompute_granularity is not None:
         return f"model.recompute_granularity={config.recompute_granularity} (recomputation replays the RNG state)"
-    if config.attention_dropout > 0:
-        return f"model.attention_dropout={config.attention_dropout} (drawn in the TP RNG fork)"
-    if sequence_parallel and config.hidden_dropout > 0:
-        return f"model.hidden_dropout={config.hidden_dropout} with sequence parallelism (drawn in the TP RNG fork)"
     return None
 
 
@@ -74,17 +95,19 @@ class CompilePlan:
     """What `apply_compile` does to one model chunk.
 
     Attributes:
-        compile_layers: ``model.compile_layers`` (nothing is compiled when False).
+        compile_layers: ``model.compile_layers`` resolved for the device (nothing is compiled when False).
         chunk: the chunk's forward is one graph (``compile_scope=chunk`` and nothing blocks it).
         mode: the ``torch.compile`` mode of the compiled regions (`compile_mode_for`; None = Inductor's default).
         blocker: why the chunk is not one graph (`chunk_compile_blocker`, or ``model.compile_scope=layer``);
             None when it is.
+        why: why ``compile_layers`` is on or off (`resolve_compile_layers`).
     """
 
     compile_layers: bool
     chunk: bool
     mode: Optional[str]
     blocker: Optional[str]
+    why: str = ""
 
     @property
     def fused_cross_entropy(self) -> bool:
@@ -100,11 +123,12 @@ class CompilePlan:
 
 def plan_compile(config, groups, device: torch.device, sequence_parallel: bool) -> CompilePlan:
     """The compile plan of one chunk (pure). ``sequence_parallel``: the effective one (tp > 1)."""
+    compile_layers, why = resolve_compile_layers(config, device)
     blocker = (chunk_compile_blocker(config, sequence_parallel) if config.compile_scope == "chunk"
                else "model.compile_scope=layer")
-    chunk = bool(config.compile_layers) and blocker is None
-    return CompilePlan(compile_layers=bool(config.compile_layers), chunk=chunk,
-                       mode=compile_mode_for(config, groups, device, chunk), blocker=blocker)
+    chunk = compile_layers and blocker is None
+    return CompilePlan(compile_layers=compile_layers, chunk=chunk,
+                       mode=compile_mode_for(config, groups, device, chunk), blocker=blocker, why=why)
 
 
 def apply_compile(model: torch.nn.Module, plan: CompilePlan) -> None:
@@ -135,17 +159,37 @@ def compile_pass(fn: Callable) -> Callable:
 
 
 def compile_reason(models) -> str:
-    """`` compile=chunk (...)`` / `` compile=layer (chunk graph: <why not>)`` for the start-up log's
-    ``kernels:`` line, from the chunks' ``compiled_chunk``, ``compile_mode`` and ``compile_blocker``
-    (`GPTModel`'s); empty when nothing is compiled or the model provider is a user's without them.
+    """`` compile=chunk (...)`` / `` compile=layer (chunk graph: <why not>)`` / `` compile=off (<why>)`` for
+    the start-up log's ``kernels:`` line, from the chunks' ``compile_plan`` (`GPTModel`'s: what was chosen
+    and why); a user's provider without a plan: from ``config.compile_layers`` and the chunks'
+    ``compiled_chunk``, ``compile_mode``, ``compile_blocker``; empty when that says nothing is compiled.
 
     Args:
         models: the model chunks, unwrapped (no DDP / Float16Module around them).
     """
-    if not any(getattr(getattr(m, "config", None), "compile_layers", False) for m in models):
+    plans = [getattr(m, "compile_plan", None) for m in models]
+    whys = "; ".join(dict.fromkeys(p.why for p in plans if isinstance(p, CompilePlan) and p.why))
+    why = f"; {whys}" if whys else ""
+    if all(isinstance(p, CompilePlan) for p in plans) and plans:
+        if not any(p.compile_layers for p in plans):
+            return f" compile=off ({whys})" if whys else ""
+    elif not any(getattr(getattr(m, "config", None), "compile_layers", False) for m in models):
         return ""
     if all(getattr(m, "compiled_chunk", False) for m in models):
         modes = dict.fromkeys(str(getattr(m, "compile_mode", None) or "default") for m in models)
-        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)})"
+        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)}{why})"
     blockers = dict.fromkeys(str(getattr(m, "compile_blocker", "")) for m in models)
-    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'})"
+    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'}{why})"
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent compiling so far (Dynamo's frame compiles, forward and backward graphs,
+    Inductor's code generation), from torch's counters (``torch._dynamo.utils.calculate_time_spent``);
+    0.0 when torch has none (nothing compiled, or a torch without the counters)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        spent = calculate_time_spent()
+    except Exception:  # noqa: BLE001 - a private counter: its absence only drops a log figure
+        return 0.0
+    return float(spent.get("entire_frame_compile", 0.0)) + float(spent.get("entire_backward_compile", 0.0))

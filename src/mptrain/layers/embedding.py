@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from mptrain.layers.context import LayerContext
 from mptrain.layers.mappings import reduce_from_tp_region, scatter_to_sequence_parallel_region
+from mptrain.layers.random import dropout_slice, in_compiled_region
 from mptrain.layers.sharding import ShardSpec, take_shard
 
 
@@ -84,7 +85,8 @@ class GPTEmbedding(torch.nn.Module):
     sum; the scatter's backward all-gathers, so the position embedding's grad is complete on
     every TP rank and needs no extra reduction). Dropout: outside SP in the default RNG (same
     mask on every TP rank, the activation is replicated); under SP inside the model-parallel
-    fork (each rank holds a different sequence slice). The position embedding is replicated.
+    fork (each rank holds a different sequence slice); in a compiled region its slice of a mask drawn
+    over the whole sequence (`mptrain.layers.random.dropout_slice`). The position embedding is replicated.
 
     Args:
         config: ModelConfig. context: `LayerContext` (groups, init, sequence_parallel, params_dtype, device).
@@ -118,7 +120,10 @@ class GPTEmbedding(torch.nn.Module):
             x = x + self.position_embeddings(position_ids.t())  # [s, b|1, h]
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.groups.tp_group)  # [s/tp, b, h]
-        if self.dropout_p > 0 and self.training:
+        if self.dropout_p > 0 and self.training and in_compiled_region():  # no fork in a graph: layers/random.py
+            parts = self.groups.tp_size if self.sequence_parallel else 1
+            x = dropout_slice(x, self.dropout_p, dim=0, index=self.groups.tp_rank, parts=parts)
+        elif self.dropout_p > 0 and self.training:
             ctx = self.rng_tracker.fork() if self.sequence_parallel else contextlib.nullcontext()
             with ctx:
                 x = F.dropout(x, self.dropout_p, training=True)

@@ -294,8 +294,8 @@ class GPTModel(torch.nn.Module):
         self._compiled_forward = None  # set by `compile`
         if pre_process:
             self.embedding = GPTEmbedding(config, self.context, vocab_size=vocab_size, rng_tracker=self.rng_tracker)
-        # in the chunk graph the block skips its SP RNG fork (not traceable), which only matters for
-        # dropout draws (chunk_compile_blocker rules those out)
+        # in the chunk graph the block skips its SP RNG fork (not traceable): dropout there draws its
+        # TP-region masks as slices of whole-tensor masks (layers/random.py, "Dropout in a compiled chunk")
         self.decoder = TransformerBlock(config, self.context, layer_numbers=self.layer_numbers,
                                         rng_tracker=self.rng_tracker, final_norm=post_process,
                                         rng_fork=not self.compile_plan.chunk)

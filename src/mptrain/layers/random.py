@@ -15,6 +15,16 @@ are offset by 100 per pp rank (so the model-parallel stream includes the pp offs
 Megatron, where it is derived from the already offset seed). Virtual chunks of one rank share
 its streams.
 
+Dropout in a compiled chunk (`mptrain.layers.compile`): swapping a generator's state (`RNGStatesTracker.fork`)
+cannot be traced, so inside a compiled region every mask is drawn from torch's current generator (Inductor
+draws its per-call seeds from it; its philox then makes the mask on the device, also under CUDA graphs,
+whose replays advance the generator), and a mask of a TP region is drawn at the TP-unsplit shape and sliced
+to this rank's part (`dropout_slice`): attention-probability masks ``[b, np, s, s]`` sliced to the rank's
+heads, hidden masks under sequence parallelism ``[s, b, h]`` sliced to its sequence rows. The semantics
+stay Megatron's: masks of a TP region differ across TP ranks (other slices), the others match across TP
+ranks, DP ranks share them, all follow ``train.seed`` and the checkpointed generator states. The masks
+themselves differ from the eager ones (another generator, another draw order).
+
 Initialisation never touches these streams: every parameter is drawn at its full unpadded
 shape from its own ``torch.Generator`` seeded by (seed, the parameter's global name), then
 sliced (`ParamInit`), so the full model is the same for every TP/PP layout.
@@ -28,6 +38,7 @@ import hashlib
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
@@ -132,6 +143,36 @@ def init_rng_tracker(seed: int, groups, device: Optional[torch.device] = None, *
     tracker = RNGStatesTracker(device)
     tracker.add(MODEL_PARALLEL_RNG, base + _TP_SEED_OFFSET + groups.tp_rank)
     return tracker
+
+
+# --- dropout inside a compiled region ----------------------------------------------------------
+def in_compiled_region() -> bool:
+    """True while Dynamo traces (``torch.compiler.is_compiling``): dropout is drawn as in the module docstring's
+    "Dropout in a compiled chunk", without `RNGStatesTracker.fork`."""
+    return torch.compiler.is_compiling()
+
+
+def dropout_slice(x: torch.Tensor, p: float, *, dim: int, index: int, parts: int) -> torch.Tensor:
+    """Dropout of ``x``, the ``index``-th of ``parts`` equal slices along ``dim`` of a tensor: the keep mask is
+    drawn at the full shape (``x.shape`` with ``dim`` × ``parts``) from torch's current generator and
+    sliced, so each part gets its own mask and every rank holding the part gets the same one.
+
+    Args:
+        x: any shape; ``parts == 1``: plain ``F.dropout``.
+        p: drop probability in [0, 1).
+        dim, index, parts: where ``x`` sits in the full tensor (e.g. heads: dim 1, the TP rank, tp).
+    Returns:
+        ``x · keep / (1 - p)`` in ``x``'s dtype, keep ~ Bernoulli(1 - p) (torch's ``native_dropout``
+        decomposition: ``rand > p``). In a compiled graph Inductor fuses the draw into the consumer and
+        generates only the sliced elements.
+    """
+    if parts == 1:
+        return F.dropout(x, p, training=True)
+    full = list(x.shape)
+    full[dim] *= parts
+    n = x.shape[dim]
+    keep = torch.rand(full, device=x.device, dtype=torch.float32).narrow(dim, index * n, n) > p  # this part's mask
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
 # --- recomputation ------------------------------------------------------------------------------

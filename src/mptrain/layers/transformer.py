@@ -8,7 +8,8 @@ Legend: ``[s, b, h]`` activations, ``[s/tp, b, h]`` under sequence parallelism (
 Hidden dropout draws from torch's current generator: the default stream (same on all TP ranks:
 the activation is replicated) or, under SP, the model-parallel stream, because
 `TransformerBlock` runs all its layers inside ``rng_tracker.fork()``
-(megatron/core/transformer/transformer_block.py).
+(megatron/core/transformer/transformer_block.py). In a compiled chunk there is no fork: under SP each
+rank takes its rows of a mask drawn over the whole sequence (`mptrain.layers.random.dropout_slice`).
 
 Recomputation (DESIGN.md §1 keys, Megatron ``transformer_block.py::_checkpointed_forward``):
 ``recompute_granularity=full`` with ``recompute_method=uniform`` checkpoints consecutive groups of
@@ -42,7 +43,7 @@ from mptrain.layers.context import LayerContext
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.mlp import ACTIVATION, MLP_KIND
 from mptrain.layers.norms import NORM
-from mptrain.layers.random import checkpoint
+from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
 from mptrain.layers.spec import (
     COLUMN_PARALLEL_LINEAR,
     LAYER_KEY,
@@ -108,6 +109,9 @@ class TransformerLayer(torch.nn.Module):
     def __init__(self, config, context: LayerContext, *, layer_number: int, rng_tracker, submodules=None) -> None:
         super().__init__()
         self.layer_number, self.hidden_dropout = layer_number, config.hidden_dropout
+        # where this rank's [s/tp, b, h] rows sit in the sequence (sequence parallelism), for compiled dropout
+        sp = context.sequence_parallel
+        self._sp_index, self._sp_parts = (context.groups.tp_rank, context.groups.tp_size) if sp else (0, 1)
         node = _layer_submodules(submodules)
         inner = dict(config=config, context=context, layer_number=layer_number)
         self.input_layernorm = build_norm_node(submodules, "input_layernorm", config, context=context)
@@ -124,7 +128,11 @@ class TransformerLayer(torch.nn.Module):
         self._compiled_body = torch.compile(self._body, *args, **kwargs)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout > 0 else x
+        if not (self.training and self.hidden_dropout > 0):
+            return x
+        if in_compiled_region():  # no fork in a graph: under SP, this rank's rows of a whole-sequence mask
+            return dropout_slice(x, self.hidden_dropout, dim=0, index=self._sp_index, parts=self._sp_parts)
+        return F.dropout(x, self.hidden_dropout, training=True)
 
     def _body(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor],
               kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
@@ -167,7 +175,7 @@ class TransformerBlock(torch.nn.Module):
         layer_numbers: global indices of this chunk's layers. final_norm: add ``final_layernorm`` (built
             from the layer spec's ``input_layernorm`` node).
         rng_fork: under sequence parallelism run the layers in the TP RNG fork (default); False inside a
-            compiled chunk, where nothing draws (`mptrain.layers.compile.chunk_compile_blocker`).
+            compiled chunk, whose dropout needs no fork (`mptrain.layers.random.dropout_slice`).
     """
 
     def __init__(self, config, context: LayerContext, *, layer_numbers: list, rng_tracker, final_norm: bool,

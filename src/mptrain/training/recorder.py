@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from mptrain.layers.compile import compile_reason
+from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.params import flops_per_iteration
 from mptrain.precision.module import unwrap
@@ -145,7 +145,9 @@ class Recorder:
     def train_row(self, iteration: int, consumed: int, metrics: dict, trainer, *, step_time_s: float) -> None:
         if self.t_first_step is None:
             self.t_first_step = time.time()
-            self.log(f"startup: {self.t_first_step - self.t_start:.1f} s to the end of the first step")
+            compiled_s = compile_seconds()  # Dynamo + Inductor, forward and backward graphs (and evaluation's)
+            compiled = f", of which compile {compiled_s:.1f} s" if compiled_s > 0 else ""
+            self.log(f"startup: {self.t_first_step - self.t_start:.1f} s to the end of the first step{compiled}")
         rates = self.rates(step_time_s)
         self.counters.end_iteration()
         if iteration > 1:  # the first step carries warm-up costs

@@ -21,12 +21,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import torch
+
 from mptrain.checkpoint.finetune import check_load_keys
 from mptrain.config.schema import Config, as_config
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
 from mptrain.groups import validate_layout
+from mptrain.layers.compile import resolve_compile_layers
 from mptrain.layers.gpt import check_model_components, check_model_config
 from mptrain.optim.builders import check_optimizer
 from mptrain.optim.lr_scheduler import check_lr_scheduler
@@ -188,10 +191,12 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         data_parallel_size=dp, num_microbatches=num_microbatches, micro_batch_size=c.train.micro_batch_size)).name
     sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)  # seq_length % tp: check_model_config
-    if c.parallel.tp_comm_overlap and not (sequence_parallel and c.model.compile_layers):
+    # null: compiled where the run's device is CUDA (groups.py picks CUDA whenever it is available)
+    compiled, _ = resolve_compile_layers(c.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if c.parallel.tp_comm_overlap and not (sequence_parallel and compiled):
         missing = [need for need, ok in (("tensor_model_parallel_size > 1", tp > 1),
                                          ("parallel.sequence_parallel=true", c.parallel.sequence_parallel),
-                                         ("model.compile_layers=true", c.model.compile_layers)) if not ok]
+                                         ("model.compile_layers=true", compiled)) if not ok]
         raise ConfigError(
             "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers on CUDA GPUs "
             f"with NCCL; it also needs {' and '.join(missing)} (got tp={tp}); set those or parallel.tp_comm_overlap=false"
