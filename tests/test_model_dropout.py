@@ -125,3 +125,73 @@ def test_tracker_state_dict_roundtrip_and_no_nested_fork():
     assert torch.equal(torch.rand(8), b)
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("model-parallel-rng", 1)
+
+
+# --- dropout inside the compiled chunk graph ------------------------------------------------------
+# aot_eager traces exactly what Inductor gets (Dynamo graph, AOT joint graph) without generating C++;
+# the masks then come from ATen's rand on the same generator, in the same order as Inductor's seeds.
+COMPILED = dict(CFG, num_layers=1, attention_dropout=0.3, hidden_dropout=0.3, attention_backend="unfused",
+                compile_layers=True)
+
+
+def _compiled_dropout(rank, world):
+    """Per layout (tp 1 dp 2; tp 2 with SP): the compiled chunk's training loss (fullgraph: one graph, no
+    break), its graph count (after a train step; tp 1: also after an eval pass and another train step),
+    a rerun from the restored RNG state; at tp 2 the compiled attention core's output on identical inputs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    out = {}
+    gen = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(0, 60, (2, 16), generator=gen), torch.randint(0, 60, (2, 16), generator=gen)
+    q = torch.randn(16, 2, 2, 8, generator=gen)  # [s, b, np/tp, hn]: the same on every rank
+    for tp in (1, 2):
+        g = build_groups(tp, 1)
+        try:
+            par = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+            model = build_model_chunks(ModelConfig(**COMPILED), par, g, vocab_size=60, seed=11)[0]
+            assert model.compiled_chunk, model.compile_blocker
+            counter = CompileCounterWithBackend("aot_eager")
+            model.compile(backend=counter, fullgraph=True)  # fullgraph: a graph break raises
+            model.train()
+            state = model.rng_tracker.state_dict()
+            loss = model(ids, labels=labels)
+            loss.sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            graphs = [counter.frame_count]
+            model.eval()
+            with torch.no_grad():
+                eval_loss = model(ids, labels=labels) if tp == 1 else None
+            model.train()
+            model.rng_tracker.load_state_dict(state)  # what a resume restores
+            model.zero_grad()
+            again = model(ids, labels=labels)
+            again.sum().backward()
+            graphs.append(counter.frame_count)
+            same = torch.equal(again, loss) and all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+            ctx = None
+            if tp > 1:
+                core = torch.compile(model.decoder.layers["0"].self_attention.core_attention, backend="aot_eager",
+                                     fullgraph=True)
+                ctx = torch.stack(_gather(core(q, q[:, :, :2], q[:, :, :2], None).detach()))
+            out[tp] = (loss.detach(), eval_loss, graphs, same, ctx)
+        finally:
+            g.destroy()
+    return out
+
+
+def test_compiled_chunk_draws_dropout_in_one_graph_with_the_tp_semantics():
+    res = run_distributed(_compiled_dropout, 2)
+    loss, eval_loss, graphs, rerun_same, _ = res[0][1]
+    assert not torch.equal(loss, eval_loss)  # dropout ran
+    # the whole chunk, dropout included, is one graph; evaluation (no_grad, eval mode) adds one, training reuses the first
+    assert graphs == [1, 2]
+    assert torch.equal(loss, res[1][1][0])  # DP ranks (tp 1, dp 2) draw the same masks
+    for rank in (0, 1):
+        assert res[rank][1][3] and res[rank][2][3]  # the restored generator states give the same masks, loss, grads
+    assert res[0][2][2] == [1, 1]
+    # tp 2 + SP: every rank takes its slice of one mask per site, so the compiled masks do not depend on the layout.
+    # fp32, TP-split GEMMs and an all-reduce: a few ulps (rel 1e-5); another mask moves the loss by O(0.1)
+    torch.testing.assert_close(res[0][2][0], loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(res[0][2][0], res[1][2][0])  # the loss is complete on every TP rank
+    ctx = res[0][2][4]  # the compiled core on identical inputs: its heads' mask differs per TP rank
+    assert not torch.equal(ctx[0], ctx[1])

@@ -130,9 +130,9 @@ class DotProductAttention(torch.nn.Module):
         Attention-probability dropout is inside a TP region (each rank holds other heads): it runs
         in the model-parallel RNG fork, unless sequence parallelism already put the whole block in
         that fork (megatron/core/transformer/dot_product_attention.py). In a compiled region there is
-        no fork: at tp = 1 SDPA draws its mask from the current generator; at tp > 1 the unfused core
-        drops the probabilities with this rank's heads' slice of an all-heads mask
-        (`mptrain.layers.random.dropout_slice`).
+        no fork: the unfused cores drop the probabilities with this rank's heads' slice of an all-heads
+        mask (`mptrain.layers.random.dropout_slice`), which is why the core is the unfused one at tp > 1;
+        at tp = 1 SDPA draws its mask from the current generator inside its kernel.
         """
         s, b, np_local, hn = q.shape
         rep = np_local // k.shape[2]
@@ -143,16 +143,16 @@ class DotProductAttention(torch.nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         in_graph = dropout_p > 0 and in_compiled_region()
         fork = dropout_p > 0 and not self.sequence_parallel and not in_graph
-        drop = None
-        if in_graph and self.tp_size > 1:
-            # compiled: no fork; this rank's heads' slice of a mask drawn over all heads (layers/random.py).
-            # SDPA's kernels draw their mask inside, per local head, so the core is the unfused one here
-            drop = functools.partial(dropout_slice, p=dropout_p, dim=1, index=self.tp_rank, parts=self.tp_size)
+        # compiled: no fork; this rank's heads' slice of a mask drawn over all heads (layers/random.py)
+        drop = (functools.partial(dropout_slice, p=dropout_p, dim=1, index=self.tp_rank, parts=self.tp_size)
+                if in_graph else None)
+        # SDPA's kernels draw their mask inside, per local head: at tp > 1 the compiled core is the unfused one
+        sliced = in_graph and self.tp_size > 1
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
             half = q.dtype in HALF_DTYPES
             if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
                 out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop)
-            elif self._use_unfused(q) or drop is not None:
+            elif self._use_unfused(q) or sliced:
                 out = unfused_attention(q, k, v, attention_mask, dropout_p, drop)
             else:
                 out = F.scaled_dot_product_attention(

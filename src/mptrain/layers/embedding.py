@@ -121,8 +121,8 @@ class GPTEmbedding(torch.nn.Module):
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.groups.tp_group)  # [s/tp, b, h]
         if self.dropout_p > 0 and self.training and in_compiled_region():  # no fork in a graph: layers/random.py
-            parts = self.groups.tp_size if self.sequence_parallel else 1
-            x = dropout_slice(x, self.dropout_p, dim=0, index=self.groups.tp_rank, parts=parts)
+            index, parts = (self.groups.tp_rank, self.groups.tp_size) if self.sequence_parallel else (0, 1)
+            x = dropout_slice(x, self.dropout_p, dim=0, index=index, parts=parts)
         elif self.dropout_p > 0 and self.training:
             ctx = self.rng_tracker.fork() if self.sequence_parallel else contextlib.nullcontext()
             with ctx:

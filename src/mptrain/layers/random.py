@@ -38,7 +38,6 @@ import hashlib
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
@@ -157,17 +156,19 @@ def dropout_slice(x: torch.Tensor, p: float, *, dim: int, index: int, parts: int
     drawn at the full shape (``x.shape`` with ``dim`` × ``parts``) from torch's current generator and
     sliced, so each part gets its own mask and every rank holding the part gets the same one.
 
+    Every layout draws the same full mask (one ``rand`` of the full shape per dropout site, in the same
+    order), so a compiled chunk's masks do not depend on tp or sequence parallelism.
+
     Args:
-        x: any shape; ``parts == 1``: plain ``F.dropout``.
+        x: any shape.
         p: drop probability in [0, 1).
-        dim, index, parts: where ``x`` sits in the full tensor (e.g. heads: dim 1, the TP rank, tp).
+        dim, index, parts: where ``x`` sits in the full tensor (e.g. heads: dim 1, the TP rank, tp; 1 part:
+            the whole tensor).
     Returns:
         ``x · keep / (1 - p)`` in ``x``'s dtype, keep ~ Bernoulli(1 - p) (torch's ``native_dropout``
         decomposition: ``rand > p``). In a compiled graph Inductor fuses the draw into the consumer and
         generates only the sliced elements.
     """
-    if parts == 1:
-        return F.dropout(x, p, training=True)
     full = list(x.shape)
     full[dim] *= parts
     n = x.shape[dim]
