@@ -12,10 +12,16 @@ the provider raising), the reader sends status 1 and then its error line; every 
 same `BatchError`, so no rank is left in a broadcast of the wrong size (which gloo aborts on with
 "Received data size doesn't match expected size", or NCCL hangs on). Packing makes that status
 free: 2 broadcasts per micro-batch (int64 buffer, loss_mask) instead of the 4 of one per tensor.
+
+The reading rank's batches come from `CheckedProvider`'s iterators as `PreparedBatch` objects: checked, packed
+and copied to the device ahead of the step on CUDA (`mptrain.training.prefetch.BatchPrefetcher`), so the
+``batch-generator`` time is what is left on the step's path: waiting for a batch that is not ready, the
+TP broadcast. A plain iterator of host dicts works too (prepared when read).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator, Optional
 
 import torch
@@ -23,8 +29,12 @@ import torch.distributed as dist
 
 from mptrain.data.errors import DataError
 from mptrain.groups import ParallelGroups
+from mptrain.training.prefetch import BatchPrefetcher, PreparedBatch
 
 _INT_KEYS = ("tokens", "labels", "position_ids")
+PREFETCH_DEPTH = 2
+"""Training micro-batches prepared ahead on CUDA: two, so that the next step's first micro-batch is ready
+while this step's last one is still being read (`BatchPrefetcher`)."""
 
 
 class BatchError(DataError):
@@ -86,25 +96,36 @@ class CheckedProvider:
     """
 
     def __init__(self, provider: Any, *, source: str, micro_batch_size: int, seq_length: int, vocab_size: int,
-                 with_attention_mask: bool) -> None:
+                 with_attention_mask: bool, device: Optional[torch.device] = None) -> None:
         self.provider, self.source = provider, source
         self.expect = dict(micro_batch_size=micro_batch_size, seq_length=seq_length, vocab_size=vocab_size,
                            with_attention_mask=with_attention_mask, source=source)
+        self.device = torch.device(device if device is not None else "cpu")
         self.samples_read = 0
         """Training samples this rank has read (batches checked and handed to the model)."""
 
-    def _checked(self, batches: Iterator, *, count: bool) -> Iterator[dict]:
+    def _checked(self, batches: Iterator) -> Iterator[dict]:
         for batch in batches:
             check_batch(batch, **self.expect)
-            if count:
-                self.samples_read += int(batch["tokens"].shape[0])
             yield batch
 
-    def train_iterator(self, consumed_samples: int) -> Iterator[dict]:
-        return self._checked(iter(self.provider.train_iterator(consumed_samples)), count=True)
+    def _count(self, samples: int) -> None:
+        self.samples_read += samples
 
-    def eval_iterator(self, split: str) -> Iterator[dict]:
-        return self._checked(iter(self.provider.eval_iterator(split)), count=False)
+    def _prepared(self, batches: Iterator, *, depth: int, on_take=None) -> BatchPrefetcher:
+        prepare = functools.partial(prepare_batch, device=self.device,
+                                    with_attention_mask=self.expect["with_attention_mask"])
+        return BatchPrefetcher(self._checked(batches), prepare, device=self.device, depth=depth, on_take=on_take)
+
+    def train_iterator(self, consumed_samples: int) -> BatchPrefetcher:
+        """Micro-batches (`PreparedBatch`) from `consumed_samples` on, prepared ahead on CUDA (`BatchPrefetcher`); a batch
+        counts in `samples_read` when the step takes it."""
+        return self._prepared(iter(self.provider.train_iterator(consumed_samples)), depth=PREFETCH_DEPTH,
+                              on_take=self._count)
+
+    def eval_iterator(self, split: str) -> BatchPrefetcher:
+        """Micro-batches (`PreparedBatch`) of `split`, prepared when asked for (an evaluation's iterator lives for one pass)."""
+        return self._prepared(iter(self.provider.eval_iterator(split)), depth=0)
 
     def has_split(self, split: str) -> bool:
         return bool(self.provider.has_split(split))
@@ -150,7 +171,10 @@ def get_batch(
         if error is not None and not distributed:
             raise error
         if error is None:
-            packed = _packed_on(device, batch)
+            # a BatchPrefetcher's batch is on the device already (the copy overlapped the previous step)
+            prepared = batch if isinstance(batch, PreparedBatch) else prepare_batch(
+                batch, device=device, with_attention_mask=with_attention_mask)
+            packed = prepared.tensors["packed"]
         else:
             packed = torch.zeros(1 + 3 * n, dtype=torch.int64, device=device)
             packed[0] = 1
@@ -161,10 +185,8 @@ def get_batch(
             _fail(groups, reader, error if reader else None)
     tensors: dict[str, Any] = {k: packed[1 + i * n: 1 + (i + 1) * n].view(shape) for i, k in enumerate(_INT_KEYS)}
     if reader:
-        tensors["loss_mask"] = _on(device, batch["loss_mask"].to(torch.float32))
-        mask = batch.get("attention_mask")
-        # bool is not a gloo dtype: the mask travels as uint8
-        tensors["attention_mask"] = mask.to(device, torch.uint8) if (with_attention_mask and mask is not None) else None
+        tensors["loss_mask"] = prepared.tensors["loss_mask"]
+        tensors["attention_mask"] = prepared.tensors["attention_mask"]
     else:
         tensors["loss_mask"] = torch.empty(shape, dtype=torch.float32, device=device)
         tensors["attention_mask"] = (
@@ -188,6 +210,19 @@ def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def prepare_batch(batch: dict, *, device: torch.device, with_attention_mask: bool) -> PreparedBatch:
+    """The reading rank's device tensors of one checked micro-batch: ``packed`` (`_packed_on`), ``loss_mask``
+    ``[b, s]`` float32, ``attention_mask`` ``[b, 1, s, s]`` uint8 or None; on CUDA through pinned memory with
+    non-blocking copies on the current stream (a `BatchPrefetcher`'s side stream when it prefetches)."""
+    mask = batch.get("attention_mask")
+    return PreparedBatch({
+        "packed": _packed_on(device, batch),
+        "loss_mask": _on(device, batch["loss_mask"].to(torch.float32)),
+        # bool is not a gloo dtype: the mask travels as uint8
+        "attention_mask": _on(device, mask.to(torch.uint8)) if (with_attention_mask and mask is not None) else None,
+    }, samples=int(batch["tokens"].shape[0]))
 
 
 def _packed_on(device: torch.device, batch: dict) -> torch.Tensor:

@@ -138,7 +138,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     )
     # the reading rank checks every batch against the config before the TP broadcast (training/batch.py)
     provider = CheckedProvider(provider, source=provider_target(cfg.data), micro_batch_size=cfg.train.micro_batch_size,
-                               seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask)
+                               seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask,
+                               device=groups.device)
     timers = Timers(cfg.train.timing_log_level, groups.device)
     schedule_spec = ScheduleSpec(groups=groups, num_microbatches=derived.num_microbatches,
                                  seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
