@@ -51,12 +51,14 @@ MODEL_SHAPES = {
 BENCH_SHAPES = {
     "gpt_11m_s256": ("gpt_125m", ModelShape(6, 384, 6, 256, 50257)),
     "gpt_124m_s1024": ("gpt_125m", ModelShape(12, 768, 12, 1024, 50257)),
+    "gpt_6x384_v65": ("gpt_125m", ModelShape(6, 384, 6, 256, 65)),  # a character-level model (Shakespeare's 65)
 }
 
 # mptrain variants: name -> extra Hydra overrides (each measured change is a variant); an item
 # "env:NAME=VALUE" sets an environment variable of the run instead (`variant_env`).
 VARIANTS = {
-    "base": (),
+    "base": ("model.compile_layers=false",),  # eager: the loss reference of the other variants
+    "default": (),  # the plain command a user runs (compiled on CUDA: model.compile_layers=null)
     "compile": ("model.compile_layers=true",),  # compile_scope=chunk, the default
     "compile_layer": ("model.compile_layers=true", "model.compile_scope=layer"),
     "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
@@ -131,6 +133,8 @@ class BenchConfig:
     variants: tuple = ("base",)
     peer: bool = True
     reference: bool = False  # also run the plain-PyTorch GPT (`bench/peer/torch_ceiling.py`) at this shape
+    dropout: float = 0.0  # hidden and attention dropout, on both sides
+    recompute: Optional[str] = None  # full (every layer) | selective (the attention core), on both sides
 
     @property
     def shape(self) -> ModelShape:
@@ -231,6 +235,13 @@ def _small(gpus: int) -> list:
     small = dict(gpus=1, tp=1, pp=1, precision="bf16", warmup=3, iters=10, variants=("compile",), peer=False,
                  reference=True)
     configs = [
+        # the default command (variant ``default``) of a small character-level model, with and without dropout
+        BenchConfig("s_6x384_v65_s256_mb64_do0.2", "gpt_6x384_v65", micro_batch_size=64, num_microbatches=1,
+                    timeout_s=150, dropout=0.2, **{**small, "variants": ("default",), "iters": 40}),
+        BenchConfig("s_6x384_v65_s256_mb64", "gpt_6x384_v65", micro_batch_size=64, num_microbatches=1,
+                    timeout_s=150, **{**small, "variants": ("default",), "iters": 40}),
+        BenchConfig("s_gpt124m_s1024_mb12_do0.1", "gpt_124m_s1024", micro_batch_size=12, num_microbatches=1,
+                    timeout_s=150, dropout=0.1, **{**small, "variants": ("default",)}),
         BenchConfig("s_gpt11m_s256_mb64", "gpt_11m_s256", micro_batch_size=64, num_microbatches=1, timeout_s=120, **small),
         BenchConfig("s_gpt124m_s1024_mb12", "gpt_124m_s1024", micro_batch_size=12, num_microbatches=1, timeout_s=120,
                     **small),
@@ -290,8 +301,8 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         f"train.global_batch_size={cfg.global_batch_size}",
         f"train.train_iters={cfg.warmup + cfg.iters}",
         "train.eval_interval=null",
-        "model.hidden_dropout=0.0",
-        "model.attention_dropout=0.0",
+        f"model.hidden_dropout={cfg.dropout}",
+        f"model.attention_dropout={cfg.dropout}",
         "run.progress_bar=false",
         f"run.dir={run_dir}",
     ]
@@ -302,15 +313,22 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         o.append(f"precision.allow_tf32={'true' if cfg.tf32 else 'false'}")
     if cfg.pp > 1:
         o.append("schedule=1f1b")
+    if cfg.recompute == "full":
+        o += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    elif cfg.recompute is not None:
+        o.append(f"model.recompute_granularity={cfg.recompute}")
     return o + [item for item in VARIANTS[variant] if not item.startswith("env:")]
 
 
 def reference_env(cfg: BenchConfig) -> dict:
-    """Environment of `bench/peer/torch_ceiling.py` for `cfg`'s shape and batch (AdamW, clip 1.0 as mptrain)."""
+    """Environment of `bench/peer/torch_ceiling.py` for `cfg`'s shape, batch, dropout and recomputation (AdamW,
+    clip 1.0 as mptrain; the vocabulary padded as mptrain pads it, so both count the same FLOPs)."""
     s = cfg.shape
     return {"LAYERS": str(s.num_layers), "HIDDEN": str(s.hidden_size), "HEADS": str(s.num_attention_heads),
             "SEQ": str(s.seq_length), "MBS": str(cfg.micro_batch_size), "M": str(cfg.num_microbatches),
-            "CLIP": "1.0", "ITERS": str(cfg.iters), "WARMUP": str(cfg.warmup)}
+            "CLIP": "1.0", "ITERS": str(cfg.iters), "WARMUP": str(cfg.warmup),
+            "VOCAB": str(s.vocab_size), "VOCAB_PADDED": str(padded_vocab(s.vocab_size, cfg.tp)),
+            "DROPOUT": str(cfg.dropout), "RECOMPUTE": cfg.recompute or ""}
 
 
 def peer_args(cfg: BenchConfig, out_file: str) -> list:
