@@ -10,7 +10,7 @@ from mptrain.config.model import ModelConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.groups import build_groups
 from mptrain.layers.gpt import GPTModel, build_model_chunks
-from mptrain.layers.random import RNGStatesTracker, init_rng_tracker
+from mptrain.layers.random import RNGStatesTracker, dropout_slice, init_rng_tracker
 
 CFG = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, make_vocab_size_divisible_by=8)
 
@@ -168,12 +168,14 @@ def _compiled_dropout(rank, world):
             again.sum().backward()
             graphs.append(counter.frame_count)
             same = torch.equal(again, loss) and all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
-            ctx = None
+            ctx = masks = None
             if tp > 1:
                 core = torch.compile(model.decoder.layers["0"].self_attention.core_attention, backend="aot_eager",
                                      fullgraph=True)
                 ctx = torch.stack(_gather(core(q, q[:, :, :2], q[:, :, :2], None).detach()))
-            out[tp] = (loss.detach(), eval_loss, graphs, same, ctx)
+                drop = torch.compile(dropout_slice, backend="aot_eager", fullgraph=True)
+                masks = torch.stack(_gather(drop(torch.ones(8, 32, 32), 0.3, dim=0, index=g.tp_rank, parts=tp)))
+            out[tp] = (loss.detach(), eval_loss, graphs, same, ctx, masks)
         finally:
             g.destroy()
     return out
@@ -181,7 +183,7 @@ def _compiled_dropout(rank, world):
 
 def test_compiled_chunk_draws_dropout_in_one_graph_with_the_tp_semantics():
     res = run_distributed(_compiled_dropout, 2)
-    loss, eval_loss, graphs, rerun_same, _ = res[0][1]
+    loss, eval_loss, graphs, rerun_same, _, _ = res[0][1]
     assert not torch.equal(loss, eval_loss)  # dropout ran
     # the whole chunk, dropout included, is one graph; evaluation (no_grad, eval mode) adds one, training reuses the first
     assert graphs == [1, 2]
@@ -195,3 +197,8 @@ def test_compiled_chunk_draws_dropout_in_one_graph_with_the_tp_semantics():
     assert torch.equal(res[0][2][0], res[1][2][0])  # the loss is complete on every TP rank
     ctx = res[0][2][4]  # the compiled core on identical inputs: its heads' mask differs per TP rank
     assert not torch.equal(ctx[0], ctx[1])
+    masks = res[0][2][5]  # each TP rank's slice of one [16, 32, 32] mask, p = 0.3
+    assert masks.unique().tolist() == [0.0, pytest.approx(1 / 0.7)]  # dropped, or kept and scaled by 1/(1-p)
+    kept = float((masks > 0).float().mean())
+    assert abs(kept - 0.7) < 0.02, kept  # 16384 draws: 5 standard deviations (0.0036 each) is 0.018
+    assert not torch.equal(masks[0], masks[1])

@@ -55,7 +55,6 @@ def _produce(batches: Iterator, prepare: Callable[[Any], PreparedBatch], out: qu
              device: torch.device) -> None:
     """The prefetch thread: prepare batches on a side stream into ``out`` until the iterator ends or fails,
     or ``stop`` is set. Holds no reference to the `BatchPrefetcher` (which stops it when collected)."""
-    stream = torch.cuda.Stream(device)
 
     def put(item) -> bool:
         while not stop.is_set():
@@ -66,25 +65,22 @@ def _produce(batches: Iterator, prepare: Callable[[Any], PreparedBatch], out: qu
                 continue
         return False
 
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        while not stop.is_set():
-            try:
-                batch = next(batches)
-            except StopIteration:
-                put(_END)
-                return
-            except Exception as exc:  # noqa: BLE001 - raised to the step that asks for this batch
-                put(_Failed(exc))
-                return
-            try:
-                prepared = prepare(batch)
-            except Exception as exc:  # noqa: BLE001 - same
-                put(_Failed(exc))
-                return
-            prepared.ready = torch.cuda.Event()
-            prepared.ready.record(stream)
-            if not put(prepared):
-                return
+    try:
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    try:
+                        prepared = prepare(next(batches))
+                    except StopIteration:
+                        put(_END)
+                        return
+                    prepared.ready = torch.cuda.Event()
+                    prepared.ready.record(stream)
+                    if not put(prepared):
+                        return
+    except BaseException as exc:  # noqa: BLE001 - raised to the step that asks for this batch, whatever it is
+        put(_Failed(exc))
 
 
 class BatchPrefetcher:
@@ -120,7 +116,7 @@ class BatchPrefetcher:
             if self._thread is None:
                 self._thread = self._start()
                 self._thread.start()
-            item = self._queue.get()  # waits only when the thread has not caught up (the read is slower than a step)
+            item = self._get()
             if item is _END:
                 self._queue.put(_END)  # every later call ends too
                 raise StopIteration
@@ -132,6 +128,15 @@ class BatchPrefetcher:
             self._on_take(prepared.samples)
         prepared.wait()
         return prepared
+
+    def _get(self):
+        """The next item; waits only while the thread has not caught up (reading is slower than a step)."""
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():  # it ended without a word: never hang
+                    raise RuntimeError("the batch prefetch thread ended without a batch or an error") from None
 
     def close(self) -> None:
         """Stop the prefetch thread (it ends within 0.1 s); no-op without one."""
