@@ -41,8 +41,9 @@ def _run(groups, dtype, compile_layers, mode="auto"):
     cfg = ModelConfig(**SHAPE, compile_layers=compile_layers, compile_mode=mode)
     model = build_model_chunks(cfg, ParallelConfig(), groups, vocab_size=VOCAB, seed=3, params_dtype=dtype,
                                device=torch.device("cuda"))[0]
-    assert model.compiled_chunk == compile_layers, model.compile_blocker
-    assert model.compile_mode == ("reduce-overhead" if compile_layers and mode == "auto" else None)
+    compiled = compile_layers is not False  # null (the default): compiled on CUDA
+    assert model.compiled_chunk == compiled, model.compile_blocker
+    assert model.compile_mode == ("reduce-overhead" if compiled and mode == "auto" else None)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
     labels = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
@@ -57,19 +58,62 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("mode", ["auto", None])  # auto: CUDA graphs (reduce-overhead) at tp = pp = 1
+@pytest.mark.parametrize("compile_layers, mode", [(True, "auto"), (True, None), (None, "auto")],
+                         ids=["auto", "None", "default"])  # auto: CUDA graphs (reduce-overhead) at tp = pp = 1;
+# default: the plain command (model.compile_layers=null compiles on CUDA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_chunk_equals_eager_on_cuda(groups, dtype, mode, monkeypatch):
+def test_compiled_chunk_equals_eager_on_cuda(groups, dtype, compile_layers, mode, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     ref_loss, ref_grads = _run(groups, dtype, False)
-    got_loss, got_grads = _run(groups, dtype, True, mode)
+    got_loss, got_grads = _run(groups, dtype, compile_layers, mode)
     assert counters["stats"]["calls_captured"] > 0
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     errors = {"loss": _rel(got_loss, ref_loss), **{n: _rel(got_grads[n], ref_grads[n]) for n in ref_grads}}
     bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
     assert not bad, bad
 
+
+
+def _dropout_losses(groups, calls):
+    """Per-token losses of ``calls`` forward-backward calls of the default (compiled, CUDA-graphed) chunk with
+    dropout 0.2 on one input, then the same calls again from the RNG state before the first (a resume)."""
+    cfg = ModelConfig(**SHAPE, hidden_dropout=0.2, attention_dropout=0.2)
+    model = build_model_chunks(cfg, ParallelConfig(), groups, vocab_size=VOCAB, seed=3, params_dtype=torch.bfloat16,
+                               device=torch.device("cuda"))[0]
+    assert model.compiled_chunk and model.compile_mode == "reduce-overhead", model.compile_blocker
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
+    labels = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
+    state = model.rng_tracker.state_dict()
+    runs = []
+    for _ in range(2):
+        model.rng_tracker.load_state_dict(state)
+        losses = []
+        for _ in range(calls):  # warm-up, CUDA-graph recording, replays
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, labels=labels)
+            loss.float().sum().backward()
+            losses.append(loss.detach().float().clone())
+        runs.append(losses)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(ids, labels=labels).float()
+    return runs, eval_loss
+
+
+def test_dropout_in_the_cuda_graphed_chunk(groups):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    (first, again), eval_loss = _dropout_losses(groups, 4)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    for i in range(1, 4):  # every replay draws new masks
+        assert not torch.equal(first[i], first[i - 1]), i
+    for a, b in zip(first, again):  # the restored generator state gives the same masks (resume)
+        assert torch.equal(a, b)
+    assert not torch.equal(first[-1], eval_loss)  # dropout is off in evaluation
