@@ -137,7 +137,8 @@ COMPILED = dict(CFG, num_layers=1, attention_dropout=0.3, hidden_dropout=0.3, at
 def _compiled_dropout(rank, world):
     """Per layout (tp 1 dp 2; tp 2 with SP): the compiled chunk's training loss (fullgraph: one graph, no
     break), its graph count (after a train step; tp 1: also after an eval pass and another train step),
-    a rerun from the restored RNG state; at tp 2 the compiled attention core's output on identical inputs."""
+    a rerun from the restored RNG state and a recomputing chunk (both True when they repeat the loss and
+    grads); at tp 2 the compiled attention core's output on identical inputs and sliced masks."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     out = {}
@@ -168,6 +169,19 @@ def _compiled_dropout(rank, world):
             again.sum().backward()
             graphs.append(counter.frame_count)
             same = torch.equal(again, loss) and all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+            # recomputation inside the graph (tp 1: full, tp 2: selective): the forward's masks, its loss and grads
+            recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                         if tp == 1 else dict(recompute_granularity="selective"))
+            rc_model = build_model_chunks(ModelConfig(**COMPILED, **recompute), par, g, vocab_size=60, seed=11)[0]
+            rc_counter = CompileCounterWithBackend("aot_eager")
+            rc_model.compile(backend=rc_counter, fullgraph=True)
+            rc_model.train()
+            rc_model.rng_tracker.load_state_dict(state)
+            rc_loss = rc_model(ids, labels=labels)
+            rc_loss.sum().backward()
+            same_rc = torch.equal(rc_loss, loss) and rc_counter.frame_count == 1
+            for n, p in rc_model.named_parameters():  # fp32, the same ops recomputed: a few ulps at most
+                torch.testing.assert_close(p.grad, grads[n], rtol=1e-6, atol=1e-7)
             ctx = masks = None
             if tp > 1:
                 core = torch.compile(model.decoder.layers["0"].self_attention.core_attention, backend="aot_eager",
@@ -175,7 +189,7 @@ def _compiled_dropout(rank, world):
                 ctx = torch.stack(_gather(core(q, q[:, :, :2], q[:, :, :2], None).detach()))
                 drop = torch.compile(dropout_slice, backend="aot_eager", fullgraph=True)
                 masks = torch.stack(_gather(drop(torch.ones(8, 32, 32), 0.3, dim=0, index=g.tp_rank, parts=tp)))
-            out[tp] = (loss.detach(), eval_loss, graphs, same, ctx, masks)
+            out[tp] = (loss.detach(), eval_loss, graphs, same and same_rc, ctx, masks)
         finally:
             g.destroy()
     return out
@@ -189,7 +203,8 @@ def test_compiled_chunk_draws_dropout_in_one_graph_with_the_tp_semantics():
     assert graphs == [1, 2]
     assert torch.equal(loss, res[1][1][0])  # DP ranks (tp 1, dp 2) draw the same masks
     for rank in (0, 1):
-        assert res[rank][1][3] and res[rank][2][3]  # the restored generator states give the same masks, loss, grads
+        # the restored generator states give the same masks, loss, grads; so does recomputation (one graph)
+        assert res[rank][1][3] and res[rank][2][3]
     assert res[0][2][2] == [1, 1]
     # tp 2 + SP: every rank takes its slice of one mask per site, so the compiled masks do not depend on the layout.
     # fp32, TP-split GEMMs and an all-reduce: a few ulps (rel 1e-5); another mask moves the loss by O(0.1)

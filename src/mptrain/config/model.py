@@ -170,10 +170,10 @@ class ModelConfig:
     """With ``compile_layers``: ``chunk`` compiles each model chunk's whole forward (embedding, layers,
     final norm, output layer, cross entropy) as one graph, so a micro-batch is one forward and one
     backward graph launch (torchtitan / a plain compiled GPT do the same); ``layer`` compiles each
-    TransformerLayer separately (and the cross entropy's passes). ``chunk`` falls back to ``layer``,
-    saying why in the log, where the chunk cannot be one graph: activation recomputation
-    (``recompute_granularity``) (`mptrain.layers.compile.chunk_compile_blocker`; applied by
-    `mptrain.layers.compile.apply_compile`). Dropout is drawn inside the graph."""
+    TransformerLayer separately (and the cross entropy's passes). Dropout and activation recomputation
+    are inside the chunk graph; ``chunk`` would fall back to ``layer``, saying why in the log, where the
+    chunk cannot be one graph (`mptrain.layers.compile.chunk_compile_blocker`; applied by
+    `mptrain.layers.compile.apply_compile`)."""
     compile_mode: Optional[str] = "auto"
     """``torch.compile(mode=...)`` of the compiled regions: ``auto``, null (Inductor's default), or one of
     torch's modes (``default``, ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``).

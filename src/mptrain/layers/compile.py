@@ -7,8 +7,9 @@ null | torch.compile's modes).
 * ``chunk``: the chunk's whole forward (embedding, layers, final norm, output layer, cross entropy)
   is one graph, so a micro-batch is one forward and one backward graph launch (torchtitan and a
   plain compiled GPT do the same). Dropout is drawn inside the graph (`mptrain.layers.random`, "Dropout in a
-  compiled chunk"). It falls back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`):
-  activation recomputation (its checkpoint saves and replays the RNG state on the host).
+  compiled chunk") and activation recomputation is a recomputed region of it (`mptrain.layers.random.checkpoint`).
+  It would fall back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`: no built-in
+  option needs it now).
 * ``layer``: each layer of the block is compiled in place (its ``compile``; `TransformerLayer`
   compiles its body, so parameter names stay), and the cross entropy's passes one by one (`compile_pass`).
 
@@ -65,16 +66,15 @@ def resolve_compile_layers(config, device: torch.device) -> tuple[bool, str]:
 
 
 def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
-    """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can).
+    """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can); the layers are
+    then compiled one by one, as ``compile_scope=layer``, and the ``kernels:`` line gives the reason.
 
-    Dropout is no blocker: in the chunk graph it is drawn from the default stream at the TP-unsplit shape
-    and sliced (`mptrain.layers.random.in_graph_dropout`), so no RNG fork is needed. Recomputation is:
-    its checkpoint (`mptrain.layers.random.checkpoint`) captures and restores generator states on the
-    host, which Dynamo cannot trace; the layers are then compiled one by one, as ``compile_scope=layer``.
-    ``sequence_parallel``: the effective one (no rule depends on it since dropout is drawn in the graph).
+    No built-in option blocks it: dropout is drawn in the graph from the current generator, TP-region masks
+    as slices of whole-tensor masks (`mptrain.layers.random.dropout_slice`), so no RNG fork is needed; and
+    activation recomputation (full or selective) is torch's checkpoint inside the graph
+    (`mptrain.layers.random.checkpoint`), not the eager checkpoint that swaps generator states on the host.
+    ``config``, ``sequence_parallel`` (the effective one): what a rule would read.
     """
-    if config.recompute_granularity is not None:
-        return f"model.recompute_granularity={config.recompute_granularity} (recomputation replays the RNG state)"
     return None
 
 

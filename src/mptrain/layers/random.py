@@ -38,6 +38,7 @@ import hashlib
 from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
@@ -227,10 +228,17 @@ class _CheckpointFunction(torch.autograd.Function):
 def checkpoint(fn: Callable, tracker: RNGStatesTracker, *args):
     """``fn(*args)`` with activation recomputation in backward (same dropout masks).
 
+    In a compiled region (`in_compiled_region`) the tracker's host-side snapshot cannot be traced; there it is
+    torch's non-reentrant ``torch.utils.checkpoint.checkpoint``, which Dynamo turns into a recomputed region
+    of the graph (AOTAutograd's partitioner recomputes it in the backward graph; the masks drawn inside
+    are the forward's: Inductor's random ops are functions of per-graph seeds, or saved).
+
     Args:
         fn: a function of tensors (and non-tensor values); returns a tensor or a tuple of tensors.
         tracker: the rank's RNG tracker (its snapshot is taken before the forward).
     """
+    if in_compiled_region():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return _CheckpointFunction.apply(fn, tracker, len(args), *args)
 
 

@@ -208,7 +208,8 @@ class TransformerBlock(torch.nn.Module):
         layers = list(self.layers.values())
         with self.rng_tracker.fork() if self.rng_fork else contextlib.nullcontext():
             if self.recompute and self.training and torch.is_grad_enabled():
-                if not x.requires_grad:  # checkpoint's output needs a grad-requiring input to carry param grads
+                if not x.requires_grad and not in_compiled_region():
+                    # the eager checkpoint's output needs a grad-requiring input to carry param grads
                     x = x.detach().requires_grad_(True)
                 n = self.recompute_num_layers
                 if self.recompute_method == "uniform":
