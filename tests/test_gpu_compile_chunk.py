@@ -117,3 +117,32 @@ def test_dropout_in_the_cuda_graphed_chunk(groups):
     for a, b in zip(first, again):  # the restored generator state gives the same masks (resume)
         assert torch.equal(a, b)
     assert not torch.equal(first[-1], eval_loss)  # dropout is off in evaluation
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="selective"),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1)], ids=["selective", "full"])
+def test_recomputation_in_the_compiled_chunk_repeats_the_masks(groups, recompute, monkeypatch):
+    """fp32 (TF32 off), dropout 0.2: the recomputing chunk graph's grads equal the plain chunk graph's from the
+    same generator state (other masks would move them by O(1) relative)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = []
+    for over in ({}, recompute):
+        cfg = ModelConfig(**SHAPE, hidden_dropout=0.2, attention_dropout=0.2, **over)
+        model = build_model_chunks(cfg, ParallelConfig(), groups, vocab_size=VOCAB, seed=3,
+                                   device=torch.device("cuda"))[0]
+        assert model.compiled_chunk, model.compile_blocker
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ids = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
+        labels = torch.randint(0, VOCAB, (4, cfg.seq_length), device="cuda", generator=gen)
+        loss = model(ids, labels=labels)  # the first call: right after the build's seeding, same state both times
+        loss.float().sum().backward()
+        out.append({n: p.grad.float().clone() for n, p in model.named_parameters()})
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    errors = {n: _rel(out[1][n], out[0][n]) for n in out[0]}
+    bad = {k: v for k, v in errors.items() if not v <= 1e-4}  # fp32 fused kernels: ulps; another mask: O(1)
+    assert not bad, bad
