@@ -230,8 +230,9 @@ def checkpoint(fn: Callable, tracker: RNGStatesTracker, *args):
 
     In a compiled region (`in_compiled_region`) the tracker's host-side snapshot cannot be traced; there it is
     torch's non-reentrant ``torch.utils.checkpoint.checkpoint``, which Dynamo turns into a recomputed region
-    of the graph (AOTAutograd's partitioner recomputes it in the backward graph; the masks drawn inside
-    are the forward's: Inductor's random ops are functions of per-graph seeds, or saved).
+    of the graph: AOTAutograd's partitioner recomputes it in the backward graph and replays the forward's
+    generator state for the random ops inside (``torch._functorch.partitioners.functionalize_rng_ops``; on
+    CUDA with graph-safe generator states, so CUDA graphs stay on), so the masks are the forward's.
 
     Args:
         fn: a function of tensors (and non-tensor values); returns a tensor or a tuple of tensors.
