@@ -16,6 +16,7 @@ from mptrain.training.faults import memory_snapshot_of
 from mptrain.training.interrupt import interrupt_of
 from mptrain.training.manual_gc import ManualGC
 from mptrain.training.metrics import TrainRows
+from mptrain.training.prefetch import close_prefetchers
 from mptrain.training.watchdog import LoopWatch, StepWatchdog, StopSignal
 
 
@@ -36,8 +37,11 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
     rows = TrainRows(recorder, built.trainer, stop)
     with memory_snapshot_of(cfg, device=built.groups.device, run_dir=recorder.run_dir, rank=built.groups.rank,
                             log=recorder.log), collector:
-        stopped = _loop(built, data, at, rows=rows, watch=watch, checkpointer=checkpointer, evaluator=evaluator,
-                        collector=collector)
+        try:
+            stopped = _loop(built, data, at, rows=rows, watch=watch, checkpointer=checkpointer, evaluator=evaluator,
+                            collector=collector)
+        finally:
+            close_prefetchers(data)  # no batch is read ahead past the last step
     checkpointer.wait()
     watch.end()  # no more training steps: the final evaluation and the layout gather
     if stopped is None:

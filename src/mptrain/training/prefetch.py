@@ -145,3 +145,10 @@ class BatchPrefetcher:
 
     def __del__(self) -> None:
         self.close()
+
+
+def close_prefetchers(iterators: list) -> None:
+    """`BatchPrefetcher.close` each of ``iterators`` that is one (None and plain iterators are left alone)."""
+    for it in iterators:
+        if isinstance(it, BatchPrefetcher):
+            it.close()
