@@ -78,7 +78,8 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             return F.linear(total, weight, bias)  # [s, b, out/tp]
         y, saved = fp8.forward(total.reshape(-1, total.shape[-1]), weight)  # [s·b, out/tp]
         ctx.save_for_backward(*saved)
-        y = y.reshape(*total.shape[:-1], y.shape[-1])
+        # not a view of the GEMM's output: a custom Function's output may be modified in place (g's all-reduce)
+        y = torch.ops.aten._unsafe_view(y, (*total.shape[:-1], y.shape[-1]))  # [s, b, out/tp]
         return y if bias is None else y + bias
 
     @staticmethod

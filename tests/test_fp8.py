@@ -1,0 +1,210 @@
+"""precision=fp8 on CPU with torchao's emulation (the same scaling and FP8 rounding, GEMMs in fp32).
+
+1. One linear's FP8 GEMMs equal torchao's own ``Float8Linear`` (output, input grad, weight grad), per recipe.
+2. An fc1 -> GeLU -> fc2 pair at tp2 (with and without sequence parallelism) computes the scales of tp1:
+   every element whose GEMM contracts over a whole dim (the column-parallel output, both weight grads)
+   is bitwise the tp1 slice; the row-parallel output and the column-parallel input grad, summed over
+   TP, differ from tp1 only by the bf16 rounding of partial sums.
+3. Through the trainer: tp2 + SP, pp2, tp2pp2 and dp2 with ZeRO-1 train like tp1pp1 in fp8; a resume
+   is bitwise; a run switches between bf16 and fp8 on resume with one log line; the error lines.
+
+Tolerances of 3: the scales are those of tp1 (2), so layouts differ only in the summation order of
+bf16 partial sums (TP reduces, DP SUM), as bf16 layouts do; an FP8 cast can turn a one-ulp bf16
+difference into a one-step FP8 difference of that element, which averages out in the loss. Over 4
+steps of the tiny model the loss agrees to rel 2e-3 and the grad norm to rel 2e-2 (about 1/4 of a
+bf16 ulp, 2^-8, on the loss; the measured spread is below half of each bound).
+"""
+
+import pytest
+import torch
+
+from harness import run_distributed
+from train_utils import compose, read_rows, run_job
+
+pytest.importorskip("torchao.float8")
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _pair(groups, sequence_parallel, recipe):
+    """fc1 [h -> f] column-parallel, fc2 [f -> h] row-parallel, bf16, FP8 on (tp from ``groups``)."""
+    from mptrain.layers.context import LayerContext
+    from mptrain.layers.fp8 import Fp8Recipe
+    from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from mptrain.layers.random import ParamInit
+
+    ctx = LayerContext(groups=groups, init=ParamInit(seed=5, std=0.05, num_layers=2), params_dtype=torch.bfloat16,
+                       sequence_parallel=sequence_parallel)
+    fc1 = ColumnParallelLinear(64, 128, context=ctx, name="fc1", bias=False)
+    fc2 = RowParallelLinear(128, 64, context=ctx, name="fc2", bias=False)
+    on = Fp8Recipe(recipe=recipe, emulate=True, gemm_filter="none")
+    assert fc1.enable_fp8(on) and fc2.enable_fp8(on)
+    return fc1, fc2
+
+
+def _run_pair(groups, sequence_parallel, recipe):
+    from mptrain.layers import mappings
+
+    fc1, fc2 = _pair(groups, sequence_parallel, recipe)
+    gen = torch.Generator().manual_seed(7)
+    x_full = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)  # [s, b, h]
+    dy_full = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)
+    x_full[3, 1, 5] = 9.0  # one outlier: a local amax that differs between TP ranks
+    tp, r = groups.tp_size, groups.tp_rank
+    x = (x_full.chunk(tp, 0)[r] if sequence_parallel else x_full).clone().requires_grad_(True)
+    h, _ = fc1(x)  # [s, b, f/tp]
+    h.retain_grad()
+    y, _ = fc2(torch.nn.functional.gelu(h))
+    y.backward(dy_full.chunk(tp, 0)[r] if sequence_parallel else dy_full)
+    gather = lambda t: mappings.gather_from_tp_region(t, groups.tp_group)  # noqa: E731 [.., local] -> [.., full]
+    x_grad = x.grad
+    if sequence_parallel:
+        y = mappings.gather_from_sequence_parallel_region_raw(y.contiguous(), groups.tp_group)
+        x_grad = mappings.gather_from_sequence_parallel_region_raw(x_grad, groups.tp_group)
+    return dict(h=gather(h.detach()), y=y.detach(), x_grad=x_grad, w1_grad=gather(fc1.weight.grad.t()).t(),
+                w2_grad=gather(fc2.weight.grad))
+
+
+def _torchao_reference(recipe):
+    """tp1: our ColumnParallelLinear in FP8 vs torchao's Float8Linear on the same weight (bitwise)."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from mptrain.groups import build_groups
+
+    g = build_groups(1, 1)
+    try:
+        fc1, _ = _pair(g, False, recipe)
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        config = Float8LinearConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "emulate": True})
+        lin = torch.nn.Linear(64, 128, bias=False).to(torch.bfloat16)
+        lin.weight.data.copy_(fc1.weight.data)
+        ref = Float8Linear.from_float(lin, config=config)
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)
+        dy = torch.randn(16, 2, 128, generator=gen).to(torch.bfloat16)
+        out = []
+        for module in (lambda t: fc1(t)[0], ref):
+            xi = x.clone().requires_grad_(True)
+            y = module(xi)
+            y.backward(dy)
+            out.append((y.detach(), xi.grad))
+        grads = (fc1.weight.grad, ref.weight.grad)
+        return (all(torch.equal(a, b) for a, b in zip(out[0], out[1])) and torch.equal(*grads),
+                float((out[0][0].float() - out[0][0].float().to(torch.bfloat16).float()).abs().max()))
+    finally:
+        g.destroy()
+
+
+def _layers(rank, world):
+    from mptrain.groups import build_groups
+
+    results = {"torchao": {r: _torchao_reference(r)[0] for r in RECIPES}}
+    g1 = build_groups(1, 1)
+    try:
+        ref = {r: _run_pair(g1, False, r) for r in RECIPES}
+    finally:
+        g1.destroy()
+    g2 = build_groups(world, 1)
+    try:
+        for recipe in RECIPES:
+            for sp in (False, True):
+                got, want = _run_pair(g2, sp, recipe), ref[recipe]
+                results[(recipe, sp)] = {
+                    "exact": {k: torch.equal(got[k], want[k]) for k in ("h", "w1_grad", "w2_grad")},
+                    # summed over TP in bf16: within one bf16 rounding (2^-8 relative) of the largest element, twice
+                    "close": {k: float((got[k].float() - want[k].float()).abs().max() / want[k].float().abs().max())
+                              for k in ("y", "x_grad")}}
+    finally:
+        g2.destroy()
+    return results
+
+
+def test_fp8_linears_equal_torchao_and_tp2_equals_tp1():
+    for res in run_distributed(_layers, 2):
+        assert res.pop("torchao") == {r: True for r in RECIPES}
+        for case, out in res.items():
+            assert all(out["exact"].values()), (case, out)
+            assert all(v <= 2 * 2**-8 for v in out["close"].values()), (case, out)
+
+
+# --- through the trainer ----------------------------------------------------------------------
+STEPS = 4
+BASE = ["model=tiny", "model.seq_length=32", f"train.train_iters={STEPS}", "train.eval_interval=null",
+        "train.global_batch_size=4", "train.micro_batch_size=1", "precision=fp8", "precision.fp8_emulate=true",
+        "precision.fp8_gemm_filter=none"]
+
+
+def _job(tmp, name, world, overrides):
+    run_dir = tmp / name
+    run_distributed(run_job, world, BASE + overrides + [f"run.dir={run_dir}"], timeout_s=300)
+    return read_rows(run_dir), run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fp8ref")
+    return _job(tmp, "tp1pp1", 1, ["parallel=tp1pp1"])
+
+
+LAYOUTS = [
+    ("tp2_sp", 2, ["parallel=tp2pp1", "parallel.sequence_parallel=true"]),
+    ("pp2", 2, ["parallel=tp1pp2"]),
+    ("tp2pp2", 4, ["parallel=tp2pp2"]),
+    ("dp2_zero1", 2, ["parallel=tp1pp1", "parallel.use_distributed_optimizer=true"]),
+]
+
+
+@pytest.mark.parametrize("name,world,overrides", LAYOUTS, ids=[n for n, _, _ in LAYOUTS])
+def test_fp8_layouts_match_tp1pp1(tmp_path, reference, name, world, overrides):
+    rows, _ = _job(tmp_path, name, world, overrides)
+    ref, _ = reference
+    assert [r["iteration"] for r in rows] == list(range(1, STEPS + 1))
+    for r, q in zip(rows, ref):
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=2e-3), (name, r["iteration"], r["lm_loss"], q["lm_loss"])
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=2e-2), (name, r["iteration"], r["grad_norm"],
+                                                                          q["grad_norm"])
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
+
+
+def test_fp8_resume_is_bitwise_and_switches_to_bf16(tmp_path, reference):
+    ref, ref_dir = reference
+    assert "precision=fp8 (tensorwise, emulated: 16 of 16 block GEMMs in FP8" in (ref_dir / "train.log").read_text()
+    ckpt = tmp_path / "ckpt"
+    first, _ = _job(tmp_path, "first", 1, ["train.exit_interval=2", f"checkpoint.save={ckpt}"])
+    resumed, resumed_dir = _job(tmp_path, "resumed", 1, [f"checkpoint.load={ckpt}"])
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops_per_gpu")} for r in rows]  # noqa: E731
+    assert strip(first + resumed) == strip(ref)  # bitwise: the same floats in metrics.jsonl
+    assert "precision changed" not in (resumed_dir / "train.log").read_text()
+    bf16, bf16_dir = _job(tmp_path, "bf16", 1, [f"checkpoint.load={ckpt}", "precision=bf16"])
+    assert [r["iteration"] for r in bf16] == [3, 4] and bf16[-1]["lm_loss"] < first[0]["lm_loss"]
+    log = (bf16_dir / "train.log").read_text()
+    assert log.count("checkpoint: precision changed fp8 -> bf16") == 1, log
+
+
+def test_fp8_error_lines(monkeypatch):
+    from mptrain.errors import ConfigError
+    from mptrain.layers import fp8
+    from mptrain.training.run import _validated
+
+    cfg = compose(["model=tiny", "precision=fp8"])
+    lines = []
+    with pytest.raises(ConfigError, match=r"^precision=fp8 on CPU .* set precision.fp8_emulate=true") as err:
+        fp8.check_fp8_environment(cfg.precision, cuda=False)
+    lines.append(str(err.value))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ConfigError, match=r"^precision=fp8 needs FP8 tensor cores \(sm89 or newer\), this GPU is sm80") as err:
+        fp8.check_fp8_environment(cfg.precision, cuda=True)
+    lines.append(str(err.value))
+
+    def missing():
+        raise ImportError("No module named 'torchao'")
+
+    monkeypatch.setattr(fp8, "_torchao", missing)
+    with pytest.raises(ConfigError, match=r"^precision=fp8 needs torchao; install it \(pip install -e .\[fp8\]") as err:
+        _validated(cfg, 1)  # the trainer's start-up check, before any process group exists
+    lines.append(str(err.value))
+    with pytest.raises(ConfigError, match=r"precision.fp8_recipe") as err:
+        _validated(compose(["model=tiny", "precision=fp8", "precision.fp8_recipe=blockwise"]), 1)
+    lines.append(str(err.value))
+    assert all("\n" not in line and "precision" in line for line in lines), lines
