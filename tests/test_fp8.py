@@ -5,7 +5,8 @@
    every element whose GEMM contracts over a whole dim (the column-parallel output, both weight grads)
    is bitwise the tp1 slice; the row-parallel output and the column-parallel input grad, summed over
    TP, differ from tp1 only by the bf16 rounding of partial sums.
-3. Through the trainer: tp2 + SP, pp2, tp2pp2 and dp2 with ZeRO-1 train like tp1pp1 in fp8; a resume
+3. Through the trainer: tp2 + SP, pp2, tp2pp2 (with full recompute) and dp2 with ZeRO-1 train like tp1pp1
+   in fp8; a resume
    is bitwise; a run switches between bf16 and fp8 on resume with one log line; the error lines.
 
 Tolerances of 3: the scales are those of tp1 (2), so layouts differ only in the summation order of
@@ -150,8 +151,9 @@ def reference(tmp_path_factory):
     return rows, run_dir, tmp / "ckpt"
 
 
-LAYOUTS = [  # every layout feature in two jobs: tp2 (no SP) + pp2, and tp2 + SP + dp2 with ZeRO-1
-    ("tp2pp2", 4, ["parallel=tp2pp2"]),
+LAYOUTS = [  # every layout feature in two jobs: tp2 (no SP) + pp2 (+ recompute), and tp2 + SP + dp2 with ZeRO-1
+    ("tp2pp2_recompute", 4, ["parallel=tp2pp2", "model.recompute_granularity=full", "model.recompute_method=uniform",
+                             "model.recompute_num_layers=1"]),
     ("tp2_sp_dp2_zero1", 4, ["parallel=tp2pp1", "parallel.sequence_parallel=true",
                              "parallel.use_distributed_optimizer=true"]),
 ]
