@@ -211,3 +211,25 @@ def test_fp8_error_lines(monkeypatch):
         _validated(compose(["model=tiny", "precision=fp8", "precision.fp8_recipe=blockwise"]), 1)
     lines.append(str(err.value))
     assert all("\n" not in line and "precision" in line for line in lines), lines
+
+
+def test_fp8_bench_suite_runs_both_sides_per_precision(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import configs as bc
+    import run_bench
+
+    cfgs = bc.suite("fp8", 1)
+    assert [c.name for c in cfgs] == ["f_gpt1.3b_mb4x4", "f_8l_h4096_mb2x4"]
+    jobs = run_bench.plan(cfgs[:1], suite_name="fp8", log_dir=tmp_path, python="python", trainers=("mptrain",))
+    assert [(j["trainer"], j["variant"]) for j in jobs] == [
+        ("mptrain", "compile"), ("mptrain", "compile_fp8"), ("mptrain", "compile_fp8_rowwise"),
+        ("torch-reference", "compile_amp"), ("torch-reference", "compile_amp_fp8"),
+        ("torch-reference", "compile_amp_fp8_rowwise")]
+    rowwise = jobs[2]["argv"]
+    assert rowwise.count("precision=fp8") == 1 and "precision=bf16" not in rowwise
+    assert "precision.fp8_recipe=rowwise" in rowwise
+    assert [bc.variant_precision(cfgs[0], j["variant"]) for j in jobs] == [
+        "bf16", "fp8-tensorwise", "fp8-rowwise", "bf16", "fp8-tensorwise", "fp8-rowwise"]
