@@ -233,3 +233,56 @@ def test_fp8_bench_suite_runs_both_sides_per_precision(tmp_path):
     assert "precision.fp8_recipe=rowwise" in rowwise
     assert [bc.variant_precision(cfgs[0], j["variant"]) for j in jobs] == [
         "bf16", "fp8-tensorwise", "fp8-rowwise", "bf16", "fp8-tensorwise", "fp8-rowwise"]
+
+
+def _fp8_saved_bytes_per_layer(rank, world):
+    """Bytes one tensorwise-FP8 layer saves for backward per micro-batch (4 layers minus 2, halved),
+    counted as tests/test_plan_activations.py counts them (unique storages, parameters excluded)."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.groups import build_groups
+    from mptrain.layers.fp8 import Fp8Recipe, apply_fp8
+    from mptrain.layers.gpt import build_model_chunks
+    from mptrain.precision.module import Float16Module
+
+    groups = build_groups(1, 1)
+    try:
+        total = {}
+        for layers in (4, 2):
+            m = ModelConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+            chunk = build_model_chunks(m, ParallelConfig(), groups, vocab_size=128)[0]
+            apply_fp8([chunk], Fp8Recipe(emulate=True, gemm_filter="none"), num_layers=layers)
+            model = Float16Module(chunk, torch.bfloat16, is_first_stage=True, is_last_stage=True)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            seen = {}
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(ids, torch.arange(32).expand(2, 32), None, labels=ids)
+            total[layers] = sum(seen.values())
+        return (total[4] - total[2]) / 2
+    finally:
+        groups.destroy()
+
+
+def test_planner_fp8_activation_bytes_match_measurement():
+    from mptrain.config.model import ModelConfig
+    from mptrain.planner.config import PlanConfig
+    from mptrain.planner.memory import PlanLayout, layer_activation_bytes
+
+    measured = run_distributed(_fp8_saved_bytes_per_layer, 1)[0]
+    cfg = PlanConfig()
+    cfg.model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+    cfg.train.micro_batch_size = 2
+    layout = PlanLayout(1, 1, None, 1, False, "none", False, "no_pipelining", 1)
+    cfg.precision.name = "bf16"
+    bf16 = layer_activation_bytes(cfg, layout)
+    cfg.precision.name = "fp8"
+    expected = layer_activation_bytes(cfg, layout)
+    assert expected < bf16
+    assert measured == pytest.approx(expected, rel=0.03), (measured, expected, bf16)  # as test_plan_activations

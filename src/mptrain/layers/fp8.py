@@ -230,10 +230,15 @@ class Fp8Gemms:
         w8_t = self._cast(weight.t(), c.cast_config_weight, roles.WEIGHT, 0, tensor_sharded=sharded_w,
                           k_sharded=self.input_sharded)  # [in, out]
         y = torch.mm(x8, w8_t)
-        # saved as plain tensors (data, scale): the fp8 input / weight where backward reuses the cast
+        # saved as plain tensors: the fp8 input where backward reuses its cast (1 byte an element instead of
+        # 2); of the weight's cast only the scale (backward recasts with it: the same bits, no amax pass and
+        # no reduction, and no fp8 copy of the weight held per micro-batch in flight)
         x_saved = (x8._data, x8._scale) if self.reuse_input else (x, None)
-        w_saved = (w8_t._data, w8_t._scale) if self.reuse_weight else (None, None)
-        return y, (*x_saved, weight, *w_saved)
+        return y, (*x_saved, weight, w8_t._scale if self.reuse_weight else None)
+
+    def _recast(self, hp: torch.Tensor, scale: torch.Tensor, cast_config, role):
+        _, tensor_mod, _ = _torchao()
+        return tensor_mod.hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.mm_config, role, None)
 
     def _rebuild(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, role):
         _, tensor_mod, _ = _torchao()
@@ -248,9 +253,9 @@ class Fp8Gemms:
     def grad_input(self, dy8, saved: tuple) -> torch.Tensor:
         """dx ``[T, in(/tp)]`` = dy · W from `cast_grad_output`'s dy and `forward`'s saved tensors; a
         partial sum over TP for a column-parallel layer (the caller reduces it)."""
-        _, _, weight, w_data, w_scale = saved
+        _, _, weight, w_scale = saved
         if self.reuse_weight:
-            w8_t = self._rebuild(w_data, w_scale, dy8.dtype, self._roles.WEIGHT)
+            w8_t = self._recast(weight.t(), w_scale, self.config.cast_config_weight, self._roles.WEIGHT)
         else:
             w8_t = self._cast(weight.t(), self.config.cast_config_weight_for_grad_input, self._roles.WEIGHT, -1,
                               tensor_sharded=self.amax_group is not None, k_sharded=self.output_sharded)
