@@ -277,6 +277,13 @@ class Fp8Gemms:
         return torch.mm(dy_gw.t(), x_gw)
 
 
+@functools.lru_cache(maxsize=64)
+def fp8_gemms(recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool) -> Fp8Gemms:
+    """One shared `Fp8Gemms` per (recipe, group, sharding): every layer's linear of a kind holds the same
+    object, so the graphs ``torch.compile`` traces for one layer (its guards on the object) serve all."""
+    return Fp8Gemms(recipe, amax_group=amax_group, input_sharded=input_sharded, output_sharded=output_sharded)
+
+
 @runtime_checkable
 class UsesFp8(Protocol):
     """A layer whose GEMMs may run in FP8: `apply_fp8` calls ``enable_fp8(recipe)``, which returns
@@ -296,15 +303,15 @@ class Fp8Summary:
     bf16_layers: list = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
-        """`` precision=fp8 (tensorwise: 8 of 8 block GEMMs in FP8; bf16: ...)``, for the ``kernels:`` line."""
+        """`` precision=fp8 (tensorwise: 8 of 8 block linears in FP8 ...; bf16: ...)``, for the ``kernels:`` line."""
         r = self.recipe
         kept = [f"{self.below_size_rule} below the size rule (precision.fp8_gemm_filter={r.gemm_filter})"]
         if self.bf16_layers:
             kept.append(f"layers {', '.join(map(str, self.bf16_layers))} (precision.fp8_first_last_layers_bf16="
                         f"{r.first_last_layers_bf16})")
         total = self.fp8 + self.below_size_rule
-        return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block GEMMs "
-                f"in FP8 on this rank; bf16: embeddings, output layer, {', '.join(kept)}; MFU is relative to the "
+        return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block linears "
+                f"(3 GEMMs each) in FP8 on this rank; bf16: embeddings, output layer, {', '.join(kept)}; MFU is relative to the "
                 "bf16 dense peak)")
 
 
@@ -323,6 +330,12 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
     """
     if recipe is None:
         return None
+    # what torchao's convert_to_float8_training applies before any float8 kernel is compiled: Inductor's
+    # min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
+    # transposed fp8 correctly (torchao/float8/_inductor_patch.py, triton-lang/triton#11111)
+    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
+
+    _patch_inductor_min_max_codegen()
     summary = Fp8Summary(recipe)
     n = recipe.first_last_layers_bf16
     for model in models:

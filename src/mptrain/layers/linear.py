@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers import grad_accumulation
 from mptrain.layers.context import LayerContext
-from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe, gemm_runs_in_fp8
+from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe, fp8_gemms, gemm_runs_in_fp8
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.mappings import (
     copy_to_tp_region,
@@ -242,8 +242,8 @@ class ColumnParallelLinear(torch.nn.Module):
         if gemm_runs_in_fp8(recipe, global_shape=(self.output_size, self.input_size),
                             local_shape=(self.output_size_per_partition, self.input_size)):
             tp = self.groups.tp_size > 1
-            self.fp8 = Fp8Gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
-                                output_sharded=tp)
+            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
+                                 output_sharded=tp)
         return self.fp8 is not None
 
     def forward(self, x: torch.Tensor):
@@ -314,8 +314,8 @@ class RowParallelLinear(torch.nn.Module):
         if gemm_runs_in_fp8(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
                             local_shape=(output_size, self.input_size_per_partition)):
             tp = self.groups.tp_size > 1
-            self.fp8 = Fp8Gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,
-                                output_sharded=False)
+            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,
+                                 output_sharded=False)
         return self.fp8 is not None
 
     def forward(self, x: torch.Tensor):
