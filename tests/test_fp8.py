@@ -288,6 +288,45 @@ def test_planner_fp8_activation_bytes_match_measurement():
     assert measured == pytest.approx(expected, rel=0.03), (measured, expected, bf16)  # as test_plan_activations
 
 
+def _fp8_summaries(rank, world):
+    from mptrain.config.model import ModelConfig
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.groups import build_groups
+    from mptrain.layers.fp8 import Fp8Recipe, apply_fp8, gemm_runs_in_fp8
+    from mptrain.layers.gpt import build_model_chunks
+
+    groups = build_groups(1, 1)
+    try:
+        m = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+        out = {}
+        for name, recipe in (("first_last_1", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=1)),
+                             ("auto_filter", Fp8Recipe(emulate=True))):
+            chunk = build_model_chunks(m, ParallelConfig(), groups, vocab_size=128)[0]
+            s = apply_fp8([chunk], recipe, num_layers=4)
+            fp8_on = sorted(n for n, mod in chunk.named_modules() if getattr(mod, "fp8", None) is not None)
+            out[name] = (s.fp8, s.below_size_rule, s.bf16_layers, fp8_on, s.describe())
+        # gpt_1.3b's GEMMs at tp1 (torchao's thresholds): tensorwise converts all four, rowwise only QKV and fc1
+        shapes = {"qkv": (6144, 2048), "proj": (2048, 2048), "fc1": (8192, 2048), "fc2": (2048, 8192)}
+        out["gpt_1.3b"] = {r: sorted(k for k, sh in shapes.items()
+                                     if gemm_runs_in_fp8(Fp8Recipe(recipe=r), global_shape=sh, local_shape=sh))
+                           for r in ("tensorwise", "rowwise")}
+        return out
+    finally:
+        groups.destroy()
+
+
+def test_fp8_first_last_layers_and_size_rule():
+    out = run_distributed(_fp8_summaries, 1)[0]
+    fp8, below, bf16_layers, on, line = out["first_last_1"]
+    assert (fp8, below, bf16_layers) == (8, 0, [0, 3])
+    assert {n.split(".")[2] for n in on} == {"1", "2"} and len(on) == 8  # decoder.layers.<n>.…
+    assert "layers 0, 3 (precision.fp8_first_last_layers_bf16=1)" in line
+    fp8, below, _, on, line = out["auto_filter"]
+    assert (fp8, below, on) == (0, 16, [])  # h = 64: every GEMM below the thresholds
+    assert "16 below the size rule (precision.fp8_gemm_filter=auto)" in line
+    assert out["gpt_1.3b"] == {"tensorwise": ["fc1", "fc2", "proj", "qkv"], "rowwise": ["fc1", "qkv"]}
+
+
 # --- on an FP8 GPU (marker gpu; skipped elsewhere) ----------------------------------------------
 GPU_COMMON = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
               "model.seq_length=128", "train.global_batch_size=8", "train.micro_batch_size=4", "train.train_iters=20",
