@@ -11,7 +11,9 @@ these plain-GPT shapes it is the peer's F = 6·N·T + 12·L·h·s·T, N = 12·L�
 
 Suites (`suite(name, gpus)`): ``quick`` (a harness smoke test: 2 timed iterations of small and
 real shapes), ``full`` (configs a-d against megatron-core, ordered by priority so that a time budget cuts the
-least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`).
+least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`),
+``fp8`` (mptrain bf16 / fp8 tensorwise / fp8 rowwise, each beside the plain-PyTorch GPT in the same
+precision: torchao's ``convert_to_float8_training`` on its block linears).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ BENCH_SHAPES = {
     "gpt_11m_s256": ("gpt_125m", ModelShape(6, 384, 6, 256, 50257)),
     "gpt_124m_s1024": ("gpt_125m", ModelShape(12, 768, 12, 1024, 50257)),
     "gpt_6x384_v65": ("gpt_125m", ModelShape(6, 384, 6, 256, 65)),  # a character-level model (Shakespeare's 65)
+    "gpt_8l_h4096": ("gpt_6.7b", ModelShape(8, 4096, 32, 2048, 50257)),  # gpt_6.7b's width, 8 layers: one GPU
 }
 
 # mptrain variants: name -> extra Hydra overrides (each measured change is a variant); an item
@@ -104,9 +107,38 @@ VARIANTS = {
                                   "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
                                   "env:TORCH_BLAS_PREFER_CUBLASLT=1"),
     "compile_cdmc1": ("model.compile_layers=true", "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
+    # precision=fp8 (torchao float8 casts in the block linears; an item "precision=..." replaces the
+    # config's precision): tensorwise and rowwise scaling
+    "compile_fp8": ("model.compile_layers=true", "precision=fp8"),
+    "compile_fp8_rowwise": ("model.compile_layers=true", "precision=fp8", "precision.fp8_recipe=rowwise"),
     "unfused_compile_cdmc1": ("model.attention_backend=unfused", "model.compile_layers=true",
                               "env:CUDA_DEVICE_MAX_CONNECTIONS=1"),
 }
+
+
+# mptrain variant -> the `torch_ceiling.py` variant in the same precision (configs with reference_per_variant)
+REFERENCE_VARIANTS = {"compile": "compile_amp", "compile_fp8": "compile_amp_fp8",
+                      "compile_fp8_rowwise": "compile_amp_fp8_rowwise"}
+
+
+def reference_variants(cfg: "BenchConfig") -> list:
+    """The `torch_ceiling.py` variants run beside `cfg`: ``compile_amp``, or one per mptrain variant."""
+    if not cfg.reference_per_variant:
+        return ["compile_amp"]
+    return list(dict.fromkeys(REFERENCE_VARIANTS[v] for v in cfg.variants if v in REFERENCE_VARIANTS))
+
+
+def variant_precision(cfg: "BenchConfig", variant: str) -> str:
+    """The precision a row of `variant` (mptrain's, or a `REFERENCE_VARIANTS` value) ran in: the config's,
+    or ``fp8-<recipe>``."""
+    items = VARIANTS.get(variant, ())
+    precision = next((i.split("=", 1)[1] for i in items if i.startswith("precision=")),
+                     "fp8" if "fp8" in variant else cfg.precision)
+    if precision != "fp8":
+        return precision
+    recipe = next((i.split("=", 1)[1] for i in items if i.startswith("precision.fp8_recipe=")),
+                  variant.split("fp8_", 1)[1] if "fp8_" in variant else "tensorwise")
+    return f"fp8-{recipe}"
 
 
 def variant_env(variant: str) -> dict:
@@ -135,6 +167,7 @@ class BenchConfig:
     reference: bool = False  # also run the plain-PyTorch GPT (`bench/peer/torch_ceiling.py`) at this shape
     dropout: float = 0.0  # hidden and attention dropout, on both sides
     recompute: Optional[str] = None  # full (every layer) | selective (the attention core), on both sides
+    reference_per_variant: bool = False  # the reference in each variant's precision (`REFERENCE_VARIANTS`)
 
     @property
     def shape(self) -> ModelShape:
@@ -261,7 +294,20 @@ def _small(gpus: int) -> list:
     return [c for c in configs if c.gpus <= gpus]
 
 
-SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small}
+def _fp8(gpus: int) -> list:
+    """precision=fp8 against bf16 and against torchao's conversion of the plain-PyTorch GPT, both shapes and
+    recipes; each mptrain variant runs right before the reference in its precision. Split a call with
+    ``--only`` / ``--variants`` (each run compiles for about a minute)."""
+    fp8 = dict(gpus=1, tp=1, pp=1, precision="bf16", warmup=3, iters=8, timeout_s=200, peer=False, reference=True,
+               reference_per_variant=True, variants=("compile", "compile_fp8", "compile_fp8_rowwise"))
+    configs = [
+        BenchConfig("f_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, **fp8),
+        BenchConfig("f_8l_h4096_mb2x4", "gpt_8l_h4096", micro_batch_size=2, num_microbatches=4, **fp8),
+    ]
+    return [c for c in configs if c.gpus <= gpus]
+
+
+SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small, "fp8": _fp8}
 
 
 def suite(name: str, gpus: int, only: Optional[list] = None) -> list:
@@ -287,10 +333,12 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
     """Hydra overrides that make `train.py` run `cfg` like the peer: mock data with the model's vocab,
     AdamW(lr 1e-4, wd 0.01), clip 1.0, dropout 0, no evaluation, no checkpoints."""
     s = cfg.shape
+    # a variant's "precision=..." replaces the config's (one group override per command line)
+    precision = next((i for i in VARIANTS[variant] if i.startswith("precision=")), f"precision={cfg.precision}")
     o = [
         f"model={cfg.preset}",
         f"parallel=tp{cfg.tp}pp{cfg.pp}",
-        f"precision={cfg.precision}",
+        precision,
         "data=mock",
         f"data.vocab_size={s.vocab_size}",
         "optim=adamw",
@@ -317,7 +365,7 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         o += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
     elif cfg.recompute is not None:
         o.append(f"model.recompute_granularity={cfg.recompute}")
-    return o + [item for item in VARIANTS[variant] if not item.startswith("env:")]
+    return o + [item for item in VARIANTS[variant] if not item.startswith(("env:", "precision="))]
 
 
 def reference_env(cfg: BenchConfig) -> dict:

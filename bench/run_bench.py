@@ -40,8 +40,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from configs import (  # noqa: E402
-    PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, reference_env, suite,
-    variant_env)
+    PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, reference_env,
+    reference_variants, suite,
+    variant_env, variant_precision)
 
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -68,7 +69,7 @@ def base_row(cfg: BenchConfig, *, trainer: str, variant: str, env: dict, call_id
         "trainer": trainer, "config": cfg.name, "variant": variant, "gpus": cfg.gpus,
         "gpu_name": env.get("gpu_name"), "call_id": call_id,
         "tokens_per_s_per_gpu": None, "tflops_per_gpu": None, "mfu": None, "peak_mem_gib": None,
-        "status": "ok", "model": cfg.model, "layout": cfg.layout, "precision": cfg.precision, "tf32": cfg.tf32,
+        "status": "ok", "model": cfg.model, "layout": cfg.layout, "precision": variant_precision(cfg, variant), "tf32": cfg.tf32,
         "micro_batch_size": cfg.micro_batch_size, "num_microbatches": cfg.num_microbatches,
         "global_batch_size": cfg.global_batch_size, "seq_length": s.seq_length,
         "tokens_per_iter": cfg.tokens_per_iteration, "flops_per_iter": flops_per_iteration(cfg),
@@ -216,9 +217,10 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                                      argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py",
                                                    ["--bench-profile", str(prof_file), *prof_args])))
         if cfg.reference and reference:  # the compiled plain-PyTorch GPT at this shape, right after mptrain
-            jobs.append(dict(kind="reference", cfg=cfg, trainer="torch-reference", variant="compile_amp",
-                             timeout_s=cfg.timeout_s, env=reference_env(cfg),
-                             argv=[python, str(HERE / "peer" / "torch_ceiling.py"), "compile_amp"]))
+            for ref_variant in reference_variants(cfg):
+                jobs.append(dict(kind="reference", cfg=cfg, trainer="torch-reference", variant=ref_variant,
+                                 timeout_s=cfg.timeout_s + (60 if "fp8" in ref_variant else 0), env=reference_env(cfg),
+                                 argv=[python, str(HERE / "peer" / "torch_ceiling.py"), ref_variant]))
         if "megatron-core" in trainers and cfg.peer:
             result_file = log_dir / f"peer_{cfg.name}.jsonl"
             jobs.append(dict(kind="peer", cfg=cfg, trainer="megatron-core", variant="base", result_file=result_file,
@@ -404,7 +406,7 @@ def probe_sdpa(out_file: str) -> None:
 # --------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8"), default="quick")
     p.add_argument("--out", default=str(ROOT / "bench" / "results.jsonl"), help="JSONL file to append rows to")
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")

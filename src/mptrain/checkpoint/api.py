@@ -486,6 +486,10 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     if reason is not None:
         _log(recorder, f"checkpoint: RNG states re-derived from train.seed={cfg.train.seed}, iteration {iteration} "
                        f"and each rank's (tp, pp, dp) coordinates: {reason}")
+    saved_precision = meta.get("config", {}).get("precision", {}).get("name")
+    if saved_precision is not None and saved_precision != cfg.precision.name:  # e.g. bf16 <-> fp8: a compute mode
+        _log(recorder, f"checkpoint: precision changed {saved_precision} -> {cfg.precision.name} (weights and optimizer "
+                       "state load as saved: fp32 main params)")
     _log(recorder, f"checkpoint: loaded iteration {iteration} (consumed_samples {common['consumed_samples']}) {where}")
     return {"iteration": iteration, "consumed_samples": int(common["consumed_samples"])}
 

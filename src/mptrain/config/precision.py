@@ -20,9 +20,21 @@ class PrecisionConfig:
     _partial_: bool = True
     """The runtime passes the inner optimizer factory, the params (or model chunks), groups and scaler."""
     name: str = "fp32"
-    """fp32 | bf16 | fp16: the dtype of model params and activations (main params stay fp32; `mptrain.precision.PARAM_DTYPES`)."""
+    """fp32 | bf16 | fp16 | fp8: the dtype of model params and activations (main params stay fp32;
+    `mptrain.precision.PARAM_DTYPES`); fp8 = bf16 params and activations with the transformer layers'
+    GEMMs (QKV, proj, fc1, fc2) in FP8 (`mptrain.layers.fp8`)."""
     allow_tf32: bool = False
     """fp32 only: let CUDA matmuls / convolutions use TF32 tensor cores."""
+    fp8_recipe: str = "tensorwise"
+    """fp8 only: the scaling recipe (torchao's names): tensorwise (one dynamic scale per tensor) | rowwise
+    (one per row, power-of-2 scales) | rowwise_with_gw_hp (rowwise, the weight-grad GEMM in bf16)."""
+    fp8_emulate: bool = False
+    """fp8 only: torchao's emulation (the same scaling and rounding, GEMMs in fp32); needed on CPU, for tests."""
+    fp8_first_last_layers_bf16: int = 0
+    """fp8 only: the first N and the last N transformer layers stay bf16 (Megatron's --first-last-layers-bf16); 0 = none."""
+    fp8_gemm_filter: str = "auto"
+    """fp8 only: auto (GEMMs too small to gain stay bf16: torchao's size thresholds, on the global weight shape)
+    | none (every block GEMM whose local dims are multiples of 16)."""
 
 
 @dataclasses.dataclass

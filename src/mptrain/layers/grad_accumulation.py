@@ -71,6 +71,26 @@ def _(a, b_t, main_grad) -> None:
     return None
 
 
+def _add_into(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    """``main_grad += grad`` (the body of the `add_into` op; ``grad`` in its own dtype, added in ``main_grad``'s)."""
+    main_grad.add_(grad)
+
+
+# a declared mutation, as `wgrad_accumulate`: a compiled backward updates the buffer view in place
+add_into = torch.library.custom_op("mptrain::main_grad_add", mutates_args=("main_grad",))(_add_into)
+
+
+@add_into.register_fake
+def _(main_grad, grad) -> None:
+    return None
+
+
+def accumulate_into(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add a weight grad computed elsewhere (the FP8 weight-grad GEMM, `mptrain.layers.fp8`) into its
+    ``main_grad`` view: the custom op when compiling, the body otherwise."""
+    (add_into if torch.compiler.is_compiling() else _add_into)(main_grad, grad)
+
+
 def tf32_kmajor_pays(t: torch.Tensor) -> bool:
     """True when a weight-grad GEMM on ``t``'s dtype/device runs faster with a K-major operand: fp32 CUDA, TF32 on."""
     return t.is_cuda and t.dtype == torch.float32 and _tf32_matmul_enabled()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers import grad_accumulation
 from mptrain.layers.context import LayerContext
+from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe, fp8_gemms, gemm_runs_in_fp8
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.mappings import (
     copy_to_tp_region,
@@ -60,20 +61,33 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     into it and no weight grad is returned (`grad_accumulation.wgrad_accumulate`). Where
     `grad_accumulation.tf32_kmajor_pays` (fp32 on CUDA with TF32 on), the weight-grad GEMM gets a
     K-major operand copy (`grad_accumulation.weight_grad`).
+
+    With ``fp8`` (an `mptrain.layers.fp8.Fp8Gemms`, ``precision=fp8``) the three GEMMs run in FP8
+    (`Fp8Gemms.forward` / ``backward``: casts with TP-reduced amaxes); the communications, the bias and
+    the accumulation into ``main_grad`` are the same.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None, fp8=None):
         total = gather_from_sequence_parallel_region_raw(x, group) if sequence_parallel else x
-        ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         ctx.main_grad = main_grad  # not saved: a buffer view that other views mutate (version check)
-        return F.linear(total, weight, bias)  # [s, b, out/tp]
+        ctx.fp8, ctx.input_shape = fp8, total.shape
+        if fp8 is None:
+            ctx.save_for_backward(total, weight)
+            return F.linear(total, weight, bias)  # [s, b, out/tp]
+        y, saved = fp8.forward(total.reshape(-1, total.shape[-1]), weight)  # [s·b, out/tp]
+        ctx.save_for_backward(*saved)
+        # not a view of the GEMM's output: a custom Function's output may be modified in place (g's all-reduce)
+        y = torch.ops.aten._unsafe_view(y, (*total.shape[:-1], y.shape[-1]))  # [s, b, out/tp]
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad_out):
-        total, weight = ctx.saved_tensors
         grad_out = grad_out.contiguous()
+        if ctx.fp8 is not None:
+            return _fp8_backward(ctx, grad_out)
+        total, weight = ctx.saved_tensors
         pending = None
         if ctx.needs_input_grad[0]:
             grad_in = grad_out.matmul(weight)  # [s, b, in], a partial sum over TP ranks (with a group)
@@ -90,23 +104,47 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_in = pending.wait()
         elif not ctx.needs_input_grad[0]:
             grad_in = None
-        return grad_in, grad_w, grad_b, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None
+
+
+def _fp8_backward(ctx, grad_out: torch.Tensor) -> tuple:
+    """`_LinearWithGradAccumulationAndAsyncCommunication.backward` with FP8 GEMMs: the dgrad GEMM, its
+    collective launched before the wgrad GEMM (into ``main_grad`` when fused), then the wait."""
+    go2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s·b, out/tp]
+    saved = ctx.saved_tensors
+    dy8 = ctx.fp8.cast_grad_output(go2)
+    grad_in = pending = None
+    if ctx.needs_input_grad[0]:
+        grad_in = ctx.fp8.grad_input(dy8, saved).reshape(ctx.input_shape)  # [s, b, in], partial over TP (with a group)
+        if ctx.group is not None:
+            pending = start_grad_collective(grad_in, ctx.group, ctx.sequence_parallel)
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = ctx.fp8.grad_weight(go2, dy8, saved)  # [out/tp, in]
+        if ctx.main_grad is not None:
+            grad_accumulation.accumulate_into(ctx.main_grad, grad_w)
+            grad_w = None
+    grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    if pending is not None:
+        grad_in = pending.wait()
+    return grad_in, grad_w, grad_b, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           main_grad: Optional[torch.Tensor]) -> torch.Tensor:
+           main_grad: Optional[torch.Tensor], fp8: Optional[Fp8Gemms] = None) -> torch.Tensor:
     """``F.linear``, with our weight-grad GEMM (into ``main_grad`` when one is given; K-major
-    operands where `grad_accumulation.tf32_kmajor_pays`) when grads are on; torch's autograd otherwise."""
-    ours = torch.is_grad_enabled() and weight.requires_grad and (
+    operands where `grad_accumulation.tf32_kmajor_pays`) when grads are on; torch's autograd otherwise.
+    With ``fp8`` (`mptrain.layers.fp8.Fp8Gemms`) always ours: its GEMMs in FP8, with grads on or off."""
+    ours = fp8 is not None or torch.is_grad_enabled() and weight.requires_grad and (
         main_grad is not None or grad_accumulation.tf32_kmajor_pays(weight))
     if ours:
-        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad)
+        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad, fp8)
     return F.linear(x, weight, bias)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups,
                            sequence_parallel: bool, async_grad_allreduce: bool = True,
-                           main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           main_grad: Optional[torch.Tensor] = None, fp8: Optional[Fp8Gemms] = None) -> torch.Tensor:
     """f (or SP's all-gather) then ``F.linear``: ``[s(/tp), b, in] -> [s, b, out/tp]``.
 
     ``async_grad_allreduce`` (``parallel.async_tensor_model_parallel_allreduce``) overlaps the
@@ -114,11 +152,12 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     (`_LinearWithGradAccumulationAndAsyncCommunication`); off, the
     collective runs after both GEMMs (autograd of `column_parallel_input` + ``F.linear``).
     ``main_grad``: accumulate the weight grad into it (gradient accumulation fusion).
+    ``fp8``: compute the GEMMs in FP8 (`mptrain.layers.fp8.Fp8Gemms`).
     """
     if async_grad_allreduce and groups.tp_size > 1 and torch.is_grad_enabled():
         return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, groups.tp_group,
-                                                                      sequence_parallel, main_grad)
-    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad)
+                                                                      sequence_parallel, main_grad, fp8)
+    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad, fp8)
 
 
 def _divide(n: int, tp: int, what: str, key: str) -> int:
@@ -150,6 +189,8 @@ class ColumnParallelLinear(torch.nn.Module):
     ``weight_main_grad`` (None unless set by the DDP wrapper under
     ``parallel.gradient_accumulation_fusion``): the weight's ``main_grad`` view, into which
     backward accumulates the weight grad (`grad_accumulation`).
+    ``fp8`` (None unless `enable_fp8` turned it on, ``precision=fp8``): the `mptrain.layers.fp8.Fp8Gemms`
+    its three GEMMs run through.
     Raises:
         ConfigError: output_size not divisible by tp × parts.
     """
@@ -182,6 +223,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_main_grad: Optional[torch.Tensor] = None
+        self.fp8: Optional[Fp8Gemms] = None
 
     def local_shard_specs(self) -> dict:
         specs = {"weight": self._weight_spec}
@@ -194,10 +236,20 @@ class ColumnParallelLinear(torch.nn.Module):
         weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
         self.weight_main_grad = main_grad(self.weight)
 
+    def enable_fp8(self, recipe: Fp8Recipe) -> bool:
+        """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if the size rule lets this GEMM
+        (`gemm_runs_in_fp8` on ``[out, in]``); the output dim is TP-sharded. Returns whether it does."""
+        if gemm_runs_in_fp8(recipe, global_shape=(self.output_size, self.input_size),
+                            local_shape=(self.output_size_per_partition, self.input_size)):
+            tp = self.groups.tp_size > 1
+            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
+                                 output_sharded=tp)
+        return self.fp8 is not None
+
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
-                                   self.async_grad_allreduce, self.weight_main_grad)  # [s, b, out/tp]
+                                   self.async_grad_allreduce, self.weight_main_grad, self.fp8)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.groups.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -214,7 +266,7 @@ class RowParallelLinear(torch.nn.Module):
     Args:
         input_is_parallel: the input is already ``[s, b, in/tp]`` (from a column-parallel
             layer); otherwise it is scattered on the last dim first. Must be True under SP.
-        others: as `ColumnParallelLinear` (``weight_main_grad`` too).
+        others: as `ColumnParallelLinear` (``weight_main_grad`` and ``fp8`` too).
     Raises:
         ConfigError: input_size not divisible by tp.
     """
@@ -243,6 +295,7 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_main_grad: Optional[torch.Tensor] = None
+        self.fp8: Optional[Fp8Gemms] = None
 
     def local_shard_specs(self) -> dict:
         specs = {"weight": self._weight_spec}
@@ -255,10 +308,20 @@ class RowParallelLinear(torch.nn.Module):
         weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
         self.weight_main_grad = main_grad(self.weight)
 
+    def enable_fp8(self, recipe: Fp8Recipe) -> bool:
+        """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.enable_fp8`; the input dim is TP-sharded."""
+        output_size = self.weight.shape[0]
+        if gemm_runs_in_fp8(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
+                            local_shape=(output_size, self.input_size_per_partition)):
+            tp = self.groups.tp_size > 1
+            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,
+                                 output_sharded=False)
+        return self.fp8 is not None
+
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.groups.tp_group)
-        partial = linear(x, self.weight, None, self.weight_main_grad)  # [s, b, out], partial over TP
+        partial = linear(x, self.weight, None, self.weight_main_grad, self.fp8)  # [s, b, out], partial over TP
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
         else:

@@ -37,6 +37,15 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
                                         saves the mask in the activation dtype (measured)
         full recompute:                 2 per checkpointed group (its input; /t under SP), plus one
                                         group's full activations while it is recomputed (transient)
+        precision=fp8, tensorwise:      the linears save their input's FP8 cast (1 byte an element)
+                                        instead of the bf16 input, and of the weight's cast only the
+                                        scale (`mptrain.layers.fp8.Fp8Gemms.forward`): QKV / fc1
+                                        inputs 4 -> 2; S 24 -> 21 (GELU out 8 -> 4 as FP8; the proj
+                                        input adds its 1-byte cast beside the context SDPA keeps).
+                                        Rowwise recipes save the bf16 inputs (their weight-grad casts
+                                        scale along tokens): as bf16. Layers kept in bf16
+                                        (precision.fp8_first_last_layers_bf16) are weighted in;
+                                        the size rule is not (every GEMM is assumed converted).
 Logits (last stage; read from layers/cross_entropy.py): the fp32 softmax saved for backward,
 4·s·b·V/t per in-flight micro-batch, plus a transient (bytes(activation) + 4)·s·b·V/t during the
 cross-entropy forward (the logits and one fp32 temporary alive at once); the final norm's input and
@@ -60,7 +69,8 @@ from mptrain.layers.embedding import padded_vocab_size
 from mptrain.planner.params import RankParams
 
 GIB = 2**30
-PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 params and activations
+FP8_TENSORWISE_16BIT = {"linear_inputs_16bit": 2.0, "split_16bit": 21.0}  # FORMULA (module docstring)
 
 # MEASURED on CPU (torch 2.13, saved-tensor hooks, unique storages) for our TransformerLayer: bytes
 # saved for backward per layer per s·b·h element in 16-bit (bf16); fp32 measures exactly 2× these.
@@ -217,11 +227,25 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     split = MEASURED["split_selective_16bit" if recompute == "selective" else "split_16bit"] * scale
     norms = MEASURED["norm_inputs_16bit"] * scale
     linear_inputs = MEASURED["linear_inputs_16bit"] * scale
+    fp8 = _fp8_layer_fraction(cfg)
+    if fp8:  # tensorwise FP8 layers save 1-byte casts (module docstring); selective drops the same core tensors
+        split -= fp8 * (MEASURED["split_16bit"] - FP8_TENSORWISE_16BIT["split_16bit"])
+        linear_inputs -= fp8 * (MEASURED["linear_inputs_16bit"] - FP8_TENSORWISE_16BIT["linear_inputs_16bit"])
     masks = MEASURED["hidden_dropout_masks"] * dropout_mask_bytes if m.hidden_dropout > 0 else 0.0
     lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp [b, a/t, s]
     if layout.sequence_parallel:
         return sbh * ((norms + split + masks) / t + linear_inputs) + lse
     return sbh * (norms + linear_inputs + masks + split / t) + lse
+
+
+def _fp8_layer_fraction(cfg) -> float:
+    """The share of layers whose linears save FP8 casts: precision=fp8 with the tensorwise recipe, less the
+    first / last ``fp8_first_last_layers_bf16`` layers; 0 otherwise."""
+    p = cfg.precision
+    if p.name != "fp8" or p.fp8_recipe != "tensorwise":
+        return 0.0
+    n, layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
+    return max(0, layers - 2 * n) / layers
 
 
 def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int) -> float:

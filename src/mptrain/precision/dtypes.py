@@ -4,12 +4,13 @@ import torch
 
 from mptrain.errors import ConfigError
 
-# precision.name -> params dtype: the one table of precision options (a closed Megatron choice, --fp16 / --bf16)
-PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# precision.name -> params dtype: the one table of precision options (a closed Megatron choice, --fp16 / --bf16;
+# fp8 trains bf16 params and activations, its block GEMMs in FP8: mptrain.layers.fp8)
+PARAM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
 
 def params_dtype(precision: str) -> torch.dtype:
-    """torch dtype of model params for ``precision.name`` (fp32 | bf16 | fp16).
+    """torch dtype of model params for ``precision.name`` (fp32 | bf16 | fp16 | fp8, whose params are bf16).
 
     Raises:
         ConfigError: unknown precision name.

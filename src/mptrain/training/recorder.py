@@ -46,8 +46,9 @@ def kernels_line(built) -> str:
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
+    fp8 = getattr(built, "fp8", None)  # precision=fp8: what runs in FP8 (`mptrain.layers.fp8.Fp8Summary`)
     return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
-            f"{compile_note(built.chunks)}")
+            f"{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
 
 
 def compile_note(chunks) -> str:

@@ -31,13 +31,14 @@ from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
 from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
+from mptrain.layers.fp8 import apply_fp8, check_fp8_environment, fp8_recipe_from
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.optim.builders import build_optimizer_factory
 from mptrain.optim.lr_scheduler import build_lr_scheduler
 from mptrain.precision import params_dtype as precision_params_dtype
-from mptrain.precision.module import Float16Module
+from mptrain.precision.module import Float16Module, unwrap
 from mptrain.distributed.distrib_optimizer import build_optimizer_wrapper
 from mptrain.precision.optimizer import TooManySkippedStepsError
 from mptrain.precision.scaler import build_loss_scaler
@@ -65,6 +66,7 @@ class Built:
     scaler: Any
     hooks: list = dataclasses.field(default_factory=list)  # loop hooks (`mptrain.training.faults`); none by default
     faults: Any = None  # the checkpoint write's fault site (`mptrain.training.faults.FaultInjector`), or None
+    fp8: Any = None  # what precision=fp8 converted on this rank (`mptrain.layers.fp8.Fp8Summary`), or None
 
 
 def seed_host_rngs(seed: int, groups: ParallelGroups) -> None:
@@ -124,6 +126,8 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
 def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: int) -> Built:
     """Everything a job needs, built collectively on every rank."""
     chunks, optimizer, lr_scheduler, rng_tracker, scaler = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
+    # precision=fp8: the block linears' GEMMs in FP8 (a compute mode: parameters and checkpoints unchanged)
+    fp8 = apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers)
     with_mask = bool(cfg.data.reset_attention_mask)
     needs = groups.tp_rank == 0 and (groups.is_first_stage or groups.is_last_stage or with_mask)
     provider = build_provider(  # data._target_ (collective: every rank builds it here)
@@ -170,7 +174,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
                          else bool(cfg.train.defer_step_read)),
     )
     built = Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,
-                  scaler=scaler)
+                  scaler=scaler, fp8=fp8)
     built.hooks = install_fault_hooks(built, attempt=read_dist_env().restart_count)  # [] unless debug faults are set
     return built
 
@@ -228,6 +232,7 @@ def _validated(cfg: Any, world_size: int) -> tuple:
     try:
         cfg = as_config(cfg)
         derived = validate_config(cfg, world_size)
+        check_fp8_environment(cfg.precision)  # torchao, the GPU's FP8 tensor cores: this machine, no collective
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
             err.symmetric = True  # (rank 0 prints it); an environment-dependent one says symmetric=False

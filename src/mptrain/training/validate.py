@@ -30,6 +30,7 @@ from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
 from mptrain.groups import validate_layout
 from mptrain.layers.compile import resolve_compile_layers
+from mptrain.layers.fp8 import check_fp8_config
 from mptrain.layers.gpt import check_model_components, check_model_config
 from mptrain.optim.builders import check_optimizer
 from mptrain.optim.lr_scheduler import check_lr_scheduler
@@ -122,6 +123,7 @@ def resolve_loss_scaler(cfg: Config) -> str:
         ConfigError: one line naming the key, the dotted path and the fix.
     """
     params_dtype(cfg.precision.name)
+    check_fp8_config(cfg.precision)
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
     check_lr_scheduler(cfg.optim, cfg.train.train_iters, optimizer=check_optimizer(cfg.optim))
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)

@@ -1,0 +1,356 @@
+"""FP8 GEMMs for the transformer layers' parallel linears (``precision=fp8``), from torchao's float8 building blocks.
+
+Legend: ``T`` tokens of a micro-batch (``s·b``), ``in`` / ``out`` the linear's sizes; a weight is
+``[out, in]`` (``[out/tp, in]`` column-parallel, ``[out, in/tp]`` row-parallel, `mptrain.layers.linear`).
+
+The three GEMMs of a linear layer (torchao ``float8_training_tensor.py``'s note)::
+
+    forward      y  = x · Wᵀ        [T, in] · [in, out]     contracts over in
+    grad input   dx = dy · W        [T, out] · [out, in]    contracts over out
+    grad weight  dW = dyᵀ · x       [out, T] · [T, in]      contracts over T
+
+Each operand is cast to FP8 with a dynamic scale (``scale = fp8_max / amax``; e4m3 for x and W, e5m2
+for dy under tensorwise) and the GEMM runs as ``torch._scaled_mm`` (or, with ``emulate``, as the same
+scaling and rounding computed in fp32: torchao's ``Float8LinearConfig(emulate=True)``), its output in
+the activations' dtype (bf16). What is cast how is torchao's recipe (``Float8LinearConfig.from_recipe_name``):
+
+* ``tensorwise``: one scale per tensor, for all three GEMMs (torchao's default; cuBLAS kernel).
+* ``rowwise``: one scale per row along the contraction dim of each GEMM (e4m3 everywhere, power-of-2
+  scales; CUTLASS kernel).
+* ``rowwise_with_gw_hp``: rowwise for the forward and grad-input GEMMs (the weight tensorwise in
+  the latter), the grad-weight GEMM in bf16.
+
+The casts go through torchao's functions (``tensor_to_amax``, ``amax_to_scale``,
+``hp_tensor_and_scale_to_float8``, the ``Float8TrainingTensor`` matmul); the autograd Function,
+the TP communications, sequence parallelism and gradient accumulation fusion stay mptrain's
+(`mptrain.layers.linear._LinearWithGradAccumulationAndAsyncCommunication` calls `Fp8Gemms`).
+
+**Every layout computes the scales of tp = 1.** A scale must be the amax over the same elements as
+in the unsharded model, else tp = 2 rounds differently from tp = 1 (Megatron-LM's amax-reduction
+group fixes the same bug for Transformer Engine). `Fp8Gemms` all-reduces (MAX) an amax over the TP
+group exactly where this rank holds a part of those elements:
+
+* tensorwise: the amax of a TP-sharded tensor: the weight (both layers), the row-parallel input
+  ``x [T, in/tp]`` and the column-parallel output grad ``dy [T, out/tp]``. The column-parallel input
+  is whole on every rank (copied by f, or all-gathered from ``[s/tp, b, h]`` under sequence
+  parallelism before the cast), as is the row-parallel output grad (all-reduced by g's backward,
+  or all-gathered under sequence parallelism): no reduction.
+* rowwise: a row scale is the amax along the GEMM's contraction dim, so it needs a reduction only
+  where that dim is TP-sharded: ``in`` of the row-parallel forward (x and W) and ``out`` of the
+  column-parallel grad-input GEMM (dy and W); a vector of ``T`` or ``in`` amaxes. The grad-weight
+  GEMM contracts over tokens, which are whole on every TP rank: its row scales are local.
+
+Sources: torchao ``torchao/float8/float8_linear.py`` (``matmul_with_hp_or_float8_args``, the
+casts per GEMM), ``float8_scaling_utils.py``, ``config.py``; Micikevicius et al. 2022, "FP8
+Formats for Deep Learning"; Megatron-LM ``megatron/core/fp8_utils.py`` (first / last layers in bf16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+from mptrain.errors import ConfigError, check_choice
+from mptrain.layers.mappings import _all_reduce
+
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""``precision.fp8_recipe``: torchao's ``Float8LinearRecipeName`` values."""
+FP8_GEMM_FILTERS = ("auto", "none")
+"""``precision.fp8_gemm_filter``: ``auto`` leaves GEMMs too small to gain in bf16 (`gemm_runs_in_fp8`); ``none`` converts all."""
+FP8_MIN_CAPABILITY = (8, 9)
+"""FP8 tensor cores: Ada (sm89) and Hopper (sm90) or newer."""
+TORCHAO_PIN = "torchao==0.18.0"
+
+
+def _torchao():
+    """The torchao float8 modules, imported on first use (torchao is the optional ``fp8`` extra)."""
+    from torchao.float8 import config, float8_training_tensor, float8_utils
+
+    return config, float8_training_tensor, float8_utils
+
+
+def check_fp8_config(precision) -> None:
+    """The ``precision.fp8_*`` keys (pure; `mptrain.training.validate.validate_config`).
+
+    Raises:
+        ConfigError: unknown ``fp8_recipe`` / ``fp8_gemm_filter``, or ``fp8_first_last_layers_bf16`` < 0.
+    """
+    check_choice("precision.fp8_recipe", precision.fp8_recipe, FP8_RECIPES)
+    check_choice("precision.fp8_gemm_filter", precision.fp8_gemm_filter, FP8_GEMM_FILTERS)
+    n = precision.fp8_first_last_layers_bf16
+    if n is None or n < 0:
+        raise ConfigError(f"precision.fp8_first_last_layers_bf16={n} must be an integer >= 0 (0: every layer in fp8)")
+
+
+def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
+    """What ``precision=fp8`` needs from this machine, checked before any collective.
+
+    Args:
+        precision: the precision config node (``name``, ``fp8_emulate``).
+        cuda: whether the run computes on CUDA; None = ``torch.cuda.is_available()`` (the trainer's choice,
+            `mptrain.groups.init_distributed`).
+    Raises:
+        ConfigError: torchao missing; a CUDA GPU below sm89 without ``fp8_emulate``; CPU without ``fp8_emulate``.
+    """
+    if precision.name != "fp8":
+        return
+    try:
+        _torchao()
+    except ImportError:
+        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
+                          "or pick precision=bf16") from None
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if precision.fp8_emulate:
+        return
+    if not cuda:
+        raise ConfigError("precision=fp8 on CPU has no FP8 GEMMs; set precision.fp8_emulate=true (torchao's "
+                          "emulation, for tests) or pick precision=bf16")
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_MIN_CAPABILITY:
+        raise ConfigError(f"precision=fp8 needs FP8 tensor cores (sm89 or newer), this GPU is sm{capability[0]}"
+                          f"{capability[1]}; pick precision=bf16 (or precision.fp8_emulate=true to test)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How the block linears compute in FP8 (from the ``precision`` node, `fp8_recipe_from`).
+
+    Attributes:
+        recipe: tensorwise | rowwise | rowwise_with_gw_hp (`FP8_RECIPES`).
+        emulate: torchao's emulation (the same scaling and rounding, GEMMs in fp32): CPU tests.
+        gemm_filter: auto | none (`FP8_GEMM_FILTERS`, `gemm_runs_in_fp8`).
+        first_last_layers_bf16: the first and the last N layers of the model (global indices) stay bf16.
+    """
+
+    recipe: str = "tensorwise"
+    emulate: bool = False
+    gemm_filter: str = "auto"
+    first_last_layers_bf16: int = 0
+
+
+def fp8_recipe_from(precision) -> Optional[Fp8Recipe]:
+    """The `Fp8Recipe` of a ``precision`` config node; None unless ``precision.name`` is fp8."""
+    if precision.name != "fp8":
+        return None
+    return Fp8Recipe(recipe=precision.fp8_recipe, emulate=bool(precision.fp8_emulate),
+                     gemm_filter=precision.fp8_gemm_filter,
+                     first_last_layers_bf16=int(precision.fp8_first_last_layers_bf16))
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(recipe: str, emulate: bool):
+    """torchao's ``Float8LinearConfig`` of the recipe and the ``LinearMMConfig`` of its three GEMMs
+    (as ``Float8Linear.__init__`` builds it)."""
+    config_mod, tensor_mod, _ = _torchao()
+    config = dataclasses.replace(config_mod.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    gemm = tensor_mod.ScaledMMConfig
+    mm = tensor_mod.LinearMMConfig(
+        gemm(emulate, config.gemm_config_output.use_fast_accum, False, config.pad_inner_dim),
+        gemm(emulate, config.gemm_config_grad_input.use_fast_accum, False, config.pad_inner_dim),
+        gemm(emulate, config.gemm_config_grad_weight.use_fast_accum, False, config.pad_inner_dim))
+    return config, mm
+
+
+def gemm_runs_in_fp8(recipe: Fp8Recipe, *, global_shape: tuple, local_shape: tuple) -> bool:
+    """The size rule: does a linear of weight shape ``[out, in]`` compute in FP8?
+
+    ``_scaled_mm`` needs both local dims to be multiples of 16. With ``gemm_filter=auto`` the
+    thresholds of torchao's ``_auto_filter_for_recipe`` (``float8_linear_utils.py``: below them the
+    casts cost more than the FP8 GEMM saves) apply to the global shape, so every layout decides alike:
+    tensorwise skips ``in <= 4096 and out <= 1024``; rowwise skips ``out <= 2048``, ``in <= 1024`` and
+    ``out <= 4096 and in <= 2048``.
+    """
+    if any(d % 16 for d in local_shape):
+        return False
+    if recipe.gemm_filter == "none":
+        return True
+    n, k = global_shape
+    if recipe.recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+class Fp8Gemms:
+    """The three GEMMs of one TP linear in FP8, with the amax reductions that make every layout equal tp = 1.
+
+    Args:
+        recipe: the `Fp8Recipe`.
+        amax_group: the TP group (None when tp = 1: nothing is sharded).
+        input_sharded: the contraction dim ``in`` is split over TP (row-parallel).
+        output_sharded: ``out`` is split over TP (column-parallel).
+    The weight is TP-sharded whenever there is an ``amax_group``.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool) -> None:
+        self.recipe = recipe
+        self.config, self.mm_config = _configs(recipe.recipe, recipe.emulate)
+        self.amax_group = amax_group
+        self.input_sharded, self.output_sharded = input_sharded, output_sharded
+        config_mod, tensor_mod, _ = _torchao()
+        self._roles = tensor_mod.GemmInputRole
+        self._tensorwise = config_mod.ScalingGranularity.TENSORWISE
+        self._disabled = config_mod.ScalingType.DISABLED
+        c = self.config
+        # an operand cast alike in forward and backward is cast once (tensorwise: one scale per tensor)
+        self.reuse_input = self._same_cast(c.cast_config_input, c.cast_config_input_for_grad_weight)
+        self.reuse_weight = self._same_cast(c.cast_config_weight, c.cast_config_weight_for_grad_input)
+        self.reuse_grad_output = self._same_cast(c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight)
+
+    def _same_cast(self, a, b) -> bool:
+        return a == b and a.scaling_type is not self._disabled and a.scaling_granularity is self._tensorwise
+
+    def _cast(self, t: torch.Tensor, cast_config, role, axis: int, *, tensor_sharded: bool, k_sharded: bool):
+        """``t`` as a Float8TrainingTensor (or ``t`` itself when the recipe keeps it in high precision).
+
+        ``axis``: the contraction dim of ``t`` in its GEMM (rowwise scales are amaxes along it);
+        ``tensor_sharded`` / ``k_sharded``: whether ``t`` / that dim is split over TP (the module docstring).
+        """
+        if cast_config.scaling_type is self._disabled:
+            return t
+        _, tensor_mod, utils = _torchao()
+        tensorwise = cast_config.scaling_granularity is self._tensorwise
+        axiswise_dim = None if tensorwise else axis
+        amax = utils.tensor_to_amax(t, False, None, cast_config.scaling_granularity, axiswise_dim).float()
+        if self.amax_group is not None and (tensor_sharded if tensorwise else k_sharded):
+            amax = _all_reduce(amax, self.amax_group, "max")  # the amax of the whole logical tensor / row
+        scale = utils.amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
+        return tensor_mod.hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role,
+                                                        axiswise_dim)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+        """``y = x · Wᵀ``: x ``[T, in(/tp)]`` (bf16), weight ``[out(/tp), in(/tp)]`` -> (y ``[T, out(/tp)]``
+        in x's dtype, the tensors backward needs: a tuple for ``ctx.save_for_backward``)."""
+        c, roles = self.config, self._roles
+        sharded_w = self.amax_group is not None
+        x8 = self._cast(x, c.cast_config_input, roles.INPUT, -1, tensor_sharded=self.input_sharded,
+                        k_sharded=self.input_sharded)
+        w8_t = self._cast(weight.t(), c.cast_config_weight, roles.WEIGHT, 0, tensor_sharded=sharded_w,
+                          k_sharded=self.input_sharded)  # [in, out]
+        y = torch.mm(x8, w8_t)
+        # saved as plain tensors: the fp8 input where backward reuses its cast (1 byte an element instead of
+        # 2); of the weight's cast only the scale (backward recasts with it: the same bits, no amax pass and
+        # no reduction, and no fp8 copy of the weight held per micro-batch in flight)
+        x_saved = (x8._data, x8._scale) if self.reuse_input else (x, None)
+        return y, (*x_saved, weight, w8_t._scale if self.reuse_weight else None)
+
+    def _recast(self, hp: torch.Tensor, scale: torch.Tensor, cast_config, role):
+        _, tensor_mod, _ = _torchao()
+        return tensor_mod.hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.mm_config, role, None)
+
+    def _rebuild(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, role):
+        _, tensor_mod, _ = _torchao()
+        return tensor_mod.Float8TrainingTensor(data, scale, dtype, self.mm_config, role, None)
+
+    def cast_grad_output(self, grad_output: torch.Tensor):
+        """dy ``[T, out(/tp)]`` cast for the grad-input GEMM (its amax TP-reduced where ``out`` is sharded);
+        under tensorwise the grad-weight GEMM reuses it."""
+        return self._cast(grad_output, self.config.cast_config_grad_output, self._roles.GRAD_OUTPUT, -1,
+                          tensor_sharded=self.output_sharded, k_sharded=self.output_sharded)
+
+    def grad_input(self, dy8, saved: tuple) -> torch.Tensor:
+        """dx ``[T, in(/tp)]`` = dy · W from `cast_grad_output`'s dy and `forward`'s saved tensors; a
+        partial sum over TP for a column-parallel layer (the caller reduces it)."""
+        _, _, weight, w_scale = saved
+        if self.reuse_weight:
+            w8_t = self._recast(weight.t(), w_scale, self.config.cast_config_weight, self._roles.WEIGHT)
+        else:
+            w8_t = self._cast(weight.t(), self.config.cast_config_weight_for_grad_input, self._roles.WEIGHT, -1,
+                              tensor_sharded=self.amax_group is not None, k_sharded=self.output_sharded)
+        return torch.mm(dy8, w8_t.t())
+
+    def grad_weight(self, grad_output: torch.Tensor, dy8, saved: tuple) -> torch.Tensor:
+        """dW ``[out(/tp), in(/tp)]`` = dyᵀ · x in the activations' dtype. Contracts over tokens, whole on
+        every TP rank: rowwise scales need no reduction, and tensorwise reuses the forward's casts."""
+        c, roles = self.config, self._roles
+        x_or_data, x_scale = saved[0], saved[1]
+        dy_gw = dy8 if self.reuse_grad_output else self._cast(
+            grad_output, c.cast_config_grad_output_for_grad_weight, roles.GRAD_OUTPUT, 0,
+            tensor_sharded=self.output_sharded, k_sharded=False)
+        if self.reuse_input:
+            x_gw = self._rebuild(x_or_data, x_scale, grad_output.dtype, roles.INPUT)
+        else:
+            x_gw = self._cast(x_or_data, c.cast_config_input_for_grad_weight, roles.INPUT, 0,
+                              tensor_sharded=self.input_sharded, k_sharded=False)
+        return torch.mm(dy_gw.t(), x_gw)
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_gemms(recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool) -> Fp8Gemms:
+    """One shared `Fp8Gemms` per (recipe, group, sharding): every layer's linear of a kind holds the same
+    object, so the graphs ``torch.compile`` traces for one layer (its guards on the object) serve all."""
+    return Fp8Gemms(recipe, amax_group=amax_group, input_sharded=input_sharded, output_sharded=output_sharded)
+
+
+@runtime_checkable
+class UsesFp8(Protocol):
+    """A layer whose GEMMs may run in FP8: `apply_fp8` calls ``enable_fp8(recipe)``, which returns
+    whether the layer now computes in FP8 (its size rule may keep it in bf16). Implemented by
+    `mptrain.layers.linear.ColumnParallelLinear` / ``RowParallelLinear``."""
+
+    def enable_fp8(self, recipe: Fp8Recipe) -> bool: ...
+
+
+@dataclasses.dataclass
+class Fp8Summary:
+    """What `apply_fp8` converted on this rank (for the start-up log, `describe`)."""
+
+    recipe: Fp8Recipe
+    fp8: int = 0
+    below_size_rule: int = 0
+    bf16_layers: list = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        """`` precision=fp8 (tensorwise: 8 of 8 block linears in FP8 ...; bf16: ...)``, for the ``kernels:`` line."""
+        r = self.recipe
+        kept = [f"{self.below_size_rule} below the size rule (precision.fp8_gemm_filter={r.gemm_filter})"]
+        if self.bf16_layers:
+            kept.append(f"layers {', '.join(map(str, self.bf16_layers))} (precision.fp8_first_last_layers_bf16="
+                        f"{r.first_last_layers_bf16})")
+        total = self.fp8 + self.below_size_rule
+        return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block linears "
+                f"(3 GEMMs each) in FP8 on this rank; bf16: embeddings, output layer, {', '.join(kept)}; MFU is relative to the "
+                "bf16 dense peak)")
+
+
+def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> Optional[Fp8Summary]:
+    """Turn on FP8 in the transformer layers of these model chunks (in place; before the first forward).
+
+    Every module under ``model.decoder.layers[<global n>]`` that implements `UsesFp8` gets
+    ``enable_fp8(recipe)``, except in the first and last ``recipe.first_last_layers_bf16`` layers of the
+    model (Megatron-LM's ``--first-last-layers-bf16``). Embeddings and the output layer are never
+    converted. Parameters, names and checkpoints are unchanged: FP8 is a compute mode.
+
+    Args:
+        models: model chunks, unwrapped (`GPTModel`s; a user's chunk without ``decoder.layers`` is left alone).
+        recipe: the `Fp8Recipe`, or None (nothing to do; returns None).
+        num_layers: ``model.num_layers`` (the global layer count).
+    """
+    if recipe is None:
+        return None
+    # what torchao's convert_to_float8_training applies before any float8 kernel is compiled: Inductor's
+    # min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
+    # transposed fp8 correctly (torchao/float8/_inductor_patch.py, triton-lang/triton#11111)
+    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
+
+    _patch_inductor_min_max_codegen()
+    summary = Fp8Summary(recipe)
+    n = recipe.first_last_layers_bf16
+    for model in models:
+        layers = getattr(getattr(model, "decoder", None), "layers", None)
+        if layers is None:
+            continue
+        for key, layer in layers.items():
+            if int(key) < n or int(key) >= num_layers - n:
+                summary.bf16_layers.append(int(key))
+                continue
+            for module in layer.modules():
+                if isinstance(module, UsesFp8):
+                    if module.enable_fp8(recipe):
+                        summary.fp8 += 1
+                    else:
+                        summary.below_size_rule += 1
+    summary.bf16_layers.sort()
+    return summary
