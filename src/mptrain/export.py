@@ -515,8 +515,9 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
               "imported_from": str(hf_path)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"common": common}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=StreamingPlanner(chunks),
-                 no_dist=True)
+        # one file per tensor: DCP's writer keeps every tensor of a file alive until that file is written
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1)
+        dcp.save({"common": common}, storage_writer=writer, planner=StreamingPlanner(chunks), no_dist=True)
     meta = {k: common[k] for k in ("format", "iteration", "consumed_samples", "layout", "vocab_size", "param_dtype",
                                    "torch_version", "config")}
     meta["hf"] = {"model_type": family, "dtype": param_dtype, "bos_token_id": cfg.get("bos_token_id"),
