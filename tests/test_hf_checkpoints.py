@@ -241,7 +241,7 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
         _validated(compose([f"checkpoint.load={ckpt}", "parallel=tp4pp1"]), 4)
 
 
-TRAIN = ["model.seq_length=16", f"data.vocab_size={VOCAB}", "train.train_iters=2", "train.global_batch_size=8",
+TRAIN = ["model.seq_length=16", f"data.vocab_size={VOCAB}", "train.train_iters=2", "train.global_batch_size=4",
          "train.micro_batch_size=2", "train.eval_interval=null", "optim.lr=1e-2"]
 
 
