@@ -246,8 +246,9 @@ TRAIN = ["model.seq_length=16", f"data.vocab_size={VOCAB}", "train.train_iters=2
 
 
 def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp_path):
-    """tp2pp2 from the imported Llama equals tp1pp1 (DESIGN.md §3 tolerances); its export reproduces its logits."""
-    ckpt = imported["llama_untied"][1]
+    """tp2pp2 from the imported Mistral (bf16 weights, fp32 training) equals tp1pp1 (DESIGN.md §3 tolerances);
+    its export is a Mistral again and reproduces mptrain's logits in transformers."""
+    ckpt = imported["mistral_bf16"][1]
     runs = {}
     for world, parallel in ((1, "tp1pp1"), (4, "tp2pp2")):
         run_distributed(run_job, world, TRAIN + [f"parallel={parallel}", f"checkpoint.load={ckpt}",
@@ -261,8 +262,9 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     assert runs["tp1pp1"][-1]["lm_loss"] < runs["tp1pp1"][0]["lm_loss"]  # it trains
     trained = tmp_path / "tp2pp2-ckpt"
     saved = json.loads(next(trained.glob("iter_*/meta.json")).read_text())["config"]
-    assert saved["checkpoint"]["use_checkpoint_args"] is True and saved["model"]["num_query_groups"] == 2
+    assert saved["checkpoint"]["use_checkpoint_args"] is True and saved["model"]["kv_channels"] == 16
     assert _cli("--checkpoint", str(trained), "--output", str(tmp_path / "out"), "--format", "hf") == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(back).__name__ == "MistralForCausalLM" and next(back.parameters()).dtype == torch.float32
     with torch.no_grad():
         torch.testing.assert_close(back(IDS).logits, _tp1_logits(trained, IDS), rtol=0, atol=1e-5)

@@ -542,8 +542,8 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     """Write a Hugging Face folder (GPT-2, or Llama / Mistral / Qwen2) that ``AutoModelForCausalLM`` loads.
 
     The family: ``model_type`` (llama / mistral / qwen2 for a Llama-architecture model), else the one
-    the checkpoint was imported from, else from the architecture (GPT-2's, qwen2 for a QKV bias alone,
-    llama). The dtype: ``dtype`` (float32 / bfloat16 / float16), else the checkpoint's parameter dtype
+    the checkpoint was imported from (an import names its model after it, and training keeps the name),
+    else from the architecture (GPT-2's, qwen2 for a QKV bias alone, llama). The dtype: ``dtype`` (float32 / bfloat16 / float16), else the checkpoint's parameter dtype
     (an imported checkpoint's: its source's). Tensors are read and converted one at a time and written
     in safetensors shards of at most ``max_shard_size_mb`` MB (``model.safetensors`` when one is
     enough, else ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``), so at most
@@ -575,7 +575,9 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
         family = "gpt2"
     else:
         family = llama_like_family(model)
-        wanted = model_type or hf_meta.get("model_type")
+        # the import's family, kept through training by the model's name (`llama`, `mistral_7b`, `qwen2.5_7b`, ...)
+        by_name = next((f for f in LLAMA_LIKE if str(model.get("name", "")).startswith(f)), None)
+        wanted = model_type or hf_meta.get("model_type") or by_name
         if wanted in LLAMA_LIKE and (wanted == "qwen2") == (family == "qwen2"):
             family = wanted
         elif model_type is not None:
