@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -198,6 +199,12 @@ def test_export_after_import_gives_back_the_same_tensors(imported, family, tmp_p
         assert len(list(hf_dir.glob("model-*.safetensors"))) > 1
         index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(original) and len(set(index["weight_map"].values())) > 1
+    from mptrain.export import atomic_meta, model_config_from_dict
+    from mptrain.layers.params import count_parameters
+
+    model = atomic_meta(next(ckpt.glob("iter_*")))["config"]["model"]
+    # the parameter-count formula (metrics, planner) knows each family's biases and tie
+    assert count_parameters(model_config_from_dict(model), vocab_size=VOCAB) == sum(p.numel() for p in hf.parameters())
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dtype"] == ("bfloat16" if family == "mistral_bf16" else "float32")
     # loaded in fp32 (bf16 weights upcast exactly), as the reference, so the logits are equal bitwise
@@ -239,6 +246,18 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^model.num_query_groups=2 is not divisible by "
                                           r"parallel.tensor_model_parallel_size=4; [^\n]*$"):
         _validated(compose([f"checkpoint.load={ckpt}", "parallel=tp4pp1"]), 4)
+
+
+def test_preprocessing_takes_the_imported_eod(imported):
+    """`--tokenizer hf:PATH:EOD_TOKEN`: data preprocessed with the model's own EOS (not every tokenizer has
+    <|endoftext|>)."""
+    from mptrain.data.tokenizers import parse_cli_tokenizer
+    from mptrain.errors import ConfigError
+
+    path = imported["llama_untied"][0] / "tokenizer.json"
+    assert parse_cli_tokenizer(f"hf:{path}:</s>").eod == EOS
+    with pytest.raises(ConfigError, match=re.escape("eod_token='<|endoftext|>' is not in the vocabulary")):
+        parse_cli_tokenizer(f"hf:{path}")
 
 
 TRAIN = ["model.seq_length=16", f"data.vocab_size={VOCAB}", "train.train_iters=2", "train.global_batch_size=4",
