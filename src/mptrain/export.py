@@ -1,8 +1,13 @@
-"""Export a checkpoint as consolidated weights (safetensors + config json) or a Hugging Face GPT-2
-checkpoint, and import a GPT-2 checkpoint as a training starting point.
+"""Export a checkpoint as consolidated weights (safetensors + config json) or a Hugging Face folder
+(GPT-2, Llama, Mistral, Qwen2), and import such a folder as a training starting point.
 
-    python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf-gpt2]
-    python -m mptrain.export --import-hf-gpt2 HF_DIR --output CKPT
+    python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf|hf-gpt2]
+        [--dtype float32|bfloat16|float16] [--hf-model-type llama|mistral|qwen2] [--max-shard-size-mb MB]
+    python -m mptrain.export --import-hf HF_DIR --output CKPT          (--import-hf-gpt2: GPT-2 only)
+
+``--format hf`` / ``--import-hf`` (`export_hf`, `import_hf`): the family from ``config.json``, the
+layouts in `mptrain.hf_models`; tensors are converted one at a time (import: one DCP file per tensor;
+export: safetensors shards of at most ``--max-shard-size-mb``, ``model.safetensors.index.json``).
 
 No torch.distributed is needed: the DCP checkpoint is read with ``no_dist=True``, each tensor
 assembled at its full unpadded shape from whatever TP / PP / DP / ZeRO-1 layout wrote it.
