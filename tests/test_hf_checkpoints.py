@@ -105,7 +105,8 @@ def _read_safetensors(folder: Path) -> dict:
 
 
 def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: list) -> dict:
-    """Logits of ``ids`` at tp2 and at pp2 (rank 0 returns them), and greedy decoding at tp2."""
+    """{"tp2pp1": logits [b, s, V] (every rank), "tp1pp2": logits on the last stage (rank 1; None on rank 0),
+    "generated": greedy new ids at tp2, "eod": the loaded tokenizer's EOD}; each layout resharded from the import."""
     import torch.distributed as dist
 
     from mptrain.checkpoint import atomic
