@@ -1,8 +1,13 @@
-"""Export a checkpoint as consolidated weights (safetensors + config json) or a Hugging Face GPT-2
-checkpoint, and import a GPT-2 checkpoint as a training starting point.
+"""Export a checkpoint as consolidated weights (safetensors + config json) or a Hugging Face folder
+(GPT-2, Llama, Mistral, Qwen2), and import such a folder as a training starting point.
 
-    python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf-gpt2]
-    python -m mptrain.export --import-hf-gpt2 HF_DIR --output CKPT
+    python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf|hf-gpt2]
+        [--dtype float32|bfloat16|float16] [--hf-model-type llama|mistral|qwen2] [--max-shard-size-mb MB]
+    python -m mptrain.export --import-hf HF_DIR --output CKPT          (--import-hf-gpt2: GPT-2 only)
+
+``--format hf`` / ``--import-hf`` (`export_hf`, `import_hf`): the family from ``config.json``, the
+layouts in `mptrain.hf_models`; tensors are converted one at a time (import: one DCP file per tensor;
+export: safetensors shards of at most ``--max-shard-size-mb``, ``model.safetensors.index.json``).
 
 No torch.distributed is needed: the DCP checkpoint is read with ``no_dist=True``, each tensor
 assembled at its full unpadded shape from whatever TP / PP / DP / ZeRO-1 layout wrote it.
@@ -304,58 +309,350 @@ def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None
 
 
 def import_hf_gpt2(hf_dir: str, output: str) -> tuple[Path, list]:
-    """Turn a GPT-2 folder into a checkpoint (``iter_0000000`` + ``latest``) to start training from.
+    """`import_hf` for a GPT-2 folder (``--import-hf-gpt2``).
 
-    Returns:
-        (the checkpoint folder, warnings). Train from it with ``checkpoint.load=<output>`` and the
-        model keys printed by the CLI (``model.num_layers=...``).
     Raises:
-        ConfigError: the GPT-2 config cannot be expressed by our model (untied head with a
-            different weight, unknown activation), or the checkpoint folder already exists.
+        ConfigError: the folder is not a GPT-2 (and `import_hf`'s errors).
     """
-    from safetensors.torch import load_file
+    from mptrain.hf_models import family_of
 
-    from mptrain.checkpoint.api import FORMAT
+    path = Path(hf_dir) / "config.json"
+    if path.is_file() and family_of(json.loads(path.read_text()), str(path)) != "gpt2":
+        raise ConfigError(f"import-hf-gpt2: {path} is not a GPT-2; use --import-hf")
+    return import_hf(hf_dir, output)
 
-    hf_path = Path(hf_dir)
-    cfg = json.loads((hf_path / "config.json").read_text())
-    notes = []
+
+# --- Hugging Face families: Llama, Mistral, Qwen2, GPT-2 (streamed) --------------------------------
+_IGNORED_HF = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")  # buffers, not weights
+_DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class HFTensors:
+    """Tensors of a Hugging Face folder, read one at a time (``model.safetensors`` or the shards that
+    ``model.safetensors.index.json`` lists).
+
+    Raises:
+        ConfigError: the folder holds neither file.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / "model.safetensors").is_file():
+            with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+                files = {name: folder / "model.safetensors" for name in f.keys()}
+        else:
+            raise ConfigError(f"import-hf: {folder} has no model.safetensors or model.safetensors.index.json "
+                              "(save the model with safetensors)")
+        self.files = files
+        self._open = {}
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPE_NAMES.get(self._handle(name).get_slice(name).get_dtype(), torch.float32)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+def _gpt2_model(cfg: dict, notes: list) -> dict:
+    """Our model dict for a GPT-2 config.json (``gelu_new`` imported as exact gelu, with a note)."""
     act = cfg.get("activation_function", "gelu_new")
     if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         notes.append(f"activation_function={act} (tanh approximation) imported as model.activation=gelu (exact erf)")
     elif act != "gelu":
-        raise ConfigError(f"import-hf-gpt2: activation_function={act!r} is not supported (gelu / gelu_new)")
-    hf = load_file(str(hf_path / "model.safetensors"))
+        raise ConfigError(f"import-hf: activation_function={act!r} is not supported (gelu / gelu_new)")
     heads, h = int(cfg["n_head"]), int(cfg["n_embd"])
-    state = from_hf_gpt2(hf, heads)
-    untied = not cfg.get("tie_word_embeddings", True)
-    head = hf.get("lm_head.weight")
-    if untied and head is not None:
-        state["output_layer.weight"] = head
-    model = {"num_layers": int(cfg["n_layer"]), "hidden_size": h, "num_attention_heads": heads,
-             "ffn_hidden_size": cfg.get("n_inner") or 4 * h, "max_position_embeddings": int(cfg["n_positions"]),
-             "vocab_size": int(cfg["vocab_size"]), "layernorm_epsilon": float(cfg.get("layer_norm_epsilon", 1e-5)),
-             "normalization": "LayerNorm", "activation": "gelu", "position_embedding_type": "learned_absolute",
-             "untie_embeddings_and_output_weights": untied, "add_bias_linear": True}
+    return {"name": "gpt2", "num_layers": int(cfg["n_layer"]), "hidden_size": h, "num_attention_heads": heads,
+            "ffn_hidden_size": cfg.get("n_inner") or 4 * h, "max_position_embeddings": int(cfg["n_positions"]),
+            "seq_length": int(cfg["n_positions"]), "vocab_size": int(cfg["vocab_size"]),
+            "layernorm_epsilon": float(cfg.get("layer_norm_epsilon", 1e-5)), "normalization": "LayerNorm",
+            "activation": "gelu", "position_embedding_type": "learned_absolute",
+            "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", True), "add_bias_linear": True}
+
+
+def _gpt2_import_plan(names, model: dict) -> dict:
+    """{our name: ([its GPT-2 name], fn)} for the GPT-2 tensors ``names`` (`from_hf_gpt2`, one tensor at a time)."""
+    heads = model["num_attention_heads"]
+    plan = {}
+    for name in names:
+        for ours in from_hf_gpt2({name: torch.empty(0)}, heads):  # the name mapping alone (an empty stand-in)
+            plan[ours] = ([name], lambda ts, n=name, o=ours: from_hf_gpt2({n: ts[0]}, heads)[o])
+    if model["untie_embeddings_and_output_weights"]:
+        plan["output_layer.weight"] = (["lm_head.weight"], lambda ts: ts[0])
+    return plan
+
+
+def expected_shapes(model: dict) -> dict:
+    """{our tp1pp1 name: global unpadded shape} of every parameter of ``model`` (a model dict).
+
+    Built on the meta device (no memory, no init cost) by the trainer's own `build_model_chunks`.
+    """
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.layers.gpt import build_model_chunks
+    from mptrain.layers.sharding import collect_shard_specs
+
+    chunk = build_model_chunks(model_config_from_dict(model), ParallelConfig(), _single_rank_groups(),
+                               vocab_size=int(model["vocab_size"]), device=torch.device("meta"))[0]
+    return {name: tuple(spec.global_shape) for name, spec in collect_shard_specs(chunk).items()}
+
+
+def _meta_like(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-memory tensor of ``shape`` (DCP's plan reads only shape and dtype; the data comes later)."""
+    return torch.empty((), dtype=dtype).expand(shape)
+
+
+def _tokenizer_record(hf_path: Path, root: Path, cfg: dict) -> Optional[dict]:
+    """``data.tokenizer`` for the imported checkpoint: the folder's tokenizer.json (copied next to the
+    checkpoint) with its EOS as EOD; None when there is none (the run's own data.tokenizer stays)."""
+    import shutil
+
+    src = hf_path / "tokenizer.json"
+    if not src.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    dst = root / "tokenizer.json"
+    shutil.copyfile(src, dst)
+    tok = Tokenizer.from_file(str(dst))
+    eos = None
+    tok_cfg = hf_path / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        eos = json.loads(tok_cfg.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is None:
+        eos_id = cfg.get("eos_token_id")
+        eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+        eos = tok.id_to_token(int(eos_id)) if eos_id is not None else "<|endoftext|>"
+    return {"_target_": "mptrain.data.tokenizers.HFTokenizer", "tokenizer_json": str(dst.resolve()), "eod_token": eos}
+
+
+def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
+    """Turn a Hugging Face Llama / Mistral / Qwen2 / GPT-2 folder into a checkpoint to train from.
+
+    Writes ``output/iter_0000000`` + ``latest`` (iteration 0, no optimizer state) with each tensor in
+    the source dtype, converted and written one at a time (never two copies of the model in memory),
+    and ``output/tokenizer.json`` when the folder has one. Its saved config records the model
+    (`mptrain.hf_models.model_from_hf_config`), ``data.tokenizer`` (`HFTokenizer` on that file, EOD =
+    the model's EOS) and ``checkpoint.use_checkpoint_args=true``, so ``checkpoint.load=<output>``
+    builds this model at any layout without the shape on the command line.
+
+    Returns:
+        (the checkpoint folder, notes for the user).
+    Raises:
+        ConfigError: no config.json, an unsupported family or feature, a tensor missing or of a shape
+            config.json does not imply, or the checkpoint folder exists (each one line).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from mptrain.checkpoint.api import FORMAT
+    from mptrain.checkpoint.dcp_io import ChunkSavePlanner
+    from mptrain.hf_models import family_of, llama_import_plan, model_from_hf_config
+
+    hf_path = Path(hf_dir)
+    if not (hf_path / "config.json").is_file():
+        raise ConfigError(f"import-hf: {hf_path} has no config.json; pass a Hugging Face model folder "
+                          "(config.json + model.safetensors)")
+    cfg = json.loads((hf_path / "config.json").read_text())
+    family = family_of(cfg, f"{hf_path / 'config.json'}")
+    notes: list = []
+    model = _gpt2_model(cfg, notes) if family == "gpt2" else model_from_hf_config(cfg)
+    tensors = HFTensors(hf_path)
+    names = sorted(n for n in tensors.files if not _IGNORED_HF.search(n))
+    plan = _gpt2_import_plan([n for n in names if n != "lm_head.weight"], model) if family == "gpt2" \
+        else llama_import_plan(model)
+    want = expected_shapes(model)
+    used = {src for sources, _ in plan.values() for src in sources}
+    if not model["untie_embeddings_and_output_weights"]:
+        used.add("lm_head.weight")  # a tied head saved anyway is the embedding
+    missing = sorted({src for sources, _ in plan.values() for src in sources} - set(tensors.files))
+    extra = sorted(set(names) - used)
+    if missing or extra or set(plan) != set(want):
+        raise ConfigError(f"import-hf: the weights do not match config.json: missing {missing[:4]}, not in the "
+                          f"config {extra[:4]}" + (f", parameters {sorted(set(want) ^ set(plan))[:4]}"
+                                                   if set(plan) != set(want) else ""))
+    chunks, loaders, dtypes = [], {}, set()
+    for ours, (sources, fn) in plan.items():
+        got = tuple(fn([torch.empty(tensors.shape(s), device="meta") for s in sources]).shape)
+        if got != want[ours]:
+            shapes = ", ".join(f"{s} {list(tensors.shape(s))}" for s in sources)
+            raise ConfigError(f"import-hf: {shapes} gives {ours} {list(got)}, config.json implies {list(want[ours])}; "
+                              "the weights do not match config.json")
+        dtype = tensors.dtype(sources[0])
+        dtypes.add(dtype)
+        chunks.append(Chunk(f"model/{ours}", want[ours], (0,) * len(want[ours]), _meta_like(want[ours], dtype)))
+        loaders[f"model/{ours}"] = lambda sources=sources, fn=fn: fn([tensors.get(s) for s in sources]).contiguous()
+
+    class StreamingPlanner(ChunkSavePlanner):
+        def resolve_data(self, write_item):  # each tensor converted when DCP writes it, then dropped
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            return loaders[write_item.index.fqn]()
+
     root = Path(output)
     folder = root / atomic.iter_dir_name(0)
     if folder.exists():
-        raise ConfigError(f"import-hf-gpt2: {folder} exists; pick another --output")
+        raise ConfigError(f"import-hf: {folder} exists; pick another --output")
     tmp = atomic.prepare_tmp(str(root), 0)
-    chunks = [Chunk(f"model/{k}", tuple(v.shape), (0,) * v.dim(), v.float().contiguous()) for k, v in state.items()]
+    tokenizer = _tokenizer_record(hf_path, root, cfg)
+    param_dtype = "bfloat16" if dtypes == {torch.bfloat16} else "float16" if dtypes == {torch.float16} else "float32"
     layout = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": None}
+    saved = {"model": model, "checkpoint": {"use_checkpoint_args": True}}
+    if tokenizer is not None:
+        saved["data"] = {"tokenizer": tokenizer}
     common = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "scaler": None,
               "lr_scheduler": {"num_steps": 0}, "counters": {}, "layout": layout, "vocab_size": model["vocab_size"],
-              "param_dtype": "float32", "config": {"model": model}, "torch_version": torch.__version__,
+              "param_dtype": param_dtype, "config": saved, "torch_version": torch.__version__,
               "imported_from": str(hf_path)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_io.save_chunks(str(tmp), chunks, {"common": common}, no_dist=True)
+        # one file per tensor: DCP's writer keeps every tensor of a file alive until that file is written
+        writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1)
+        dcp.save({"common": common}, storage_writer=writer, planner=StreamingPlanner(chunks), no_dist=True)
     meta = {k: common[k] for k in ("format", "iteration", "consumed_samples", "layout", "vocab_size", "param_dtype",
                                    "torch_version", "config")}
+    meta["hf"] = {"model_type": family, "dtype": param_dtype, "bos_token_id": cfg.get("bos_token_id"),
+                  "eos_token_id": cfg.get("eos_token_id")}
     atomic.write_json(tmp / atomic.META_FILE, meta)
     atomic.publish(str(root), 0, None)
     return folder, notes
+
+
+def _load_one(folder: Path, metadata, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of a DCP checkpoint at its full shape (no torch.distributed)."""
+    shape = dcp_io.tensor_keys(metadata)[key][0]
+    full = torch.empty(shape, dtype=dcp_io.tensor_dtype(metadata, key))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_io.load_chunks(str(folder), [Chunk(key, tuple(shape), (0,) * len(shape), full)], [], no_dist=True)
+    return full.to(dtype)
+
+
+def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, dtype: Optional[str] = None,
+              model_type: Optional[str] = None, max_shard_size_mb: int = 5000) -> tuple[Path, list]:
+    """Write a Hugging Face folder (GPT-2, or Llama / Mistral / Qwen2) that ``AutoModelForCausalLM`` loads.
+
+    The family: ``model_type`` (llama / mistral / qwen2 for a Llama-architecture model), else the one
+    the checkpoint was imported from (an import names its model after it, and training keeps the name),
+    else from the architecture (GPT-2's, qwen2 for a QKV bias alone, llama). The dtype: ``dtype`` (float32 / bfloat16 / float16), else the checkpoint's parameter dtype
+    (an imported checkpoint's: its source's). Tensors are read and converted one at a time and written
+    in safetensors shards of at most ``max_shard_size_mb`` MB (``model.safetensors`` when one is
+    enough, else ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``), so at most
+    one shard is in memory. Also config.json, generation_config.json and the tokenizer files
+    (`mptrain.export_tokenizer`).
+
+    Returns:
+        (the folder, notes for the user).
+    Raises:
+        ConfigError: the architecture has no Hugging Face family here, or ``model_type`` does not fit it.
+    """
+    from safetensors.torch import save_file
+
+    from mptrain.export_tokenizer import write_tokenizer_files
+    from mptrain.hf_models import LLAMA_LIKE, hf_config_from_model, llama_export, llama_like_family
+
+    folder = Path(checkpoint)
+    if not atomic.is_complete(folder):
+        resolved, _ = atomic.resolve_load_dir(checkpoint, iteration)
+        if resolved is None:
+            raise FileNotFoundError(f"no complete checkpoint in {checkpoint}")
+        folder = resolved
+    meta = atomic_meta(folder)
+    model = meta["config"]["model"]
+    hf_meta = meta.get("hf") or {}
+    is_gpt2 = model.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+    if is_gpt2:
+        check_gpt2_compatible(model)
+        family = "gpt2"
+    else:
+        family = llama_like_family(model)
+        # the import's family, kept through training by the model's name (`llama`, `mistral_7b`, `qwen2.5_7b`, ...)
+        by_name = next((f for f in LLAMA_LIKE if str(model.get("name", "")).startswith(f)), None)
+        wanted = model_type or hf_meta.get("model_type") or by_name
+        if wanted in LLAMA_LIKE and (wanted == "qwen2") == (family == "qwen2"):
+            family = wanted
+        elif model_type is not None:
+            raise ConfigError(f"export --hf-model-type={model_type}: the model exports as {family} "
+                              f"({'a QKV bias' if family == 'qwen2' else 'no QKV-only bias'}); drop the option or pick "
+                              f"{'qwen2' if family == 'qwen2' else 'llama or mistral'}")
+    out_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype or hf_meta.get("dtype") or meta.get("param_dtype") or "float32"]
+    metadata = dcp_io.read_metadata(str(folder))
+    tkeys = dcp_io.tensor_keys(metadata)
+    ours = sorted(k[len("model/"):] for k in tkeys if k.startswith("model/"))
+    # the HF names and sizes first (shapes only), so shards are cut before any tensor is read
+    layout = []
+    for name in ours:
+        empty = torch.empty(tkeys[f"model/{name}"][0], device="meta")
+        if family == "gpt2":
+            mapped = to_hf_gpt2({name: empty}, model)
+        else:
+            mapped = llama_export(name, empty, model)
+        layout.append((name, {k: v.numel() * out_dtype.itemsize for k, v in mapped.items()}))
+    shards, current, size = [], [], 0
+    limit = max_shard_size_mb * 1_000_000
+    for name, sizes in layout:
+        if current and size + sum(sizes.values()) > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += sum(sizes.values())
+    shards.append(current)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, names in zip(files, shards):
+        tensors = {}
+        for name in names:
+            key = f"main/{name}" if f"main/{name}" in tkeys else f"model/{name}"  # fp32 master weights when kept
+            t = _load_one(folder, metadata, key, out_dtype)
+            mapped = to_hf_gpt2({name: t}, model) if family == "gpt2" else llama_export(name, t, model)
+            tensors.update({k: v.contiguous() for k, v in mapped.items()})
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in tensors})
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        del tensors
+    written = list(files)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        written.append("model.safetensors.index.json")
+    vocab_size = int(meta["vocab_size"])
+    positions = int(model.get("max_position_embeddings") or model["seq_length"])
+    eod, tok_files, notes = write_tokenizer_files(meta["config"].get("data", {}), out, model_max_length=positions)
+    bos = hf_meta.get("bos_token_id", eod) if hf_meta else eod
+    eos = hf_meta.get("eos_token_id", eod) if hf_meta else eod
+    if family == "gpt2":
+        config = hf_gpt2_config(model, vocab_size)
+        config.update(bos_token_id=bos, eos_token_id=eos, dtype=hf_dtype_name(out_dtype))
+        config.pop("torch_dtype", None)
+    else:
+        config = hf_config_from_model(model, family, vocab_size=vocab_size, dtype=out_dtype, bos=bos, eos=eos)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eod, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    _normal_modes(out, [*written, "config.json", "generation_config.json", *tok_files])
+    return out, notes
+
+
+def hf_dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
 # --- command line ---------------------------------------------------------------------------------
@@ -364,28 +661,42 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--checkpoint", help="checkpoint.save folder (uses `latest`) or an iter_N folder")
     parser.add_argument("--iteration", type=int, default=None)
     parser.add_argument("--output", required=True)
-    parser.add_argument("--format", choices=("safetensors", "hf-gpt2"), default="safetensors")
-    parser.add_argument("--import-hf-gpt2", dest="import_hf", metavar="HF_DIR",
-                        help="import a GPT-2 folder into a checkpoint at --output instead")
+    parser.add_argument("--format", choices=("safetensors", "hf", "hf-gpt2"), default="safetensors",
+                        help="hf: a Hugging Face folder of the model's family (GPT-2, Llama, Mistral, Qwen2)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="--format hf: weight dtype (default: the checkpoint's)")
+    parser.add_argument("--hf-model-type", choices=("llama", "mistral", "qwen2"), default=None,
+                        help="--format hf: the family of a Llama-architecture model (default: the imported one)")
+    parser.add_argument("--max-shard-size-mb", type=int, default=5000,
+                        help="--format hf: safetensors shards of at most this size (model.safetensors.index.json)")
+    parser.add_argument("--import-hf", dest="import_hf", metavar="HF_DIR",
+                        help="import a Hugging Face GPT-2 / Llama / Mistral / Qwen2 folder into a checkpoint at --output")
+    parser.add_argument("--import-hf-gpt2", dest="import_hf_gpt2", metavar="HF_DIR", help="import a GPT-2 folder")
     args = parser.parse_args(argv)
     try:
-        if args.import_hf:
-            folder, notes = import_hf_gpt2(args.import_hf, args.output)
+        if args.import_hf or args.import_hf_gpt2:
+            if args.import_hf:
+                folder, notes = import_hf(args.import_hf, args.output)
+            else:
+                folder, notes = import_hf_gpt2(args.import_hf_gpt2, args.output)
             for w in notes:
                 print(f"warning: {w}", file=sys.stderr)
             model = atomic_meta(folder)["config"]["model"]
-            keys = " ".join(f"model.{k}={v}" for k, v in model.items() if k in ("num_layers", "hidden_size",
-                            "num_attention_heads", "ffn_hidden_size", "max_position_embeddings", "vocab_size"))
-            print(f"wrote {folder}; train from it with checkpoint.load={args.output} {keys}")
+            print(f"wrote {folder} ({model['name']}: {model['num_layers']} layers, hidden {model['hidden_size']}, "
+                  f"vocab {model['vocab_size']}); train from it with checkpoint.load={args.output} "
+                  "(the model and tokenizer come from the checkpoint)")
             return 0
         if not args.checkpoint:
-            parser.error("--checkpoint is required (or --import-hf-gpt2)")
+            parser.error("--checkpoint is required (or --import-hf)")
         if args.format == "hf-gpt2":
             out, notes = export_hf_gpt2(args.checkpoint, args.output, args.iteration)
-            for note in notes:
-                print(f"note: {note}", file=sys.stderr)
+        elif args.format == "hf":
+            out, notes = export_hf(args.checkpoint, args.output, args.iteration, dtype=args.dtype,
+                                   model_type=args.hf_model_type, max_shard_size_mb=args.max_shard_size_mb)
         else:
-            out = export_consolidated(args.checkpoint, args.output, args.iteration)
+            out, notes = export_consolidated(args.checkpoint, args.output, args.iteration), []
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         print(f"wrote {out} ({args.format})")
         return 0
     except (ConfigError, FileNotFoundError) as err:

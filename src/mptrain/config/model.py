@@ -142,8 +142,21 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     """learned_absolute | rope."""
     rotary_base: int = 10000
+    """RoPE base θ (frequencies θ^(-2i/hn)); Hugging Face's ``rope_theta``."""
+    rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (Megatron's ``--use-rope-scaling``; Hugging Face ``rope_type: llama3``):
+    wavelengths above original_max_position_embeddings / low_freq_factor are divided by rope_scaling_factor,
+    those below original / high_freq_factor kept, those between interpolated."""
+    rope_scaling_factor: float = 8.0
+    """With rope_scaling: the factor long wavelengths are stretched by (Llama 3.1: 8, Llama 3.2: 32)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """With rope_scaling: the context length the model was pretrained at before the extension."""
     add_bias_linear: bool = True
     """Biases in the QKV / projection / MLP linears."""
+    add_qkv_bias: bool = False
+    """Biases in the QKV linear only, when add_bias_linear is false (Megatron's ``--add-qkv-bias``; Qwen2)."""
     attention_softmax_in_fp32: bool = True
     """Compute attention softmax in fp32 on the non-flash fp16/bf16 paths."""
     label_smoothing: float = 0.0

@@ -80,6 +80,12 @@ class CheckpointConfig:
     load_rng: bool = True
     """Megatron's --no-load-rng when false: do not restore the saved RNG states; re-derive them from
     (train.seed, the iteration, the rank's coordinates), as when the layout changed."""
+    use_checkpoint_args: Optional[bool] = None
+    """Megatron's --use-checkpoint-args: the model's architecture keys (layers, widths, heads, vocab, norm,
+    RoPE, biases, tie; not seq_length or dropout) and data.tokenizer come from checkpoint.load's saved
+    config, over the command line's (`mptrain.checkpoint.args`). null = as the checkpoint says: true for
+    one imported with `python -m mptrain.export --import-hf` (and for the checkpoints of a run that
+    took its model so), false otherwise."""
     async_save: bool = False
     """Training blocks only while the state is copied to host memory; a background thread writes,
     checksums and publishes it (`latest` after it completed); the next save and the end of the run wait

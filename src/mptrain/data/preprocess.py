@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.data.preprocess", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="JSONL(.gz) or text files")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH | tiktoken:NAME | null:N | class:module.Class")
+    parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH[:EOD_TOKEN] | tiktoken:NAME | null:N | class:module.Class")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")

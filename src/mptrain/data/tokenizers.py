@@ -341,7 +341,8 @@ def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
 
 
 def parse_cli_tokenizer(text: str) -> Tokenizer:
-    """The preprocessing command's `--tokenizer`: `byte`, `hf:PATH`, `tiktoken:NAME`, `null:N`, or
+    """The preprocessing command's `--tokenizer`: `byte`, `hf:PATH` (EOD ``<|endoftext|>``), `hf:PATH:EOD_TOKEN`,
+    `tiktoken:NAME`, `null:N`, or
     `class:module.Class` (any tokenizer class built without arguments, e.g. a user's).
 
     Raises:
@@ -353,7 +354,8 @@ def parse_cli_tokenizer(text: str) -> Tokenizer:
     if kind == "byte" and not arg:
         return ByteTokenizer()
     if kind == "hf" and arg:
-        return HFTokenizer(arg)
+        path, sep, eod = arg.rpartition(":")  # hf:PATH:EOD_TOKEN names the EOD (a Llama 3's <|end_of_text|>)
+        return HFTokenizer(path, eod) if sep and not arg.endswith(".json") else HFTokenizer(arg)
     if kind == "tiktoken" and arg:
         return TiktokenTokenizer(arg)
     if kind == "null" and arg:

@@ -55,13 +55,35 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
 _FLASH_MAX_HEAD_DIM = 256  # flash-attention 2 / cuDNN SDPA support head dims up to 256
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device, *, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[s, 1, 1, hn]`` fp32 for positions 0..s-1 (Su et al. 2021, RoFormer §3.4; Megatron's
-    non-interleaved layout: frequencies repeated as [f, f] over the two halves)."""
+    non-interleaved layout: frequencies repeated as [f, f] over the two halves, which is Hugging Face
+    Llama's ``rotate_half`` convention, so its q / k weights load unpermuted).
+
+    ``scaling``: a ModelConfig with ``rope_scaling`` true applies Llama 3.1's frequency scaling
+    (`llama3_inv_freq`); None or rope_scaling false: plain RoPE.
+    """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if scaling is not None and scaling.rope_scaling:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)  # [s, hn/2]
     emb = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, hn]
     return emb.cos(), emb.sin()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, model) -> torch.Tensor:
+    """Llama 3.1's scaled frequencies ``[hn/2]`` (Meta's llama-models ``apply_scaling``; transformers'
+    ``_compute_llama3_parameters``): wavelength 2π/f above L/low_freq_factor (L = the original context
+    length) -> f / factor; below L/high_freq_factor -> f; between: (1 - a)·f/factor + a·f with
+    a = (L/wavelength - low) / (high - low)."""
+    factor, low, high = model.rope_scaling_factor, model.rope_scaling_low_freq_factor, model.rope_scaling_high_freq_factor
+    old_len = model.rope_scaling_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -221,13 +243,14 @@ class SelfAttention(torch.nn.Module):
         self.groups, self.sequence_parallel, self.rng_tracker = groups, sequence_parallel, rng_tracker
         self.rope = config.position_embedding_type == "rope"
         self.rotary_base = config.rotary_base
+        self.rope_scaling = config if getattr(config, "rope_scaling", False) else None  # llama3 frequency scaling
         self.recompute_core = config.recompute_granularity == "selective"
         prefix = f"decoder.layers.{layer_number}.self_attention"
         common = dict(context=context, bias=config.add_bias_linear)
         self.linear_qkv = build_module(f"{KEY}.submodules.linear_qkv", submodule(node, "linear_qkv"),
                                        COLUMN_PARALLEL_LINEAR, input_size=config.hidden_size,
                                        output_size=(self.np + 2 * self.ng) * self.hn, name=f"{prefix}.linear_qkv",
-                                       **common)
+                                       **{**common, "bias": config.add_bias_linear or config.add_qkv_bias})
         self.core_attention = build_module(f"{KEY}.submodules.core_attention", submodule(node, "core_attention"),
                                            CORE_ATTENTION, config=config, layer_number=layer_number, context=context,
                                            rng_tracker=rng_tracker)
@@ -255,7 +278,7 @@ class SelfAttention(torch.nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, hn]
         start = 0 if kv_cache is None else kv_cache.length  # absolute position of x's first row
         if self.rope:
-            cos, sin = rope_cos_sin(start + s, self.hn, self.rotary_base, x.device)
+            cos, sin = rope_cos_sin(start + s, self.hn, self.rotary_base, x.device, scaling=self.rope_scaling)
             if start:
                 cos, sin = cos[start:], sin[start:]  # the new positions' angles
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -107,6 +107,8 @@ def layer_params(m, *, tp: int = 1) -> int:
     h, np_, ng, hn, f, k = _widths(m)
     weights = layer_matmul_weights(m) // tp
     biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else 0
+    if not m.add_bias_linear and getattr(m, "add_qkv_bias", False):
+        biases = (np_ + 2 * ng) * hn // tp  # QKV bias only (Qwen2)
     return weights + biases + 2 * norm_params(m)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mptrain.config.schema import Config
+from mptrain.checkpoint.args import apply_checkpoint_args
 from mptrain.config.schema import as_config
 from mptrain.data.provider import build_provider, provider_target
 from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
@@ -230,7 +231,7 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         ConfigError: marked ``symmetric`` when it depends on the config and the world size only.
     """
     try:
-        cfg = as_config(cfg)
+        cfg = apply_checkpoint_args(as_config(cfg))  # the model of checkpoint.load, when it carries one
         derived = validate_config(cfg, world_size)
         check_fp8_environment(cfg.precision)  # torchao, the GPU's FP8 tensor cores: this machine, no collective
     except ConfigError as err:

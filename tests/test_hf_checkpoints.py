@@ -1,0 +1,290 @@
+"""Hugging Face checkpoints in and out (`python -m mptrain.export --import-hf` / `--format hf`).
+
+Each family is a tiny random model built by `transformers` from a config (no download): Llama with
+tied embeddings and the llama3 RoPE scaling (rope_theta 500000), Llama untied, Mistral (saved in
+bf16, head dim 16 = 2 x hidden / heads), Qwen2 with its QKV bias (saved as several safetensors shards),
+GPT-2. Shapes: 2 layers, hidden 32, 4 query heads in 2 K/V groups (GQA; GPT-2 multi-head), vocab 100
+(padded to 128 / 256).
+Imported, mptrain's logits equal transformers' at tp1, tp2 and pp2; greedy decoding equals
+`generate`; export after import gives back the same tensors (keys, shapes, dtypes, values) and a
+config `AutoModelForCausalLM` loads; training from an import is layout-independent and exports back.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_distributed
+from train_utils import compose, read_rows, run_job
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, EOS = 100, 99
+SEQ = 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=EOS)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+FAMILIES = {
+    "llama_tied_llama3": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
+    "llama_untied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=False)),
+    "mistral_bf16": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=None, head_dim=16)),
+    "qwen2_sharded": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu",
+        bos_token_id=0, eos_token_id=EOS)),
+}
+IDS = torch.randint(0, VOCAB - 1, (2, SEQ), generator=torch.Generator().manual_seed(0))
+PROMPT = [5, 6, 7, 8]
+
+
+def _tokenizer_json(path: Path) -> None:
+    """A word-level tokenizer of VOCAB tokens ``t0 .. t98`` and ``</s>`` (EOS), with its tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"</s>": EOS}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "t0"}))
+
+
+def _make_hf(family: str, folder: Path) -> torch.nn.Module:
+    """Save a random ``family`` model to ``folder``; returns it in fp32 (eval) with the saved values."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)  # not the init's ones / zeros
+        model.get_output_embeddings().weight[EOS] = 0.0  # EOS never wins: greedy decoding runs its 8 tokens
+        if family == "mistral_bf16":
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())  # the fp32 reference holds exactly the saved bf16 values
+    # a bf16 copy (`.to` casts in place, the RoPE inv_freq buffer included)
+    saved = copy.deepcopy(model).to(torch.bfloat16) if family == "mistral_bf16" else model
+    saved.save_pretrained(folder, max_shard_size="20KB" if family == "qwen2_sharded" else "5GB")
+    _tokenizer_json(folder)
+    return model
+
+
+def _cli(*args: str) -> int:
+    from mptrain.export import main
+
+    return main(list(args))
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict:
+    """{family: (HF folder, checkpoint folder, the fp32 transformers model)}, imported through the CLI."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in FAMILIES:
+        model = _make_hf(family, root / family)
+        assert _cli("--import-hf", str(root / family), "--output", str(root / f"{family}-ckpt")) == 0
+        out[family] = (root / family, root / f"{family}-ckpt", model)
+    return out
+
+
+def _read_safetensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: list) -> dict:
+    """{"tp2pp1": logits [b, s, V] (every rank), "tp1pp2": logits on the last stage (rank 1; None on rank 0),
+    "generated": greedy new ids at tp2, "eod": the loaded tokenizer's EOD}; each layout resharded from the import."""
+    import torch.distributed as dist
+
+    from mptrain.checkpoint import atomic
+    from mptrain.checkpoint.api import atomic_meta, load_model_weights
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.export import model_config_from_dict
+    from mptrain.generate import generate_ids, load_generator
+    from mptrain.groups import build_groups
+    from mptrain.inference import gather_vocab
+    from mptrain.layers.gpt import build_model_chunks
+
+    folder, _ = atomic.resolve_load_dir(ckpt)
+    meta = atomic_meta(folder)
+    saved, vocab = meta["config"], int(meta["vocab_size"])
+    out = {}
+    s, b = ids.shape[1], ids.shape[0]
+    pos = torch.arange(s).expand(b, s)
+    for tp, pp in ((2, 1), (1, 2)):
+        groups = build_groups(tp, pp, None, device=torch.device("cpu"))
+        try:
+            parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            chunks = build_model_chunks(model_config_from_dict(saved["model"]), parallel, groups, vocab_size=vocab)
+            load_model_weights(folder, chunks, groups, saved)
+            model = chunks[0].eval()
+            with torch.no_grad():
+                if pp == 1:
+                    logits = gather_vocab(model(ids, pos), groups, vocab)
+                elif groups.pp_rank == 0:
+                    dist.send(model(ids, pos).contiguous(), groups.next_pp_rank)  # hidden [s, b, h]
+                    logits = None
+                else:
+                    hidden = torch.empty(s, b, saved["model"]["hidden_size"])
+                    dist.recv(hidden, groups.prev_pp_rank)
+                    model.set_input_tensor(hidden)
+                    logits = gather_vocab(model(None, pos), groups, vocab)
+            out[f"tp{tp}pp{pp}"] = logits
+        finally:
+            groups.destroy()
+    gen = load_generator(ckpt)  # tp = the world size, with the imported tokenizer's EOD
+    try:
+        out["generated"] = generate_ids(gen, prompt, max_new_tokens=8)
+        out["eod"] = gen.tokenizer.eod
+    finally:
+        gen.groups.destroy()
+    return out
+
+
+def _tp1_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a tp1pp1 model built in this process from the checkpoint (no torch.distributed)."""
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.export import _single_rank_groups, load_full_state, model_config_from_dict
+    from mptrain.layers.gpt import build_model_chunks
+
+    state, meta = load_full_state(str(ckpt))
+    model = build_model_chunks(model_config_from_dict(meta["config"]["model"]), ParallelConfig(), _single_rank_groups(),
+                               vocab_size=int(meta["vocab_size"]))[0].eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p[: state[name].shape[0]].copy_(state[name])  # padded vocab rows stay zero
+        return model(ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :int(meta["vocab_size"])]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_greedy_decoding_equal_transformers(imported, family):
+    hf_dir, ckpt, hf = imported[family]
+    with torch.no_grad():
+        want = hf(IDS).logits
+        hf_new = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=EOS,
+                             pad_token_id=EOS)[0, len(PROMPT):].tolist()
+    # fp32, the same math in another summation order: 1e-5 on O(1) logits
+    torch.testing.assert_close(_tp1_logits(ckpt, IDS), want, rtol=0, atol=1e-5)
+    results = run_distributed(_layouts_task, 2, str(ckpt), IDS, PROMPT)
+    torch.testing.assert_close(results[0]["tp2pp1"], want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(results[1]["tp1pp2"], want, rtol=0, atol=1e-5)  # the last stage holds the logits
+    assert results[0]["eod"] == EOS  # the tokenizer.json's EOS is the run's EOD
+    if EOS in hf_new:
+        hf_new = hf_new[: hf_new.index(EOS)]  # ours stops at EOD and leaves it out
+    assert results[0]["generated"] == hf_new and len(hf_new) > 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_after_import_gives_back_the_same_tensors(imported, family, tmp_path):
+    hf_dir, ckpt, hf = imported[family]
+    shard_args = ["--max-shard-size-mb", "0"] if family == "qwen2_sharded" else []
+    assert _cli("--checkpoint", str(ckpt), "--output", str(tmp_path / "out"), "--format", "hf", *shard_args) == 0
+    original, exported = _read_safetensors(hf_dir), _read_safetensors(tmp_path / "out")
+    assert sorted(exported) == sorted(original)
+    for name, t in original.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+    if family == "qwen2_sharded":  # several files in and out, each listed by the index
+        assert len(list(hf_dir.glob("model-*.safetensors"))) > 1
+        index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(original) and len(set(index["weight_map"].values())) > 1
+    from mptrain.export import atomic_meta, model_config_from_dict
+    from mptrain.layers.params import count_parameters
+
+    model = atomic_meta(next(ckpt.glob("iter_*")))["config"]["model"]
+    # the parameter-count formula (metrics, planner) knows each family's biases and tie
+    assert count_parameters(model_config_from_dict(model), vocab_size=VOCAB) == sum(p.numel() for p in hf.parameters())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == ("bfloat16" if family == "mistral_bf16" else "float32")
+    # loaded in fp32 (bf16 weights upcast exactly), as the reference, so the logits are equal bitwise
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert type(back).__name__ == type(hf).__name__
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).eos_token_id == EOS
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
+
+
+def _one_line_error(capsys, *args: str) -> str:
+    assert _cli(*args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
+    from mptrain.errors import ConfigError
+    from mptrain.training.run import _validated
+
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in _one_line_error(capsys, "--import-hf", str(tmp_path / "empty"), "--output",
+                                                   str(tmp_path / "a"))
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    assert "model_type='bert'" in _one_line_error(capsys, "--import-hf", str(bert), "--output", str(tmp_path / "b"))
+    wrong = tmp_path / "wrong"
+    shutil.copytree(imported["llama_untied"][0], wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
+    err = _one_line_error(capsys, "--import-hf", str(wrong), "--output", str(tmp_path / "c"))
+    assert "mlp.gate_proj.weight [48, 32]" in err and "config.json implies [128, 32]" in err
+    (wrong / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
+    assert "sliding_window=16" in _one_line_error(capsys, "--import-hf", str(wrong), "--output", str(tmp_path / "d"))
+    # the imported model (2 query groups) comes with checkpoint.load: tp 4 cannot split its K/V heads
+    ckpt = imported["llama_untied"][1]
+    with pytest.raises(ConfigError, match=r"^model.num_query_groups=2 is not divisible by "
+                                          r"parallel.tensor_model_parallel_size=4; [^\n]*$"):
+        _validated(compose([f"checkpoint.load={ckpt}", "parallel=tp4pp1"]), 4)
+
+
+def test_preprocessing_takes_the_imported_eod(imported):
+    """`--tokenizer hf:PATH:EOD_TOKEN`: data preprocessed with the model's own EOS (not every tokenizer has
+    <|endoftext|>)."""
+    from mptrain.data.tokenizers import parse_cli_tokenizer
+    from mptrain.errors import ConfigError
+
+    path = imported["llama_untied"][0] / "tokenizer.json"
+    assert parse_cli_tokenizer(f"hf:{path}:</s>").eod == EOS
+    with pytest.raises(ConfigError, match=re.escape("eod_token='<|endoftext|>' is not in the vocabulary")):
+        parse_cli_tokenizer(f"hf:{path}")
+
+
+TRAIN = ["model.seq_length=16", f"data.vocab_size={VOCAB}", "train.train_iters=2", "train.global_batch_size=4",
+         "train.micro_batch_size=2", "train.eval_interval=null", "optim.lr=1e-2"]
+
+
+def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp_path):
+    """tp2pp2 from the imported Mistral (bf16 weights, fp32 training) equals tp1pp1 (DESIGN.md §3 tolerances);
+    its export is a Mistral again and reproduces mptrain's logits in transformers."""
+    ckpt = imported["mistral_bf16"][1]
+    runs = {}
+    for world, parallel in ((1, "tp1pp1"), (4, "tp2pp2")):
+        save = [f"checkpoint.save={tmp_path / 'tp2pp2-ckpt'}"] if world == 4 else []  # only this one is exported
+        run_distributed(run_job, world, TRAIN + [f"parallel={parallel}", f"checkpoint.load={ckpt}",
+                                                 f"run.dir={tmp_path / parallel}", *save])
+        runs[parallel] = read_rows(tmp_path / parallel)
+    assert [r["iteration"] for r in runs["tp2pp2"]] == [1, 2]
+    for a, b in zip(runs["tp1pp1"], runs["tp2pp2"]):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert runs["tp1pp1"][-1]["lm_loss"] < runs["tp1pp1"][0]["lm_loss"]  # it trains
+    trained = tmp_path / "tp2pp2-ckpt"
+    saved = json.loads(next(trained.glob("iter_*/meta.json")).read_text())["config"]
+    assert saved["checkpoint"]["use_checkpoint_args"] is True and saved["model"]["kv_channels"] == 16
+    assert _cli("--checkpoint", str(trained), "--output", str(tmp_path / "out"), "--format", "hf") == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(back).__name__ == "MistralForCausalLM" and next(back.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits, _tp1_logits(trained, IDS), rtol=0, atol=1e-5)
