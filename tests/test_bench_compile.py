@@ -121,5 +121,15 @@ def test_compiled_layers_match_eager(tp, sequence_parallel, scope):
         assert not bad, f"rank {rank}: compiled vs eager relative errors above {REL}: {bad}"
 
 
-def test_compile_layers_default_off():
-    assert ModelConfig().compile_layers is False
+def test_compile_layers_default_resolves_per_device():
+    """null (the default): compiled on CUDA, eager on the CPU; true / false force it."""
+    from mptrain.layers.compile import resolve_compile_layers
+
+    config = ModelConfig()
+    assert config.compile_layers is None
+    assert resolve_compile_layers(config, torch.device("cpu"))[0] is False
+    assert resolve_compile_layers(config, torch.device("cuda"))[0] is True
+    for forced in (True, False):
+        config.compile_layers = forced
+        assert resolve_compile_layers(config, torch.device("cuda"))[0] is forced
+        assert resolve_compile_layers(config, torch.device("cpu"))[0] is forced

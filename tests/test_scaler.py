@@ -139,7 +139,7 @@ def test_build_loss_scaler_by_target(name, precision, expected):
                             r"precision=fp16"),
         ("bogus", "fp16", r"^loss_scaler._target_=mptrain.precision.scaler.bogus: module mptrain.precision.scaler has no "
                           r"bogus; fix the dotted path"),
-        ("auto", "fp8", r"unknown precision='fp8'; pick one of fp32, bf16, fp16"),
+        ("auto", "fp4", r"unknown precision='fp4'; pick one of fp32, bf16, fp16, fp8"),
     ],
 )
 def test_rejected_pairs(name, precision, match):

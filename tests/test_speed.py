@@ -66,14 +66,22 @@ def test_cross_entropy_amax_matches_log_softmax():
 
 def test_small_suite_rows_and_reference_env():
     cfgs = bc.suite("small", 1)
-    assert [c.name for c in cfgs] == ["s_gpt11m_s256_mb64", "s_gpt124m_s1024_mb12", "s_gpt1.3b_mb4x4", "s_gpt350m_mb8",
+    assert [c.name for c in cfgs] == ["s_6x384_v65_s256_mb64_do0.2", "s_6x384_v65_s256_mb64", "s_gpt124m_s1024_mb12_do0.1",
+                                      "s_gpt11m_s256_mb64", "s_gpt124m_s1024_mb12", "s_gpt1.3b_mb4x4", "s_gpt350m_mb8",
                                       "s_gpt1.3b_mb8x2", "s_gpt1.3b_mb16x1", "s_gpt1.3b_mb16x4"]
     # the table's splits of one global batch (16 × 2048 tokens), and the larger batch of 64 sequences
     assert {c.name: c.global_batch_size for c in cfgs if c.model == "gpt_1.3b"} == {
         "s_gpt1.3b_mb4x4": 16, "s_gpt1.3b_mb8x2": 16, "s_gpt1.3b_mb16x1": 16, "s_gpt1.3b_mb16x4": 64}
-    small = cfgs[0]
+    small = next(c for c in cfgs if c.name == "s_gpt11m_s256_mb64")
     assert (small.shape.num_layers, small.shape.hidden_size, small.preset) == (6, 384, "gpt_125m")
     o = bc.mptrain_overrides(small, "compile", "/tmp/x")
     assert "model=gpt_125m" in o and "model.num_layers=6" in o and "model.seq_length=256" in o
     env = bc.reference_env(small)
     assert (env["LAYERS"], env["HIDDEN"], env["SEQ"], env["MBS"], env["CLIP"]) == ("6", "384", "256", "64", "1.0")
+    # the dropout row: the same dropout and vocabulary on both sides of the comparison
+    char = next(c for c in cfgs if c.name == "s_6x384_v65_s256_mb64_do0.2")
+    o = bc.mptrain_overrides(char, "default", "/tmp/x")
+    assert {"model.hidden_dropout=0.2", "model.attention_dropout=0.2", "data.vocab_size=65"} <= set(o)
+    assert not any(item.startswith("model.compile_layers") for item in o)  # the plain command
+    env = bc.reference_env(char)
+    assert (env["DROPOUT"], env["VOCAB"]) == ("0.2", "65")
