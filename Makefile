@@ -16,11 +16,8 @@ train: setup
 	@trap : INT; OMP_NUM_THREADS=1 $(PY) -m mptrain.launch --standalone --nproc_per_node=$(NPROC) \
 		-m mptrain.train experiment=shakespeare_cpu $(ARGS) || [ $$? -eq 130 ]
 
-# Two pytest-xdist workers, each module on one worker (its module-scoped fixtures built once);
-# PYTEST_WORKERS=0 runs the suite in this process.
-PYTEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 # ruff, configured in pyproject.toml
 lint: setup

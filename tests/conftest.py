@@ -10,14 +10,6 @@ import gc
 import pytest
 
 
-def pytest_collection_modifyitems(config, items):
-    """The modules marked ``slow`` (real launcher and subprocess runs, most of the suite's time) run
-    first: `make test` spreads the suite's modules over two pytest-xdist workers, and a long module
-    left to the end would run alone (longest first keeps both workers busy). A stable sort: the order
-    inside each group is pytest's."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def _long_lived_objects_leave_the_gc():
     """Suite time: what exists before a test (torch, Dynamo, Hydra, earlier tests' caches) is

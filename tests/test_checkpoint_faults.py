@@ -17,8 +17,6 @@ from harness import run_distributed
 from procs import run_python
 from train_utils import read_rows, run_job, without_timing
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
          "train.global_batch_size=8", "train.micro_batch_size=2"]

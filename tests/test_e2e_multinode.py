@@ -25,8 +25,6 @@ from mptrain.errors import ConfigError
 from mptrain.groups import DistEnv, read_dist_env, slurm_first_host
 from train_utils import compose, read_rows, run_job
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TINY = ["model=tiny", "train.eval_interval=null", "train.global_batch_size=8", "train.micro_batch_size=2"]

@@ -25,8 +25,6 @@ import torch
 from harness import run_distributed
 from train_utils import read_rows, run_job
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[1]
 QUICK_START = ["experiment=shakespeare_cpu", "train.train_iters=20", "train.eval_interval=null"]
 GENERATE = ["--checkpoint", "outputs/shakespeare_cpu/checkpoints", "--prompt", "ROMEO:", "--max-new-tokens", "100"]

@@ -17,8 +17,6 @@ from harness import run_distributed
 from procs import run_python
 from train_utils import read_rows, run_job, without_timing
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -24,8 +24,6 @@ import pytest
 from harness import run_distributed
 from train_utils import read_rows, run_job
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "WALKTHROUGH.md"
 

@@ -22,8 +22,6 @@ import pytest
 
 from mptrain.training.watchdog import StepWatchdog, StopSignal
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -14,8 +14,6 @@ import pytest
 
 from train_utils import read_rows, run_job, without_timing
 
-pytestmark = pytest.mark.slow  # real launcher / subprocess runs: scheduled first (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["data=shakespeare", "model=tiny", "train.train_iters=3", "train.eval_interval=null"]
 PLAN = ["model=gpt_1.3b", "world_size=8", "format=json"]
