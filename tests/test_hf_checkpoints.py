@@ -242,8 +242,32 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
     assert "mlp.gate_proj.weight [48, 32]" in err and "config.json implies [128, 32]" in err
     (wrong / "config.json").write_text(json.dumps({**cfg, "sliding_window": 16}))
     assert "sliding_window=16" in _one_line_error(capsys, "--import-hf", str(wrong), "--output", str(tmp_path / "d"))
-    # the imported model (2 query groups) comes with checkpoint.load: tp 4 cannot split its K/V heads
+    # a K/V projection whose rows break the fused QKV layout itself
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(wrong / "model.safetensors"))
+    k = "model.layers.0.self_attn.k_proj.weight"
+    save_file({**weights, k: torch.cat([weights[k], weights[k][:1]])}, str(wrong / "model.safetensors"))
+    err = _one_line_error(capsys, "--import-hf", str(wrong), "--output", str(tmp_path / "e"))
+    assert f"{k} [{weights[k].shape[0] + 1}, 32]" in err and "the weights do not match config.json" in err
+    # a truncated file
+    data = (wrong / "model.safetensors").read_bytes()
+    (wrong / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "cannot be read as safetensors" in _one_line_error(capsys, "--import-hf", str(wrong), "--output",
+                                                              str(tmp_path / "f"))
+    # an existing checkpoint folder is never taken over, an earlier export never mixed with a new one
     ckpt = imported["llama_untied"][1]
+    latest = (ckpt / "latest").read_text()
+    err = _one_line_error(capsys, "--import-hf", str(imported["gpt2"][0]), "--output", str(ckpt))
+    assert "is not an empty folder" in err and (ckpt / "latest").read_text() == latest
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"x")
+    assert "is not an empty folder" in _one_line_error(capsys, "--checkpoint", str(ckpt), "--output", str(out),
+                                                       "--format", "hf")
+    assert (out / "model.safetensors").read_bytes() == b"x" and len(list(out.iterdir())) == 1
+    # the imported model (2 query groups) comes with checkpoint.load: tp 4 cannot split its K/V heads
     with pytest.raises(ConfigError, match=r"^model.num_query_groups=2 is not divisible by "
                                           r"parallel.tensor_model_parallel_size=4; [^\n]*$"):
         _validated(compose([f"checkpoint.load={ckpt}", "parallel=tp4pp1"]), 4)

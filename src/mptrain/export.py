@@ -327,6 +327,24 @@ _IGNORED_HF = re.compile(r"(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bia
 _DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
+def _safe_open(path: Path):
+    """``safetensors.safe_open`` of one file, its failures one line.
+
+    Raises:
+        ConfigError: the file is missing, truncated or not safetensors.
+    """
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ConfigError(f"import-hf: {path} is missing (model.safetensors.index.json lists it); copy the whole "
+                          "Hugging Face folder")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 - safetensors' own error type is not public API
+        raise ConfigError(f"import-hf: {path} cannot be read as safetensors ({str(err).splitlines()[0]}); the file "
+                          "is truncated or damaged: copy it again") from None
+
+
 class HFTensors:
     """Tensors of a Hugging Face folder, read one at a time (``model.safetensors`` or the shards that
     ``model.safetensors.index.json`` lists).
@@ -342,7 +360,7 @@ class HFTensors:
         if index.is_file():
             files = {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
         elif (folder / "model.safetensors").is_file():
-            with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            with _safe_open(folder / "model.safetensors") as f:
                 files = {name: folder / "model.safetensors" for name in f.keys()}
         else:
             raise ConfigError(f"import-hf: {folder} has no model.safetensors or model.safetensors.index.json "
@@ -351,11 +369,9 @@ class HFTensors:
         self._open = {}
 
     def _handle(self, name: str):
-        from safetensors import safe_open
-
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
+            self._open[path] = _safe_open(path)
         return self._open[path]
 
     def shape(self, name: str) -> tuple:
@@ -440,6 +456,18 @@ def _tokenizer_record(hf_path: Path, root: Path, cfg: dict) -> Optional[dict]:
     return {"_target_": "mptrain.data.tokenizers.HFTokenizer", "tokenizer_json": str(dst.resolve()), "eod_token": eos}
 
 
+def check_new_output(path: Path, what: str) -> None:
+    """``--output`` is a new or empty folder: export and import never mix their files with existing ones
+    (a stale shard beside a new index, or an import taking over a run's ``latest``).
+
+    Raises:
+        ConfigError: ``path`` is a file or a folder that holds anything (one line).
+    """
+    if path.is_file() or (path.is_dir() and any(path.iterdir())):
+        raise ConfigError(f"{what}: --output {path} already exists and is not an empty folder; pick a new folder "
+                          "(nothing there is overwritten)")
+
+
 def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
     """Turn a Hugging Face Llama / Mistral / Qwen2 / GPT-2 folder into a checkpoint to train from.
 
@@ -487,10 +515,14 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
                                                    if set(plan) != set(want) else ""))
     chunks, loaders, dtypes = [], {}, set()
     for ours, (sources, fn) in plan.items():
-        got = tuple(fn([torch.empty(tensors.shape(s), device="meta") for s in sources]).shape)
+        shapes = ", ".join(f"{s} {list(tensors.shape(s))}" for s in sources)
+        try:
+            got = tuple(fn([torch.empty(tensors.shape(s), device="meta") for s in sources]).shape)
+        except RuntimeError:  # the split / stacking of the fused layout does not fit these shapes
+            got = None
         if got != want[ours]:
-            shapes = ", ".join(f"{s} {list(tensors.shape(s))}" for s in sources)
-            raise ConfigError(f"import-hf: {shapes} gives {ours} {list(got)}, config.json implies {list(want[ours])}; "
+            gives = "no" if got is None else str(list(got))
+            raise ConfigError(f"import-hf: {shapes} gives {gives} {ours}, config.json implies {list(want[ours])}; "
                               "the weights do not match config.json")
         dtype = tensors.dtype(sources[0])
         dtypes.add(dtype)
@@ -505,8 +537,7 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
 
     root = Path(output)
     folder = root / atomic.iter_dir_name(0)
-    if folder.exists():
-        raise ConfigError(f"import-hf: {folder} exists; pick another --output")
+    check_new_output(root, "import-hf")
     tmp = atomic.prepare_tmp(str(root), 0)
     tokenizer = _tokenizer_record(hf_path, root, cfg)
     param_dtype = "bfloat16" if dtypes == {torch.bfloat16} else "float16" if dtypes == {torch.float16} else "float32"
@@ -688,6 +719,7 @@ def main(argv: Optional[list] = None) -> int:
             return 0
         if not args.checkpoint:
             parser.error("--checkpoint is required (or --import-hf)")
+        check_new_output(Path(args.output), "export")
         if args.format == "hf-gpt2":
             out, notes = export_hf_gpt2(args.checkpoint, args.output, args.iteration)
         elif args.format == "hf":
