@@ -354,8 +354,6 @@ class HFTensors:
     """
 
     def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             files = {name: folder / f for name, f in json.loads(index.read_text())["weight_map"].items()}
