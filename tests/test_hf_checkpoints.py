@@ -312,3 +312,20 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     assert type(back).__name__ == "MistralForCausalLM" and next(back.parameters()).dtype == torch.float32
     with torch.no_grad():
         torch.testing.assert_close(back(IDS).logits, _tp1_logits(trained, IDS), rtol=0, atol=1e-5)
+
+
+def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
+    """The recorded tokenizer.json path is gone (the checkpoint folder moved): the copy beside it is used."""
+    from mptrain.checkpoint.args import apply_checkpoint_args
+
+    moved = tmp_path / "moved"
+    shutil.copytree(imported["llama_untied"][1], moved)
+    meta_path = next(moved.glob("iter_*")) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["data"]["tokenizer"]["tokenizer_json"] = str(tmp_path / "gone" / "tokenizer.json")
+    meta_path.write_text(json.dumps(meta))
+    from mptrain.config.schema import as_config
+
+    cfg = apply_checkpoint_args(as_config(compose([f"checkpoint.load={moved}"])))
+    assert cfg.data.tokenizer["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
+    assert cfg.model.num_query_groups == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from mptrain.checkpoint import atomic
 
@@ -29,6 +30,9 @@ ARCHITECTURE_KEYS = (
 def apply_checkpoint_args(cfg):
     """``cfg`` (a `mptrain.config.schema.Config`) with the checkpoint's architecture and tokenizer, when
     ``checkpoint.use_checkpoint_args`` is true, or null and the checkpoint asks for it (module docstring).
+
+    The tokenizer file an import recorded is looked up beside the checkpoint when its recorded path is
+    gone (a moved or copied checkpoint folder).
 
     Pure but for reading ``meta.json`` of the folder ``checkpoint.load`` resolves to; a load folder
     without a checkpoint (or none) leaves ``cfg`` as is (the loader reports what is wrong).
@@ -57,6 +61,10 @@ def apply_checkpoint_args(cfg):
     cfg.model = dataclasses.replace(cfg.model, **updates)
     tokenizer = (saved.get("data") or {}).get("tokenizer")
     if tokenizer:
-        cfg.data.tokenizer = dict(tokenizer)
+        tokenizer = dict(tokenizer)
+        path, beside = tokenizer.get("tokenizer_json"), folder.parent / "tokenizer.json"
+        if path and not Path(path).is_file() and beside.is_file():  # the folder was moved: its own copy
+            tokenizer["tokenizer_json"] = str(beside.resolve())
+        cfg.data.tokenizer = tokenizer
     ck.use_checkpoint_args = True  # saved with the run's config: its own checkpoints pass the model on
     return cfg
