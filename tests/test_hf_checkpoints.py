@@ -329,3 +329,16 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     cfg = apply_checkpoint_args(as_config(compose([f"checkpoint.load={moved}"])))
     assert cfg.data.tokenizer["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
     assert cfg.model.num_query_groups == 2
+
+
+def test_generate_refuses_a_tp_that_splits_no_query_group(imported, monkeypatch):
+    """Generation checks heads and query groups against its tp before any process group exists."""
+    from mptrain.errors import ConfigError
+    from mptrain.generate import load_generator
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"^model.num_query_groups=2 is not divisible by "
+                                          r"parallel.tensor_model_parallel_size=4; [^\n]*$"):
+        load_generator(str(imported["llama_untied"][1]), tensor_model_parallel_size=4)

@@ -69,7 +69,7 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
     from mptrain.config.parallel import ParallelConfig
     from mptrain.data.tokenizers import build_tokenizer
     from mptrain.groups import build_groups, init_distributed, read_dist_env
-    from mptrain.layers.gpt import build_model_chunks
+    from mptrain.layers.gpt import build_model_chunks, check_model_config
 
     folder = Path(checkpoint)
     if not atomic.is_complete(folder):
@@ -88,6 +88,7 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
         raise ConfigError(f"--tensor-model-parallel-size={tp} with world size {env.world_size}: generation runs one "
                           f"model replica with pipeline size 1; launch with --nproc_per_node={tp}")
     model_cfg = _saved_model_config(saved, tp)
+    check_model_config(model_cfg, ParallelConfig(tensor_model_parallel_size=tp))  # heads / groups vs tp, before any collective
     tokenizer = build_tokenizer(saved.get("data", {}))
     device = init_distributed(env, timeout_s=timeout_s)
     groups = build_groups(tp, 1, None, device=device)
