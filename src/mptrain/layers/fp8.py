@@ -47,8 +47,11 @@ Formats for Deep Learning"; Megatron-LM ``megatron/core/fp8_utils.py`` (first / 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib.util
+import logging
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
@@ -67,9 +70,22 @@ TORCHAO_PIN = "torchao==0.18.0"
 
 def _torchao():
     """The torchao float8 modules, imported on first use (torchao is the optional ``fp8`` extra)."""
-    from torchao.float8 import config, float8_training_tensor, float8_utils
-
+    with _quiet_pytree():
+        from torchao.float8 import config, float8_training_tensor, float8_utils
     return config, float8_training_tensor, float8_utils
+
+
+@contextlib.contextmanager
+def _quiet_pytree():
+    """torchao 0.18 registers its enums with torch's pytree on import, which torch >= 2.11 logs as
+    deprecated once per process and rank: noise above a run's first lines, not a problem of the run."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        pytree_log.setLevel(level)
 
 
 def check_fp8_config(precision) -> None:
@@ -97,11 +113,9 @@ def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
     """
     if precision.name != "fp8":
         return
-    try:
-        _torchao()
-    except ImportError:
+    if importlib.util.find_spec("torchao") is None:  # installed? (importing it is left to the first fp8 GEMM)
         raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
-                          "or pick precision=bf16") from None
+                          "or pick precision=bf16")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if precision.fp8_emulate:
         return
@@ -333,7 +347,8 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
     # what torchao's convert_to_float8_training applies before any float8 kernel is compiled: Inductor's
     # min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
     # transposed fp8 correctly (torchao/float8/_inductor_patch.py, triton-lang/triton#11111)
-    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
+    with _quiet_pytree():
+        from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
 
     _patch_inductor_min_max_codegen()
     summary = Fp8Summary(recipe)
