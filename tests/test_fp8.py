@@ -202,10 +202,7 @@ def test_fp8_error_lines(monkeypatch):
         fp8.check_fp8_environment(cfg.precision, cuda=True)
     lines.append(str(err.value))
 
-    def missing():
-        raise ImportError("No module named 'torchao'")
-
-    monkeypatch.setattr(fp8, "_torchao", missing)
+    monkeypatch.setattr(fp8, "_torchao_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"^precision=fp8 needs torchao; install it \(pip install -e .\[fp8\]") as err:
         _validated(cfg, 1)  # the trainer's start-up check, before any process group exists
     lines.append(str(err.value))

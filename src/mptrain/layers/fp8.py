@@ -75,6 +75,11 @@ def _torchao():
     return config, float8_training_tensor, float8_utils
 
 
+def _torchao_installed() -> bool:
+    """Whether torchao can be imported (found, not imported: importing it is left to the first fp8 GEMM)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 @contextlib.contextmanager
 def _quiet_pytree():
     """torchao 0.18 registers its enums with torch's pytree on import, which torch >= 2.11 logs as
@@ -113,7 +118,7 @@ def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
     """
     if precision.name != "fp8":
         return
-    if importlib.util.find_spec("torchao") is None:  # installed? (importing it is left to the first fp8 GEMM)
+    if not _torchao_installed():
         raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
                           "or pick precision=bf16")
     cuda = torch.cuda.is_available() if cuda is None else cuda
