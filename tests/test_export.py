@@ -92,7 +92,7 @@ def test_hf_gpt2_export_refuses_other_architectures(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("error: export --format hf-gpt2: the model is not a GPT-2: "
                                    "model.normalization='RMSNorm' (GPT-2: 'LayerNorm'), "
-                                   "model.activation='swiglu' (GPT-2: 'gelu'); use --format safetensors")
+                                   "model.activation='swiglu' (GPT-2: 'gelu'); use --format hf (Llama / Mistral / Qwen2) or --format safetensors")
 
 
 def test_imported_gpt2_is_a_training_starting_point(tmp_path):

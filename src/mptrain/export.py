@@ -196,7 +196,7 @@ def check_gpt2_compatible(model: dict) -> None:
         problems.append(f"model.kv_channels={model['kv_channels']} (GPT-2: hidden_size / heads = {h // heads})")
     if problems:
         raise ConfigError("export --format hf-gpt2: the model is not a GPT-2: " + ", ".join(problems)
-                          + "; use --format safetensors")
+                          + "; use --format hf (Llama / Mistral / Qwen2) or --format safetensors")
 
 
 def _qkv_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
