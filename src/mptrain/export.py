@@ -73,6 +73,22 @@ _HF_TOP = {"embedding.word_embeddings.weight": "transformer.wte.weight",
 
 
 # --- reading a checkpoint without torch.distributed ------------------------------------------------
+def checkpoint_folder(checkpoint: str, iteration: Optional[int] = None) -> Path:
+    """The ``iter_N`` folder to read: ``checkpoint`` itself when it is a complete one, else the one
+    ``checkpoint``'s ``latest`` (or ``iteration``) names.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint there.
+    """
+    folder = Path(checkpoint)
+    if atomic.is_complete(folder):
+        return folder
+    resolved, _ = atomic.resolve_load_dir(checkpoint, iteration)
+    if resolved is None:
+        raise FileNotFoundError(f"no complete checkpoint in {checkpoint}")
+    return resolved
+
+
 def load_full_state(checkpoint: str, iteration: Optional[int] = None, *, fp32_master: bool = True) -> tuple[dict, dict]:
     """All model weights of a checkpoint at full unpadded shape, in a single process.
 
@@ -85,12 +101,7 @@ def load_full_state(checkpoint: str, iteration: Optional[int] = None, *, fp32_ma
     Raises:
         FileNotFoundError: no complete checkpoint there.
     """
-    folder = Path(checkpoint)
-    if not atomic.is_complete(folder):
-        resolved, _ = atomic.resolve_load_dir(checkpoint, iteration)
-        if resolved is None:
-            raise FileNotFoundError(f"no complete checkpoint in {checkpoint}")
-        folder = resolved
+    folder = checkpoint_folder(checkpoint, iteration)
     metadata = dcp_io.read_metadata(str(folder))
     tkeys = dcp_io.tensor_keys(metadata)
     chunks, out = [], {}
@@ -594,12 +605,7 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     from mptrain.export_tokenizer import write_tokenizer_files
     from mptrain.hf_models import LLAMA_LIKE, hf_config_from_model, llama_export, llama_like_family
 
-    folder = Path(checkpoint)
-    if not atomic.is_complete(folder):
-        resolved, _ = atomic.resolve_load_dir(checkpoint, iteration)
-        if resolved is None:
-            raise FileNotFoundError(f"no complete checkpoint in {checkpoint}")
-        folder = resolved
+    folder = checkpoint_folder(checkpoint, iteration)
     meta = atomic_meta(folder)
     model = meta["config"]["model"]
     hf_meta = meta.get("hf") or {}
