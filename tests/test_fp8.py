@@ -121,6 +121,36 @@ def _layers(rank, world):
     return results
 
 
+def _traced_graphs(rank, world):
+    """Dynamo's graph and break counts for fc1 -> gelu -> fc2 in FP8 (every recipe), tp 1."""
+    from mptrain.groups import build_groups
+
+    g = build_groups(1, 1)
+    try:
+        counts = {}
+        for recipe in RECIPES:
+            fc1, fc2 = _pair(g, False, recipe)
+
+            def f(x):
+                h, _ = fc1(x)
+                return fc2(torch.nn.functional.gelu(h))[0]
+
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(f)(torch.randn(16, 2, 64, dtype=torch.bfloat16, requires_grad=True))
+            counts[recipe] = (explained.graph_count, explained.graph_break_count,
+                              [b.reason.splitlines()[0] for b in explained.break_reasons])
+        return counts
+    finally:
+        g.destroy()
+
+
+def test_fp8_linears_trace_as_one_graph():
+    """The FP8 casts, amaxes and GEMMs trace without a graph break (a break per cast made a compiled chunk
+    host-bound: one graph per cast instead of one per chunk)."""
+    counts = run_distributed(_traced_graphs, 1)[0]
+    assert counts == {r: (1, 0, []) for r in RECIPES}, counts
+
+
 def test_fp8_linears_equal_torchao_and_tp2_equals_tp1():
     for res in run_distributed(_layers, 2):
         assert res.pop("torchao") == {r: True for r in RECIPES}

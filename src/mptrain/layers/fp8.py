@@ -208,8 +208,9 @@ class Fp8Gemms:
         self.config, self.mm_config = _configs(recipe.recipe, recipe.emulate)
         self.amax_group = amax_group
         self.input_sharded, self.output_sharded = input_sharded, output_sharded
-        config_mod, tensor_mod, _ = _torchao()
-        self._roles = tensor_mod.GemmInputRole
+        # the modules are held, not looked up per cast: `_torchao`'s import guard would break the compiled graph
+        config_mod, self._tensor_mod, self._utils = _torchao()
+        self._roles = self._tensor_mod.GemmInputRole
         self._tensorwise = config_mod.ScalingGranularity.TENSORWISE
         self._disabled = config_mod.ScalingType.DISABLED
         c = self.config
@@ -229,7 +230,7 @@ class Fp8Gemms:
         """
         if cast_config.scaling_type is self._disabled:
             return t
-        _, tensor_mod, utils = _torchao()
+        tensor_mod, utils = self._tensor_mod, self._utils
         tensorwise = cast_config.scaling_granularity is self._tensorwise
         axiswise_dim = None if tensorwise else axis
         amax = utils.tensor_to_amax(t, False, None, cast_config.scaling_granularity, axiswise_dim).float()
@@ -256,12 +257,10 @@ class Fp8Gemms:
         return y, (*x_saved, weight, w8_t._scale if self.reuse_weight else None)
 
     def _recast(self, hp: torch.Tensor, scale: torch.Tensor, cast_config, role):
-        _, tensor_mod, _ = _torchao()
-        return tensor_mod.hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.mm_config, role, None)
+        return self._tensor_mod.hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.mm_config, role, None)
 
     def _rebuild(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, role):
-        _, tensor_mod, _ = _torchao()
-        return tensor_mod.Float8TrainingTensor(data, scale, dtype, self.mm_config, role, None)
+        return self._tensor_mod.Float8TrainingTensor(data, scale, dtype, self.mm_config, role, None)
 
     def cast_grad_output(self, grad_output: torch.Tensor):
         """dy ``[T, out(/tp)]`` cast for the grad-input GEMM (its amax TP-reduced where ``out`` is sharded);
