@@ -330,7 +330,7 @@ def suite(name: str, gpus: int, only: Optional[list] = None) -> list:
 
 
 def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
-    """Hydra overrides that make `train.py` run `cfg` like the peer: mock data with the model's vocab,
+    """Hydra overrides that make `train.py` run `cfg` like the peer: mock data and the model at the shape's vocab,
     AdamW(lr 1e-4, wd 0.01), clip 1.0, dropout 0, no evaluation, no checkpoints."""
     s = cfg.shape
     # a variant's "precision=..." replaces the config's (one group override per command line)
@@ -341,6 +341,7 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         precision,
         "data=mock",
         f"data.vocab_size={s.vocab_size}",
+        f"model.vocab_size={s.vocab_size}",  # the model's own output layer too, not the preset's vocab
         "optim=adamw",
         "optim.lr=1e-4",
         "optim.weight_decay=0.01",

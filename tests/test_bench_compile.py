@@ -129,11 +129,10 @@ def test_compile_layers_default_resolves_per_device():
     assert config.compile_layers is None
     assert resolve_compile_layers(config, torch.device("cpu"))[0] is False
     assert resolve_compile_layers(config, torch.device("cuda"))[0] is True
-    # recomputation with dropout stays eager by default on CUDA too (its compiled masks are unverified there)
+    # recomputation with dropout compiles too (tests/test_gpu_compile_chunk.py checks its masks on CUDA)
     recompute = ModelConfig(recompute_granularity="selective", hidden_dropout=0.1)
-    assert resolve_compile_layers(recompute, torch.device("cuda"))[0] is False
-    recompute.hidden_dropout = 0.0
     assert resolve_compile_layers(recompute, torch.device("cuda"))[0] is True
+    assert resolve_compile_layers(recompute, torch.device("cpu"))[0] is False
     for forced in (True, False):
         config.compile_layers = forced
         assert resolve_compile_layers(config, torch.device("cuda"))[0] is forced

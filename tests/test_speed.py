@@ -81,7 +81,7 @@ def test_small_suite_rows_and_reference_env():
     # the dropout row: the same dropout and vocabulary on both sides of the comparison
     char = next(c for c in cfgs if c.name == "s_6x384_v65_s256_mb64_do0.2")
     o = bc.mptrain_overrides(char, "default", "/tmp/x")
-    assert {"model.hidden_dropout=0.2", "model.attention_dropout=0.2", "data.vocab_size=65"} <= set(o)
+    assert {"model.hidden_dropout=0.2", "model.attention_dropout=0.2", "data.vocab_size=65", "model.vocab_size=65"} <= set(o)
     assert not any(item.startswith("model.compile_layers") for item in o)  # the plain command
     env = bc.reference_env(char)
     assert (env["DROPOUT"], env["VOCAB"]) == ("0.2", "65")

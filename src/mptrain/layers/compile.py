@@ -60,11 +60,6 @@ def resolve_compile_layers(config, device: torch.device) -> tuple[bool, str]:
     """
     if config.compile_layers is None:
         on = torch.device(device).type == "cuda"
-        if on and config.recompute_granularity is not None and (config.hidden_dropout > 0 or config.attention_dropout > 0):
-            # the compiled recomputation's dropout masks have not matched the plain graph's on CUDA
-            # (tests/test_gpu_compile_chunk.py): the default stays eager until they do; true forces it
-            return False, ("default: eager on CUDA for recomputation with dropout (its compiled masks are not "
-                           "verified there); model.compile_layers=true compiles")
         return on, ("default on CUDA; model.compile_layers=false for eager" if on
                     else f"default: eager on {torch.device(device).type}; model.compile_layers=true compiles")
     return bool(config.compile_layers), f"model.compile_layers={str(bool(config.compile_layers)).lower()}"

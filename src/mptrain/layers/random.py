@@ -230,10 +230,10 @@ def checkpoint(fn: Callable, tracker: RNGStatesTracker, *args):
 
     In a compiled region (`in_compiled_region`) the tracker's host-side snapshot cannot be traced; there it is
     torch's non-reentrant ``torch.utils.checkpoint.checkpoint``, which Dynamo turns into a recomputed region
-    of the graph, recomputed in the backward graph by AOTAutograd's partitioner. That the recomputed random
-    ops repeat the forward's masks is checked on CPU (tests/test_model_dropout.py); on CUDA under Inductor
-    the GPU test (tests/test_gpu_compile_chunk.py) does not confirm it yet, so the default compile choice
-    leaves recomputation with dropout eager there (`mptrain.layers.compile.resolve_compile_layers`).
+    of the graph, recomputed in the backward graph by AOTAutograd's partitioner, which saves the generator state
+    before a recomputed random op and replays it, so the recomputation repeats the forward's masks (checked on
+    CPU by tests/test_model_dropout.py; on CUDA by tests/test_gpu_compile_chunk.py, against central differences
+    of the loss). Those masks differ from the plain graph's (there Inductor draws them in its own kernels).
 
     Args:
         fn: a function of tensors (and non-tensor values); returns a tensor or a tuple of tensors.
