@@ -370,7 +370,10 @@ GPU_COMMON = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "mode
 def test_gpu_fp8_compiled_chunk_tracks_bf16(tmp_path, recipe):
     """precision=fp8 with torch._scaled_mm inside the compiled chunk graph (CUDA graphs at tp1): the loss
     curve follows bf16's (FP8 rounding: within 2 % per step over 20 steps of a 4-layer model), every
-    block linear runs in FP8, and eager FP8 (no compile) agrees with the compiled run."""
+    block linear runs in FP8, and eager FP8 (no compile) follows the compiled run within the same 2 %: Inductor
+    keeps a fused producer's output (gelu, a norm) in fp32 up to the FP8 cast where eager rounds it to bf16
+    first, so elements on an FP8 rounding boundary land one FP8 step (6-12 %) apart, as they do for torchao's
+    own Float8Linear (`test_gpu_fp8_compiled_mlp_equals_torchao_compiled`)."""
     import torch.distributed as dist
 
     from mptrain.training.run import run
@@ -387,5 +390,68 @@ def test_gpu_fp8_compiled_chunk_tracks_bf16(tmp_path, recipe):
     assert f"precision=fp8 ({recipe}: 16 of 16 block linears" in log and "compile=chunk" in log, log
     for a, b, c in zip(fp8, bf16, eager):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=2e-2), (a, b)
-        assert a["lm_loss"] == pytest.approx(c["lm_loss"], rel=1e-2), (a, c)
+        assert a["lm_loss"] == pytest.approx(c["lm_loss"], rel=2e-2), (a, c)
     assert fp8[-1]["lm_loss"] < fp8[0]["lm_loss"]  # training moved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores (sm89+)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_gpu_fp8_compiled_mlp_equals_torchao_compiled(recipe):
+    """fc1 -> gelu -> fc2 in FP8 under Inductor: mptrain's parallel linears equal torchao's Float8Linear
+    compiled the same way, bit for bit (output, input grad, weight grads; tensorwise fc2's weight grad: the
+    reused forward cast, see below), on real FP8 GEMMs. Eager, the two are bitwise equal for every recipe
+    (`test_fp8_linears_equal_torchao_and_tp2_equals_tp1`); compiled, each differs from its own eager result
+    (the fused gelu stays fp32 up to the FP8 cast)."""
+    import torch.distributed as dist
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from mptrain.layers.context import LayerContext
+    from mptrain.layers.fp8 import Fp8Recipe
+    from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from mptrain.layers.random import ParamInit
+    from mptrain.groups import build_groups
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    g = build_groups(1, 1, device=torch.device("cuda"))
+    try:
+        cuda = torch.device("cuda")
+        ctx = LayerContext(groups=g, init=ParamInit(seed=5, std=0.05, num_layers=2, device=cuda),
+                           params_dtype=torch.bfloat16, device=cuda)
+        fc1 = ColumnParallelLinear(256, 1024, context=ctx, name="fc1", bias=False)
+        fc2 = RowParallelLinear(1024, 256, context=ctx, name="fc2", bias=False)
+        on = Fp8Recipe(recipe=recipe, gemm_filter="none")
+        assert fc1.enable_fp8(on) and fc2.enable_fp8(on)
+        config = Float8LinearConfig.from_recipe_name(recipe)
+
+        def torchao_linear(m):
+            lin = torch.nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=False, device=cuda, dtype=torch.bfloat16)
+            lin.weight.data.copy_(m.weight.data)
+            return Float8Linear.from_float(lin, config=config)
+
+        r1, r2 = torchao_linear(fc1), torchao_linear(fc2)
+        gen = torch.Generator(device=cuda).manual_seed(3)
+        x = torch.randn(128, 4, 256, generator=gen, device=cuda).to(torch.bfloat16)
+        dy = torch.randn(128, 4, 256, generator=gen, device=cuda).to(torch.bfloat16)
+        results = []
+        for f, lins in ((lambda t: fc2(torch.nn.functional.gelu(fc1(t)[0]))[0], (fc1, fc2)),
+                        (lambda t: r2(torch.nn.functional.gelu(r1(t))), (r1, r2))):
+            torch._dynamo.reset()
+            xi = x.clone().requires_grad_(True)
+            y = torch.compile(f)(xi)
+            y.backward(dy)
+            results.append((y.detach(), xi.grad, lins[0].weight.grad, lins[1].weight.grad))
+        ours, theirs = results
+        for a, b in zip(ours[:3], theirs[:3]):  # output, input grad, fc1's weight grad
+            assert torch.equal(a, b)
+        if recipe == "tensorwise":
+            # fc2's weight grad: mptrain reuses the forward's FP8 cast of gelu's fp32 output; torchao recasts the
+            # bf16 copy it saved, so boundary elements sit one FP8 step apart (on CPU, emulated: 1.7 % norm-wise)
+            assert float((ours[3] - theirs[3]).float().norm() / theirs[3].float().norm()) < 5e-2
+        else:
+            assert torch.equal(ours[3], theirs[3])
+    finally:
+        g.destroy()
