@@ -164,3 +164,21 @@ def test_cli_prints_json_and_rejects_a_long_request(ckpt):
     assert proc.stderr.strip() == ("error: --max-new-tokens=40 + prompt length 3 = 43 exceeds the model's 32 positions "
                                    "(model.max_position_embeddings / seq_length); lower --max-new-tokens or shorten "
                                    "the prompt")
+
+
+def test_a_text_prompt_on_a_mock_data_checkpoint_is_one_line_before_any_process_group(ckpt, capsys):
+    """data=mock trains with NullTokenizer (no text): a text prompt is refused naming the fix, an id prompt
+    out of the vocabulary too, and no process group was started."""
+    import torch.distributed as dist
+
+    from mptrain.generate import main
+
+    assert main(["--checkpoint", str(ckpt), "--prompt", "hello world"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("error: --prompt 'hello world': the checkpoint's data.tokenizer is NullTokenizer (no text: trained "
+                   "on data=mock), which reads token ids only; pass ids such as --prompt '1 2 3', or train with a text "
+                   "tokenizer (data.tokenizer, e.g. data=shakespeare's ByteTokenizer)\n")
+    assert main(["--checkpoint", str(ckpt), "--prompt", f"1 {VOCAB}"]) == 1
+    assert capsys.readouterr().err == (f"error: --prompt: token ids [{VOCAB}] are outside the vocabulary [0, {VOCAB}); "
+                                       f"pass ids below {VOCAB}\n")
+    assert not dist.is_initialized()

@@ -267,6 +267,20 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
     assert "is not an empty folder" in _one_line_error(capsys, "--checkpoint", str(ckpt), "--output", str(out),
                                                        "--format", "hf")
     assert (out / "model.safetensors").read_bytes() == b"x" and len(list(out.iterdir())) == 1
+    # --hf-model-type names a Llama-family spelling: refused for GPT-2's architecture, and outside --format hf
+    gpt2 = str(imported["gpt2"][1])
+    err = _one_line_error(capsys, "--checkpoint", gpt2, "--output", str(tmp_path / "g"), "--format", "hf",
+                          "--hf-model-type", "llama")
+    assert "--hf-model-type=llama" in err and "exports as gpt2" in err and not (tmp_path / "g").exists()
+    err = _one_line_error(capsys, "--checkpoint", gpt2, "--output", str(tmp_path / "g"), "--format", "hf-gpt2",
+                          "--hf-model-type", "gpt2")
+    assert "--hf-model-type=gpt2 applies to --format hf only" in err and not (tmp_path / "g").exists()
+    assert _cli("--checkpoint", gpt2, "--output", str(tmp_path / "g"), "--format", "hf", "--hf-model-type", "gpt2") == 0
+    config = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert (config["model_type"], config["bos_token_id"], config["eos_token_id"]) == ("gpt2", 0, EOS)
+    err = _one_line_error(capsys, "--checkpoint", str(ckpt), "--output", str(tmp_path / "h"), "--format", "hf",
+                          "--hf-model-type", "gpt2")
+    assert "--hf-model-type=gpt2" in err and not (tmp_path / "h").exists()
     # the imported model (2 query groups) comes with checkpoint.load: tp 4 cannot split its K/V heads
     with pytest.raises(ConfigError, match=r"^model.num_query_groups=2 is not divisible by "
                                           r"parallel.tensor_model_parallel_size=4; [^\n]*$"):
@@ -307,11 +321,24 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     trained = tmp_path / "tp2pp2-ckpt"
     saved = json.loads(next(trained.glob("iter_*/meta.json")).read_text())["config"]
     assert saved["checkpoint"]["use_checkpoint_args"] is True and saved["model"]["kv_channels"] == 16
+    # the import's config.json values travel with the model into the run's checkpoints
+    assert saved["checkpoint"]["hf_config"] == {"model_type": "mistral", "bos_token_id": 0, "eos_token_id": EOS}
     assert _cli("--checkpoint", str(trained), "--output", str(tmp_path / "out"), "--format", "hf") == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     assert type(back).__name__ == "MistralForCausalLM" and next(back.parameters()).dtype == torch.float32
     with torch.no_grad():
         torch.testing.assert_close(back(IDS).logits, _tp1_logits(trained, IDS), rtol=0, atol=1e-5)
+    # import -> train -> export gives the original bos / eos ids (not the EOD for both)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (config["model_type"], config["bos_token_id"], config["eos_token_id"]) == ("mistral", 0, EOS)
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (0, EOS, EOS)
+    # and a run resumed from the trained checkpoint carries them on
+    from mptrain.checkpoint.args import apply_checkpoint_args
+    from mptrain.config.schema import as_config
+
+    cfg = apply_checkpoint_args(as_config(compose([f"checkpoint.load={trained}"])))
+    assert cfg.checkpoint.hf_config == {"model_type": "mistral", "bos_token_id": 0, "eos_token_id": EOS}
 
 
 def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
@@ -329,6 +356,30 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     cfg = apply_checkpoint_args(as_config(compose([f"checkpoint.load={moved}"])))
     assert cfg.data.tokenizer["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
     assert cfg.model.num_query_groups == 2
+
+
+def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, caplog):
+    """use_checkpoint_args takes the architecture; a data.tokenizer given on the command line stays, with one
+    warning naming both; checkpoint.hf_config comes from the import's meta.json."""
+    from mptrain.checkpoint.args import apply_checkpoint_args
+    from mptrain.config.schema import as_config
+
+    ckpt = imported["llama_untied"][1]
+    byte = ["data.tokenizer._target_=mptrain.data.tokenizers.ByteTokenizer", "~data.tokenizer.vocab_size"]
+    overrides = [f"checkpoint.load={ckpt}", *byte]
+    with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
+        cfg = apply_checkpoint_args(as_config(compose(overrides)), overrides)
+    assert cfg.data.tokenizer == {"_target_": "mptrain.data.tokenizers.ByteTokenizer"}
+    assert cfg.model.num_query_groups == 2 and cfg.model.vocab_size == VOCAB  # the architecture is the checkpoint's
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "HFTokenizer" in lines[0] and "ByteTokenizer" in lines[0] and "using the command line's" in lines[0]
+    assert cfg.checkpoint.hf_config == {"model_type": "llama", "bos_token_id": 0, "eos_token_id": EOS}
+    # without a tokenizer on the command line: the checkpoint's, and no warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
+        cfg = apply_checkpoint_args(as_config(compose(overrides[:1])), overrides[:1])
+    assert cfg.data.tokenizer["_target_"] == "mptrain.data.tokenizers.HFTokenizer" and not caplog.records
 
 
 def test_generate_refuses_a_tp_that_splits_no_query_group(imported, monkeypatch):

@@ -2,7 +2,7 @@
 (GPT-2, Llama, Mistral, Qwen2), and import such a folder as a training starting point.
 
     python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf|hf-gpt2]
-        [--dtype float32|bfloat16|float16] [--hf-model-type llama|mistral|qwen2] [--max-shard-size-mb MB]
+        [--dtype float32|bfloat16|float16] [--hf-model-type gpt2|llama|mistral|qwen2] [--max-shard-size-mb MB]
     python -m mptrain.export --import-hf HF_DIR --output CKPT          (--import-hf-gpt2: GPT-2 only)
 
 ``--format hf`` / ``--import-hf`` (`export_hf`, `import_hf`): the family from ``config.json``, the
@@ -19,8 +19,8 @@ GPTModel from it in a plain process.
 
 ``--format hf-gpt2`` (architecture must match GPT-2: LayerNorm, gelu, learned absolute positions,
 tied embeddings, biases, multi-head attention) writes ``model.safetensors`` with GPT-2 names,
-``config.json`` for ``transformers.GPT2LMHeadModel`` and ``generation_config.json`` (eos / bos /
-pad = the tokenizer's EOD), and the tokenizer files (`mptrain.export_tokenizer`: the training
+``config.json`` for ``transformers.GPT2LMHeadModel`` and ``generation_config.json`` (pad = the
+tokenizer's EOD; eos / bos = the imported model's, else the EOD: `special_ids`), and the tokenizer files (`mptrain.export_tokenizer`: the training
 ``tokenizer.json`` for HFTokenizer, an exact byte-level equivalent for ByteTokenizer), so that
 ``AutoModelForCausalLM.from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)`` load it
 with no edits. Files get mode 0644 (less the umask). Mapping (HF's Conv1D stores ``[in, out]``,
@@ -294,8 +294,8 @@ def _normal_modes(out: Path, names) -> None:
 def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None) -> tuple[Path, list]:
     """Write a folder that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load as is.
 
-    Files: model.safetensors, config.json and generation_config.json (eos = bos = pad = EOD) and the
-    tokenizer (`mptrain.export_tokenizer`). Returns (the folder, notes for the user).
+    Files: model.safetensors, config.json and generation_config.json (pad = EOD; bos / eos: `special_ids`)
+    and the tokenizer (`mptrain.export_tokenizer`). Returns (the folder, notes for the user).
     """
     from safetensors.torch import save_file
 
@@ -310,13 +310,29 @@ def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None
     config = hf_gpt2_config(model, int(meta["vocab_size"]))
     eod, written, notes = write_tokenizer_files(meta["config"].get("data", {}), out,
                                                 model_max_length=int(config["n_positions"]))
-    config["bos_token_id"] = config["eos_token_id"] = eod
+    bos, eos = special_ids(meta, eod)
+    config["bos_token_id"], config["eos_token_id"] = bos, eos
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    generation = {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod, "do_sample": False}
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eod, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
     _normal_modes(out, ["model.safetensors", "config.json", "generation_config.json", *written])
     return out, notes
+
+
+def hf_record(meta: dict) -> dict:
+    """What a checkpoint knows of the Hugging Face config.json it came from: meta.json's ``hf`` (an import
+    itself: model_type, dtype, bos / eos ids), else the saved ``checkpoint.hf_config`` (a run trained from
+    an import carries it: model_type, bos / eos ids); {} for a model trained from scratch."""
+    return meta.get("hf") or (meta.get("config", {}).get("checkpoint") or {}).get("hf_config") or {}
+
+
+def special_ids(meta: dict, eod: Optional[int]) -> tuple:
+    """(bos_token_id, eos_token_id) for config.json: the imported model's own (`hf_record`), else the
+    tokenizer's EOD for both (GPT-2's convention: one <|endoftext|> separates documents, and training
+    saw EOD between documents and nothing else)."""
+    hf = hf_record(meta)
+    return (hf.get("bos_token_id", eod), hf.get("eos_token_id", eod)) if hf else (eod, eod)
 
 
 def import_hf_gpt2(hf_dir: str, output: str) -> tuple[Path, list]:
@@ -551,7 +567,9 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
     tokenizer = _tokenizer_record(hf_path, root, cfg)
     param_dtype = "bfloat16" if dtypes == {torch.bfloat16} else "float16" if dtypes == {torch.float16} else "float32"
     layout = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": None}
-    saved = {"model": model, "checkpoint": {"use_checkpoint_args": True}}
+    hf_config = {"model_type": family, "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}
+    # checkpoint.hf_config: training from this checkpoint saves it again (mptrain.checkpoint.args), for the export
+    saved = {"model": model, "checkpoint": {"use_checkpoint_args": True, "hf_config": hf_config}}
     if tokenizer is not None:
         saved["data"] = {"tokenizer": tokenizer}
     common = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "scaler": None,
@@ -565,8 +583,7 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
         dcp.save({"common": common}, storage_writer=writer, planner=StreamingPlanner(chunks), no_dist=True)
     meta = {k: common[k] for k in ("format", "iteration", "consumed_samples", "layout", "vocab_size", "param_dtype",
                                    "torch_version", "config")}
-    meta["hf"] = {"model_type": family, "dtype": param_dtype, "bos_token_id": cfg.get("bos_token_id"),
-                  "eos_token_id": cfg.get("eos_token_id")}
+    meta["hf"] = {**hf_config, "dtype": param_dtype}
     atomic.write_json(tmp / atomic.META_FILE, meta)
     atomic.publish(str(root), 0, None)
     return folder, notes
@@ -586,9 +603,10 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
               model_type: Optional[str] = None, max_shard_size_mb: int = 5000) -> tuple[Path, list]:
     """Write a Hugging Face folder (GPT-2, or Llama / Mistral / Qwen2) that ``AutoModelForCausalLM`` loads.
 
-    The family: ``model_type`` (llama / mistral / qwen2 for a Llama-architecture model), else the one
-    the checkpoint was imported from (an import names its model after it, and training keeps the name),
-    else from the architecture (GPT-2's, qwen2 for a QKV bias alone, llama). The dtype: ``dtype`` (float32 / bfloat16 / float16), else the checkpoint's parameter dtype
+    The family: gpt2 for GPT-2's architecture (``model_type`` must be None or gpt2); for a Llama-architecture
+    model ``model_type`` (llama / mistral / qwen2), else the one the checkpoint was imported from
+    (`hf_record`, or the model's name, which training keeps), else from the architecture (qwen2 for a QKV
+    bias alone, llama). bos / eos ids: `special_ids`. The dtype: ``dtype`` (float32 / bfloat16 / float16), else the checkpoint's parameter dtype
     (an imported checkpoint's: its source's). Tensors are read and converted one at a time and written
     in safetensors shards of at most ``max_shard_size_mb`` MB (``model.safetensors`` when one is
     enough, else ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``), so at most
@@ -598,7 +616,8 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     Returns:
         (the folder, notes for the user).
     Raises:
-        ConfigError: the architecture has no Hugging Face family here, or ``model_type`` does not fit it.
+        ConfigError: the architecture has no Hugging Face family here, or ``model_type`` does not fit it
+            (one line naming --hf-model-type).
     """
     from safetensors.torch import save_file
 
@@ -608,11 +627,15 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     folder = checkpoint_folder(checkpoint, iteration)
     meta = atomic_meta(folder)
     model = meta["config"]["model"]
-    hf_meta = meta.get("hf") or {}
+    hf_meta = hf_record(meta)
     is_gpt2 = model.get("position_embedding_type", "learned_absolute") == "learned_absolute"
     if is_gpt2:
         check_gpt2_compatible(model)
         family = "gpt2"
+        if model_type not in (None, "gpt2"):  # GPT-2's architecture has no Llama-family spelling
+            raise ConfigError(f"export --hf-model-type={model_type}: the model has GPT-2's architecture (learned "
+                              "absolute positions, LayerNorm, gelu) and exports as gpt2; drop --hf-model-type or "
+                              "pass --hf-model-type=gpt2")
     else:
         family = llama_like_family(model)
         # the import's family, kept through training by the model's name (`llama`, `mistral_7b`, `qwen2.5_7b`, ...)
@@ -671,8 +694,7 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     vocab_size = int(meta["vocab_size"])
     positions = int(model.get("max_position_embeddings") or model["seq_length"])
     eod, tok_files, notes = write_tokenizer_files(meta["config"].get("data", {}), out, model_max_length=positions)
-    bos = hf_meta.get("bos_token_id", eod) if hf_meta else eod
-    eos = hf_meta.get("eos_token_id", eod) if hf_meta else eod
+    bos, eos = special_ids(meta, eod)
     if family == "gpt2":
         config = hf_gpt2_config(model, vocab_size)
         config.update(bos_token_id=bos, eos_token_id=eos, dtype=hf_dtype_name(out_dtype))
@@ -700,8 +722,9 @@ def main(argv: Optional[list] = None) -> int:
                         help="hf: a Hugging Face folder of the model's family (GPT-2, Llama, Mistral, Qwen2)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="--format hf: weight dtype (default: the checkpoint's)")
-    parser.add_argument("--hf-model-type", choices=("llama", "mistral", "qwen2"), default=None,
-                        help="--format hf: the family of a Llama-architecture model (default: the imported one)")
+    parser.add_argument("--hf-model-type", choices=("gpt2", "llama", "mistral", "qwen2"), default=None,
+                        help="--format hf: the family of a Llama-architecture model (default: the imported one); "
+                             "a GPT-2-architecture model exports as gpt2 only")
     parser.add_argument("--max-shard-size-mb", type=int, default=5000,
                         help="--format hf: safetensors shards of at most this size (model.safetensors.index.json)")
     parser.add_argument("--import-hf", dest="import_hf", metavar="HF_DIR",
@@ -723,6 +746,9 @@ def main(argv: Optional[list] = None) -> int:
             return 0
         if not args.checkpoint:
             parser.error("--checkpoint is required (or --import-hf)")
+        if args.hf_model_type is not None and args.format != "hf":
+            raise ConfigError(f"export --hf-model-type={args.hf_model_type} applies to --format hf only (this is "
+                              f"--format {args.format}); drop --hf-model-type or pass --format hf")
         check_new_output(Path(args.output), "export")
         if args.format == "hf-gpt2":
             out, notes = export_hf_gpt2(args.checkpoint, args.output, args.iteration)

@@ -8,6 +8,7 @@ Greedy at ``--temperature 0`` (the default); the text goes to stdout (rank 0): t
 by the completion, or with ``--json`` one object ``{"prompt_ids", "new_ids", "text",
 "completion"}``. Generation stops after ``--max-new-tokens`` tokens or at the tokenizer's EOD
 (not printed). An empty prompt starts from EOD (the document boundary the model was trained on).
+A checkpoint trained on ``data=mock`` (NullTokenizer) reads the prompt as space-separated token ids.
 
 What is loaded, from the checkpoint alone: the model config and tokenizer from its saved config
 (``config.yaml`` content in ``meta.json``: ``model.*``, ``data.tokenizer``), the weights resharded
@@ -45,6 +46,8 @@ class Generator:
     vocab_size: int
     max_positions: int
     iteration: int
+    prompt_ids: Optional[list] = None
+    """`load_generator`'s ``prompt`` encoded (None when no prompt was given)."""
 
 
 def _saved_model_config(saved: dict, tp: int):
@@ -56,13 +59,40 @@ def _saved_model_config(saved: dict, tp: int):
     return dataclasses.replace(model, compile_layers=False, recompute_granularity=None)
 
 
+def encode_prompt(tokenizer, text: str, saved: dict, vocab_size: int) -> list:
+    """``text`` as token ids of the checkpoint's tokenizer, each in [0, ``vocab_size``).
+
+    Raises:
+        ConfigError: the tokenizer cannot read ``text`` (a NullTokenizer, the one of ``data=mock``, reads
+            space-separated ids only), or an id is out of the vocabulary (one line naming the fix).
+    """
+    from mptrain.data.tokenizers import NullTokenizer
+
+    target = str(((saved.get("data") or {}).get("tokenizer") or {}).get("_target_", type(tokenizer).__name__))
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as err:
+        if isinstance(tokenizer, NullTokenizer):
+            raise ConfigError(f"--prompt {text[:40]!r}: the checkpoint's data.tokenizer is NullTokenizer (no text: "
+                              "trained on data=mock), which reads token ids only; pass ids such as --prompt '1 2 3', or "
+                              "train with a text tokenizer (data.tokenizer, e.g. data=shakespeare's "
+                              "ByteTokenizer)") from None
+        raise ConfigError(f"--prompt: data.tokenizer {target} cannot encode it ({str(err).splitlines()[0]})") from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"--prompt: token ids {bad[:4]} are outside the vocabulary [0, {vocab_size}); pass ids "
+                          f"below {vocab_size}")
+    return ids
+
+
 def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_model_parallel_size: Optional[int] = None,
-                   timeout_s: float = 600.0) -> Generator:
+                   timeout_s: float = 600.0, prompt: Optional[str] = None) -> Generator:
     """Initialise distributed (a world of one without torchrun), build the model, load the weights.
 
-    Collective on every rank. Raises:
+    ``prompt`` (text) is encoded (`encode_prompt`) before any process group exists, into
+    ``Generator.prompt_ids``. Collective on every rank. Raises:
         ConfigError: no checkpoint there, world size ≠ TP size, the model does not fit the layout,
-            or the saved tokenizer cannot be built.
+            the saved tokenizer cannot be built, or it cannot encode ``prompt``.
     """
     from mptrain.checkpoint import atomic
     from mptrain.checkpoint.api import atomic_meta, load_model_weights
@@ -90,6 +120,7 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
     model_cfg = _saved_model_config(saved, tp)
     check_model_config(model_cfg, ParallelConfig(tensor_model_parallel_size=tp))  # heads / groups vs tp, before any collective
     tokenizer = build_tokenizer(saved.get("data", {}))
+    prompt_ids = None if prompt is None else encode_prompt(tokenizer, prompt, saved, int(meta["vocab_size"]))
     device = init_distributed(env, timeout_s=timeout_s)
     groups = build_groups(tp, 1, None, device=device)
     try:
@@ -102,7 +133,8 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
         raise
     model.eval()
     max_positions = model_cfg.max_position_embeddings or model_cfg.seq_length
-    return Generator(model, groups, tokenizer, int(meta["vocab_size"]), int(max_positions), int(meta["iteration"]))
+    return Generator(model, groups, tokenizer, int(meta["vocab_size"]), int(max_positions), int(meta["iteration"]),
+                     prompt_ids)
 
 
 @torch.no_grad()
@@ -172,8 +204,8 @@ def main(argv: Optional[list] = None) -> int:
     try:
         text = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else (args.prompt or "")
         gen = load_generator(args.checkpoint, iteration=args.iteration,
-                             tensor_model_parallel_size=args.tensor_model_parallel_size)
-        prompt_ids = gen.tokenizer.encode(text)
+                             tensor_model_parallel_size=args.tensor_model_parallel_size, prompt=text)
+        prompt_ids = gen.prompt_ids
         new = generate_ids(gen, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache)
         if gen.groups.rank == 0:

@@ -3,17 +3,23 @@
 ``checkpoint.use_checkpoint_args`` (null = what the checkpoint says: true for one written by
 ``python -m mptrain.export --import-hf``, and for one saved by a run that took its model this way)
 makes `apply_checkpoint_args` copy, from ``checkpoint.load``'s saved config, the model's architecture
-keys (`ARCHITECTURE_KEYS`: everything the weights' shapes and math depend on) and ``data.tokenizer``
-over the composed config, before validation. Training choices stay the run's: ``seq_length``,
-dropout, recomputation, compile, the attention backend. Megatron-LM: ``load_args_from_checkpoint``
-(megatron/training/checkpointing.py).
+keys (`ARCHITECTURE_KEYS`: everything the weights' shapes and math depend on), ``data.tokenizer`` and
+``checkpoint.hf_config`` (what an import read from the Hugging Face config.json and an export writes
+back) over the composed config, before validation. Training choices stay the run's: ``seq_length``,
+dropout, recomputation, compile, the attention backend. A ``data.tokenizer`` given on the command line
+(any ``data.tokenizer`` / ``data.tokenizer.*`` override) wins over the checkpoint's, with one warning
+when they differ: the tokenizer is data, not architecture, as in Megatron, whose ``tokenizer_type`` is
+taken from the checkpoint only when the command line left it unset. Megatron-LM:
+``load_args_from_checkpoint`` (megatron/training/checkpointing.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from mptrain.checkpoint import atomic
 
@@ -25,14 +31,43 @@ ARCHITECTURE_KEYS = (
     "add_bias_linear", "add_qkv_bias",
 )
 """``model.*`` keys taken from the checkpoint (Megatron's list, less its training choices)."""
+HF_CONFIG_KEYS = ("model_type", "bos_token_id", "eos_token_id")
+"""``checkpoint.hf_config`` keys: the Hugging Face config.json values an import records for the export."""
+
+logger = logging.getLogger(__name__)
 
 
-def apply_checkpoint_args(cfg):
-    """``cfg`` (a `mptrain.config.schema.Config`) with the checkpoint's architecture and tokenizer, when
-    ``checkpoint.use_checkpoint_args`` is true, or null and the checkpoint asks for it (module docstring).
+def command_line_keys(command_line: Optional[Sequence[str]] = None) -> set:
+    """The config keys the command line set: ``command_line`` (Hydra override strings such as
+    ``data.tokenizer.eod_token=</s>`` or ``+x.y=1``), else Hydra's task overrides of the running app;
+    empty outside a Hydra app (a config composed by code)."""
+    if command_line is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        command_line = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    return {str(o).split("=", 1)[0].lstrip("+~") for o in command_line}
+
+
+def _given(keys: set, node: str) -> bool:
+    """``node`` or a key under it was set on the command line."""
+    return any(k == node or k.startswith(node + ".") for k in keys)
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+
+
+def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
+    """``cfg`` (a `mptrain.config.schema.Config`) with the checkpoint's architecture, tokenizer and
+    ``checkpoint.hf_config``, when ``checkpoint.use_checkpoint_args`` is true, or null and the checkpoint
+    asks for it (module docstring).
 
     The tokenizer file an import recorded is looked up beside the checkpoint when its recorded path is
-    gone (a moved or copied checkpoint folder).
+    gone (a moved or copied checkpoint folder). ``data.tokenizer`` and ``checkpoint.hf_config`` set on
+    the command line (``command_line``: `command_line_keys`) stay the run's; a tokenizer that differs
+    from the checkpoint's is logged as one warning naming both.
 
     Pure but for reading ``meta.json`` of the folder ``checkpoint.load`` resolves to; a load folder
     without a checkpoint (or none) leaves ``cfg`` as is (the loader reports what is wrong).
@@ -48,9 +83,10 @@ def apply_checkpoint_args(cfg):
     if folder is None:
         return cfg
     try:
-        saved = json.loads((folder / atomic.META_FILE).read_text()).get("config", {})
+        meta = json.loads((folder / atomic.META_FILE).read_text())
     except (OSError, ValueError):
         return cfg
+    saved = meta.get("config", {})
     wanted = ck.use_checkpoint_args
     if wanted is None:
         wanted = bool((saved.get("checkpoint") or {}).get("use_checkpoint_args"))
@@ -59,12 +95,21 @@ def apply_checkpoint_args(cfg):
     model = saved.get("model") or {}
     updates = {k: model[k] for k in ARCHITECTURE_KEYS if k in model}
     cfg.model = dataclasses.replace(cfg.model, **updates)
+    given = command_line_keys(command_line)
     tokenizer = (saved.get("data") or {}).get("tokenizer")
     if tokenizer:
         tokenizer = dict(tokenizer)
         path, beside = tokenizer.get("tokenizer_json"), folder.parent / "tokenizer.json"
         if path and not Path(path).is_file() and beside.is_file():  # the folder was moved: its own copy
             tokenizer["tokenizer_json"] = str(beside.resolve())
-        cfg.data.tokenizer = tokenizer
+        if not _given(given, "data.tokenizer"):
+            cfg.data.tokenizer = tokenizer
+        elif _plain(cfg.data.tokenizer) != tokenizer:
+            logger.warning("checkpoint.use_checkpoint_args: checkpoint has data.tokenizer=%s, command line has %s; "
+                           "using the command line's", tokenizer, _plain(cfg.data.tokenizer))
+    # an import's record: in the saved config (checkpoint.hf_config), or meta.json's "hf" (older imports)
+    hf = (saved.get("checkpoint") or {}).get("hf_config") or meta.get("hf")
+    if hf and not _given(given, "checkpoint.hf_config"):
+        ck.hf_config = {k: hf.get(k) for k in HF_CONFIG_KEYS}
     ck.use_checkpoint_args = True  # saved with the run's config: its own checkpoints pass the model on
     return cfg

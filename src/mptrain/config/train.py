@@ -82,10 +82,17 @@ class CheckpointConfig:
     (train.seed, the iteration, the rank's coordinates), as when the layout changed."""
     use_checkpoint_args: Optional[bool] = None
     """Megatron's --use-checkpoint-args: the model's architecture keys (layers, widths, heads, vocab, norm,
-    RoPE, biases, tie; not seq_length or dropout) and data.tokenizer come from checkpoint.load's saved
-    config, over the command line's (`mptrain.checkpoint.args`). null = as the checkpoint says: true for
+    RoPE, biases, tie; not seq_length or dropout) come from checkpoint.load's saved config, over the
+    command line's; data.tokenizer and checkpoint.hf_config too, unless the command line sets them (a
+    differing tokenizer: one warning) (`mptrain.checkpoint.args`). null = as the checkpoint says: true for
     one imported with `python -m mptrain.export --import-hf` (and for the checkpoints of a run that
     took its model so), false otherwise."""
+    hf_config: Optional[Dict[str, Any]] = None
+    """What `python -m mptrain.export --format hf` writes into the Hugging Face config.json besides the
+    architecture: {model_type, bos_token_id, eos_token_id} (an id or a list of ids). Set by
+    `--import-hf` from the source config.json and taken from checkpoint.load with the model
+    (use_checkpoint_args), so every checkpoint the run saves carries it; null = none (a model trained from
+    scratch: the export writes the tokenizer's EOD as bos and eos)."""
     async_save: bool = False
     """Training blocks only while the state is copied to host memory; a background thread writes,
     checksums and publishes it (`latest` after it completed); the next save and the end of the run wait
