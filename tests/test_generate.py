@@ -159,6 +159,11 @@ def test_cli_prints_json_and_rejects_a_long_request(ckpt):
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout)
     assert row["prompt_ids"] == [] and row["new_ids"] == want  # an empty prompt starts from EOD
+    proc = run_python(cmd[:4] + ["--prompt", "1 2 3", "--max-new-tokens", "4", "--json"], cwd=REPO, timeout=120)
+    row = json.loads(proc.stdout)
+    assert row["prompt_ids"] == [1, 2, 3] and len(row["new_ids"]) == 4
+    # ids in, ids out: the prompt's last id and the first new one stay apart
+    assert row["text"].split() == [str(i) for i in [1, 2, 3] + row["new_ids"]], row
     proc = run_python(cmd[:4] + ["--prompt", "1 2 3", "--max-new-tokens", "40"], cwd=REPO, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("error: --max-new-tokens=40 + prompt length 3 = 43 exceeds the model's 32 positions "

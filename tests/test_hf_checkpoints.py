@@ -359,8 +359,9 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
 
 
 def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, caplog):
-    """use_checkpoint_args takes the architecture; a data.tokenizer given on the command line stays, with one
-    warning naming both; checkpoint.hf_config comes from the import's meta.json."""
+    """use_checkpoint_args takes the architecture (an architecture key on the command line: one warning); a
+    data.tokenizer given on the command line stays, with one warning naming both, and drops the imported
+    bos/eos ids; checkpoint.hf_config comes from the import's meta.json."""
     from mptrain.checkpoint.args import apply_checkpoint_args
     from mptrain.config.schema import as_config
 
@@ -374,6 +375,18 @@ def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, cap
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert "HFTokenizer" in lines[0] and "ByteTokenizer" in lines[0] and "using the command line's" in lines[0]
+    # the imported bos/eos name tokens of the checkpoint's tokenizer: dropped, so an export writes the run's EOD
+    assert cfg.checkpoint.hf_config == {"model_type": "llama", "bos_token_id": None, "eos_token_id": None}
+    from mptrain.export import special_ids
+
+    assert special_ids({"config": {"checkpoint": {"hf_config": cfg.checkpoint.hf_config}}}, 256) == (256, 256)
+    # an architecture key on the command line: the checkpoint's wins, in one warning naming it
+    caplog.clear()
+    layers = [f"checkpoint.load={ckpt}", "model.num_layers=5"]
+    with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
+        cfg = apply_checkpoint_args(as_config(compose(layers)), layers)
+    lines = [r.getMessage() for r in caplog.records]
+    assert cfg.model.num_layers == 2 and len(lines) == 1 and "model.num_layers=5 -> 2" in lines[0], lines
     assert cfg.checkpoint.hf_config == {"model_type": "llama", "bos_token_id": 0, "eos_token_id": EOS}
     # without a tokenizer on the command line: the checkpoint's, and no warning
     caplog.clear()

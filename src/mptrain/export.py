@@ -331,8 +331,9 @@ def special_ids(meta: dict, eod: Optional[int]) -> tuple:
     """(bos_token_id, eos_token_id) for config.json: the imported model's own (`hf_record`), else the
     tokenizer's EOD for both (GPT-2's convention: one <|endoftext|> separates documents, and training
     saw EOD between documents and nothing else)."""
-    hf = hf_record(meta)
-    return (hf.get("bos_token_id", eod), hf.get("eos_token_id", eod)) if hf else (eod, eod)
+    hf = hf_record(meta) or {}
+    bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
+    return (eod if bos is None else bos, eod if eos is None else eos)
 
 
 def import_hf_gpt2(hf_dir: str, output: str) -> tuple[Path, list]:

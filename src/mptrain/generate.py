@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mptrain.data.tokenizers import NullTokenizer
 from mptrain.errors import ConfigError
 
 
@@ -66,8 +67,6 @@ def encode_prompt(tokenizer, text: str, saved: dict, vocab_size: int) -> list:
         ConfigError: the tokenizer cannot read ``text`` (a NullTokenizer, the one of ``data=mock``, reads
             space-separated ids only), or an id is out of the vocabulary (one line naming the fix).
     """
-    from mptrain.data.tokenizers import NullTokenizer
-
     target = str(((saved.get("data") or {}).get("tokenizer") or {}).get("_target_", type(tokenizer).__name__))
     try:
         ids = tokenizer.encode(text)
@@ -210,11 +209,13 @@ def main(argv: Optional[list] = None) -> int:
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=not args.no_kv_cache)
         if gen.groups.rank == 0:
             completion = gen.tokenizer.decode(new)
+            # ids (a NullTokenizer reads and writes "1 2 3"): decoded as one sequence, so the prompt's last id
+            # and the first new one stay apart; text: the prompt as given, then the completion
+            full = gen.tokenizer.decode(prompt_ids + new) if isinstance(gen.tokenizer, NullTokenizer) else text + completion
             if args.json:
-                print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new, "text": text + completion,
-                                  "completion": completion}))
+                print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new, "text": full, "completion": completion}))
             else:
-                print(text + completion)
+                print(full)
         return 0
     except (ConfigError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

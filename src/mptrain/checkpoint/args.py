@@ -94,9 +94,16 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
         return cfg
     model = saved.get("model") or {}
     updates = {k: model[k] for k in ARCHITECTURE_KEYS if k in model}
-    cfg.model = dataclasses.replace(cfg.model, **updates)
     given = command_line_keys(command_line)
+    replaced = [f"model.{k}={getattr(cfg.model, k)} -> {v}" for k, v in updates.items()
+                if _given(given, f"model.{k}") and getattr(cfg.model, k) != v]
+    if replaced:  # the weights fix the architecture (Megatron's load_args_from_checkpoint); say so, once
+        logger.warning("checkpoint.use_checkpoint_args: the checkpoint's architecture replaces the command line's "
+                       "%s; set checkpoint.use_checkpoint_args=false to build the command line's model",
+                       ", ".join(replaced))
+    cfg.model = dataclasses.replace(cfg.model, **updates)
     tokenizer = (saved.get("data") or {}).get("tokenizer")
+    other_tokenizer = False
     if tokenizer:
         tokenizer = dict(tokenizer)
         path, beside = tokenizer.get("tokenizer_json"), folder.parent / "tokenizer.json"
@@ -105,11 +112,15 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
         if not _given(given, "data.tokenizer"):
             cfg.data.tokenizer = tokenizer
         elif _plain(cfg.data.tokenizer) != tokenizer:
+            other_tokenizer = True
             logger.warning("checkpoint.use_checkpoint_args: checkpoint has data.tokenizer=%s, command line has %s; "
-                           "using the command line's", tokenizer, _plain(cfg.data.tokenizer))
+                           "using the command line's (the imported bos/eos ids are dropped: an export writes this "
+                           "tokenizer's EOD)", tokenizer, _plain(cfg.data.tokenizer))
     # an import's record: in the saved config (checkpoint.hf_config), or meta.json's "hf" (older imports)
     hf = (saved.get("checkpoint") or {}).get("hf_config") or meta.get("hf")
     if hf and not _given(given, "checkpoint.hf_config"):
         ck.hf_config = {k: hf.get(k) for k in HF_CONFIG_KEYS}
+        if other_tokenizer:  # those ids name tokens of the checkpoint's tokenizer, not of the run's
+            ck.hf_config.update(bos_token_id=None, eos_token_id=None)
     ck.use_checkpoint_args = True  # saved with the run's config: its own checkpoints pass the model on
     return cfg
