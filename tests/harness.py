@@ -1,7 +1,8 @@
 """Run a function on N gloo processes on CPU: a persistent pool per world size.
 
 Importing torch in 8 processes costs ~8 s on a 2-core machine, so each world size keeps one
-pool of worker processes alive across tests (`run_distributed`), until its workers hold too many
+pool of worker processes alive across tests (`run_distributed`), forked from the forkserver of
+tests/procs.py that imported torch, Hydra and mptrain once, until its workers hold too many
 leaked threads (`_RECYCLE_THREADS`). Every worker has joined one
 default gloo group of that size; a task is a picklable, module-level function
 ``fn(rank, world_size, *args) -> result`` that every worker runs. Results come back as a list
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -76,7 +76,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict, cwd: str, started: float) -> None:
+    # forked from the preloaded forkserver: take the environment and folder the pool's creator had, as a
+    # spawned interpreter would (the forkserver holds those of its own start)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    global _STARTED
+    _STARTED = started  # stale-code check: the forkserver imported the repository's modules after this
     os.environ.update(
         {
             "OMP_NUM_THREADS": "1",
@@ -115,13 +122,20 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        # Suite time: the workers are forked from `procs`' forkserver, which imported torch, Dynamo, Hydra and
+        # mptrain once; a spawned worker paid those imports itself (~3-6 s of CPU per worker on 2 cores, at
+        # every pool start and recycle).
+        from procs import _context
+
+        ctx = _context()
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = _free_port()
+        env, cwd = dict(os.environ), os.getcwd()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, env, cwd, _STARTED),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -94,6 +94,50 @@ def _child(args: list, cwd: str, env: dict, out_path: str, err_path: str) -> Non
         os._exit(code)
 
 
+class PythonChild:
+    """A running ``python *args`` forked from the preloaded forkserver (`start_python`): the part of
+    `subprocess.Popen` a test that kills the child needs (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``),
+    and ``stderr_text()``, what the child wrote to its stderr so far. Its stdout is discarded."""
+
+    def __init__(self, proc, tmp) -> None:
+        self._proc, self._tmp = proc, tmp
+        self.pid = proc.pid
+
+    def poll(self):
+        """The exit status (negative: the signal that ended it), or None while it runs."""
+        return self._proc.exitcode
+
+    def wait(self, timeout=None) -> int:
+        """The exit status once the child ended. Raises subprocess.TimeoutExpired after ``timeout`` seconds."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self._proc.name, timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def stderr_text(self) -> str:
+        with open(os.path.join(self._tmp.name, "stderr")) as f:
+            return f.read()
+
+
+def start_python(args: list, *, cwd=None, env=None) -> PythonChild:
+    """Start ``python *args`` in a child forked from the preloaded forkserver, without waiting (see `run_python`)."""
+    cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
+    env = dict(os.environ if env is None else env)
+    tmp = tempfile.TemporaryDirectory(prefix="start_python_")
+    out_path, err_path = os.path.join(tmp.name, "stdout"), os.path.join(tmp.name, "stderr")
+    for path in (out_path, err_path):
+        open(path, "w").close()
+    proc = _context().Process(target=_child, args=([os.fspath(a) for a in args], cwd, env, out_path, err_path))
+    proc.start()
+    return PythonChild(proc, tmp)
+
+
 def run_python(args: list, *, cwd=None, env=None, timeout=None) -> subprocess.CompletedProcess:
     """``python *args`` in a child forked from the preloaded forkserver; stdout and stderr captured as text.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import run_distributed
-from procs import run_python
+from procs import run_python, start_python
 from train_utils import read_rows, run_job, without_timing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,12 +68,13 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path, mode):
     script = tmp_path / "saver.py"
     script.write_text(SAVER.format(tests=str(Path(__file__).parent)))
     overrides = SMALL + ["train.train_iters=8", "checkpoint.save_interval=4", f"checkpoint.save={root}", f"run.dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, str(script), mode, str(root), str(run_dir), *overrides], env=_clean_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # the saver forked from the tests' preloaded forkserver (procs.py; suite time): the SIGKILL, not interpreter
+    # start-up, is what this test is about
+    proc = start_python([str(script), mode, str(root), str(run_dir), *overrides], env=_clean_env())
     try:
         deadline = time.monotonic() + 120  # hang guard only (start-up + 8 tiny iterations take a few seconds)
         while not (root / "KILL_ME").exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, proc.stderr_text()[-3000:]
             assert time.monotonic() < deadline, "the saver never reached the kill point"
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)

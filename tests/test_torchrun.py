@@ -100,16 +100,26 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
     attempt (mid-step at iteration 6; or while iter_0000008.tmp is being written); torchrun restarts both
     workers, they resume from D's newest complete checkpoint (4 in both cases) and finish with exit 0; the
     metrics rows equal an uninterrupted run's bitwise (fp32, dropout 0), one row per iteration."""
-    # the uninterrupted reference on the test pool's 2 gloo ranks (same code and world size as torchrun's
-    # workers; one torchrun launch fewer for the suite's time)
-    run_distributed(run_job, 2, [*RESTART, f"run.dir={tmp_path}/ref", f"checkpoint.save={tmp_path}/D_ref"])
+    cases = (("forward", 6), ("save_write", 8))
+
+    def launch(where, iteration):
+        d, run_dir = tmp_path / f"D_{where}", tmp_path / f"r_{where}"
+        return _run([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", "train.py", *RESTART, f"run.dir={run_dir}",
+                     f"checkpoint.save={d}", f"checkpoint.load={d}", "debug.fail_rank=1",
+                     f"debug.fail_iteration={iteration}", f"debug.fail_where={where}", "debug.fail_kind=sigkill"])
+
+    # suite time: the two jobs run side by side (each waits on its agent's restart and its workers' imports,
+    # leaving a core idle); nothing here is timed
+    with ThreadPoolExecutor(len(cases)) as pool:
+        jobs = [pool.submit(launch, where, iteration) for where, iteration in cases]
+        # the uninterrupted reference on the test pool's 2 gloo ranks (same code and world size as torchrun's
+        # workers; one torchrun launch fewer for the suite's time)
+        run_distributed(run_job, 2, [*RESTART, f"run.dir={tmp_path}/ref", f"checkpoint.save={tmp_path}/D_ref"])
+        outs = [job.result() for job in jobs]
     strip = without_timing
     ref_rows = strip(read_rows(tmp_path / "ref"))
-    for where, iteration in (("forward", 6), ("save_write", 8)):
+    for (where, _), out in zip(cases, outs):
         d, run_dir = tmp_path / f"D_{where}", tmp_path / f"r_{where}"
-        out = _run([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", "train.py", *RESTART, f"run.dir={run_dir}",
-                    f"checkpoint.save={d}", f"checkpoint.load={d}", "debug.fail_rank=1",
-                    f"debug.fail_iteration={iteration}", f"debug.fail_where={where}", "debug.fail_kind=sigkill"])
         assert out.returncode == 0, out.stderr[-3000:]
         assert "checkpoint: loaded iteration 4 " in out.stdout, out.stdout[-3000:]
         assert sorted(p.name for p in d.iterdir()) == ["iter_0000004", "iter_0000008", "iter_0000012", "latest"]
