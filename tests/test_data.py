@@ -106,6 +106,11 @@ def test_check_vocab_names_vocab_size():
     assert check_vocab_size(300, tok.vocab_size) == 300
     with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the tokenizer's 257 ids"):
         check_vocab_size(200, tok.vocab_size)
+    # the model's vocabulary from the checkpoint (use_checkpoint_args): the fix is the tokenizer's side
+    with pytest.raises(ConfigError, match=r"^model.vocab_size=200 \(the checkpoint's, checkpoint.use_checkpoint_args\) "
+                                          r"is smaller than the tokenizer's 257 ids; use the checkpoint's tokenizer or "
+                                          r"one of at most 200 ids \(data=mock: data.vocab_size<=200\)$"):
+        check_vocab_size(200, tok.vocab_size, from_checkpoint=True)
 
 
 # --- preprocessing round trip ---------------------------------------------------------------------

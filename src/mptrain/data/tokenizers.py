@@ -364,17 +364,26 @@ def parse_cli_tokenizer(text: str) -> Tokenizer:
                       "or class:module.Class")
 
 
-def check_vocab_size(model_vocab_size: Optional[int], tokenizer_vocab_size: int) -> int:
+def check_vocab_size(model_vocab_size: Optional[int], tokenizer_vocab_size: int, *,
+                     from_checkpoint: bool = False) -> int:
     """The model's unpadded vocabulary: `model.vocab_size`, or the tokenizer's size when it is None.
 
     Args:
         model_vocab_size: `model.vocab_size` (None takes the tokenizer's).
         tokenizer_vocab_size: the data tokenizer's ``vocab_size`` (ids below it).
+        from_checkpoint: `model.vocab_size` came from the checkpoint (``checkpoint.use_checkpoint_args``),
+            so the fix is a smaller tokenizer, not another model vocabulary.
     Raises:
         ConfigError: the tokenizer has more ids than the model's vocabulary (DESIGN.md §5 `vocab_size`).
     """
     if model_vocab_size is None:
         return int(tokenizer_vocab_size)
+    if int(tokenizer_vocab_size) > int(model_vocab_size) and from_checkpoint:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab_size} (the checkpoint's, checkpoint.use_checkpoint_args) is smaller than "
+            f"the tokenizer's {tokenizer_vocab_size} ids; use the checkpoint's tokenizer or one of at most "
+            f"{model_vocab_size} ids (data=mock: data.vocab_size<={model_vocab_size})"
+        )
     if int(tokenizer_vocab_size) > int(model_vocab_size):
         raise ConfigError(
             f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} ids; "

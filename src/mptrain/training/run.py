@@ -193,7 +193,12 @@ def run(cfg: Any) -> dict:
     env = read_dist_env()
     cfg, derived = _validated(cfg, env.world_size)
     tokenizer = build_tokenizer(cfg.data)
-    vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size)
+    try:
+        vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size,
+                                      from_checkpoint=bool(cfg.checkpoint.use_checkpoint_args))
+    except ConfigError as err:
+        err.symmetric = True  # the config and the tokenizer's file: every rank raises it, rank 0 prints it
+        raise
     groups = _init(cfg, env, derived)
     recorder = None
     stop = StopSignal()  # SIGTERM / SIGINT: the loop ends at its checkpointer's `stop_reason`
