@@ -256,6 +256,14 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
     (wrong / "model.safetensors").write_bytes(data[: len(data) // 2])
     assert "cannot be read as safetensors" in _one_line_error(capsys, "--import-hf", str(wrong), "--output",
                                                               str(tmp_path / "f"))
+    # an export option with an import would be ignored: refused, and nothing written
+    llama = str(imported["llama_untied"][0])
+    err = _one_line_error(capsys, "--import-hf", llama, "--output", str(tmp_path / "x"), "--dtype", "bfloat16",
+                          "--format", "hf")
+    assert "--format, --dtype apply to exports only" in err and not (tmp_path / "x").exists()
+    err = _one_line_error(capsys, "--import-hf", llama, "--import-hf-gpt2", str(imported["gpt2"][0]), "--output",
+                          str(tmp_path / "x"))
+    assert "each import one folder" in err and not (tmp_path / "x").exists()
     # an existing checkpoint folder is never taken over, an earlier export never mixed with a new one
     ckpt = imported["llama_untied"][1]
     latest = (ckpt / "latest").read_text()

@@ -714,13 +714,31 @@ def hf_dtype_name(dtype: torch.dtype) -> str:
 
 
 # --- command line ---------------------------------------------------------------------------------
+def check_import_args(args) -> None:
+    """An import takes one Hugging Face folder and ``--output`` only.
+
+    Raises:
+        ConfigError: both ``--import-hf`` and ``--import-hf-gpt2``, or an export option (``--checkpoint``,
+            ``--iteration``, ``--format``, ``--dtype``, ``--hf-model-type``) given with an import, which would
+            otherwise be ignored (an import keeps the folder's dtype and family).
+    """
+    if args.import_hf and args.import_hf_gpt2:
+        raise ConfigError("export: --import-hf and --import-hf-gpt2 each import one folder; pass one of them")
+    given = [f"--{k.replace('_', '-')}" for k in ("checkpoint", "iteration", "format", "dtype", "hf_model_type")
+             if getattr(args, k) is not None]
+    if given:
+        raise ConfigError(f"export --import-hf: {', '.join(given)} apply to exports only (an import keeps the "
+                          "folder's dtype and family); drop them, then export the trained checkpoint with them")
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="checkpoint.save folder (uses `latest`) or an iter_N folder")
     parser.add_argument("--iteration", type=int, default=None)
     parser.add_argument("--output", required=True)
-    parser.add_argument("--format", choices=("safetensors", "hf", "hf-gpt2"), default="safetensors",
-                        help="hf: a Hugging Face folder of the model's family (GPT-2, Llama, Mistral, Qwen2)")
+    parser.add_argument("--format", choices=("safetensors", "hf", "hf-gpt2"), default=None,
+                        help="safetensors (default); hf: a Hugging Face folder of the model's family (GPT-2, Llama, "
+                             "Mistral, Qwen2)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="--format hf: weight dtype (default: the checkpoint's)")
     parser.add_argument("--hf-model-type", choices=("gpt2", "llama", "mistral", "qwen2"), default=None,
@@ -734,6 +752,7 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.import_hf or args.import_hf_gpt2:
+            check_import_args(args)
             if args.import_hf:
                 folder, notes = import_hf(args.import_hf, args.output)
             else:
@@ -747,6 +766,7 @@ def main(argv: Optional[list] = None) -> int:
             return 0
         if not args.checkpoint:
             parser.error("--checkpoint is required (or --import-hf)")
+        args.format = args.format or "safetensors"
         if args.hf_model_type is not None and args.format != "hf":
             raise ConfigError(f"export --hf-model-type={args.hf_model_type} applies to --format hf only (this is "
                               f"--format {args.format}); drop --hf-model-type or pass --format hf")
