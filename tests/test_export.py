@@ -95,6 +95,39 @@ def test_hf_gpt2_export_import_round_trip(synthetic_ckpt, tmp_path):
         assert torch.equal(imported[name], original[name].float()), name
 
 
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf", "hf-gpt2"])
+def test_export_verifies_the_manifest_and_writes_nothing_from_a_corrupt_shard(synthetic_ckpt, tmp_path, capsys, fmt):
+    """A flipped byte in a shard: one error line naming the file, exit 1, no --output; without manifest.json
+    (a folder saved before manifests) the same folder exports."""
+    import shutil
+    import zlib
+
+    from mptrain.export import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(synthetic_ckpt, ckpt)
+    folder = ckpt / f"iter_{int((ckpt / 'latest').read_text()):07d}"
+    shard = sorted(folder.glob("__*.distcp"))[-1]
+    want = json.loads((folder / "manifest.json").read_text())["files"][shard.name]["crc32"]
+    _flip_byte(shard)
+    got = f"{zlib.crc32(shard.read_bytes()) & 0xFFFFFFFF:08x}"
+    assert main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "out"), "--format", fmt]) == 1
+    assert capsys.readouterr().err == (f"error: --checkpoint: {shard} is corrupt (crc32 {got}, the manifest says "
+                                       f"{want}); restore the file from an intact copy of the checkpoint, or read "
+                                       "another saved iteration (--iteration N)\n")
+    assert not (tmp_path / "out").exists()
+    if fmt == "safetensors":  # an older folder (no manifest) is read unverified, as training reads it
+        (folder / "manifest.json").unlink()
+        assert main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "old")]) == 0
+        assert (tmp_path / "old" / "model.safetensors").is_file()
+
+
 def test_hf_gpt2_export_refuses_other_architectures(tmp_path):
     run_distributed(run_job, 1, SMALL + ["model.normalization=RMSNorm", "model.activation=swiglu", "train.train_iters=1",
                                          f"run.dir={tmp_path / 'run'}", f"checkpoint.save={tmp_path / 'ckpt'}"])

@@ -187,3 +187,31 @@ def test_a_text_prompt_on_a_mock_data_checkpoint_is_one_line_before_any_process_
     assert capsys.readouterr().err == (f"error: --prompt: token ids [{VOCAB}] are outside the vocabulary [0, {VOCAB}); "
                                        f"pass ids below {VOCAB}\n")
     assert not dist.is_initialized()
+
+
+def test_a_corrupt_shard_is_one_line_before_any_process_group(ckpt, tmp_path, capsys):
+    """generate verifies the folder against its manifest.json as training does: a flipped byte in a shard
+    is one error line naming the file, and nothing is decoded."""
+    import shutil
+    import zlib
+
+    import torch.distributed as dist
+
+    from mptrain.generate import main
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    folder = copy / f"iter_{int((copy / 'latest').read_text()):07d}"
+    shard = sorted(folder.glob("__*.distcp"))[0]
+    want = json.loads((folder / "manifest.json").read_text())["files"][shard.name]["crc32"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    got = f"{zlib.crc32(bytes(data)) & 0xFFFFFFFF:08x}"
+    assert main(["--checkpoint", str(copy), "--prompt", "1 2 3", "--max-new-tokens", "4"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"error: --checkpoint: {shard} is corrupt (crc32 {got}, the manifest says {want}); restore "
+                            "the file from an intact copy of the checkpoint, or read another saved iteration "
+                            "(--iteration N)\n")
+    assert not dist.is_initialized()

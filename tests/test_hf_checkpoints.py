@@ -349,6 +349,30 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     assert cfg.checkpoint.hf_config == {"model_type": "mistral", "bos_token_id": 0, "eos_token_id": EOS}
 
 
+def test_an_import_has_a_manifest_that_training_verifies(imported, tmp_path):
+    """--import-hf writes manifest.json (size and CRC32 of every other file of the folder), so a run that
+    loads the import refuses a flipped byte in one of its shards."""
+    import zlib
+
+    for family, (_, ckpt, _) in imported.items():
+        folder = ckpt / "iter_0000000"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        names = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+        assert manifest["algorithm"] == "crc32" and sorted(manifest["files"]) == names, family
+        assert ".metadata" in names and "meta.json" in names and any(n.endswith(".distcp") for n in names)
+        for name in names:
+            data = (folder / name).read_bytes()
+            assert manifest["files"][name] == {"bytes": len(data), "crc32": f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"}
+    copy = tmp_path / "ckpt"
+    shutil.copytree(imported["mistral_bf16"][1], copy)
+    shard = sorted((copy / "iter_0000000").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(Exception, match=rf"ConfigError: checkpoint.load={copy}: {shard} is corrupt \(crc32 "):
+        run_distributed(run_job, 1, TRAIN + ["parallel=tp1pp1", f"checkpoint.load={copy}", f"run.dir={tmp_path / 'run'}"])
+
+
 def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     """The recorded tokenizer.json path is gone (the checkpoint folder moved): the copy beside it is used."""
     from mptrain.checkpoint.args import apply_checkpoint_args

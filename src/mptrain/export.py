@@ -56,7 +56,7 @@ from typing import Optional
 
 import torch
 
-from mptrain.checkpoint import atomic, dcp_io
+from mptrain.checkpoint import atomic, dcp_io, integrity
 from mptrain.checkpoint.reshard import Chunk
 from mptrain.errors import ConfigError
 
@@ -75,18 +75,36 @@ _HF_TOP = {"embedding.word_embeddings.weight": "transformer.wte.weight",
 # --- reading a checkpoint without torch.distributed ------------------------------------------------
 def checkpoint_folder(checkpoint: str, iteration: Optional[int] = None) -> Path:
     """The ``iter_N`` folder to read: ``checkpoint`` itself when it is a complete one, else the one
-    ``checkpoint``'s ``latest`` (or ``iteration``) names.
+    ``checkpoint``'s ``latest`` (or ``iteration``) names; its files verified first (`verify_checkpoint`).
+
+    The one folder resolution of the single-process readers (export, `mptrain.generate`).
 
     Raises:
         FileNotFoundError: no complete checkpoint there.
+        ConfigError: a file does not match the folder's ``manifest.json`` (one line naming it).
     """
     folder = Path(checkpoint)
-    if atomic.is_complete(folder):
-        return folder
-    resolved, _ = atomic.resolve_load_dir(checkpoint, iteration)
-    if resolved is None:
-        raise FileNotFoundError(f"no complete checkpoint in {checkpoint}")
-    return resolved
+    if not atomic.is_complete(folder):
+        folder, _ = atomic.resolve_load_dir(checkpoint, iteration)
+        if folder is None:
+            raise FileNotFoundError(f"no complete checkpoint in {checkpoint}; pass a checkpoint.save folder (with "
+                                    "`latest`) or one iter_N folder")
+    verify_checkpoint(folder)
+    return folder
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Check every file of ``folder`` against its ``manifest.json`` on this process, as training's load
+    does (`mptrain.checkpoint.integrity.verify_folder`); a folder saved before manifests existed passes.
+
+    Raises:
+        ConfigError: a file is corrupt, truncated or missing, or the manifest is unreadable (one line
+            naming the file and the fix), before anything is read or written.
+    """
+    problem = integrity.verify_folder(folder, rank=0, world_size=1)
+    if problem is not None:
+        raise ConfigError(f"--checkpoint: {problem}; restore the file from an intact copy of the checkpoint, or "
+                          "read another saved iteration (--iteration N)")
 
 
 def load_full_state(checkpoint: str, iteration: Optional[int] = None, *, fp32_master: bool = True) -> tuple[dict, dict]:
@@ -586,6 +604,7 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
                                    "torch_version", "config")}
     meta["hf"] = {**hf_config, "dtype": param_dtype}
     atomic.write_json(tmp / atomic.META_FILE, meta)
+    integrity.write_manifest(tmp, [])  # as a training save: loading verifies the folder against it
     atomic.publish(str(root), 0, None)
     return folder, notes
 

@@ -90,25 +90,21 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
 
     ``prompt`` (text) is encoded (`encode_prompt`) before any process group exists, into
     ``Generator.prompt_ids``. Collective on every rank. Raises:
-        ConfigError: no checkpoint there, world size ≠ TP size, the model does not fit the layout,
+        ConfigError: no checkpoint there, a file that does not match its manifest.json
+            (`mptrain.export.checkpoint_folder`), world size ≠ TP size, the model does not fit the layout,
             the saved tokenizer cannot be built, or it cannot encode ``prompt``.
     """
-    from mptrain.checkpoint import atomic
     from mptrain.checkpoint.api import atomic_meta, load_model_weights
     from mptrain.config.parallel import ParallelConfig
     from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.export import checkpoint_folder
     from mptrain.groups import build_groups, init_distributed, read_dist_env
     from mptrain.layers.gpt import build_model_chunks, check_model_config
 
-    folder = Path(checkpoint)
-    if not atomic.is_complete(folder):
-        try:
-            folder, _ = atomic.resolve_load_dir(checkpoint, iteration)
-        except FileNotFoundError as err:
-            raise ConfigError(f"--checkpoint: {err}") from None
-        if folder is None:
-            raise ConfigError(f"--checkpoint {checkpoint}: no complete checkpoint there; pass a checkpoint.save "
-                              "folder (with `latest`) or one iter_N folder")
+    try:  # every rank checks every file against manifest.json, before any process group exists
+        folder = checkpoint_folder(checkpoint, iteration)
+    except FileNotFoundError as err:
+        raise ConfigError(f"--checkpoint: {err}") from None
     meta = atomic_meta(folder)
     saved = meta.get("config", {})
     env = read_dist_env()
