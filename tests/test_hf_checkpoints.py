@@ -327,6 +327,8 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert runs["tp1pp1"][-1]["lm_loss"] < runs["tp1pp1"][0]["lm_loss"]  # it trains
     trained = tmp_path / "tp2pp2-ckpt"
+    # the run's checkpoint keeps its own copy of the tokenizer file (it decodes after the import moves)
+    assert (trained / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
     saved = json.loads(next(trained.glob("iter_*/meta.json")).read_text())["config"]
     assert saved["checkpoint"]["use_checkpoint_args"] is True and saved["model"]["kv_channels"] == 16
     # the import's config.json values travel with the model into the run's checkpoints
@@ -374,7 +376,8 @@ def test_an_import_has_a_manifest_that_training_verifies(imported, tmp_path):
 
 
 def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
-    """The recorded tokenizer.json path is gone (the checkpoint folder moved): the copy beside it is used."""
+    """The recorded tokenizer.json path is gone (the checkpoint folder moved): the copy beside it is used, by
+    training, generation and export alike."""
     from mptrain.checkpoint.args import apply_checkpoint_args
 
     moved = tmp_path / "moved"
@@ -388,6 +391,11 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     cfg = apply_checkpoint_args(as_config(compose([f"checkpoint.load={moved}"])))
     assert cfg.data.tokenizer["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
     assert cfg.model.num_query_groups == 2
+    # generate and export read the same copy
+    from mptrain.export import atomic_meta
+
+    saved = atomic_meta(meta_path.parent)["config"]["data"]["tokenizer"]
+    assert saved["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
 
 
 def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, caplog):

@@ -138,7 +138,11 @@ def load_full_state(checkpoint: str, iteration: Optional[int] = None, *, fp32_ma
 
 
 def atomic_meta(folder: Path) -> dict:
-    return json.loads((Path(folder) / atomic.META_FILE).read_text())
+    """meta.json of ``folder``, its saved tokenizer file found beside the checkpoint when moved
+    (`mptrain.checkpoint.args.tokenizer_beside`). Raises OSError / ValueError when unreadable."""
+    from mptrain.checkpoint.args import meta_with_tokenizer_beside
+
+    return meta_with_tokenizer_beside(json.loads((Path(folder) / atomic.META_FILE).read_text()), folder)
 
 
 # --- consolidated safetensors ----------------------------------------------------------------------

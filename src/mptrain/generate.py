@@ -94,10 +94,10 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
             (`mptrain.export.checkpoint_folder`), world size ≠ TP size, the model does not fit the layout,
             the saved tokenizer cannot be built, or it cannot encode ``prompt``.
     """
-    from mptrain.checkpoint.api import atomic_meta, load_model_weights
+    from mptrain.checkpoint.api import load_model_weights
     from mptrain.config.parallel import ParallelConfig
     from mptrain.data.tokenizers import build_tokenizer
-    from mptrain.export import checkpoint_folder
+    from mptrain.export import atomic_meta, checkpoint_folder
     from mptrain.groups import build_groups, init_distributed, read_dist_env
     from mptrain.layers.gpt import build_model_chunks, check_model_config
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.checkpoint import atomic, dcp_io, integrity, rng
+from mptrain.checkpoint.args import keep_tokenizer_copy
 from mptrain.checkpoint.reshard import check_coverage
 from mptrain.checkpoint.state import (
     model_chunks,
@@ -263,6 +264,7 @@ def _write_and_publish(root, iteration, chunks, objects, common, cfg, rank, worl
             meta["config"] = common["config"]
             atomic.write_json(tmp / atomic.META_FILE, meta)
             integrity.write_manifest(tmp, gathered)  # before the rename and `latest`
+            keep_tokenizer_copy(cfg.data.tokenizer, Path(root))  # the checkpoint decodes without the run's file
             removed = atomic.publish(root, iteration, cfg.checkpoint.keep_last_n)
         except OSError as err:
             ok, error = False, err

@@ -59,6 +59,46 @@ def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
 
 
+TOKENIZER_COPY = "tokenizer.json"
+"""The copy of an HFTokenizer's file kept in a ``checkpoint.save`` folder (beside ``latest``), written by
+an import and by every save, so a checkpoint still decodes when the file it was trained with moved."""
+
+
+def tokenizer_beside(tokenizer: Optional[dict], folder: Path) -> Optional[dict]:
+    """``tokenizer`` (a saved ``data.tokenizer``) with its ``tokenizer_json`` replaced by the checkpoint's own
+    copy (`TOKENIZER_COPY` in the parent of the ``iter_N`` ``folder``) when the recorded path is no file
+    (a moved folder, or a relative path read from another directory); as is otherwise."""
+    path = (tokenizer or {}).get("tokenizer_json")
+    beside = Path(folder).parent / TOKENIZER_COPY
+    if path and not Path(path).is_file() and beside.is_file():
+        return {**tokenizer, "tokenizer_json": str(beside.resolve())}
+    return tokenizer
+
+
+def meta_with_tokenizer_beside(meta: dict, folder: Path) -> dict:
+    """meta.json's content with `tokenizer_beside` applied to its saved ``data.tokenizer``."""
+    data = (meta.get("config") or {}).get("data") or {}
+    if not data.get("tokenizer"):
+        return meta
+    return {**meta, "config": {**meta["config"], "data": {**data, "tokenizer": tokenizer_beside(data["tokenizer"],
+                                                                                               folder)}}}
+
+
+def keep_tokenizer_copy(tokenizer: Any, root: Path) -> None:
+    """Copy the run's ``data.tokenizer.tokenizer_json`` (when it names a file) to ``root``/`TOKENIZER_COPY`
+    unless an identical copy is there: rank 0, at save, before ``latest`` moves. Raises OSError."""
+    path = _plain(tokenizer or {}).get("tokenizer_json") if tokenizer else None
+    if not path or not Path(path).is_file():
+        return
+    dst = Path(root) / TOKENIZER_COPY
+    data = Path(path).read_bytes()
+    if dst.is_file() and dst.read_bytes() == data:
+        return
+    tmp = dst.with_name(TOKENIZER_COPY + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dst)  # atomic: a reader sees the old copy or the new one
+
+
 def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
     """``cfg`` (a `mptrain.config.schema.Config`) with the checkpoint's architecture, tokenizer and
     ``checkpoint.hf_config``, when ``checkpoint.use_checkpoint_args`` is true, or null and the checkpoint
@@ -105,10 +145,7 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
     tokenizer = (saved.get("data") or {}).get("tokenizer")
     other_tokenizer = False
     if tokenizer:
-        tokenizer = dict(tokenizer)
-        path, beside = tokenizer.get("tokenizer_json"), folder.parent / "tokenizer.json"
-        if path and not Path(path).is_file() and beside.is_file():  # the folder was moved: its own copy
-            tokenizer["tokenizer_json"] = str(beside.resolve())
+        tokenizer = dict(tokenizer_beside(tokenizer, folder))  # a moved folder: its own copy
         if not _given(given, "data.tokenizer"):
             cfg.data.tokenizer = tokenizer
         elif _plain(cfg.data.tokenizer) != tokenizer:
