@@ -343,6 +343,10 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert (config["model_type"], config["bos_token_id"], config["eos_token_id"]) == ("mistral", 0, EOS)
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (0, EOS, EOS)
+    # and the tokenizer files name the same tokens (AutoTokenizer's ids agree with config.json's)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("t0", "</s>")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, EOS)
     # and a run resumed from the trained checkpoint carries them on
     from mptrain.checkpoint.args import apply_checkpoint_args
     from mptrain.config.schema import as_config

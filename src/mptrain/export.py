@@ -331,7 +331,8 @@ def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None
     out.mkdir(parents=True, exist_ok=True)
     config = hf_gpt2_config(model, int(meta["vocab_size"]))
     eod, written, notes = write_tokenizer_files(meta["config"].get("data", {}), out,
-                                                model_max_length=int(config["n_positions"]))
+                                                model_max_length=int(config["n_positions"]),
+                                                special_ids=special_ids(meta, None))
     bos, eos = special_ids(meta, eod)
     config["bos_token_id"], config["eos_token_id"] = bos, eos
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -717,7 +718,8 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
         written.append("model.safetensors.index.json")
     vocab_size = int(meta["vocab_size"])
     positions = int(model.get("max_position_embeddings") or model["seq_length"])
-    eod, tok_files, notes = write_tokenizer_files(meta["config"].get("data", {}), out, model_max_length=positions)
+    eod, tok_files, notes = write_tokenizer_files(meta["config"].get("data", {}), out, model_max_length=positions,
+                                                  special_ids=special_ids(meta, None))
     bos, eos = special_ids(meta, eod)
     if family == "gpt2":
         config = hf_gpt2_config(model, vocab_size)

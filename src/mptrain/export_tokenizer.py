@@ -10,7 +10,8 @@ What `transformers.AutoTokenizer.from_pretrained(dir)` needs, per training token
 | `TiktokenTokenizer`, `NullTokenizer`, a user's | nothing (a note in the return value; the CLI prints it) | - |
 
 EOD is the export's ``eos_token`` and ``bos_token`` (GPT-2's convention: one ``<|endoftext|>``
-between documents), and the pad token of ``generation_config.json``.
+between documents), and the pad token of ``generation_config.json``, unless the model has bos / eos ids
+of its own (an import's, `mptrain.export.special_ids`): then the HFTokenizer files name those tokens.
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ def _bytes_to_unicode() -> dict:
     return dict(zip(bs, map(chr, cs)))
 
 
-def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int) -> tuple[Optional[int], list, list]:
+def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int,
+                          special_ids: tuple = (None, None)) -> tuple[Optional[int], list, list]:
     """Write the tokenizer of ``data_cfg`` into ``out``.
+
+    ``special_ids``: (bos, eos) ids the export writes into config.json when the model has its own (an
+    import's; an int or a list of ints), else None: the tokenizer files then name the same tokens, so
+    ``AutoTokenizer``'s ids agree with the model config's.
 
     Returns:
         (EOD id or None when the tokenizer cannot be built, the files written, notes for the user).
@@ -76,6 +82,11 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int) -
         return tokenizer.eod, [], [f"no tokenizer files written for {type(tokenizer).__name__} (only HFTokenizer and "
                                    "ByteTokenizer have a transformers equivalent); eos/bos ids are set"]
     special = {"bos_token": eod_token, "eos_token": eod_token}
+    if isinstance(tokenizer, HFTokenizer):
+        for key, ids in zip(("bos_token", "eos_token"), special_ids):
+            first = ids[0] if isinstance(ids, list) and ids else ids
+            name = tokenizer.token(first) if isinstance(first, int) else None
+            special[key] = name if name is not None else eod_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, "add_prefix_space": False, **special}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))

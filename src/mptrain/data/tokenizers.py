@@ -154,6 +154,10 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token(self, token_id: int) -> Optional[str]:
+        """The token string of ``token_id`` (None outside the vocabulary), e.g. for an export's special tokens."""
+        return self._tok.id_to_token(int(token_id))
+
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
