@@ -87,7 +87,7 @@ def meta_with_tokenizer_beside(meta: dict, folder: Path) -> dict:
 def keep_tokenizer_copy(tokenizer: Any, root: Path) -> None:
     """Copy the run's ``data.tokenizer.tokenizer_json`` (when it names a file) to ``root``/`TOKENIZER_COPY`
     unless an identical copy is there: rank 0, at save, before ``latest`` moves. Raises OSError."""
-    path = _plain(tokenizer or {}).get("tokenizer_json") if tokenizer else None
+    path = _plain(tokenizer).get("tokenizer_json") if tokenizer else None
     if not path or not Path(path).is_file():
         return
     dst = Path(root) / TOKENIZER_COPY

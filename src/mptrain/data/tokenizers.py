@@ -382,15 +382,15 @@ def check_vocab_size(model_vocab_size: Optional[int], tokenizer_vocab_size: int,
     """
     if model_vocab_size is None:
         return int(tokenizer_vocab_size)
-    if int(tokenizer_vocab_size) > int(model_vocab_size) and from_checkpoint:
+    if int(tokenizer_vocab_size) <= int(model_vocab_size):
+        return int(model_vocab_size)
+    if from_checkpoint:
         raise ConfigError(
             f"model.vocab_size={model_vocab_size} (the checkpoint's, checkpoint.use_checkpoint_args) is smaller than "
             f"the tokenizer's {tokenizer_vocab_size} ids; use the checkpoint's tokenizer or one of at most "
             f"{model_vocab_size} ids (data=mock: data.vocab_size<={model_vocab_size})"
         )
-    if int(tokenizer_vocab_size) > int(model_vocab_size):
-        raise ConfigError(
-            f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} ids; "
-            f"set model.vocab_size=null (take the tokenizer's) or >= {tokenizer_vocab_size}"
-        )
-    return int(model_vocab_size)
+    raise ConfigError(
+        f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size} ids; "
+        f"set model.vocab_size=null (take the tokenizer's) or >= {tokenizer_vocab_size}"
+    )
