@@ -46,6 +46,7 @@ MODEL_SHAPES = {
     "gpt_125m": ModelShape(12, 768, 12, 2048, 50257),
     "tiny": ModelShape(4, 64, 4, 64, 1000),  # CPU tests only (vocab = data=mock's default)
     "gpt_350m": ModelShape(24, 1024, 16, 2048, 50257),
+    "gpt_6.7b": ModelShape(32, 4096, 32, 2048, 50257),
 }
 
 # Bench-only shapes of the single-GPU table (no conf/model preset of their own): name -> (the preset
@@ -54,6 +55,9 @@ BENCH_SHAPES = {
     "gpt_11m_s256": ("gpt_125m", ModelShape(6, 384, 6, 256, 50257)),
     "gpt_124m_s1024": ("gpt_125m", ModelShape(12, 768, 12, 1024, 50257)),
     "gpt_6x384_v65": ("gpt_125m", ModelShape(6, 384, 6, 256, 65)),  # a character-level model (Shakespeare's 65)
+    # the same model at the byte tokenizer's vocabulary (256 bytes + EOD), so that mock data and the shipped
+    # Shakespeare corpus (data=shakespeare) feed the same model
+    "gpt_6x384_v257": ("gpt_125m", ModelShape(6, 384, 6, 256, 257)),
     "gpt_8l_h4096": ("gpt_6.7b", ModelShape(8, 4096, 32, 2048, 50257)),  # gpt_6.7b's width, 8 layers: one GPU
 }
 
@@ -62,6 +66,9 @@ BENCH_SHAPES = {
 VARIANTS = {
     "base": ("model.compile_layers=false",),  # eager: the loss reference of the other variants
     "default": (),  # the plain command a user runs (compiled on CUDA: model.compile_layers=null)
+    # the plain command on real indexed data: the shipped corpus, byte tokenizer (an item "data=..." replaces
+    # data=mock and its vocab_size; the config's vocabulary must be the tokenizer's, 257)
+    "default_real": ("data=shakespeare",),
     "compile": ("model.compile_layers=true",),  # compile_scope=chunk, the default
     "compile_layer": ("model.compile_layers=true", "model.compile_scope=layer"),
     "compile_ro": ("model.compile_layers=true", "model.compile_mode=reduce-overhead"),
@@ -281,6 +288,14 @@ def _small(gpus: int) -> list:
         BenchConfig("s_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, timeout_s=150,
                     **{**small, "iters": 8}),
         BenchConfig("s_gpt350m_mb8", "gpt_350m", micro_batch_size=8, num_microbatches=1, timeout_s=120, **small),
+        # the default command on the shipped corpus against the same run on mock data (the data path's cost)
+        BenchConfig("s_6x384_v257_s256_mb64_do0.2_real", "gpt_6x384_v257", micro_batch_size=64, num_microbatches=1,
+                    timeout_s=150, dropout=0.2, **{**small, "variants": ("default", "default_real"), "iters": 40,
+                                                   "reference": False}),
+        # the largest model one GPU trains: every layer recomputed, micro batch 1
+        BenchConfig("s_gpt6.7b_full_mb1x16", "gpt_6.7b", micro_batch_size=1, num_microbatches=16, timeout_s=300,
+                    recompute="full", **{**small, "variants": ("default",), "iters": 6, "warmup": 2,
+                                         "reference": False}),
         # the 60 % MFU target's other batch splits of the same global batch (16 × 2048 tokens)
         BenchConfig("s_gpt1.3b_mb8x2", "gpt_1.3b", micro_batch_size=8, num_microbatches=2, timeout_s=150,
                     **{**small, "iters": 8, "reference": False}),
@@ -335,12 +350,12 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
     s = cfg.shape
     # a variant's "precision=..." replaces the config's (one group override per command line)
     precision = next((i for i in VARIANTS[variant] if i.startswith("precision=")), f"precision={cfg.precision}")
+    data = next((i for i in VARIANTS[variant] if i.startswith("data=")), None)
     o = [
         f"model={cfg.preset}",
         f"parallel=tp{cfg.tp}pp{cfg.pp}",
         precision,
-        "data=mock",
-        f"data.vocab_size={s.vocab_size}",
+        *([data] if data else ["data=mock", f"data.vocab_size={s.vocab_size}"]),
         f"model.vocab_size={s.vocab_size}",  # the model's own output layer too, not the preset's vocab
         "optim=adamw",
         "optim.lr=1e-4",
@@ -366,7 +381,7 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         o += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
     elif cfg.recompute is not None:
         o.append(f"model.recompute_granularity={cfg.recompute}")
-    return o + [item for item in VARIANTS[variant] if not item.startswith(("env:", "precision="))]
+    return o + [item for item in VARIANTS[variant] if not item.startswith(("env:", "precision=", "data="))]
 
 
 def reference_env(cfg: BenchConfig) -> dict:

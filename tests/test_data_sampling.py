@@ -15,9 +15,10 @@ from mptrain.config.data import DataConfig
 from mptrain.data import DataError, build_provider, build_tokenizer
 from mptrain.data.provider import GPTDataProvider
 from mptrain.data.blended import BlendedDataset, blend_indices
-from mptrain.data.collate import collate
+from mptrain.data.collate import collate, collate_arrays, read_samples
 from mptrain.data.gpt_dataset import GPTDataset
 from mptrain.data.indexed import IndexedDataset
+from mptrain.data.mock import MockDataset
 from mptrain.data.preprocess import preprocess
 from mptrain.data.sampler import PretrainingSampler
 from mptrain.data.tokenizers import ByteTokenizer
@@ -326,3 +327,14 @@ def test_collective_build_on_two_ranks(corpus, tmp_path):
     failed = run_distributed(_dist_provider, 2, corpus["a"], str(tmp_path / "dist"), True)
     assert failed[0].startswith("DataError: ") and "a-missing.idx: no such file" in failed[0]
     assert failed[1].startswith("DataError: rank 0 could not build the data: ") and "a-missing.idx: no such file" in failed[1]
+
+
+def test_mock_sample_batch_equals_the_stacked_samples():
+    ds = MockDataset(vocab_size=1000, seq_length=16, seed=7, split="valid")
+    indices = [0, 5, 3, 2**40 + 3, 123456789]
+    tokens, valid = read_samples(ds, indices)  # the vectorised read
+    assert tokens.dtype == np.int64 and tokens.shape == (5, 17) and valid.all()
+    assert np.array_equal(tokens, np.stack([ds.sample(i)[0] for i in indices]))
+    per_sample = collate([ds.sample(i) for i in indices], eod=999)
+    vectorised = collate_arrays(tokens, valid, eod=999)
+    assert all(torch.equal(per_sample[k], vectorised[k]) for k in KEYS)

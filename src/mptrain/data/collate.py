@@ -35,8 +35,37 @@ def collate(
         tokens [b, s] int64 (= sample[:-1]), labels [b, s] int64 (= sample[1:]), loss_mask [b, s]
         float32, position_ids [b, s] int64, attention_mask None or [b, 1, s, s] bool (True = masked).
     """
-    data = np.stack([t for t, _ in samples]).astype(np.int64)  # [b, s+1]
+    data = np.stack([t for t, _ in samples])  # [b, s+1]
     valid = np.stack([v for _, v in samples])  # [b, s+1]
+    return collate_arrays(data, valid, eod=eod, reset_position_ids=reset_position_ids,
+                          reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
+
+
+def read_samples(dataset, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Samples `indices` of `dataset`, stacked: tokens [b, s + 1] and valid bool [b, s + 1].
+
+    A dataset with a ``sample_batch(indices)`` method (the mock data) reads them in one vectorised call;
+    any other is read sample by sample (``sample(i)``). Why: the prefetch thread holds the GIL while it
+    reads, and per-sample Python work at b = 64 delays the main thread's kernel launches of a small model.
+    """
+    sample_batch = getattr(dataset, "sample_batch", None)
+    if sample_batch is not None:
+        return sample_batch(indices)
+    samples = [dataset.sample(i) for i in indices]
+    return np.stack([t for t, _ in samples]), np.stack([v for _, v in samples])
+
+
+def collate_arrays(
+    data: np.ndarray,
+    valid: np.ndarray,
+    *,
+    eod: int,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+) -> dict[str, Optional[torch.Tensor]]:
+    """`collate` of samples already stacked: data [b, s + 1] (any integer dtype), valid bool [b, s + 1]."""
+    data = data.astype(np.int64, copy=False)
     tokens, labels = data[:, :-1], data[:, 1:]
     b, s = tokens.shape
     loss_mask = valid[:, 1:].astype(np.float32)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from mptrain.components import ComponentKind, accepted_keywords, build, import_target, node_items, resolve
 from mptrain.data.blended import BlendedDataset
-from mptrain.data.collate import collate
+from mptrain.data.collate import collate_arrays, read_samples
 from mptrain.data.errors import DataError
 from mptrain.data.gpt_dataset import SPLITS, GPTDataset, parse_split, split_document_ranges
 from mptrain.data.indexed import IndexedDataset
@@ -379,7 +379,7 @@ class GPTDataProvider:
             if ds is None:
                 yield None
                 continue
-            batch = collate([ds.sample(i) for i in indices], eod=eod, **self.flags)
+            batch = collate_arrays(*read_samples(ds, indices), eod=eod, **self.flags)
             if split == "train":
                 self.samples_read += len(indices)
             else:
