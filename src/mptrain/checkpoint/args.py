@@ -144,7 +144,7 @@ def _same_file(a: Any, b: Any) -> bool:
 def same_tokenizer(a: dict, b: dict) -> bool:
     """Two ``data.tokenizer`` dicts build the same tokenizer: equal keys and values, ``tokenizer_json``
     compared by content (the checkpoint's copy and the file it was made from are one tokenizer)."""
-    if set(a) != set(b):
+    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
         return False
     return all(_same_file(a[k], b[k]) if k == "tokenizer_json" else a[k] == b[k] for k in a)
 
@@ -167,6 +167,8 @@ def command_line_tokenizer(run: dict, saved: dict, given: set) -> dict:
     from mptrain.components import accepted_keywords, import_target
     from mptrain.errors import ConfigError
 
+    if not isinstance(run, dict):  # data.tokenizer=null or a string: the start-up check names the fix
+        return run
     keys = {k[len("data.tokenizer."):] for k in given if k.startswith("data.tokenizer.")}
     if "data.tokenizer" not in given and "_target_" not in keys:
         target = saved.get("_target_")
@@ -202,12 +204,16 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
 
     The tokenizer file an import recorded is looked up beside the checkpoint when its recorded path is
     gone (a moved or copied checkpoint folder). ``data.tokenizer`` and ``checkpoint.hf_config`` set on
-    the command line (``command_line``: `command_line_keys`) stay the run's; a tokenizer that differs
-    from the checkpoint's is logged as one warning naming both.
+    the command line (``command_line``: `command_line_keys`) stay the run's (``data.tokenizer.KEY`` alone
+    edits the checkpoint's: `command_line_tokenizer`); a tokenizer that differs from the checkpoint's is
+    logged as one warning naming both, by rank 0 (torchrun's ``RANK``) alone.
 
     Pure but for reading ``meta.json`` of the folder ``checkpoint.load`` resolves to; a load folder
     without a checkpoint (or none) leaves ``cfg`` as is (the loader reports what is wrong).
     Returns the same object, updated in place, with ``checkpoint.use_checkpoint_args`` resolved.
+
+    Raises:
+        ConfigError: a ``data.tokenizer.KEY`` the checkpoint's tokenizer does not take (one line).
     """
     ck = cfg.checkpoint
     if not ck.load or ck.use_checkpoint_args is False:

@@ -491,8 +491,9 @@ class IndexedDataProvider(GPTDataProvider):
         if indexed.num_documents == 0:
             raise DataError(f"{prefix}.idx: no documents; re-run preprocessing on a non-empty corpus")
         warning = check_tokenizer_record(prefix, self.tokenizer)
-        if warning is not None:
-            print(warning, file=sys.stderr)  # rank 0 builds: printed once
+        # rank 0 builds first, then every rank that reads data builds again: rank 0 alone says it, once per job
+        if warning is not None and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+            print(warning, file=sys.stderr)
         # Ids the tokenizer cannot produce mean the data was made with another tokenizer: the
         # embedding would index out of range (tp 1) or silently mask them (tp > 1).
         max_id = indexed.max_token_id()
