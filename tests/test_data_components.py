@@ -202,6 +202,23 @@ def test_preprocessed_data_read_with_another_tokenizer_is_one_error(corpora, tmp
                        dp_size=1, needs_data=True)
     assert next(p.train_iterator(0))["tokens"].shape == (2, SEQ)
     assert f"data: {tmp_path / 'old'}.idx has no old.tokenizer.json" in capsys.readouterr().err
+    # every rank reads data (dp 2): the warning is printed by rank 0 alone
+    printed = run_distributed(_build_and_capture_stderr, 2, str(tmp_path / "old"))
+    assert printed[0].count("has no old.tokenizer.json") == 1 and printed[1] == "", printed
+
+
+def _build_and_capture_stderr(rank: int, world: int, prefix: str) -> str:
+    """What building an indexed provider on ``prefix`` prints to stderr on this rank (every rank reads data)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        p = build_provider(compose(_indexed(f"data.prefixes=[{prefix}]", "data.split=[8,0,0]")).data,
+                           tokenizer=ByteTokenizer(), seq_length=SEQ, micro_batch_size=2, global_batch_size=8,
+                           dp_rank=rank, dp_size=world, needs_data=True)
+        next(p.train_iterator(0))
+    return err.getvalue()
 
 
 def test_bad_provider_targets_are_one_line_at_start_up(texts):

@@ -77,11 +77,14 @@ def test_hf_gpt2_export_import_round_trip(synthetic_ckpt, tmp_path):
     assert (cfg["n_layer"], cfg["n_embd"], cfg["n_head"], cfg["vocab_size"], cfg["n_positions"]) == (4, 32, 4, VOCAB, 16)
     # never imported (mock data, NullTokenizer: EOD = VOCAB - 1): bos = eos = the EOD that separated its documents
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (VOCAB - 1, VOCAB - 1)
+    assert cfg["dtype"] == "float32" and "torch_dtype" not in cfg  # the key transformers 5 writes, as --format hf
     from mptrain.export import atomic_meta, checkpoint_folder, export_hf
 
     assert "hf" not in atomic_meta(checkpoint_folder(str(synthetic_ckpt)))
     export_hf(str(synthetic_ckpt), str(tmp_path / "hf-any"))  # --format hf: the same family and ids
     cfg_any = json.loads((tmp_path / "hf-any" / "config.json").read_text())
+    param_dtype = atomic_meta(checkpoint_folder(str(synthetic_ckpt)))["param_dtype"]
+    assert param_dtype == "float16" and cfg_any["dtype"] == param_dtype and "torch_dtype" not in cfg_any
     gen_any = json.loads((tmp_path / "hf-any" / "generation_config.json").read_text())
     assert (cfg_any["model_type"], cfg_any["bos_token_id"], cfg_any["eos_token_id"]) == ("gpt2", VOCAB - 1, VOCAB - 1)
     assert (gen_any["bos_token_id"], gen_any["eos_token_id"], gen_any["pad_token_id"]) == (VOCAB - 1,) * 3

@@ -42,19 +42,23 @@ FAMILIES = {
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu",
         bos_token_id=0, eos_token_id=EOS)),
 }
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"
+TOKENIZER_CONFIG = {"eos_token": "</s>", "bos_token": "t0", "pad_token": "t1", "model_max_length": 48,
+                    "chat_template": TEMPLATE}
 IDS = torch.randint(0, VOCAB - 1, (2, SEQ), generator=torch.Generator().manual_seed(0))
 PROMPT = [5, 6, 7, 8]
 
 
 def _tokenizer_json(path: Path) -> None:
-    """A word-level tokenizer of VOCAB tokens ``t0 .. t98`` and ``</s>`` (EOS), with its tokenizer_config.json."""
+    """A word-level tokenizer of VOCAB tokens ``t0 .. t98`` and ``</s>`` (EOS), with its tokenizer_config.json
+    (a chat template, a model_max_length other than the positions, a pad token)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"</s>": EOS}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "t0"}))
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
 
 
 def _make_hf(family: str, folder: Path) -> torch.nn.Module:
@@ -190,7 +194,7 @@ def test_logits_and_greedy_decoding_equal_transformers(imported, family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_after_import_gives_back_the_same_tensors(imported, family, tmp_path):
     hf_dir, ckpt, hf = imported[family]
-    shard_args = ["--max-shard-size-mb", "0"] if family == "qwen2_sharded" else []
+    shard_args = ["--max-shard-size-mb", "0.01"] if family == "qwen2_sharded" else []  # 10 kB: several shards
     assert _cli("--checkpoint", str(ckpt), "--output", str(tmp_path / "out"), "--format", "hf", *shard_args) == 0
     original, exported = _read_safetensors(hf_dir), _read_safetensors(tmp_path / "out")
     assert sorted(exported) == sorted(original)
@@ -211,7 +215,13 @@ def test_export_after_import_gives_back_the_same_tensors(imported, family, tmp_p
     # loaded in fp32 (bf16 weights upcast exactly), as the reference, so the logits are equal bitwise
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
     assert type(back).__name__ == type(hf).__name__
-    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).eos_token_id == EOS
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tokenizer.eos_token_id == EOS
+    # the imported tokenizer_config.json comes back: its chat template, model_max_length, pad token
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+        **TOKENIZER_CONFIG}
+    assert (tokenizer.chat_template, tokenizer.model_max_length, tokenizer.pad_token_id) == (TEMPLATE, 48, 1)
     with torch.no_grad():
         torch.testing.assert_close(back(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
 
@@ -289,6 +299,11 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
     err = _one_line_error(capsys, "--checkpoint", str(ckpt), "--output", str(tmp_path / "h"), "--format", "hf",
                           "--hf-model-type", "gpt2")
     assert "--hf-model-type=gpt2" in err and not (tmp_path / "h").exists()
+    for size in ("0", "-5"):
+        err = _one_line_error(capsys, "--checkpoint", str(ckpt), "--output", str(tmp_path / "s"), "--format", "hf",
+                              "--max-shard-size-mb", size)
+        assert err == (f"error: export --max-shard-size-mb={size}: must be > 0 (MB per safetensors shard, default "
+                       "5000); pass a positive size") and not (tmp_path / "s").exists()
     # the imported model (2 query groups) comes with checkpoint.load: tp 4 cannot split its K/V heads
     with pytest.raises(ConfigError, match=r"^model.num_query_groups=2 is not divisible by "
                                           r"parallel.tensor_model_parallel_size=4; [^\n]*$"):
@@ -305,6 +320,41 @@ def test_preprocessing_takes_the_imported_eod(imported):
     assert parse_cli_tokenizer(f"hf:{path}:</s>").eod == EOS
     with pytest.raises(ConfigError, match=re.escape("eod_token='<|endoftext|>' is not in the vocabulary")):
         parse_cli_tokenizer(f"hf:{path}")
+
+
+def test_data_preprocessed_with_another_eod_is_refused(imported, tmp_path):
+    """The same tokenizer file (one fingerprint) with another eod_token: the EOD id recorded beside the index
+    differs from the tokenizer's, one line naming data.tokenizer.eod_token."""
+    from mptrain.data.preprocess import preprocess
+    from mptrain.data.tokenizers import HFTokenizer, check_tokenizer_record
+    from mptrain.errors import ConfigError
+
+    path = imported["llama_untied"][0] / "tokenizer.json"
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"t{i} t{i + 1} t{i + 2}"}) + "\n" for i in range(5)))
+    prefix = str(tmp_path / "d")
+    preprocess([str(corpus)], output_prefix=prefix, tokenizer=HFTokenizer(str(path), "</s>"), workers=1,
+               progress=False)
+    assert json.loads(Path(prefix + ".tokenizer.json").read_text())["eod"] == EOS
+    assert check_tokenizer_record(prefix, HFTokenizer(str(path), "</s>")) is None
+    with pytest.raises(ConfigError) as err:
+        check_tokenizer_record(prefix, HFTokenizer(str(path), "t5"))
+    assert str(err.value) == (f"data.tokenizer: {prefix} was preprocessed with EOD id {EOS} but data.tokenizer's EOD "
+                              f"is 5; set data.tokenizer.eod_token='</s>' (id {EOS}), or re-run `python -m "
+                              "mptrain.data.preprocess ... --overwrite` with this tokenizer's EOD")
+    # data=shakespeare preprocesses its corpus on first use: another EOD gets a cache of its own
+    from mptrain.data.provider import ShakespeareDataProvider
+
+    cache = tmp_path / "cache"
+    for eod_token in ("</s>", "t5", "</s>"):
+        provider = ShakespeareDataProvider(corpus=str(corpus), tokenizer=HFTokenizer(str(path), eod_token), seq_length=4,
+                                           micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1,
+                                           needs_data=True, split=[1, 0, 0], cache_dir=str(cache))
+        assert next(provider.train_iterator(0))["tokens"].shape == (1, 4)
+    records = {p.name: json.loads(p.read_text())["eod"] for p in cache.glob("*.tokenizer.json")}
+    size = corpus.stat().st_size
+    assert records == {f"c-{provider.tokenizer.fingerprint.replace(':', '_')}-{size}.tokenizer.json": EOS,
+                       f"c-{provider.tokenizer.fingerprint.replace(':', '_')}-eod5-{size}.tokenizer.json": 5}
 
 
 TRAIN = ["model.seq_length=16", f"data.vocab_size={VOCAB}", "train.train_iters=2", "train.global_batch_size=4",
@@ -329,6 +379,7 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     trained = tmp_path / "tp2pp2-ckpt"
     # the run's checkpoint keeps its own copy of the tokenizer file (it decodes after the import moves)
     assert (trained / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
+    assert json.loads((trained / "tokenizer_config.json").read_text()) == TOKENIZER_CONFIG  # and what describes it
     saved = json.loads(next(trained.glob("iter_*/meta.json")).read_text())["config"]
     assert saved["checkpoint"]["use_checkpoint_args"] is True and saved["model"]["kv_channels"] == 16
     # the import's config.json values travel with the model into the run's checkpoints
@@ -347,6 +398,8 @@ def test_training_from_an_import_is_layout_independent_and_exports(imported, tmp
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("t0", "</s>")
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, EOS)
+    # import -> train -> export keeps the imported tokenizer_config.json's fields
+    assert (tokenizer.chat_template, tokenizer.model_max_length, tokenizer.pad_token) == (TEMPLATE, 48, "t1")
     # and a run resumed from the trained checkpoint carries them on
     from mptrain.checkpoint.args import apply_checkpoint_args
     from mptrain.config.schema import as_config
@@ -402,16 +455,21 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     assert saved["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
 
 
-def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, caplog):
+def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, caplog, monkeypatch):
     """use_checkpoint_args takes the architecture (an architecture key on the command line: one warning); a
-    data.tokenizer given on the command line stays, with one warning naming both, and drops the imported
-    bos/eos ids; checkpoint.hf_config comes from the import's meta.json."""
+    data.tokenizer given on the command line stays, with one warning naming both (on rank 0 alone), and drops
+    the imported bos/eos ids; checkpoint.hf_config comes from the import's meta.json."""
     from mptrain.checkpoint.args import apply_checkpoint_args
     from mptrain.config.schema import as_config
 
     ckpt = imported["llama_untied"][1]
     byte = ["data.tokenizer._target_=mptrain.data.tokenizers.ByteTokenizer", "~data.tokenizer.vocab_size"]
     overrides = [f"checkpoint.load={ckpt}", *byte]
+    monkeypatch.setenv("RANK", "1")  # under torchrun every rank checks the config: rank 0 alone warns
+    with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
+        cfg = apply_checkpoint_args(as_config(compose(overrides)), overrides)
+    assert cfg.data.tokenizer == {"_target_": "mptrain.data.tokenizers.ByteTokenizer"} and not caplog.records
+    monkeypatch.setenv("RANK", "0")
     with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
         cfg = apply_checkpoint_args(as_config(compose(overrides)), overrides)
     assert cfg.data.tokenizer == {"_target_": "mptrain.data.tokenizers.ByteTokenizer"}
@@ -437,6 +495,41 @@ def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, cap
     with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
         cfg = apply_checkpoint_args(as_config(compose(overrides[:1])), overrides[:1])
     assert cfg.data.tokenizer["_target_"] == "mptrain.data.tokenizers.HFTokenizer" and not caplog.records
+
+
+def test_tokenizer_keys_on_the_command_line_edit_the_checkpoints_tokenizer(imported, caplog):
+    """``data.tokenizer.KEY=`` alone edits the checkpoint's HFTokenizer (not the data group's default), a key it
+    does not take is one line; the same file named again without eod_token keeps the recorded EOD, silently."""
+    from mptrain.checkpoint.args import apply_checkpoint_args
+    from mptrain.config.schema import as_config
+    from mptrain.data.tokenizers import build_tokenizer
+    from mptrain.errors import ConfigError
+
+    hf_dir, ckpt, _ = imported["llama_untied"]
+    saved = apply_checkpoint_args(as_config(compose([f"checkpoint.load={ckpt}"]))).data.tokenizer
+    assert saved["eod_token"] == "</s>"
+    vocab = [f"checkpoint.load={ckpt}", "data.tokenizer.vocab_size=500"]  # data=mock: NullTokenizer would replace it
+    with pytest.raises(ConfigError) as err:
+        apply_checkpoint_args(as_config(compose(vocab)), vocab)
+    assert str(err.value) == (
+        "data.tokenizer.vocab_size: the tokenizer comes from checkpoint.load (mptrain.data.tokenizers.HFTokenizer, "
+        "checkpoint.use_checkpoint_args), which takes no 'vocab_size' (it accepts: eod_token, tokenizer_json); drop "
+        "data.tokenizer.vocab_size (model.vocab_size sets the model's vocabulary), or replace the tokenizer: "
+        "data.tokenizer._target_=... with its keys")
+    eod = [f"checkpoint.load={ckpt}", "+data.tokenizer.eod_token=t5"]
+    with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
+        cfg = apply_checkpoint_args(as_config(compose(eod)), eod)
+    assert cfg.data.tokenizer == {**saved, "eod_token": "t5"} and build_tokenizer(cfg.data).eod == 5
+    assert len(caplog.records) == 1 and cfg.checkpoint.hf_config["eos_token_id"] is None  # another EOD: warned
+    caplog.clear()
+    # the import's source file (same bytes as the checkpoint's copy), no eod_token: the recorded EOD, no warning
+    same = [f"checkpoint.load={ckpt}", "data.tokenizer._target_=mptrain.data.tokenizers.HFTokenizer",
+            "~data.tokenizer.vocab_size", f"+data.tokenizer.tokenizer_json={hf_dir / 'tokenizer.json'}"]
+    with caplog.at_level("WARNING", logger="mptrain.checkpoint.args"):
+        cfg = apply_checkpoint_args(as_config(compose(same)), same)
+    assert cfg.data.tokenizer == {**saved, "tokenizer_json": str(hf_dir / "tokenizer.json")} and not caplog.records
+    assert build_tokenizer(cfg.data).eod == EOS
+    assert cfg.checkpoint.hf_config == {"model_type": "llama", "bos_token_id": 0, "eos_token_id": EOS}
 
 
 def test_generate_refuses_a_tp_that_splits_no_query_group(imported, monkeypatch):

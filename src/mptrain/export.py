@@ -139,10 +139,10 @@ def load_full_state(checkpoint: str, iteration: Optional[int] = None, *, fp32_ma
 
 def atomic_meta(folder: Path) -> dict:
     """meta.json of ``folder``, its saved tokenizer file found beside the checkpoint when moved
-    (`mptrain.checkpoint.args.tokenizer_beside`). Raises OSError / ValueError when unreadable."""
-    from mptrain.checkpoint.args import meta_with_tokenizer_beside
+    (`mptrain.checkpoint.api.atomic_meta` with ``required=True``). Raises OSError / ValueError when unreadable."""
+    from mptrain.checkpoint.api import atomic_meta as read_meta
 
-    return meta_with_tokenizer_beside(json.loads((Path(folder) / atomic.META_FILE).read_text()), folder)
+    return read_meta(folder, required=True)
 
 
 # --- consolidated safetensors ----------------------------------------------------------------------
@@ -291,7 +291,9 @@ def from_hf_gpt2(hf: dict, heads: int) -> dict:
 
 
 def hf_gpt2_config(model: dict, vocab_size: int) -> dict:
-    """config.json of `transformers.GPT2Config` for our model dict."""
+    """config.json of `transformers.GPT2Config` for our model dict; the weight dtype under ``dtype``, the key
+    transformers >= 4.56 writes (older releases wrote ``torch_dtype``; the import reads either:
+    `mptrain.hf_models.torch_dtype_of`)."""
     h = model["hidden_size"]
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
@@ -301,7 +303,7 @@ def hf_gpt2_config(model: dict, vocab_size: int) -> dict:
         "resid_pdrop": model.get("hidden_dropout", 0.0), "embd_pdrop": model.get("hidden_dropout", 0.0),
         "attn_pdrop": model.get("attention_dropout", 0.0), "layer_norm_epsilon": model.get("layernorm_epsilon", 1e-5),
         "initializer_range": model.get("init_method_std", 0.02), "scale_attn_weights": True,
-        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None, "dtype": "float32",
     }
 
 
@@ -482,8 +484,12 @@ def _meta_like(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 def _tokenizer_record(hf_path: Path, root: Path, cfg: dict) -> Optional[dict]:
     """``data.tokenizer`` for the imported checkpoint: the folder's tokenizer.json (copied next to the
-    checkpoint) with its EOS as EOD; None when there is none (the run's own data.tokenizer stays)."""
+    checkpoint, with the files that describe it: `mptrain.checkpoint.args.TOKENIZER_SIDECARS`, e.g.
+    tokenizer_config.json, which the export writes back) with its EOS as EOD; None when there is none
+    (the run's own data.tokenizer stays)."""
     import shutil
+
+    from mptrain.checkpoint.args import TOKENIZER_SIDECARS
 
     src = hf_path / "tokenizer.json"
     if not src.is_file():
@@ -492,6 +498,9 @@ def _tokenizer_record(hf_path: Path, root: Path, cfg: dict) -> Optional[dict]:
 
     dst = root / "tokenizer.json"
     shutil.copyfile(src, dst)
+    for name in TOKENIZER_SIDECARS:
+        if (hf_path / name).is_file():
+            shutil.copyfile(hf_path / name, root / name)
     tok = Tokenizer.from_file(str(dst))
     eos = None
     tok_cfg = hf_path / "tokenizer_config.json"
@@ -625,7 +634,7 @@ def _load_one(folder: Path, metadata, key: str, dtype: torch.dtype) -> torch.Ten
 
 
 def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, dtype: Optional[str] = None,
-              model_type: Optional[str] = None, max_shard_size_mb: int = 5000) -> tuple[Path, list]:
+              model_type: Optional[str] = None, max_shard_size_mb: float = 5000) -> tuple[Path, list]:
     """Write a Hugging Face folder (GPT-2, or Llama / Mistral / Qwen2) that ``AutoModelForCausalLM`` loads.
 
     The family: gpt2 for GPT-2's architecture (``model_type`` must be None or gpt2); for a Llama-architecture
@@ -642,7 +651,7 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
         (the folder, notes for the user).
     Raises:
         ConfigError: the architecture has no Hugging Face family here, or ``model_type`` does not fit it
-            (one line naming --hf-model-type).
+            (one line naming --hf-model-type); ``max_shard_size_mb`` is not > 0.
     """
     from safetensors.torch import save_file
 
@@ -688,6 +697,8 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
         layout.append((name, {k: v.numel() * out_dtype.itemsize for k, v in mapped.items()}))
     shards, current, size = [], [], 0
     limit = max_shard_size_mb * 1_000_000
+    if not limit > 0:
+        raise ConfigError(f"export --max-shard-size-mb={max_shard_size_mb}: must be > 0; pass a positive size")
     for name, sizes in layout:
         if current and size + sum(sizes.values()) > limit:
             shards.append(current)
@@ -724,7 +735,6 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     if family == "gpt2":
         config = hf_gpt2_config(model, vocab_size)
         config.update(bos_token_id=bos, eos_token_id=eos, dtype=hf_dtype_name(out_dtype))
-        config.pop("torch_dtype", None)
     else:
         config = hf_config_from_model(model, family, vocab_size=vocab_size, dtype=out_dtype, bos=bos, eos=eos)
     (out / "config.json").write_text(json.dumps(config, indent=1))
@@ -769,8 +779,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--hf-model-type", choices=("gpt2", "llama", "mistral", "qwen2"), default=None,
                         help="--format hf: the family of a Llama-architecture model (default: the imported one); "
                              "a GPT-2-architecture model exports as gpt2 only")
-    parser.add_argument("--max-shard-size-mb", type=int, default=5000,
-                        help="--format hf: safetensors shards of at most this size (model.safetensors.index.json)")
+    parser.add_argument("--max-shard-size-mb", type=float, default=5000,
+                        help="--format hf: safetensors shards of at most this size in MB (> 0; a tensor larger than "
+                             "it gets a shard of its own; model.safetensors.index.json)")
     parser.add_argument("--import-hf", dest="import_hf", metavar="HF_DIR",
                         help="import a Hugging Face GPT-2 / Llama / Mistral / Qwen2 folder into a checkpoint at --output")
     parser.add_argument("--import-hf-gpt2", dest="import_hf_gpt2", metavar="HF_DIR", help="import a GPT-2 folder")
@@ -795,6 +806,9 @@ def main(argv: Optional[list] = None) -> int:
         if args.hf_model_type is not None and args.format != "hf":
             raise ConfigError(f"export --hf-model-type={args.hf_model_type} applies to --format hf only (this is "
                               f"--format {args.format}); drop --hf-model-type or pass --format hf")
+        if not args.max_shard_size_mb > 0:  # 0 or less would cut one shard per tensor (or NaN: none)
+            raise ConfigError(f"export --max-shard-size-mb={args.max_shard_size_mb:g}: must be > 0 (MB per safetensors "
+                              "shard, default 5000); pass a positive size")
         check_new_output(Path(args.output), "export")
         if args.format == "hf-gpt2":
             out, notes = export_hf_gpt2(args.checkpoint, args.output, args.iteration)

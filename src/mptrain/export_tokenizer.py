@@ -12,6 +12,13 @@ What `transformers.AutoTokenizer.from_pretrained(dir)` needs, per training token
 EOD is the export's ``eos_token`` and ``bos_token`` (GPT-2's convention: one ``<|endoftext|>``
 between documents), and the pad token of ``generation_config.json``, unless the model has bos / eos ids
 of its own (an import's, `mptrain.export.special_ids`): then the HFTokenizer files name those tokens.
+
+An HFTokenizer's ``tokenizer_config.json`` / ``special_tokens_map.json`` beside its ``tokenizer.json``
+(an import keeps the Hugging Face folder's there, and every save keeps them beside ``latest``:
+`mptrain.checkpoint.args.TOKENIZER_SIDECARS`) are the base of the written ones: every field is kept
+(``chat_template``, ``model_max_length``, ``added_tokens_decoder``, ``tokenizer_class``, pad / unk
+tokens, ...) but ``bos_token`` and ``eos_token``, which the export owns; ``chat_template.jinja`` is
+copied as is.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int,
     Returns:
         (EOD id or None when the tokenizer cannot be built, the files written, notes for the user).
     """
+    from mptrain.checkpoint.args import TOKENIZER_SIDECARS
     from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
     from mptrain.errors import ConfigError
 
@@ -72,9 +80,25 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int,
     except ConfigError as err:
         return None, [], [f"no tokenizer files written: the checkpoint's tokenizer cannot be built here ({err})"]
     spec = data_cfg.get("tokenizer") or {}
+    original: dict = {}  # the files beside the tokenizer.json: {name: JSON content}
+    notes: list = []
+    copied: list = []
     if isinstance(tokenizer, HFTokenizer):
-        shutil.copyfile(Path(str(spec["tokenizer_json"])).expanduser(), out / "tokenizer.json")
+        source = Path(str(spec["tokenizer_json"])).expanduser()
+        shutil.copyfile(source, out / "tokenizer.json")
         eod_token = str(spec.get("eod_token", "<|endoftext|>"))
+        for name in TOKENIZER_SIDECARS:
+            path = source.parent / name
+            if not path.is_file():
+                continue
+            if not name.endswith(".json"):
+                shutil.copyfile(path, out / name)
+                copied.append(name)
+                continue
+            try:
+                original[name] = dict(json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as err:
+                notes.append(f"{path} is unreadable ({type(err).__name__}); written without its fields")
     elif isinstance(tokenizer, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_level_tokenizer_json())
         eod_token = BYTE_EOD_TOKEN
@@ -87,8 +111,11 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int,
             first = ids[0] if isinstance(ids, list) and ids else ids
             name = tokenizer.token(first) if isinstance(first, int) else None
             special[key] = name if name is not None else eod_token
+    # the tokenizer's own fields first (chat template, model_max_length, added tokens), bos / eos ours
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False, "add_prefix_space": False, **special}
+              "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+              **original.get("tokenizer_config.json", {}), **special}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1))
-    return tokenizer.eod, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"], []
+    (out / "special_tokens_map.json").write_text(json.dumps({**original.get("special_tokens_map.json", {}), **special},
+                                                            indent=1))
+    return tokenizer.eod, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *copied], notes

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.checkpoint import atomic, dcp_io, integrity, rng
-from mptrain.checkpoint.args import keep_tokenizer_copy
+from mptrain.checkpoint.args import keep_tokenizer_copy, meta_with_tokenizer_beside
 from mptrain.checkpoint.reshard import check_coverage
 from mptrain.checkpoint.state import (
     model_chunks,
@@ -514,12 +514,23 @@ def load_model_weights(folder: Path, chunks: list, groups, saved_cfg: dict) -> N
         dcp_io.load_chunks(str(folder), model_chunks(records, tensor_keys=set(tkeys)), [])
 
 
-def atomic_meta(folder: Path) -> dict:
-    """meta.json of a checkpoint folder ({} if unreadable)."""
+def atomic_meta(folder: Path, *, required: bool = False) -> dict:
+    """meta.json of a checkpoint folder, its saved ``data.tokenizer`` file found beside the checkpoint when
+    the recorded path is gone (`mptrain.checkpoint.args.meta_with_tokenizer_beside`). The one reader of
+    meta.json: `mptrain.export.atomic_meta` is this with ``required=True``.
+
+    Returns:
+        the contents; {} when unreadable and not ``required`` (the loader reports what is wrong).
+    Raises:
+        OSError, ValueError: unreadable (missing, not JSON), with ``required``.
+    """
     try:
-        return json.loads((Path(folder) / atomic.META_FILE).read_text())
+        meta = json.loads((Path(folder) / atomic.META_FILE).read_text())
     except (OSError, ValueError):
+        if required:
+            raise
         return {}
+    return meta_with_tokenizer_beside(meta, folder)
 
 
 __all__ = ["save_checkpoint", "maybe_load_checkpoint", "load_model_weights", "FORMAT", "config_dict"]

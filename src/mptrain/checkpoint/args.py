@@ -7,9 +7,10 @@ keys (`ARCHITECTURE_KEYS`: everything the weights' shapes and math depend on), `
 ``checkpoint.hf_config`` (what an import read from the Hugging Face config.json and an export writes
 back) over the composed config, before validation. Training choices stay the run's: ``seq_length``,
 dropout, recomputation, compile, the attention backend. A ``data.tokenizer`` given on the command line
-(any ``data.tokenizer`` / ``data.tokenizer.*`` override) wins over the checkpoint's, with one warning
+(``data.tokenizer._target_=...`` or the whole node) wins over the checkpoint's, with one warning (rank 0)
 when they differ: the tokenizer is data, not architecture, as in Megatron, whose ``tokenizer_type`` is
-taken from the checkpoint only when the command line left it unset. Megatron-LM:
+taken from the checkpoint only when the command line left it unset; ``data.tokenizer.KEY=...`` alone
+edits the checkpoint's tokenizer (`command_line_tokenizer`). Megatron-LM:
 ``load_args_from_checkpoint`` (megatron/training/checkpointing.py).
 """
 
@@ -64,6 +65,12 @@ TOKENIZER_COPY = "tokenizer.json"
 an import and by every save, so a checkpoint still decodes when the file it was trained with moved."""
 
 
+TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""The Hugging Face files that describe a ``tokenizer.json`` beside it in its folder (chat template, model_max_length,
+added special tokens, ...): kept with the copy (`keep_tokenizer_copy`, the import), and the base of an export's
+own files (`mptrain.export_tokenizer.write_tokenizer_files`)."""
+
+
 def tokenizer_beside(tokenizer: Optional[dict], folder: Path) -> Optional[dict]:
     """``tokenizer`` (a saved ``data.tokenizer``) with its ``tokenizer_json`` replaced by the checkpoint's own
     copy (`TOKENIZER_COPY` in the parent of the ``iter_N`` ``folder``) when the recorded path is no file
@@ -84,19 +91,110 @@ def meta_with_tokenizer_beside(meta: dict, folder: Path) -> dict:
                                                                                                folder)}}}
 
 
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    """``src`` to ``dst`` unless an identical file is there, through a temporary file and a rename (a reader
+    sees the old copy or the new one). Raises OSError."""
+    data = src.read_bytes()
+    if dst.is_file() and dst.read_bytes() == data:
+        return
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dst)
+
+
 def keep_tokenizer_copy(tokenizer: Any, root: Path) -> None:
     """Copy the run's ``data.tokenizer.tokenizer_json`` (when it names a file) to ``root``/`TOKENIZER_COPY`
-    unless an identical copy is there: rank 0, at save, before ``latest`` moves. Raises OSError."""
+    unless an identical copy is there, with the `TOKENIZER_SIDECARS` beside that file (one the file's folder
+    lacks is removed from ``root``: it described another tokenizer): rank 0, at save, before ``latest``
+    moves. Raises OSError."""
     path = _plain(tokenizer).get("tokenizer_json") if tokenizer else None
     if not path or not Path(path).is_file():
         return
-    dst = Path(root) / TOKENIZER_COPY
-    data = Path(path).read_bytes()
-    if dst.is_file() and dst.read_bytes() == data:
-        return
-    tmp = dst.with_name(TOKENIZER_COPY + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(dst)  # atomic: a reader sees the old copy or the new one
+    root = Path(root)
+    _copy_if_changed(Path(path), root / TOKENIZER_COPY)
+    source = Path(path).parent
+    if source.resolve() == root.resolve():
+        return  # the run's file is the checkpoint's own copy (training from an import into its folder)
+    for name in TOKENIZER_SIDECARS:
+        if (source / name).is_file():
+            _copy_if_changed(source / name, root / name)
+        else:
+            (root / name).unlink(missing_ok=True)
+
+
+def _warn_once(msg: str, *args: Any) -> None:
+    """``logger.warning`` on the job's rank 0 only (`mptrain.errors.launch_rank_and_world`): the start-up
+    check runs on every rank, before any process group, and a warning is said once per job."""
+    from mptrain.errors import launch_rank_and_world
+
+    if launch_rank_and_world()[0] == 0:
+        logger.warning(msg, *args)
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Two tokenizer file paths name the same file or files of equal bytes (the checkpoint's copy)."""
+    if a == b:
+        return True
+    try:
+        return Path(str(a)).expanduser().read_bytes() == Path(str(b)).expanduser().read_bytes()
+    except (OSError, TypeError):
+        return False
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Two ``data.tokenizer`` dicts build the same tokenizer: equal keys and values, ``tokenizer_json``
+    compared by content (the checkpoint's copy and the file it was made from are one tokenizer)."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or set(a) != set(b):
+        return False
+    return all(_same_file(a[k], b[k]) if k == "tokenizer_json" else a[k] == b[k] for k in a)
+
+
+def command_line_tokenizer(run: dict, saved: dict, given: set) -> dict:
+    """The run's ``data.tokenizer`` when the command line set some of it and the checkpoint has ``saved``.
+
+    - ``data.tokenizer.KEY=...`` keys without ``data.tokenizer._target_`` (nor the whole node) edit the
+      checkpoint's tokenizer: ``saved`` with those keys (``~data.tokenizer.KEY`` removes one). A key the
+      checkpoint's tokenizer class does not take (``data.tokenizer.vocab_size`` for an `HFTokenizer`, whose
+      vocabulary is its file's) is refused: the composed config's default tokenizer would otherwise
+      replace the checkpoint's.
+    - Otherwise the command line's tokenizer (``run``); when it is the checkpoint's class on the same file
+      (by content) without an ``eod_token``, the checkpoint's ``eod_token`` (an import's: the model's EOS)
+      is kept, as the one recorded with the weights, instead of the class default.
+
+    Raises:
+        ConfigError: a key the checkpoint's tokenizer does not take (one line naming it and the fix).
+    """
+    from mptrain.components import accepted_keywords, import_target
+    from mptrain.errors import ConfigError
+
+    if not isinstance(run, dict):  # data.tokenizer=null or a string: the start-up check names the fix
+        return run
+    keys = {k[len("data.tokenizer."):] for k in given if k.startswith("data.tokenizer.")}
+    if "data.tokenizer" not in given and "_target_" not in keys:
+        target = saved.get("_target_")
+        try:
+            accepted = accepted_keywords(import_target("data.tokenizer", target))
+        except ConfigError:
+            accepted = None  # not importable here: building it reports that
+        for key in sorted(keys):
+            top = key.split(".")[0]
+            if accepted is not None and top not in accepted and top in run:  # a removal (~KEY) of it is moot
+                raise ConfigError(
+                    f"data.tokenizer.{key}: the tokenizer comes from checkpoint.load ({target}, "
+                    f"checkpoint.use_checkpoint_args), which takes no {top!r} (it accepts: "
+                    f"{', '.join(sorted(accepted - {'self'})) or '(none)'}); drop data.tokenizer.{key} (model.vocab_size "
+                    "sets the model's vocabulary), or replace the tokenizer: data.tokenizer._target_=... with its keys")
+        merged = dict(saved)
+        for key in {k.split(".")[0] for k in keys}:
+            if key in run:
+                merged[key] = run[key]
+            else:
+                merged.pop(key, None)
+        return merged
+    if (run.get("_target_") == saved.get("_target_") and "eod_token" not in run and "eod_token" in saved
+            and run.get("tokenizer_json") and _same_file(run["tokenizer_json"], saved.get("tokenizer_json"))):
+        return {**run, "eod_token": saved["eod_token"]}
+    return run
 
 
 def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
@@ -106,12 +204,16 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
 
     The tokenizer file an import recorded is looked up beside the checkpoint when its recorded path is
     gone (a moved or copied checkpoint folder). ``data.tokenizer`` and ``checkpoint.hf_config`` set on
-    the command line (``command_line``: `command_line_keys`) stay the run's; a tokenizer that differs
-    from the checkpoint's is logged as one warning naming both.
+    the command line (``command_line``: `command_line_keys`) stay the run's (``data.tokenizer.KEY`` alone
+    edits the checkpoint's: `command_line_tokenizer`); a tokenizer that differs from the checkpoint's is
+    logged as one warning naming both, by rank 0 (torchrun's ``RANK``) alone.
 
     Pure but for reading ``meta.json`` of the folder ``checkpoint.load`` resolves to; a load folder
     without a checkpoint (or none) leaves ``cfg`` as is (the loader reports what is wrong).
     Returns the same object, updated in place, with ``checkpoint.use_checkpoint_args`` resolved.
+
+    Raises:
+        ConfigError: a ``data.tokenizer.KEY`` the checkpoint's tokenizer does not take (one line).
     """
     ck = cfg.checkpoint
     if not ck.load or ck.use_checkpoint_args is False:
@@ -138,9 +240,9 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
     replaced = [f"model.{k}={getattr(cfg.model, k)} -> {v}" for k, v in updates.items()
                 if _given(given, f"model.{k}") and getattr(cfg.model, k) != v]
     if replaced:  # the weights fix the architecture (Megatron's load_args_from_checkpoint); say so, once
-        logger.warning("checkpoint.use_checkpoint_args: the checkpoint's architecture replaces the command line's "
-                       "%s; set checkpoint.use_checkpoint_args=false to build the command line's model",
-                       ", ".join(replaced))
+        _warn_once("checkpoint.use_checkpoint_args: the checkpoint's architecture replaces the command line's "
+                   "%s; set checkpoint.use_checkpoint_args=false to build the command line's model",
+                   ", ".join(replaced))
     cfg.model = dataclasses.replace(cfg.model, **updates)
     tokenizer = (saved.get("data") or {}).get("tokenizer")
     other_tokenizer = False
@@ -148,11 +250,13 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
         tokenizer = dict(tokenizer_beside(tokenizer, folder))  # a moved folder: its own copy
         if not _given(given, "data.tokenizer"):
             cfg.data.tokenizer = tokenizer
-        elif _plain(cfg.data.tokenizer) != tokenizer:
-            other_tokenizer = True
-            logger.warning("checkpoint.use_checkpoint_args: checkpoint has data.tokenizer=%s, command line has %s; "
+        else:
+            cfg.data.tokenizer = run = command_line_tokenizer(_plain(cfg.data.tokenizer), tokenizer, given)
+            if not same_tokenizer(run, tokenizer):
+                other_tokenizer = True
+                _warn_once("checkpoint.use_checkpoint_args: checkpoint has data.tokenizer=%s, command line has %s; "
                            "using the command line's (the imported bos/eos ids are dropped: an export writes this "
-                           "tokenizer's EOD)", tokenizer, _plain(cfg.data.tokenizer))
+                           "tokenizer's EOD)", tokenizer, run)
     # an import's record: in the saved config (checkpoint.hf_config), or meta.json's "hf" (older imports)
     hf = (saved.get("checkpoint") or {}).get("hf_config") or meta.get("hf")
     if hf and not _given(given, "checkpoint.hf_config"):

@@ -46,7 +46,7 @@ from mptrain.data.gpt_dataset import SPLITS, GPTDataset, parse_split, split_docu
 from mptrain.data.indexed import IndexedDataset
 from mptrain.data.mock import MockDataset
 from mptrain.data.sampler import PretrainingSampler
-from mptrain.data.tokenizers import TokenizerProtocol, check_tokenizer_record
+from mptrain.data.tokenizers import TokenizerProtocol, check_tokenizer_record, recorded_eod
 from mptrain.errors import ConfigError
 from mptrain.resources import default_cache_dir, shipped_corpus
 
@@ -491,8 +491,9 @@ class IndexedDataProvider(GPTDataProvider):
         if indexed.num_documents == 0:
             raise DataError(f"{prefix}.idx: no documents; re-run preprocessing on a non-empty corpus")
         warning = check_tokenizer_record(prefix, self.tokenizer)
-        if warning is not None:
-            print(warning, file=sys.stderr)  # rank 0 builds: printed once
+        # rank 0 builds first, then every rank that reads data builds again: rank 0 alone says it, once per job
+        if warning is not None and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+            print(warning, file=sys.stderr)
         # Ids the tokenizer cannot produce mean the data was made with another tokenizer: the
         # embedding would index out of range (tp 1) or silently mask them (tp > 1).
         max_id = indexed.max_token_id()
@@ -562,6 +563,8 @@ class ShakespeareDataProvider(IndexedDataProvider):
         root = self.cache_root if self.cache_root is not None else default_cache_dir()
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", self.tokenizer.fingerprint)
         prefix = root / f"{corpus.name.split('.')[0]}-{tag}-{corpus.stat().st_size}"
+        if recorded_eod(str(prefix)) not in (None, self.tokenizer.eod):  # the same file with another eod_token
+            prefix = root / f"{corpus.name.split('.')[0]}-{tag}-eod{self.tokenizer.eod}-{corpus.stat().st_size}"
         if not Path(f"{prefix}.idx").is_file():
             print(f"data: preprocessing {corpus} into {prefix}.bin/.idx (first use)", file=sys.stderr)
             preprocess([str(corpus)], output_prefix=str(prefix), tokenizer=self.tokenizer, workers=1, overwrite=True,

@@ -314,6 +314,15 @@ def write_tokenizer_record(prefix: str, tokenizer: Any) -> Path:
     return path
 
 
+def recorded_eod(prefix: str) -> Optional[int]:
+    """The EOD id `<prefix>.tokenizer.json` records; None when there is no readable record of it."""
+    try:
+        eod = json.loads(Path(f"{prefix}{RECORD_SUFFIX}").read_text()).get("eod")
+        return None if eod is None else int(eod)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
     """Compare the record of `prefix` with the configured tokenizer.
 
@@ -322,7 +331,8 @@ def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
         Megatron's own preprocessing): the data is accepted, and only the token-id range check
         (`IndexedDataset.max_token_id`) guards it.
     Raises:
-        ConfigError: the record names another tokenizer (fingerprint differs), or is unreadable.
+        ConfigError: the record names another tokenizer (fingerprint differs), another EOD id (the same
+            tokenizer file with another ``eod_token``: the fingerprint is the file's), or is unreadable.
     """
     path = Path(f"{prefix}{RECORD_SUFFIX}")
     if not path.is_file():
@@ -341,6 +351,16 @@ def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
             f"data.tokenizer: {prefix} was preprocessed with {made_with} (fingerprint {fingerprint}) but "
             f"data.tokenizer is {mine['tokenizer']} (fingerprint {mine['fingerprint']}); set "
             f"data.tokenizer._target_={made_with} (and its arguments), or re-run preprocessing with this tokenizer")
+    eod = record.get("eod")  # recorded since the record exists; a record without it is not checked
+    if eod is not None and int(eod) != int(tokenizer.eod):
+        name = getattr(tokenizer, "token", None)  # HFTokenizer: the token string, for the fix
+        token = name(int(eod)) if callable(name) else None
+        fix = (f"set data.tokenizer.eod_token={token!r} (id {int(eod)})" if token is not None
+               else "set data.tokenizer to the one it was made with")
+        raise ConfigError(
+            f"data.tokenizer: {prefix} was preprocessed with EOD id {int(eod)} but data.tokenizer's EOD is "
+            f"{int(tokenizer.eod)}; {fix}, or re-run `python -m mptrain.data.preprocess ... --overwrite` with this "
+            "tokenizer's EOD")
     return None
 
 
