@@ -338,3 +338,21 @@ def test_mock_sample_batch_equals_the_stacked_samples():
     per_sample = collate([ds.sample(i) for i in indices], eod=999)
     vectorised = collate_arrays(tokens, valid, eod=999)
     assert all(torch.equal(per_sample[k], vectorised[k]) for k in KEYS)
+
+
+def test_indexed_and_blended_sample_batch_equal_the_stacked_samples(corpus, tmp_path):
+    # epoch 0's EOD-padded last sample and samples of epochs 1 and 2 in one batch, indices in any order
+    cfg = _cfg([corpus["a"]])
+    ds = _provider(cfg, tmp_path / "r").splits["train"]
+    n = ds.num_samples_per_epoch
+    last = int(np.flatnonzero(np.asarray(ds.epoch_indices(0)[2]) == n - 1)[0])  # the stream's last sample
+    indices = [last, n, 3, 2 * n + 5, 0, n - 2, n + last]
+    tokens, valid = read_samples(ds, indices)
+    assert not valid[0].all() and valid[1].all()  # the padded last sample is in the batch
+    assert (tokens[:, :-1][valid[:, :-1]] == 256).any()  # and samples that cross into the next document
+    assert np.array_equal(tokens, np.stack([ds.sample(i)[0] for i in indices]))
+    assert np.array_equal(valid, np.stack([ds.sample(i)[1] for i in indices]))
+    blend = BlendedDataset([ds, MockDataset(vocab_size=200, seq_length=ds.seq_length, seed=1, split="train")], [0.6, 0.4])
+    tokens, valid = read_samples(blend, range(40))
+    assert np.array_equal(tokens, np.stack([blend.sample(i)[0] for i in range(40)]))
+    assert np.array_equal(valid, np.stack([blend.sample(i)[1] for i in range(40)]))

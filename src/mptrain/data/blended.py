@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mptrain.data.collate import read_samples
 from mptrain.errors import ConfigError
 
 
@@ -77,3 +78,17 @@ class BlendedDataset:
         """Blended sample `index`: tokens int64 [s + 1], valid bool [s + 1]."""
         k, j = self.locate(int(index))
         return self.datasets[k].sample(j)
+
+    def sample_batch(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Blended samples `indices`, equal to stacking `sample`: each dataset's share read in one call
+        (`read_samples`); b >= 1. tokens int64 [b, s + 1], valid bool [b, s + 1]."""
+        located = np.array([self.locate(int(i)) for i in indices], dtype=np.int64).reshape(-1, 2)
+        tokens = valid = None
+        for k in np.unique(located[:, 0]).tolist():
+            rows = np.flatnonzero(located[:, 0] == k)
+            t, v = read_samples(self.datasets[k], located[rows, 1].tolist())
+            if tokens is None:
+                tokens = np.empty((len(located), t.shape[1]), dtype=np.int64)
+                valid = np.empty((len(located), t.shape[1]), dtype=bool)
+            tokens[rows], valid[rows] = t, v
+        return tokens, valid

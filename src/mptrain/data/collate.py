@@ -44,9 +44,10 @@ def collate(
 def read_samples(dataset, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Samples `indices` of `dataset`, stacked: tokens [b, s + 1] and valid bool [b, s + 1].
 
-    A dataset with a ``sample_batch(indices)`` method (the mock data) reads them in one vectorised call;
-    any other is read sample by sample (``sample(i)``). Why: the prefetch thread holds the GIL while it
-    reads, and per-sample Python work at b = 64 delays the main thread's kernel launches of a small model.
+    A dataset with a ``sample_batch(indices)`` method (`MockDataset`, `GPTDataset`, `BlendedDataset`) reads
+    them in a few vectorised numpy calls; any other is read sample by sample (``sample(i)``). Why: the
+    prefetch thread holds the GIL while it runs Python per sample, and at b = 64 that delays the main
+    thread's kernel launches of a small model (numpy's array loops release the GIL).
     """
     sample_batch = getattr(dataset, "sample_batch", None)
     if sample_batch is not None:

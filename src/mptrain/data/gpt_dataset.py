@@ -135,6 +135,7 @@ class GPTDataset:
         if cache_dir is not None:
             self.cache_path = Path(cache_dir) / self._description_hash()
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._streams: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def _description_hash(self) -> str:
         idx_sha = hashlib.sha1(Path(self.indexed.idx_path).read_bytes()).hexdigest()
@@ -221,6 +222,46 @@ class GPTDataset:
         tokens[:take] = np.concatenate(pieces) if pieces else []
         valid = np.zeros(want, dtype=bool)
         valid[:take] = True
+        return tokens, valid
+
+    def _stream(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(doc_cum [D + 1], doc_start [D]) of `epoch`: each document's offset in the epoch's token stream
+        and its token offset in the .bin, in the epoch's document order."""
+        if epoch not in self._streams:
+            doc_idx = np.asarray(self.epoch_indices(epoch)[0])
+            doc_cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
+            np.cumsum(self.indexed.doc_lengths[doc_idx], out=doc_cum[1:])
+            while len(self._streams) >= _KEEP_EPOCHS:
+                self._streams.pop(next(iter(self._streams)))
+            self._streams[epoch] = (doc_cum, self.indexed.doc_starts[doc_idx])
+        return self._streams[epoch]
+
+    def sample_batch(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Global samples `indices` (b of them), equal to stacking `sample`, read with one gather per epoch.
+
+        Returns:
+            tokens int64 [b, s + 1]; valid bool [b, s + 1] (False on EOD padding past the epoch's end).
+        """
+        epochs, js = np.divmod(np.asarray(indices, dtype=np.int64), self.num_samples_per_epoch)
+        want = self.seq_length + 1
+        tokens = np.full((len(js), want), self.eod, dtype=np.int64)
+        valid = np.zeros((len(js), want), dtype=bool)
+        for epoch in np.unique(epochs).tolist():
+            rows = np.flatnonzero(epochs == epoch)
+            doc_cum, doc_start = self._stream(epoch)
+            shuffle_idx = self.epoch_indices(epoch)[2]
+            pos = shuffle_idx[js[rows]][:, None] * self.seq_length + np.arange(want)  # stream positions [r, s + 1]
+            ok = pos < self.num_tokens
+            pos = np.minimum(pos, self.num_tokens - 1)
+            # the document holding each position: the last d with doc_cum[d] <= p ("right" skips empty ones);
+            # searched for the first and last positions, and for all of a sample's only where they differ
+            first = np.searchsorted(doc_cum, pos[:, 0], side="right") - 1
+            last = np.searchsorted(doc_cum, pos[:, -1], side="right") - 1
+            d = np.repeat(first[:, None], want, axis=1)
+            crossing = np.flatnonzero(first != last)
+            d[crossing] = np.searchsorted(doc_cum, pos[crossing], side="right") - 1
+            tokens[rows] = np.where(ok, self.indexed.tokens_at(doc_start[d] + pos - doc_cum[d]), self.eod)
+            valid[rows] = ok
         return tokens, valid
 
     def stream_positions(self, index: int) -> tuple[int, np.ndarray]:

@@ -172,5 +172,10 @@ class IndexedDataset:
         end = int(self.doc_starts[doc] + self.doc_lengths[doc]) if length is None else start + length
         return self._tokens[start:end]
 
+    def tokens_at(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at token offsets `positions` into the .bin (int64, any shape; each in [0, num_tokens)):
+        one gather over the memory map, same shape, the file's dtype."""
+        return self._tokens[positions]
+
     def __getitem__(self, doc: int) -> np.ndarray:
         return self.get_document(doc)
