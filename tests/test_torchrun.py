@@ -1,6 +1,8 @@
 """The user's commands as real processes: `torchrun ... train.py` and `python train.py`.
 
-Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only.
+Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only. A 4-process
+`parallel=tp2pp2` torchrun job equal to `python train.py parallel=tp1pp1`, layout and run folder included, is
+tests/test_e2e_multinode.py's launch (two agents of 2 processes each).
 """
 
 import json
@@ -29,23 +31,6 @@ def _run(cmd, timeout_s=240):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_torchrun_tp2pp2_matches_python_tp1pp1(tmp_path):
-    """`torchrun --nproc_per_node=4 train.py parallel=tp2pp2` == `python train.py parallel=tp1pp1` step by step."""
-    a, b = tmp_path / "tp1pp1", tmp_path / "tp2pp2"
-    ref = _run([sys.executable, "train.py", *TINY, "parallel=tp1pp1", "train.train_iters=5", f"run.dir={a}"])
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    out = _run([*TORCHRUN, "--nproc_per_node=4", "train.py", *TINY, "parallel=tp2pp2", "train.train_iters=5", f"run.dir={b}"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    ra, rb = read_rows(a), read_rows(b)
-    assert len(ra) == len(rb) == 5
-    for x, y in zip(ra, rb):  # DESIGN.md §3 tolerances
-        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
-    layout = json.loads((b / "layout.json").read_text())
-    assert [r["layers"] for r in layout["ranks"]] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert (b / "config.yaml").exists() and (b / "train.log").exists()
-
-
 def test_torchrun_layout_sweep_three_jobs_and_summary(tmp_path):
     """`torchrun --nproc_per_node=2 train.py -m parallel=tp1pp1,tp2pp1,tp1pp2` → three job folders, equal losses, a summary."""
     root = tmp_path / "sweep"
@@ -62,26 +47,43 @@ def test_torchrun_layout_sweep_three_jobs_and_summary(tmp_path):
 
 
 LAUNCH = [sys.executable, "-m", "mptrain.launch", "--standalone"]
+INVALID_CONFIG = [
+    # world size 2 is not divisible by tp 4 × pp 1 (every other §5 combination is checked in-process
+    # by tests/test_config.py; here: the exit code and the one line of a real torchrun job)
+    ("torchrun", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
+    # the README's quiet launcher: the one line is all of stderr
+    ("launch", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
+]
 
 
-@pytest.mark.parametrize(
-    "launcher,nproc,overrides,key",
-    [
-        # world size 2 is not divisible by tp 4 × pp 1 (every other §5 combination is checked in-process
-        # by tests/test_config.py; here: the exit code and the one line of a real torchrun job)
-        ("torchrun", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
-        # the README's quiet launcher: the one line is all of stderr
-        ("launch", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
-    ],
-)
-def test_invalid_config_exits_1_with_one_line_in_all(tmp_path, launcher, nproc, overrides, key):
-    """A start-up config error is the same on every rank: rank 0 alone prints it (not one line per rank)."""
-    t0 = time.monotonic()
-    cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
+@pytest.fixture(scope="module")
+def invalid_config_jobs(tmp_path_factory):
+    """``invalid_config_jobs[launcher]()`` -> (run folder, CompletedProcess, elapsed_s) of the `INVALID_CONFIG` jobs,
+    run side by side in threads (suite time: each launcher's agent imports torch on one core while the other
+    idles; they ran one after another). Each job has its own folder; the commands and the hang guard are the
+    ones the test ran, and each job's elapsed time is measured from its own launch."""
+    root = tmp_path_factory.mktemp("invalid_config")
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
-    out = subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides, f"run.dir={tmp_path}/r"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert time.monotonic() - t0 < 60  # hang guard (the design asks for < 30 s on an idle machine)
+
+    def launch(launcher, nproc, overrides):
+        run_dir = root / launcher / "r"
+        cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
+        t0 = time.monotonic()
+        out = subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides, f"run.dir={run_dir}"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        return run_dir, out, time.monotonic() - t0
+
+    with ThreadPoolExecutor(len(INVALID_CONFIG)) as pool:
+        futures = {launcher: pool.submit(launch, launcher, nproc, overrides)
+                   for launcher, nproc, overrides, _ in INVALID_CONFIG}
+        yield {launcher: f.result for launcher, f in futures.items()}
+
+
+@pytest.mark.parametrize("launcher,nproc,overrides,key", INVALID_CONFIG)
+def test_invalid_config_exits_1_with_one_line_in_all(invalid_config_jobs, launcher, nproc, overrides, key):
+    """A start-up config error is the same on every rank: rank 0 alone prints it (not one line per rank)."""
+    run_dir, out, elapsed = invalid_config_jobs[launcher]()
+    assert elapsed < 60  # hang guard (the design asks for < 30 s on an idle machine)
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and key in errors[0], out.stderr[-2000:]
@@ -89,7 +91,7 @@ def test_invalid_config_exits_1_with_one_line_in_all(tmp_path, launcher, nproc, 
     assert "mptrain/" not in out.stderr and 'train.py", line' not in out.stderr
     if launcher == "launch":
         assert out.stderr.splitlines() == errors, out.stderr[-2000:]
-    assert not (tmp_path / "r").exists()  # nothing written before validation
+    assert not run_dir.exists()  # nothing written before validation
 
 
 RESTART = [*TINY, "parallel=tp2pp1", "train.train_iters=12", "checkpoint.save_interval=4", "run.progress_bar=false"]
@@ -235,10 +237,11 @@ def _has_train_row(text: str, iteration: int) -> bool:
 def stall_jobs(tmp_path_factory):
     """``stall_jobs[name]()`` -> (CompletedProcess, elapsed_s) of the three stall tests' jobs, run side by side in
     threads (suite time: each spends most of its time waiting for a timeout or a sleeping rank; they ran one
-    after another). The slow-rank-0 job starts first; its steps 1-3 must each finish within its 1 s step
-    timeout, so the other two (whose limits are 3 s and 11 s, armed only for the stalled step) start once it
-    recorded iteration 3. Each job has its own folder under ``stall_jobs.root``; the commands, limits and hang
-    guards are the ones the tests ran, and each job's elapsed time is measured from its own launch."""
+    after another). The stalled-rank and stalled-step jobs start first; the slow-rank-0 job's steps 2-3 must each
+    finish within its 1 s step timeout, so it starts once both others recorded iteration 1 (from then on they
+    only wait: a rank sleeping in step 2, its peer in a collective). Each job has its own folder under
+    ``stall_jobs.root``; the commands, limits and hang guards are the ones the tests ran, and each job's elapsed
+    time is measured from its own launch."""
     root = tmp_path_factory.mktemp("stalls")
     slow = root / "slow_rank0"
     slow.mkdir()
@@ -258,17 +261,7 @@ def stall_jobs(tmp_path_factory):
              f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"],
             cwd=ROOT, env={**ENV, "SLOW_S": "3", "STALL_STEP": "4"}, capture_output=True, text=True, timeout=150)
 
-    def after_slow_rank0_step_3(run):
-        def gated():
-            metrics, deadline = slow / "r" / "metrics.jsonl", time.monotonic() + 150
-            while not first.done() and time.monotonic() < deadline:
-                if metrics.exists() and _has_train_row(metrics.read_text(), 3):
-                    break
-                time.sleep(0.1)
-            return timed(run)
-        return gated
-
-    others = {
+    stalled = {
         "stalled_rank": lambda: _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *TINY, "parallel=tp2pp1",
                                       "train.train_iters=6", "train.step_timeout_s=3", "debug.sleep_rank=1",
                                       "debug.sleep_seconds=120", f"run.dir={root}/stalled_rank/r"], timeout_s=100),
@@ -276,9 +269,21 @@ def stall_jobs(tmp_path_factory):
                                       "train.step_timeout_s=1", "debug.sleep_rank=0", "debug.sleep_seconds=120",
                                       f"run.dir={root / 'stalled_step'}"], timeout_s=100),
     }
-    with ThreadPoolExecutor(1 + len(others)) as pool:
-        first = pool.submit(timed, slow_rank0)
-        futures = {"slow_rank0": first, **{name: pool.submit(after_slow_rank0_step_3(run)) for name, run in others.items()}}
+    metrics = {"stalled_rank": root / "stalled_rank" / "r" / "metrics.jsonl",
+               "stalled_step": root / "stalled_step" / "metrics.jsonl"}
+
+    def after_the_stalls_began():
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            if all(futures[name].done() or (path.exists() and _has_train_row(path.read_text(), 1))
+                   for name, path in metrics.items()):
+                break
+            time.sleep(0.1)
+        return timed(slow_rank0)
+
+    with ThreadPoolExecutor(1 + len(stalled)) as pool:
+        futures = {name: pool.submit(timed, run) for name, run in stalled.items()}
+        futures["slow_rank0"] = pool.submit(after_the_stalls_began)
         out = _StallJobs({name: (lambda f=f: f.result()) for name, f in futures.items()})
         out.root = root
         yield out
