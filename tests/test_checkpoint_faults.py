@@ -130,17 +130,19 @@ def test_injected_exception_on_rank_2_of_4_ends_the_job(tmp_path):
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     """python train.py (world 1): SIGTERM after a few iterations -> checkpoint of the last finished step, exit 0."""
     root, run_dir = tmp_path / "ckpt", tmp_path / "run"
-    cmd = [sys.executable, "train.py", *SMALL, "train.train_iters=100000", f"checkpoint.save={root}", f"run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # forked from the tests' preloaded forkserver (procs.py; suite time): the trainer's SIGTERM handling, not
+    # interpreter start-up, is what this test is about
+    proc = start_python(["train.py", *SMALL, "train.train_iters=100000", f"checkpoint.save={root}", f"run.dir={run_dir}"],
+                        cwd=REPO, env=_clean_env())
     try:
         deadline = time.monotonic() + 120  # hang guard only
         metrics = run_dir / "metrics.jsonl"
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, proc.stderr_text()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-3000:]
+        assert proc.wait(timeout=60) == 0, proc.stderr_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
