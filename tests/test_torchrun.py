@@ -31,11 +31,13 @@ def _run(cmd, timeout_s=240):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_torchrun_layout_sweep_three_jobs_and_summary(tmp_path):
+SWEEP = [*TORCHRUN, "--nproc_per_node=2", "train.py", "-m", *TINY, "parallel=tp1pp1,tp2pp1,tp1pp2", "train.train_iters=3"]
+
+
+def test_torchrun_layout_sweep_three_jobs_and_summary(launches):
     """`torchrun --nproc_per_node=2 train.py -m parallel=tp1pp1,tp2pp1,tp1pp2` → three job folders, equal losses, a summary."""
-    root = tmp_path / "sweep"
-    out = _run([*TORCHRUN, "--nproc_per_node=2", "train.py", "-m", *TINY, "parallel=tp1pp1,tp2pp1,tp1pp2",
-                "train.train_iters=3", f"run.dir={root}"], timeout_s=360)
+    out, _ = launches["sweep"]()
+    root = launches.root / "sweep"
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = ["parallel=tp1pp1", "parallel=tp2pp1", "parallel=tp1pp2"]
     losses = [[r["lm_loss"] for r in read_rows(root / j)] for j in jobs]
@@ -56,33 +58,11 @@ INVALID_CONFIG = [
 ]
 
 
-@pytest.fixture(scope="module")
-def invalid_config_jobs(tmp_path_factory):
-    """``invalid_config_jobs[launcher]()`` -> (run folder, CompletedProcess, elapsed_s) of the `INVALID_CONFIG` jobs,
-    run side by side in threads (suite time: each launcher's agent imports torch on one core while the other
-    idles; they ran one after another). Each job has its own folder; the commands and the hang guard are the
-    ones the test ran, and each job's elapsed time is measured from its own launch."""
-    root = tmp_path_factory.mktemp("invalid_config")
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
-
-    def launch(launcher, nproc, overrides):
-        run_dir = root / launcher / "r"
-        cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
-        t0 = time.monotonic()
-        out = subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides, f"run.dir={run_dir}"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-        return run_dir, out, time.monotonic() - t0
-
-    with ThreadPoolExecutor(len(INVALID_CONFIG)) as pool:
-        futures = {launcher: pool.submit(launch, launcher, nproc, overrides)
-                   for launcher, nproc, overrides, _ in INVALID_CONFIG}
-        yield {launcher: f.result for launcher, f in futures.items()}
-
-
 @pytest.mark.parametrize("launcher,nproc,overrides,key", INVALID_CONFIG)
-def test_invalid_config_exits_1_with_one_line_in_all(invalid_config_jobs, launcher, nproc, overrides, key):
+def test_invalid_config_exits_1_with_one_line_in_all(launches, launcher, nproc, overrides, key):
     """A start-up config error is the same on every rank: rank 0 alone prints it (not one line per rank)."""
-    run_dir, out, elapsed = invalid_config_jobs[launcher]()
+    out, elapsed = launches[f"invalid_config_{launcher}"]()
+    run_dir = launches.root / f"invalid_config_{launcher}" / "r"
     assert elapsed < 60  # hang guard (the design asks for < 30 s on an idle machine)
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
@@ -130,9 +110,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
         assert rows == ref_rows
 
 
-def test_stalled_rank_ends_the_job_through_the_step_timeout(stall_jobs):
+def test_stalled_rank_ends_the_job_through_the_step_timeout(launches):
     """`train.step_timeout_s` after the first step: a rank that stalls makes its peers' collectives time out."""
-    out, elapsed = stall_jobs["stalled_rank"]()
+    out, elapsed = launches["stalled_rank"]()
     assert out.returncode != 0
     assert elapsed < 60, elapsed  # the design's bound; the stall alone would last 120 s
     assert "job failed" in out.stderr  # rank 0's collective timed out and it exited at once
@@ -143,16 +123,16 @@ def test_stalled_rank_ends_the_job_through_the_step_timeout(stall_jobs):
     assert "forcefully exiting" not in out.stderr  # torchrun never escalated to SIGKILL
 
 
-def test_stalled_step_ends_the_process_through_the_heartbeat(stall_jobs):
+def test_stalled_step_ends_the_process_through_the_heartbeat(launches):
     """`python train.py` (world 1, so no collective can time out): a step stalled past `train.step_timeout_s` +
     max(10 s, train.step_timeout_s) ends the process with one line and exit 1 (training/watchdog.py)."""
-    out, elapsed = stall_jobs["stalled_step"]()
+    out, elapsed = launches["stalled_step"]()
     assert out.returncode == 1, out.stderr[-3000:]
     assert 11 <= elapsed < 60, elapsed  # the heartbeat's limit is 1 + 10 s; the stall alone would last 120 s
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 0: iteration 2 did not finish within 11 s (train.step_timeout_s=1); "
                       "a peer rank failed or stalled; exiting"], out.stderr[-3000:]
-    assert [r["iteration"] for r in read_rows(stall_jobs.root / "stalled_step")] == [1]  # the first step ran unarmed
+    assert [r["iteration"] for r in read_rows(launches.root / "stalled_step")] == [1]  # the first step ran unarmed
 
 
 _SLOW_RANK0 = '''
@@ -201,12 +181,12 @@ main()
 '''
 
 
-def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(stall_jobs):
+def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(launches):
     """Evaluation and checkpoint saves run under train.timeout_s, not train.step_timeout_s (rank 0 3 s late in
     each at iteration 2, step timeout 1 s: both complete, the job goes on); the step timeout is back in force
     for the next steps (a rank stalled in step 4 ends the job). One run checks both (suite time)."""
-    out, elapsed = stall_jobs["slow_rank0"]()
-    tmp_path = stall_jobs.root / "slow_rank0"
+    out, elapsed = launches["slow_rank0"]()
+    tmp_path = launches.root / "slow_rank0"
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     # the slow evaluation and save at iteration 2 completed, and step 3 ran after them
     assert [(r["split"], r["iteration"]) for r in rows] == [
@@ -217,7 +197,7 @@ def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(
     assert "job failed" in out.stderr, out.stderr[-3000:]  # rank 0's collective timed out at 1 s
 
 
-class _StallJobs(dict):
+class _Launches(dict):
     root: Path
 
 
@@ -234,15 +214,19 @@ def _has_train_row(text: str, iteration: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stall_jobs(tmp_path_factory):
-    """``stall_jobs[name]()`` -> (CompletedProcess, elapsed_s) of the three stall tests' jobs, run side by side in
-    threads (suite time: each spends most of its time waiting for a timeout or a sleeping rank; they ran one
-    after another). The stalled-rank and stalled-step jobs start first; the slow-rank-0 job's steps 2-3 must each
-    finish within its 1 s step timeout, so it starts once both others recorded iteration 1 (from then on they
-    only wait: a rank sleeping in step 2, its peer in a collective). Each job has its own folder under
-    ``stall_jobs.root``; the commands, limits and hang guards are the ones the tests ran, and each job's elapsed
-    time is measured from its own launch."""
-    root = tmp_path_factory.mktemp("stalls")
+def launches(tmp_path_factory):
+    """``launches[name]()`` -> (CompletedProcess, elapsed_s) of this module's jobs that wait more than they compute,
+    run side by side in threads (suite time: they ran one after another). Each job has its own folder under
+    ``launches.root``; the commands, limits and hang guards are the ones the tests ran, and each job's elapsed time
+    is measured from its own launch. Three phases, so that no timed step competes for the cores:
+
+    1. the stalled-rank and stalled-step jobs start; once they recorded iteration 1 they only wait (a rank
+       sleeping in step 2, its peer in a collective, until a timeout or a grace period);
+    2. the slow-rank-0 job starts then: its steps 2-3 must each finish within its 1 s step timeout;
+    3. once it recorded iteration 3 (from then on it only waits too), the layout sweep and the two invalid-config
+       launches start (nothing in them is timed but a hang guard).
+    """
+    root = tmp_path_factory.mktemp("launches")
     slow = root / "slow_rank0"
     slow.mkdir()
     script = slow / "slow_rank0.py"
@@ -261,6 +245,27 @@ def stall_jobs(tmp_path_factory):
              f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"],
             cwd=ROOT, env={**ENV, "SLOW_S": "3", "STALL_STEP": "4"}, capture_output=True, text=True, timeout=150)
 
+    def invalid_config(launcher, nproc, overrides):
+        env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
+        cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
+        run_dir = root / f"invalid_config_{launcher}" / "r"
+        return lambda: subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides,
+                                       f"run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=60)
+
+    def after(rows: dict, run):
+        """``run`` timed, once each job of ``rows`` ({name: (its metrics.jsonl, iteration)}) recorded that train
+        iteration or ended."""
+        def gated():
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:
+                if all(futures[name].done() or (path.exists() and _has_train_row(path.read_text(), iteration))
+                       for name, (path, iteration) in rows.items()):
+                    break
+                time.sleep(0.1)
+            return timed(run)
+        return gated
+
     stalled = {
         "stalled_rank": lambda: _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *TINY, "parallel=tp2pp1",
                                       "train.train_iters=6", "train.step_timeout_s=3", "debug.sleep_rank=1",
@@ -269,21 +274,18 @@ def stall_jobs(tmp_path_factory):
                                       "train.step_timeout_s=1", "debug.sleep_rank=0", "debug.sleep_seconds=120",
                                       f"run.dir={root / 'stalled_step'}"], timeout_s=100),
     }
-    metrics = {"stalled_rank": root / "stalled_rank" / "r" / "metrics.jsonl",
-               "stalled_step": root / "stalled_step" / "metrics.jsonl"}
-
-    def after_the_stalls_began():
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            if all(futures[name].done() or (path.exists() and _has_train_row(path.read_text(), 1))
-                   for name, path in metrics.items()):
-                break
-            time.sleep(0.1)
-        return timed(slow_rank0)
-
-    with ThreadPoolExecutor(1 + len(stalled)) as pool:
+    untimed = {
+        "sweep": lambda: _run([*SWEEP, f"run.dir={root / 'sweep'}"], timeout_s=360),
+        **{f"invalid_config_{launcher}": invalid_config(launcher, nproc, overrides)
+           for launcher, nproc, overrides, _ in INVALID_CONFIG},
+    }
+    with ThreadPoolExecutor(len(stalled) + 1 + len(untimed)) as pool:
         futures = {name: pool.submit(timed, run) for name, run in stalled.items()}
-        futures["slow_rank0"] = pool.submit(after_the_stalls_began)
-        out = _StallJobs({name: (lambda f=f: f.result()) for name, f in futures.items()})
+        futures["slow_rank0"] = pool.submit(after({"stalled_rank": (root / "stalled_rank" / "r" / "metrics.jsonl", 1),
+                                                   "stalled_step": (root / "stalled_step" / "metrics.jsonl", 1)},
+                                                  slow_rank0))
+        for name, run in untimed.items():
+            futures[name] = pool.submit(after({"slow_rank0": (slow / "r" / "metrics.jsonl", 3)}, run))
+        out = _Launches({name: (lambda f=f: f.result()) for name, f in futures.items()})
         out.root = root
         yield out
