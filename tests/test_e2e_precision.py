@@ -1,4 +1,4 @@
-"""Mixed precision through the trainer (`python train.py`, i.e. `run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
+"""Mixed precision through `python train.py` (`run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
 
 1. `precision=fp16` with the default dynamic scaler (initial 2^32, hysteresis 2, growth interval
    1000): the first iterations overflow and are logged as skipped (`skipped_iter: true`,
