@@ -220,11 +220,27 @@ PAIRS = [("tp2pp2-fp16", "tp1pp1-fp32"), ("tp2pp2-fp16", "tp1pp2-fp16"), ("tp2pp
          ("tp2pp1-dp2-zero1-fp32", "tp1pp2vpp2-dp2-zero1"), ("tp2pp1-dp2-zero1-swiglu", "tp1pp2-swiglu-bf16")]
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(src)`` -> the folder holding the checkpoint `_save_task` wrote under SAVE_LAYOUTS[src], saved once per
+    module (suite time: several pairs load the same source; loading only reads the folder)."""
+    done = {}
+
+    def get(src):
+        if src not in done:
+            root = tmp_path_factory.mktemp(src)
+            world, overrides, tp, pp, *vpp = SAVE_LAYOUTS[src]
+            run_distributed(_save_task, world, str(root), overrides, tp, pp, *vpp)
+            done[src] = root
+        return done[src]
+
+    return get
+
+
 @pytest.mark.parametrize("src,dst", PAIRS)
-def test_reshard_exact(tmp_path, src, dst):
+def test_reshard_exact(saved, src, dst):
     """Save under one layout, load under another: every local tensor is exactly the right shard."""
-    world, overrides, tp, pp, *vpp = SAVE_LAYOUTS[src]
-    run_distributed(_save_task, world, str(tmp_path), overrides, tp, pp, *vpp)
+    tmp_path = saved(src)
     assert (tmp_path / "latest").read_text().strip() == "6"
     world, overrides, tp, pp, *vpp = LOAD_LAYOUTS[dst]
     expect_scale = 1024.0 if "precision=fp16" in SAVE_LAYOUTS[src][1] else 2.0**32  # fp32 saves no scaler

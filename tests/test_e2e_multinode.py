@@ -2,7 +2,8 @@
 
 - Multi-node torchrun: two torchrun agents on localhost, each `--nnodes=2 --nproc_per_node=2`, meeting
   through the c10d rendezvous (no --node_rank), form one world of 4 that trains `parallel=tp2pp2`
-  for 3 iterations equal to `parallel=tp1pp1` (DESIGN.md §3 tolerances).
+  for 3 iterations equal to `python train.py parallel=tp1pp1` (DESIGN.md §3 tolerances), and writes its run
+  folder (layout.json, config.yaml, train.log).
 - SLURM: `read_dist_env` maps SLURM's variables (fake environ dicts; the node-list parser faked or
   submitit's), `hydra/launcher=mptrain_slurm` composes, and a sweep through Hydra's submitit
   launcher (its local executor: same plugin, same pickled task, no SLURM) writes one job folder
@@ -20,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_distributed
+from procs import run_python
 from mptrain.errors import ConfigError
 from mptrain.groups import DistEnv, read_dist_env, slurm_first_host
-from train_utils import compose, read_rows, run_job
+from train_utils import compose, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -51,9 +52,10 @@ def test_two_torchrun_nodes_c10d_rendezvous_tp2pp2_matches_tp1pp1(tmp_path):
     outputs = []
     try:
         deadline = time.monotonic() + 240  # hang guard only
-        # the reference on the test pool while the agents start (suite time: the agents' imports leave a core idle)
-        run_distributed(run_job, 1, TINY + ["parallel=tp1pp1", "train.train_iters=3", f"run.dir={ref_dir}"],
-                        timeout_s=180)
+        # the reference, `python train.py parallel=tp1pp1` (a child forked with torch imported, procs.py), while the
+        # agents start (suite time: the agents' imports leave a core idle)
+        ref_out = run_python(["train.py", *TINY, "parallel=tp1pp1", "train.train_iters=3", f"run.dir={ref_dir}"],
+                             cwd=ROOT, env=ENV, timeout=180)
         for proc in nodes:
             out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outputs.append(out)
@@ -62,7 +64,9 @@ def test_two_torchrun_nodes_c10d_rendezvous_tp2pp2_matches_tp1pp1(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    assert ref_out.returncode == 0, ref_out.stderr[-3000:]
     assert [p.returncode for p in nodes] == [0, 0], "\n----\n".join(o[-3000:] for o in outputs)
+    assert (run_dir / "config.yaml").exists() and (run_dir / "train.log").exists()
     layout = json.loads((run_dir / "layout.json").read_text())
     # one world of 4 = 2 agents x 2 workers (one agent alone could not make world 4 with nproc_per_node=2)
     assert layout["world_size"] == 4 and [r["rank"] for r in layout["ranks"]] == [0, 1, 2, 3]

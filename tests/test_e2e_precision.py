@@ -1,4 +1,4 @@
-"""Mixed precision through the trainer (`run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
+"""Mixed precision through `python train.py` (`run(cfg)` → metrics.jsonl / layout.json), tiny model on CPU.
 
 1. `precision=fp16` with the default dynamic scaler (initial 2^32, hysteresis 2, growth interval
    1000): the first iterations overflow and are logged as skipped (`skipped_iter: true`,
@@ -15,21 +15,50 @@
 """
 
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import pytest
 
-from harness import run_distributed
-from train_utils import run_job
+from procs import run_python
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "model.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=4",
         "parallel=tp1pp1"]
+STEPS_DYNAMIC, STEPS_TRACK = 40, 30
+RUNS = {  # name -> overrides of the module's single-process jobs
+    "fp16_dynamic": ["precision=fp16", f"train.train_iters={STEPS_DYNAMIC}", "train.eval_interval=1",
+                     "train.eval_iters=1"],
+    "fp32": [f"train.train_iters={STEPS_TRACK}", "train.eval_interval=null", "precision=fp32"],
+    "bf16": [f"train.train_iters={STEPS_TRACK}", "train.eval_interval=null", "precision=bf16"],
+    # constant 2^12: large enough to keep the tiny model's fp16 grads normal, small enough never to overflow
+    "fp16": [f"train.train_iters={STEPS_TRACK}", "train.eval_interval=null", "precision=fp16", "loss_scaler=constant",
+             "loss_scaler.scale=4096"],
+    "fp16_warmup": ["precision=fp16", "train.train_iters=16", "train.eval_interval=null", "optim.lr_warmup_iters=100"],
+}
 
 
-def _run(tmp_path, name, overrides):
-    run_dir = tmp_path / name
-    run_distributed(run_job, 1, TINY + overrides + [f"run.dir={run_dir}"], timeout_s=300)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    layout = json.loads((run_dir / "layout.json").read_text())
-    return rows, layout
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(name)`` -> (metrics rows, layout.json) of `RUNS` [name]: `python train.py` (a child forked with torch
+    imported, procs.py), world 1, two at a time from the module's first test on (suite time: each job is one
+    process on one core; they ran one after another on the test pool)."""
+    root = tmp_path_factory.mktemp("precision")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def job(name):
+        run_dir = root / name
+        out = run_python(["train.py", *TINY, *RUNS[name], f"run.dir={run_dir}"], cwd=ROOT, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        layout = json.loads((run_dir / "layout.json").read_text())
+        return rows, layout
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(job, name) for name in RUNS}
+        yield lambda name: futures[name].result()
 
 
 def _megatron_scales(skipped, *, initial=2.0**32, hysteresis=2, backoff=0.5, min_scale=1.0):
@@ -48,10 +77,9 @@ def _megatron_scales(skipped, *, initial=2.0**32, hysteresis=2, backoff=0.5, min
     return out
 
 
-def test_fp16_dynamic_from_2_pow_32_skips_backs_off_keeps_weights_then_learns(tmp_path, capsys):
-    steps = 40
-    rows, layout = _run(tmp_path, "fp16_dynamic", ["precision=fp16", f"train.train_iters={steps}",
-                                                   "train.eval_interval=1", "train.eval_iters=1"])
+def test_fp16_dynamic_from_2_pow_32_skips_backs_off_keeps_weights_then_learns(runs, capsys):
+    steps = STEPS_DYNAMIC
+    rows, layout = runs("fp16_dynamic")
     train = [r for r in rows if r["split"] == "train"]
     valid = {r["iteration"]: r["lm_loss"] for r in rows if r["split"] == "valid"}
     assert [r["iteration"] for r in train] == list(range(1, steps + 1))
@@ -79,15 +107,9 @@ def test_fp16_dynamic_from_2_pow_32_skips_backs_off_keeps_weights_then_learns(tm
     assert {(r["param_dtype"], r["main_param_dtype"]) for r in layout["ranks"]} == {("float16", "float32")}
 
 
-def test_30_steps_bf16_and_fp16_constant_track_fp32(tmp_path, capsys):
-    steps = 30
-    common = [f"train.train_iters={steps}", "train.eval_interval=null"]
-    runs = {
-        "fp32": _run(tmp_path, "fp32", common + ["precision=fp32"]),
-        "bf16": _run(tmp_path, "bf16", common + ["precision=bf16"]),
-        # constant 2^12: large enough to keep the tiny model's fp16 grads normal, small enough never to overflow
-        "fp16": _run(tmp_path, "fp16", common + ["precision=fp16", "loss_scaler=constant", "loss_scaler.scale=4096"]),
-    }
+def test_30_steps_bf16_and_fp16_constant_track_fp32(runs, capsys):
+    steps = STEPS_TRACK
+    runs = {name: runs(name) for name in ("fp32", "bf16", "fp16")}
     losses = {k: [r["lm_loss"] for r in rows if r["split"] == "train"] for k, (rows, _) in runs.items()}
     ref = losses["fp32"]
     diffs = {k: max(abs(a - b) for a, b in zip(losses[k], ref)) for k in ("bf16", "fp16")}
@@ -112,10 +134,9 @@ def test_30_steps_bf16_and_fp16_constant_track_fp32(tmp_path, capsys):
     assert {p for p, _ in dtypes["fp32"]} == {"float32"}
 
 
-def test_skipped_fp16_steps_do_not_advance_the_lr_schedule(tmp_path):
+def test_skipped_fp16_steps_do_not_advance_the_lr_schedule(runs):
     """Megatron: a skipped iteration counts toward train_iters but leaves the LR schedule where it was."""
-    rows, _ = _run(tmp_path, "fp16_warmup", ["precision=fp16", "train.train_iters=16", "train.eval_interval=null",
-                                             "optim.lr_warmup_iters=100"])
+    rows, _ = runs("fp16_warmup")
     train = [r for r in rows if r["split"] == "train"]
     first_ok = [r["skipped_iter"] for r in train].index(False)
     assert first_ok >= 2

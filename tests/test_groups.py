@@ -141,9 +141,12 @@ def _fail_on_rank1(rank, world):
     dist.barrier()
 
 
-def test_harness_reports_failing_rank():
+def test_harness_reports_failing_rank(monkeypatch):
+    import harness
     from harness import DistributedTestError
 
+    # rank 0 blocks in the barrier: the pool waits the grace for more errors, then kills it (suite time: 1 s, not 5)
+    monkeypatch.setattr(harness, "_GRACE_S", 1.0)
     with pytest.raises(DistributedTestError, match=r"(?s)rank 1 of 2 failed.*boom on purpose"):
         run_distributed(_fail_on_rank1, 2, timeout_s=60)
     assert run_distributed(_two_layouts_small, 2) == [2.0, 2.0]  # a fresh pool works afterwards

@@ -8,6 +8,7 @@ planner's formulas per rank, part by part.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,10 @@ def test_interleaved_inflight_matches_the_schedule(pp, m):
 def test_json_output_schema_and_table():
     args = ["-m", "mptrain.plan", "model=gpt_1.3b", "precision=bf16", "world_size=4",
             "train.micro_batch_size=1", "train.global_batch_size=16"]
-    out = run_python([*args, "format=json"], cwd=ROOT, timeout=300)
+    # the three commands side by side (suite time: each is one process on one core)
+    with ThreadPoolExecutor(3) as pool:
+        out, table, bad = pool.map(lambda a: run_python(a, cwd=ROOT, timeout=300),
+                                   [[*args, "format=json"], args, [*args, "format=xml"]])
     assert out.returncode == 0, out.stderr
     records = json.loads(out.stdout)
     assert isinstance(records, list) and records
@@ -167,9 +171,7 @@ def test_json_output_schema_and_table():
         assert isinstance(r["fits"], bool) and 0.0 <= r["bubble_fraction"] < 1.0
         assert r["fits"] == (r["memory_gib"]["total"] <= 80)
     assert [r["fits"] for r in records] == sorted((r["fits"] for r in records), reverse=True)
-    table = run_python(args, cwd=ROOT, timeout=300)
     assert table.returncode == 0 and "layouts shown" in table.stdout
-    bad = run_python([*args, "format=xml"], cwd=ROOT, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "format" in bad.stderr
 
 

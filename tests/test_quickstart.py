@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -122,10 +123,48 @@ def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) ->
     return proc.returncode, err
 
 
-def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(tmp_path):
+@pytest.fixture(scope="module")
+def launcher_jobs(tmp_path_factory):
+    """``launcher_jobs[name]()`` -> (folder, what the job returned) for the three real-process tests below, run side
+    by side in threads (suite time: each is mostly fresh interpreters importing torch, and a launcher's agent
+    imports on one core while the other idles; they ran one after another). Each job has its own folder, and the
+    commands and hang guards are the ones the tests ran."""
+    root = tmp_path_factory.mktemp("launcher_jobs")
+    folders = {name: root / name for name in ("ctrl_c_launcher", "ctrl_c_train_py", "fresh_run")}
+    for folder in folders.values():
+        folder.mkdir()
+
+    def ctrl_c_launcher():
+        tmp_path = folders["ctrl_c_launcher"]
+        ck, run_dir = tmp_path / "ck", tmp_path / "run"
+        cmd = _launch(2, [*TINY, "train.train_iters=100000", f"checkpoint.save={ck}", f"run.dir={run_dir}"], tmp_path)
+        return _interrupt_after_rows(cmd, tmp_path, run_dir)
+
+    def ctrl_c_train_py():
+        tmp_path = folders["ctrl_c_train_py"]
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "train.eval_interval=null",
+               "train.train_iters=100000", f"run.dir={run_dir}"]
+        return _interrupt_after_rows(cmd, tmp_path, run_dir)
+
+    def fresh_run():
+        tmp_path = folders["fresh_run"]
+        taken = tmp_path / "outputs" / "tiny-tp2pp1-fp32"
+        taken.mkdir(parents=True)
+        (taken / "config.yaml").write_text("x: 1\n")
+        (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+        return subprocess.run(_launch(2, [*TINY, "train.train_iters=2"], tmp_path), cwd=tmp_path, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+
+    jobs = {"ctrl_c_launcher": ctrl_c_launcher, "ctrl_c_train_py": ctrl_c_train_py, "fresh_run": fresh_run}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        yield {name: (lambda name=name, f=f: (folders[name], f.result())) for name, f in futures.items()}
+
+
+def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(launcher_jobs):
+    tmp_path, (code, err) = launcher_jobs["ctrl_c_launcher"]()
     ck, run_dir = tmp_path / "ck", tmp_path / "run"
-    cmd = _launch(2, [*TINY, "train.train_iters=100000", f"checkpoint.save={ck}", f"run.dir={run_dir}"], tmp_path)
-    code, err = _interrupt_after_rows(cmd, tmp_path, run_dir)
     assert code == 130, err[-3000:]
     last = int((ck / "latest").read_text())
     assert last >= 3 and read_rows(run_dir)[-1]["iteration"] == last
@@ -134,27 +173,21 @@ def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(tmp_path):
                                 f"resume with checkpoint.load={ck}"]
 
 
-def test_ctrl_c_without_checkpoint_save_names_the_key(tmp_path):
+def test_ctrl_c_without_checkpoint_save_names_the_key(launcher_jobs):
+    tmp_path, (code, err) = launcher_jobs["ctrl_c_train_py"]()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "train.eval_interval=null", "train.train_iters=100000",
-           f"run.dir={run_dir}"]
-    code, err = _interrupt_after_rows(cmd, tmp_path, run_dir)
     assert code == 130, err[-3000:]
     last = read_rows(run_dir)[-1]["iteration"]
     assert err.splitlines() == [f"interrupted after iteration {last}: nothing saved; set checkpoint.save=DIR to "
                                 "save when stopped"]
 
 
-def test_launcher_fresh_run_moves_on_and_says_so_once(tmp_path):
+def test_launcher_fresh_run_moves_on_and_says_so_once(launcher_jobs):
     """The default folder (named by the config) holds a run: the fresh run goes to `<dir>-2` and says so once.
     (The same folder given as run.dir= is refused: tests/test_rundir.py; a refusal is printed once under the
     launcher: tests/test_torchrun.py.)"""
+    tmp_path, proc = launcher_jobs["fresh_run"]()
     taken = tmp_path / "outputs" / "tiny-tp2pp1-fp32"
-    taken.mkdir(parents=True)
-    (taken / "config.yaml").write_text("x: 1\n")
-    (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
-    proc = subprocess.run(_launch(2, [*TINY, "train.train_iters=2"], tmp_path), cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [
         "run.dir: outputs/tiny-tp2pp1-fp32 already holds a run; this run writes to outputs/tiny-tp2pp1-fp32-2 "

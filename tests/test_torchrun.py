@@ -1,6 +1,8 @@
 """The user's commands as real processes: `torchrun ... train.py` and `python train.py`.
 
-Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only.
+Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only. A 4-process
+`parallel=tp2pp2` torchrun job equal to `python train.py parallel=tp1pp1`, layout and run folder included, is
+tests/test_e2e_multinode.py's launch (two agents of 2 processes each).
 """
 
 import json
@@ -29,28 +31,13 @@ def _run(cmd, timeout_s=240):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_torchrun_tp2pp2_matches_python_tp1pp1(tmp_path):
-    """`torchrun --nproc_per_node=4 train.py parallel=tp2pp2` == `python train.py parallel=tp1pp1` step by step."""
-    a, b = tmp_path / "tp1pp1", tmp_path / "tp2pp2"
-    ref = _run([sys.executable, "train.py", *TINY, "parallel=tp1pp1", "train.train_iters=5", f"run.dir={a}"])
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    out = _run([*TORCHRUN, "--nproc_per_node=4", "train.py", *TINY, "parallel=tp2pp2", "train.train_iters=5", f"run.dir={b}"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    ra, rb = read_rows(a), read_rows(b)
-    assert len(ra) == len(rb) == 5
-    for x, y in zip(ra, rb):  # DESIGN.md §3 tolerances
-        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
-    layout = json.loads((b / "layout.json").read_text())
-    assert [r["layers"] for r in layout["ranks"]] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert (b / "config.yaml").exists() and (b / "train.log").exists()
+SWEEP = [*TORCHRUN, "--nproc_per_node=2", "train.py", "-m", *TINY, "parallel=tp1pp1,tp2pp1,tp1pp2", "train.train_iters=3"]
 
 
-def test_torchrun_layout_sweep_three_jobs_and_summary(tmp_path):
+def test_torchrun_layout_sweep_three_jobs_and_summary(launches):
     """`torchrun --nproc_per_node=2 train.py -m parallel=tp1pp1,tp2pp1,tp1pp2` → three job folders, equal losses, a summary."""
-    root = tmp_path / "sweep"
-    out = _run([*TORCHRUN, "--nproc_per_node=2", "train.py", "-m", *TINY, "parallel=tp1pp1,tp2pp1,tp1pp2",
-                "train.train_iters=3", f"run.dir={root}"], timeout_s=360)
+    out, _ = launches["sweep"]()
+    root = launches.root / "sweep"
     assert out.returncode == 0, out.stderr[-3000:]
     jobs = ["parallel=tp1pp1", "parallel=tp2pp1", "parallel=tp1pp2"]
     losses = [[r["lm_loss"] for r in read_rows(root / j)] for j in jobs]
@@ -62,26 +49,21 @@ def test_torchrun_layout_sweep_three_jobs_and_summary(tmp_path):
 
 
 LAUNCH = [sys.executable, "-m", "mptrain.launch", "--standalone"]
+INVALID_CONFIG = [
+    # world size 2 is not divisible by tp 4 × pp 1 (every other §5 combination is checked in-process
+    # by tests/test_config.py; here: the exit code and the one line of a real torchrun job)
+    ("torchrun", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
+    # the README's quiet launcher: the one line is all of stderr
+    ("launch", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
+]
 
 
-@pytest.mark.parametrize(
-    "launcher,nproc,overrides,key",
-    [
-        # world size 2 is not divisible by tp 4 × pp 1 (every other §5 combination is checked in-process
-        # by tests/test_config.py; here: the exit code and the one line of a real torchrun job)
-        ("torchrun", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
-        # the README's quiet launcher: the one line is all of stderr
-        ("launch", 2, ["parallel=tp4pp1"], "tensor_model_parallel_size"),
-    ],
-)
-def test_invalid_config_exits_1_with_one_line_in_all(tmp_path, launcher, nproc, overrides, key):
+@pytest.mark.parametrize("launcher,nproc,overrides,key", INVALID_CONFIG)
+def test_invalid_config_exits_1_with_one_line_in_all(launches, launcher, nproc, overrides, key):
     """A start-up config error is the same on every rank: rank 0 alone prints it (not one line per rank)."""
-    t0 = time.monotonic()
-    cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
-    out = subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides, f"run.dir={tmp_path}/r"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert time.monotonic() - t0 < 60  # hang guard (the design asks for < 30 s on an idle machine)
+    out, elapsed = launches[f"invalid_config_{launcher}"]()
+    run_dir = launches.root / f"invalid_config_{launcher}" / "r"
+    assert elapsed < 60  # hang guard (the design asks for < 30 s on an idle machine)
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and key in errors[0], out.stderr[-2000:]
@@ -89,7 +71,7 @@ def test_invalid_config_exits_1_with_one_line_in_all(tmp_path, launcher, nproc, 
     assert "mptrain/" not in out.stderr and 'train.py", line' not in out.stderr
     if launcher == "launch":
         assert out.stderr.splitlines() == errors, out.stderr[-2000:]
-    assert not (tmp_path / "r").exists()  # nothing written before validation
+    assert not run_dir.exists()  # nothing written before validation
 
 
 RESTART = [*TINY, "parallel=tp2pp1", "train.train_iters=12", "checkpoint.save_interval=4", "run.progress_bar=false"]
@@ -128,9 +110,9 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
         assert rows == ref_rows
 
 
-def test_stalled_rank_ends_the_job_through_the_step_timeout(stall_jobs):
+def test_stalled_rank_ends_the_job_through_the_step_timeout(launches):
     """`train.step_timeout_s` after the first step: a rank that stalls makes its peers' collectives time out."""
-    out, elapsed = stall_jobs["stalled_rank"]()
+    out, elapsed = launches["stalled_rank"]()
     assert out.returncode != 0
     assert elapsed < 60, elapsed  # the design's bound; the stall alone would last 120 s
     assert "job failed" in out.stderr  # rank 0's collective timed out and it exited at once
@@ -141,16 +123,16 @@ def test_stalled_rank_ends_the_job_through_the_step_timeout(stall_jobs):
     assert "forcefully exiting" not in out.stderr  # torchrun never escalated to SIGKILL
 
 
-def test_stalled_step_ends_the_process_through_the_heartbeat(stall_jobs):
+def test_stalled_step_ends_the_process_through_the_heartbeat(launches):
     """`python train.py` (world 1, so no collective can time out): a step stalled past `train.step_timeout_s` +
     max(10 s, train.step_timeout_s) ends the process with one line and exit 1 (training/watchdog.py)."""
-    out, elapsed = stall_jobs["stalled_step"]()
+    out, elapsed = launches["stalled_step"]()
     assert out.returncode == 1, out.stderr[-3000:]
     assert 11 <= elapsed < 60, elapsed  # the heartbeat's limit is 1 + 10 s; the stall alone would last 120 s
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 0: iteration 2 did not finish within 11 s (train.step_timeout_s=1); "
                       "a peer rank failed or stalled; exiting"], out.stderr[-3000:]
-    assert [r["iteration"] for r in read_rows(stall_jobs.root / "stalled_step")] == [1]  # the first step ran unarmed
+    assert [r["iteration"] for r in read_rows(launches.root / "stalled_step")] == [1]  # the first step ran unarmed
 
 
 _SLOW_RANK0 = '''
@@ -199,12 +181,12 @@ main()
 '''
 
 
-def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(stall_jobs):
+def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(launches):
     """Evaluation and checkpoint saves run under train.timeout_s, not train.step_timeout_s (rank 0 3 s late in
     each at iteration 2, step timeout 1 s: both complete, the job goes on); the step timeout is back in force
     for the next steps (a rank stalled in step 4 ends the job). One run checks both (suite time)."""
-    out, elapsed = stall_jobs["slow_rank0"]()
-    tmp_path = stall_jobs.root / "slow_rank0"
+    out, elapsed = launches["slow_rank0"]()
+    tmp_path = launches.root / "slow_rank0"
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     # the slow evaluation and save at iteration 2 completed, and step 3 ran after them
     assert [(r["split"], r["iteration"]) for r in rows] == [
@@ -215,7 +197,7 @@ def test_slow_evaluation_and_save_on_one_rank_are_not_timed_by_the_step_timeout(
     assert "job failed" in out.stderr, out.stderr[-3000:]  # rank 0's collective timed out at 1 s
 
 
-class _StallJobs(dict):
+class _Launches(dict):
     root: Path
 
 
@@ -232,14 +214,19 @@ def _has_train_row(text: str, iteration: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stall_jobs(tmp_path_factory):
-    """``stall_jobs[name]()`` -> (CompletedProcess, elapsed_s) of the three stall tests' jobs, run side by side in
-    threads (suite time: each spends most of its time waiting for a timeout or a sleeping rank; they ran one
-    after another). The slow-rank-0 job starts first; its steps 1-3 must each finish within its 1 s step
-    timeout, so the other two (whose limits are 3 s and 11 s, armed only for the stalled step) start once it
-    recorded iteration 3. Each job has its own folder under ``stall_jobs.root``; the commands, limits and hang
-    guards are the ones the tests ran, and each job's elapsed time is measured from its own launch."""
-    root = tmp_path_factory.mktemp("stalls")
+def launches(tmp_path_factory):
+    """``launches[name]()`` -> (CompletedProcess, elapsed_s) of this module's jobs that wait more than they compute,
+    run side by side in threads (suite time: they ran one after another). Each job has its own folder under
+    ``launches.root``; the commands, limits and hang guards are the ones the tests ran, and each job's elapsed time
+    is measured from its own launch. Three phases, so that no timed step competes for the cores:
+
+    1. the stalled-rank and stalled-step jobs start; once they recorded iteration 1 they only wait (a rank
+       sleeping in step 2, its peer in a collective, until a timeout or a grace period);
+    2. the slow-rank-0 job starts then: its steps 2-3 must each finish within its 1 s step timeout;
+    3. once it recorded iteration 3 (from then on it only waits too), the layout sweep and the two invalid-config
+       launches start (nothing in them is timed but a hang guard).
+    """
+    root = tmp_path_factory.mktemp("launches")
     slow = root / "slow_rank0"
     slow.mkdir()
     script = slow / "slow_rank0.py"
@@ -258,17 +245,28 @@ def stall_jobs(tmp_path_factory):
              f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"],
             cwd=ROOT, env={**ENV, "SLOW_S": "3", "STALL_STEP": "4"}, capture_output=True, text=True, timeout=150)
 
-    def after_slow_rank0_step_3(run):
+    def invalid_config(launcher, nproc, overrides):
+        env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
+        cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
+        run_dir = root / f"invalid_config_{launcher}" / "r"
+        return lambda: subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides,
+                                       f"run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=60)
+
+    def after(rows: dict, run):
+        """``run`` timed, once each job of ``rows`` ({name: (its metrics.jsonl, iteration)}) recorded that train
+        iteration or ended."""
         def gated():
-            metrics, deadline = slow / "r" / "metrics.jsonl", time.monotonic() + 150
-            while not first.done() and time.monotonic() < deadline:
-                if metrics.exists() and _has_train_row(metrics.read_text(), 3):
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:
+                if all(futures[name].done() or (path.exists() and _has_train_row(path.read_text(), iteration))
+                       for name, (path, iteration) in rows.items()):
                     break
                 time.sleep(0.1)
             return timed(run)
         return gated
 
-    others = {
+    stalled = {
         "stalled_rank": lambda: _run([*TORCHRUN, "--nproc_per_node=2", "train.py", *TINY, "parallel=tp2pp1",
                                       "train.train_iters=6", "train.step_timeout_s=3", "debug.sleep_rank=1",
                                       "debug.sleep_seconds=120", f"run.dir={root}/stalled_rank/r"], timeout_s=100),
@@ -276,9 +274,18 @@ def stall_jobs(tmp_path_factory):
                                       "train.step_timeout_s=1", "debug.sleep_rank=0", "debug.sleep_seconds=120",
                                       f"run.dir={root / 'stalled_step'}"], timeout_s=100),
     }
-    with ThreadPoolExecutor(1 + len(others)) as pool:
-        first = pool.submit(timed, slow_rank0)
-        futures = {"slow_rank0": first, **{name: pool.submit(after_slow_rank0_step_3(run)) for name, run in others.items()}}
-        out = _StallJobs({name: (lambda f=f: f.result()) for name, f in futures.items()})
+    untimed = {
+        "sweep": lambda: _run([*SWEEP, f"run.dir={root / 'sweep'}"], timeout_s=360),
+        **{f"invalid_config_{launcher}": invalid_config(launcher, nproc, overrides)
+           for launcher, nproc, overrides, _ in INVALID_CONFIG},
+    }
+    with ThreadPoolExecutor(len(stalled) + 1 + len(untimed)) as pool:
+        futures = {name: pool.submit(timed, run) for name, run in stalled.items()}
+        futures["slow_rank0"] = pool.submit(after({"stalled_rank": (root / "stalled_rank" / "r" / "metrics.jsonl", 1),
+                                                   "stalled_step": (root / "stalled_step" / "metrics.jsonl", 1)},
+                                                  slow_rank0))
+        for name, run in untimed.items():
+            futures[name] = pool.submit(after({"slow_rank0": (slow / "r" / "metrics.jsonl", 3)}, run))
+        out = _Launches({name: (lambda f=f: f.result()) for name, f in futures.items()})
         out.root = root
         yield out

@@ -66,10 +66,12 @@ def _tool_main(module: str):
     return importlib.import_module(module).main
 
 
-def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
+def test_walkthrough_runs_as_written(tmp_path, monkeypatch, request):
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
     printed = []  # stdout of each generate command / python block, in order
+    launched = []  # (index in printed, the running torchrun launch)
+    request.addfinalizer(lambda: [proc.kill() for _, proc in launched if proc.poll() is None])
     for kind, text in _blocks():
         if kind == "python":
             buf = io.StringIO()
@@ -85,10 +87,11 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
         elif rest[:2] == ["-m", "mptrain.generate"] and world > 1:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
             launcher = str(Path(sys.executable).with_name("torchrun"))
-            proc = subprocess.run([launcher, *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                  timeout=120)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            printed.append(proc.stdout)
+            # runs while the next commands run (suite time: they read only what earlier commands wrote, and they
+            # leave a core idle); its output takes its place in `printed` once it ended
+            launched.append((len(printed), subprocess.Popen([launcher, *argv[1:]], cwd=tmp_path, env=env,
+                                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            printed.append(None)
         elif rest[:2] == ["-m", "mptrain.generate"]:
             code, out = run_distributed(_generate_task, 1, str(tmp_path), rest[2:])[0]
             assert code == 0, text
@@ -97,6 +100,14 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch):
             assert rest[0] == "-m" and rest[1].startswith("mptrain."), text
             assert _tool_main(rest[1])(rest[2:]) == 0, text
 
+    for index, proc in launched:
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, stderr[-3000:]
+        printed[index] = stdout
     w = tmp_path / "walkthrough"
     # 2 + 3: one run folder, iterations 1-4 at tp2pp2 then 5-8 resumed at tp2pp1; valid rows at 0, 4, 8
     rows = read_rows(w / "runs" / "pretrain")
