@@ -68,6 +68,7 @@ def test_small_suite_rows_and_reference_env():
     cfgs = bc.suite("small", 1)
     assert [c.name for c in cfgs] == ["s_6x384_v65_s256_mb64_do0.2", "s_6x384_v65_s256_mb64", "s_gpt124m_s1024_mb12_do0.1",
                                       "s_gpt11m_s256_mb64", "s_gpt124m_s1024_mb12", "s_gpt1.3b_mb4x4", "s_gpt350m_mb8",
+                                      "s_6x384_v257_s256_mb64_do0.2_real", "s_gpt6.7b_full_mb1x16",
                                       "s_gpt1.3b_mb8x2", "s_gpt1.3b_mb16x1", "s_gpt1.3b_mb16x4"]
     # the table's splits of one global batch (16 × 2048 tokens), and the larger batch of 64 sequences
     assert {c.name: c.global_batch_size for c in cfgs if c.model == "gpt_1.3b"} == {
@@ -85,3 +86,13 @@ def test_small_suite_rows_and_reference_env():
     assert not any(item.startswith("model.compile_layers") for item in o)  # the plain command
     env = bc.reference_env(char)
     assert (env["DROPOUT"], env["VOCAB"]) == ("0.2", "65")
+    # the real-data pair: the same model on mock data and on the shipped corpus (byte tokenizer, 257 ids)
+    real = next(c for c in cfgs if c.name == "s_6x384_v257_s256_mb64_do0.2_real")
+    mock, corpus = (bc.mptrain_overrides(real, v, "/tmp/x") for v in ("default", "default_real"))
+    assert {"data=mock", "data.vocab_size=257", "model.vocab_size=257"} <= set(mock)
+    assert "data=shakespeare" in corpus and "model.vocab_size=257" in corpus
+    assert not any(item.startswith(("data=mock", "data.vocab_size")) for item in corpus)
+    assert [item for item in mock if item not in corpus] == ["data=mock", "data.vocab_size=257"]
+    big = next(c for c in cfgs if c.name == "s_gpt6.7b_full_mb1x16")
+    assert {"model=gpt_6.7b", "model.recompute_granularity=full", "train.micro_batch_size=1",
+            "train.global_batch_size=16"} <= set(bc.mptrain_overrides(big, "default", "/tmp/x"))
