@@ -328,12 +328,16 @@ def _fp8_summaries(rank, world):
     try:
         m = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
         out = {}
+        warnings = {}
         for name, recipe in (("first_last_1", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=1)),
-                             ("auto_filter", Fp8Recipe(emulate=True))):
+                             ("auto_filter", Fp8Recipe(emulate=True)),
+                             ("first_last_9", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=9))):
             chunk = build_model_chunks(m, ParallelConfig(), groups, vocab_size=128)[0]
             s = apply_fp8([chunk], recipe, num_layers=4)
             fp8_on = sorted(n for n, mod in chunk.named_modules() if getattr(mod, "fp8", None) is not None)
             out[name] = (s.fp8, s.below_size_rule, s.bf16_layers, fp8_on, s.describe())
+            warnings[name] = s.warning()
+        out["warnings"] = warnings
         # gpt_1.3b's GEMMs at tp1 (torchao's thresholds): tensorwise converts all four, rowwise only QKV and fc1
         shapes = {"qkv": (6144, 2048), "proj": (2048, 2048), "fc1": (8192, 2048), "fc2": (2048, 8192)}
         out["gpt_1.3b"] = {r: sorted(k for k, sh in shapes.items()
@@ -350,9 +354,19 @@ def test_fp8_first_last_layers_and_size_rule():
     assert (fp8, below, bf16_layers) == (8, 0, [0, 3])
     assert {n.split(".")[2] for n in on} == {"1", "2"} and len(on) == 8  # decoder.layers.<n>.…
     assert "layers 0, 3 (precision.fp8_first_last_layers_bf16=1)" in line
+    assert "emulated: 8 of 16 block linears (3 GEMMs each) in FP8" in line  # the bf16 layers' 8 counted in the total
     fp8, below, _, on, line = out["auto_filter"]
     assert (fp8, below, on) == (0, 16, [])  # h = 64: every GEMM below the thresholds
     assert "16 below the size rule (precision.fp8_gemm_filter=auto)" in line
+    fp8, below, bf16_layers, on, line = out["first_last_9"]
+    assert (fp8, below, bf16_layers, on) == (0, 0, [0, 1, 2, 3], [])
+    assert "emulated: 0 of 16 block linears (3 GEMMs each) in FP8" in line
+    assert out["warnings"] == {
+        "first_last_1": None,
+        "auto_filter": "warning: precision=fp8 with no FP8 GEMM: every block linear is below the size rule "
+                       "(precision.fp8_gemm_filter=auto); set precision.fp8_gemm_filter=none, or use precision=bf16",
+        "first_last_9": "warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=9 keeps all "
+                        "4 layers bf16; set it below 2, or use precision=bf16"}
     assert out["gpt_1.3b"] == {"tensorwise": ["fc1", "fc2", "proj", "qkv"], "rowwise": ["fc1", "qkv"]}
 
 

@@ -319,18 +319,39 @@ class Fp8Summary:
     fp8: int = 0
     below_size_rule: int = 0
     bf16_layers: list = dataclasses.field(default_factory=list)
+    in_bf16_layers: int = 0  # the block linears of `bf16_layers` (kept bf16 by first_last_layers_bf16)
+    num_layers: int = 0  # model.num_layers (global)
 
     def describe(self) -> str:
-        """`` precision=fp8 (tensorwise: 8 of 8 block linears in FP8 ...; bf16: ...)``, for the ``kernels:`` line."""
+        """`` precision=fp8 (tensorwise: 8 of 16 block linears in FP8 ...; bf16: ...)``, for the ``kernels:`` line;
+        the total counts every block linear on this rank, those of the bf16 layers included."""
         r = self.recipe
         kept = [f"{self.below_size_rule} below the size rule (precision.fp8_gemm_filter={r.gemm_filter})"]
         if self.bf16_layers:
             kept.append(f"layers {', '.join(map(str, self.bf16_layers))} (precision.fp8_first_last_layers_bf16="
                         f"{r.first_last_layers_bf16})")
-        total = self.fp8 + self.below_size_rule
+        total = self.fp8 + self.below_size_rule + self.in_bf16_layers
         return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block linears "
                 f"(3 GEMMs each) in FP8 on this rank; bf16: embeddings, output layer, {', '.join(kept)}; MFU is relative to the "
                 "bf16 dense peak)")
+
+    def warning(self) -> Optional[str]:
+        """One ``warning:`` line when no block GEMM of the model runs in FP8, naming the key that caused it;
+        None otherwise. Decided for the whole model, not this rank alone: every layer has the same shapes
+        (the size rule decides alike everywhere), and a rank whose layers are all first/last bf16 layers
+        warns only when every layer of the model is one (2 × first_last_layers_bf16 >= num_layers)."""
+        if self.fp8 > 0:
+            return None
+        r, n = self.recipe, self.recipe.first_last_layers_bf16
+        if self.num_layers and 2 * n >= self.num_layers:
+            return (f"warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16={n} keeps all "
+                    f"{self.num_layers} layers bf16; set it below {(self.num_layers + 1) // 2}, or use precision=bf16")
+        if self.below_size_rule == 0:
+            return None  # this rank holds no block linear to judge by
+        fix = ("set precision.fp8_gemm_filter=none" if r.gemm_filter == "auto"
+               else "the local weight dims (after tensor parallelism) must be multiples of 16")
+        return (f"warning: precision=fp8 with no FP8 GEMM: every block linear is below the size rule "
+                f"(precision.fp8_gemm_filter={r.gemm_filter}); {fix}, or use precision=bf16")
 
 
 def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> Optional[Fp8Summary]:
@@ -355,7 +376,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
         from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
 
     _patch_inductor_min_max_codegen()
-    summary = Fp8Summary(recipe)
+    summary = Fp8Summary(recipe, num_layers=num_layers)
     n = recipe.first_last_layers_bf16
     for model in models:
         layers = getattr(getattr(model, "decoder", None), "layers", None)
@@ -364,6 +385,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
         for key, layer in layers.items():
             if int(key) < n or int(key) >= num_layers - n:
                 summary.bf16_layers.append(int(key))
+                summary.in_bf16_layers += sum(isinstance(m, UsesFp8) for m in layer.modules())
                 continue
             for module in layer.modules():
                 if isinstance(module, UsesFp8):

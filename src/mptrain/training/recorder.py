@@ -136,6 +136,9 @@ class Recorder:
         )
         if built is not None:
             self.log(kernels_line(built))
+            fp8 = getattr(built, "fp8", None)
+            if fp8 is not None and fp8.warning() is not None:
+                self.log(fp8.warning())
         self.log(f"startup: {time.time() - self.t_start:.1f} s to first iteration's setup")
 
     def eval_row(self, split: str, iteration: int, loss: float) -> None:
