@@ -167,9 +167,9 @@ BASE = ["model=tiny", "model.seq_length=32", "train.eval_interval=null",
         "precision.fp8_gemm_filter=none"]
 
 
-def _job(tmp, name, world, overrides, steps=STEPS):
+def _job(tmp, name, world, overrides, steps=STEPS, base=BASE):
     run_dir = tmp / name
-    run_distributed(run_job, world, BASE + overrides + [f"train.train_iters={steps}", f"run.dir={run_dir}"],
+    run_distributed(run_job, world, base + overrides + [f"train.train_iters={steps}", f"run.dir={run_dir}"],
                     timeout_s=300)
     return read_rows(run_dir), run_dir
 
@@ -210,7 +210,8 @@ def test_fp8_resume_is_bitwise_and_switches_to_bf16(tmp_path, reference):
     assert strip(resumed) == strip(ref[2:])  # bitwise: the same floats in metrics.jsonl
     assert "precision changed" not in (resumed_dir / "train.log").read_text()
     bf16, bf16_dir = _job(tmp_path, "bf16", 1, [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2",
-                                                "precision=bf16"])
+                                                "precision=bf16"],
+                          base=[i for i in BASE if not i.startswith("precision.fp8_")])  # fp8-only keys: refused on bf16
     assert [r["iteration"] for r in bf16] == [3, 4] and bf16 != resumed
     assert abs(bf16[0]["lm_loss"] - ref[2]["lm_loss"]) < 0.05  # the same weights, now with bf16 GEMMs
     log = (bf16_dir / "train.log").read_text()
@@ -239,6 +240,14 @@ def test_fp8_error_lines(monkeypatch):
     with pytest.raises(ConfigError, match=r"precision.fp8_recipe") as err:
         _validated(compose(["model=tiny", "precision=fp8", "precision.fp8_recipe=blockwise"]), 1)
     lines.append(str(err.value))
+    for key in ("fp8_recipe=rowwise", "fp8_emulate=true", "fp8_gemm_filter=none", "fp8_first_last_layers_bf16=1"):
+        with pytest.raises(ConfigError) as err:
+            _validated(compose(["model=tiny", "precision=bf16", f"precision.{key}"]), 1)
+        value = key.split("=")[1].replace("true", "True")
+        assert str(err.value) == (f"precision.{key.split('=')[0]}={value} applies only to precision=fp8 "
+                                  "(this run: precision=bf16); set precision=fp8, or drop the key")
+        lines.append(str(err.value))
+    _validated(compose(["model=tiny", "precision=bf16", "precision.fp8_recipe=tensorwise"]), 1)  # the default: no-op
     assert all("\n" not in line and "precision" in line for line in lines), lines
 
 

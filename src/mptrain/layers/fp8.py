@@ -96,9 +96,24 @@ def _quiet_pytree():
 def check_fp8_config(precision) -> None:
     """The ``precision.fp8_*`` keys (pure; `mptrain.training.validate.validate_config`).
 
+    The keys are in every precision's schema (the group has one, `mptrain.config.precision.PrecisionConfig`,
+    registered as ``precision/base_precision``: one typed node whatever the option file), so Hydra accepts
+    them beside any ``precision=``; a value other than the default on a precision other than fp8 would do
+    nothing, and is an error rather than silence.
+
     Raises:
-        ConfigError: unknown ``fp8_recipe`` / ``fp8_gemm_filter``, or ``fp8_first_last_layers_bf16`` < 0.
+        ConfigError: an ``fp8_*`` key set on a precision other than fp8; unknown ``fp8_recipe`` /
+            ``fp8_gemm_filter``, or ``fp8_first_last_layers_bf16`` < 0.
     """
+    if precision.name != "fp8":
+        defaults = Fp8Recipe()
+        for key, default in (("fp8_recipe", defaults.recipe), ("fp8_emulate", defaults.emulate),
+                             ("fp8_gemm_filter", defaults.gemm_filter),
+                             ("fp8_first_last_layers_bf16", defaults.first_last_layers_bf16)):
+            value = getattr(precision, key, default)
+            if value != default:
+                raise ConfigError(f"precision.{key}={value} applies only to precision=fp8 (this run: precision="
+                                  f"{precision.name}); set precision=fp8, or drop the key")
     check_choice("precision.fp8_recipe", precision.fp8_recipe, FP8_RECIPES)
     check_choice("precision.fp8_gemm_filter", precision.fp8_gemm_filter, FP8_GEMM_FILTERS)
     n = precision.fp8_first_last_layers_bf16
