@@ -30,7 +30,7 @@ def _full(key: str, shape: tuple) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _build(rank, world, overrides, tp, pp, vpp=None):
+def _build(rank, world, overrides, tp, pp, vpp=None, vocab_size=VOCAB):
     """(built, groups) with the real model chunks and optimizer wrapper of run.py."""
     from train_utils import compose
 
@@ -40,7 +40,7 @@ def _build(rank, world, overrides, tp, pp, vpp=None):
 
     cfg = as_config(compose(BASE + list(overrides)))
     groups = build_groups(tp, pp, vpp)
-    chunks, optimizer, sched, tracker, scaler = build_model_and_optimizer(cfg, groups, None, vocab_size=VOCAB)
+    chunks, optimizer, sched, tracker, scaler = build_model_and_optimizer(cfg, groups, None, vocab_size=vocab_size)
     built = types.SimpleNamespace(cfg=cfg, groups=groups, chunks=chunks, rng_tracker=tracker, scaler=scaler,
                                   trainer=types.SimpleNamespace(optimizer=optimizer, lr_scheduler=sched))
     return built, groups
@@ -253,11 +253,11 @@ def test_reshard_exact(saved, src, dst):
     assert any("re-derived" in line for line in lines) != same_layout, lines
 
 
-def _mismatch_task(rank, world, root):
+def _mismatch_task(rank, world, root, overrides=("model.num_layers=2", "model.hidden_size=16"), vocab_size=VOCAB):
     from mptrain.checkpoint import maybe_load_checkpoint
     from mptrain.errors import ConfigError
 
-    built, groups = _build(rank, world, [f"checkpoint.load={root}", "model.num_layers=2", "model.hidden_size=16"], 1, 1)
+    built, groups = _build(rank, world, [f"checkpoint.load={root}", *overrides], 1, 1, vocab_size=vocab_size)
     try:
         with pytest.raises(ConfigError) as info:
             maybe_load_checkpoint(built, None)
@@ -273,6 +273,17 @@ def test_different_model_is_a_config_error(tmp_path):
     assert "decoder.layers.0.self_attention" in msg or "decoder.layers.0." in msg
     assert "not in the model: decoder.layers.2." in msg  # layers 2, 3 exist only in the checkpoint
     assert "model.num_layers=4 in the checkpoint vs 2" in msg and "model.hidden_size=32 in the checkpoint vs 16" in msg
+    assert "vocabulary" not in msg and "model.max_position_embeddings=" not in msg  # not a row-only mismatch
+    # another tokenizer's vocabulary (257 rows) and a shorter seq_length: each mismatch names its fix
+    msg = run_distributed(_mismatch_task, 1, str(tmp_path), ("model.seq_length=8",), vocab_size=257)[0]
+    assert "embedding.word_embeddings.weight (checkpoint [100, 32], model [257, 32])" in msg
+    assert "embedding.position_embeddings.weight (checkpoint [16, 32], model [8, 32])" in msg
+    assert ("; the vocabulary (rows of the word embedding and output layer) follows data.tokenizer (or model.vocab_size, "
+            "padded to model.make_vocab_size_divisible_by): use the checkpoint's tokenizer "
+            "(checkpoint.use_checkpoint_args=true, or the same data.tokenizer); ") in msg
+    assert ("; the position embedding has model.max_position_embeddings rows (null = model.seq_length): set "
+            "model.max_position_embeddings=16 (the checkpoint's) to load it at another model.seq_length; ") in msg
+    assert "\n" not in msg
 
 
 # --- folders, latest, keep_last_n (pure file logic) --------------------------------------------------

@@ -357,6 +357,30 @@ def _verified_folder(root: str, folder: Path, cfg, groups, recorder) -> Path:
                       "the file, or set checkpoint.load=null to start fresh")
 
 
+def _row_mismatch_hints(saved: dict, wanted: dict) -> list:
+    """The fix for a table whose rows alone differ (``saved``: ``model/<name>`` -> (shape, ...) of the
+    checkpoint, ``wanted``: -> shape of the model): the vocabulary (word embedding, output layer) follows
+    the tokenizer; the learned position embedding has ``model.max_position_embeddings`` rows."""
+
+    def rows_differ(name: str):
+        key = f"model/{name}"
+        if key not in saved or key not in wanted:
+            return None
+        old, new = tuple(saved[key][0]), tuple(wanted[key])
+        return old[0] if len(old) == len(new) == 2 and old[0] != new[0] and old[1:] == new[1:] else None
+
+    hints = []
+    if rows_differ("embedding.word_embeddings.weight") is not None or rows_differ("output_layer.weight") is not None:
+        hints.append("the vocabulary (rows of the word embedding and output layer) follows data.tokenizer (or "
+                     "model.vocab_size, padded to model.make_vocab_size_divisible_by): use the checkpoint's tokenizer "
+                     "(checkpoint.use_checkpoint_args=true, or the same data.tokenizer)")
+    rows = rows_differ("embedding.position_embeddings.weight")
+    if rows is not None:
+        hints.append(f"the position embedding has model.max_position_embeddings rows (null = model.seq_length): set "
+                     f"model.max_position_embeddings={rows} (the checkpoint's) to load it at another model.seq_length")
+    return hints
+
+
 def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved_cfg: dict, cfg) -> None:
     """ConfigError (on every rank) listing missing / unexpected / mismatched ``model/`` keys.
 
@@ -390,6 +414,7 @@ def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved
     raise ConfigError(
         f"checkpoint.load: {folder} holds a different model; " + "; ".join(parts)
         + (f"; config differs: {', '.join(diffs)}" if diffs else "")
+        + "".join(f"; {hint}" for hint in _row_mismatch_hints(saved, wanted))
         + "; load it with the model it was saved with, or set checkpoint.load=null to start fresh"
     )
 
