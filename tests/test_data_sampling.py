@@ -16,7 +16,7 @@ from mptrain.data import DataError, build_provider, build_tokenizer
 from mptrain.data.provider import GPTDataProvider
 from mptrain.data.blended import BlendedDataset, blend_indices
 from mptrain.data.collate import collate, collate_arrays, read_samples
-from mptrain.data.gpt_dataset import GPTDataset
+from mptrain.data.gpt_dataset import GPTDataset, split_document_ranges
 from mptrain.data.indexed import IndexedDataset
 from mptrain.data.mock import MockDataset
 from mptrain.data.preprocess import preprocess
@@ -356,3 +356,24 @@ def test_indexed_and_blended_sample_batch_equal_the_stacked_samples(corpus, tmp_
     tokens, valid = read_samples(blend, range(40))
     assert np.array_equal(tokens, np.stack([blend.sample(i)[0] for i in range(40)]))
     assert np.array_equal(valid, np.stack([blend.sample(i)[1] for i in range(40)]))
+
+
+def test_split_shorter_than_one_sample_warns_once_per_split(corpus, tmp_path, capsys):
+    cfg = dataclasses.replace(_cfg([corpus["a"]]), cache_dir=str(tmp_path))
+    kw = dict(tokenizer=build_tokenizer(cfg), micro_batch_size=2, global_batch_size=8, dp_rank=0, dp_size=1,
+              needs_data=True)
+    build_provider(cfg, seq_length=SEQ, **kw)
+    assert "warning" not in capsys.readouterr().err
+    lengths = IndexedDataset(corpus["a"]).doc_lengths
+    train_end = split_document_ranges("6,1,1", len(lengths))["train"][1]
+    train_tokens = int(lengths[:train_end].sum())
+    build_provider(cfg, seq_length=train_tokens, **kw)  # train: exactly seq_length tokens, one short of a sample
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"warning: data: the train split of {corpus['a']} has {train_tokens} tokens, fewer than one "
+                      f"sample (model.seq_length + 1 = {train_tokens + 1}): its one sample is mostly padding; lower "
+                      "model.seq_length, or give the split more documents (data.split)")
+    assert [line.split(" split")[0] for line in err] == ["warning: data: the train", "warning: data: the valid",
+                                                        "warning: data: the test"]
+    build_provider(cfg, seq_length=train_tokens - 1, **kw)  # train holds one full sample: valid and test warn
+    assert [line.split(" split")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "warning: data: the valid", "warning: data: the test"]

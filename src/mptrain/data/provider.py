@@ -526,6 +526,12 @@ class IndexedDataProvider(GPTDataProvider):
                        cache_dir=index_cache or self._index_cache(str(indexed.prefix)))
             for _, indexed, doc_range in items
         ]
+        for d in datasets:
+            if d.num_tokens < d.seq_length + 1 and not (dist.is_available() and dist.is_initialized()
+                                                        and dist.get_rank() != 0):  # rank 0: once per job
+                print(f"warning: data: the {split} split of {d.indexed.prefix} has {d.num_tokens} tokens, fewer than "
+                      f"one sample (model.seq_length + 1 = {d.seq_length + 1}): its one sample is mostly padding; "
+                      "lower model.seq_length, or give the split more documents (data.split)", file=sys.stderr)
         if (single if single is not None else len(items) == 1):
             return datasets[0]
         return BlendedDataset(datasets, [w for w, _, _ in items])
