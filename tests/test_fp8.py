@@ -375,8 +375,21 @@ def test_fp8_first_last_layers_and_size_rule():
         "auto_filter": "warning: precision=fp8 with no FP8 GEMM: every block linear is below the size rule "
                        "(precision.fp8_gemm_filter=auto); set precision.fp8_gemm_filter=none, or use precision=bf16",
         "first_last_9": "warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=9 keeps all "
-                        "4 layers bf16; set it below 2, or use precision=bf16"}
+                        "4 layers bf16; set it to at most 1, or use precision=bf16"}
     assert out["gpt_1.3b"] == {"tensorwise": ["fc1", "fc2", "proj", "qkv"], "rowwise": ["fc1", "qkv"]}
+
+
+def test_fp8_with_no_fp8_gemm_warns_in_the_train_log(tmp_path):
+    run_distributed(run_job, 1, ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16",
+                                 "train.train_iters=1", "train.global_batch_size=2", "train.micro_batch_size=2",
+                                 "train.eval_interval=null", "precision=fp8", "precision.fp8_emulate=true",
+                                 "precision.fp8_first_last_layers_bf16=9", f"run.dir={tmp_path}"])
+    log = (tmp_path / "train.log").read_text()
+    assert "precision=fp8 (tensorwise, emulated: 0 of 8 block linears (3 GEMMs each) in FP8" in log
+    warnings = [line for line in log.splitlines() if "warning: precision=fp8" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=9 keeps all 2 layers bf16; "
+        "set it to at most 0, or use precision=bf16"), warnings
 
 
 # --- on an FP8 GPU (marker gpu; skipped elsewhere) ----------------------------------------------

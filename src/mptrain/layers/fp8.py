@@ -360,7 +360,7 @@ class Fp8Summary:
         r, n = self.recipe, self.recipe.first_last_layers_bf16
         if self.num_layers and 2 * n >= self.num_layers:
             return (f"warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16={n} keeps all "
-                    f"{self.num_layers} layers bf16; set it below {(self.num_layers + 1) // 2}, or use precision=bf16")
+                    f"{self.num_layers} layers bf16; set it to at most {(self.num_layers - 1) // 2}, or use precision=bf16")
         if self.below_size_rule == 0:
             return None  # this rank holds no block linear to judge by
         fix = ("set precision.fp8_gemm_filter=none" if r.gemm_filter == "auto"
