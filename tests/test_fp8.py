@@ -491,3 +491,15 @@ def test_gpu_fp8_compiled_mlp_equals_torchao_compiled(recipe):
             assert torch.equal(ours[3], theirs[3])
     finally:
         g.destroy()
+
+
+def test_importing_torchao_for_fp8_prints_nothing():
+    # a fresh interpreter: torchao logs once per process, at its first import (here: the first FP8 cast's lookup)
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = "from mptrain.layers import fp8; fp8._torchao(); import torchao.float8._inductor_patch"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (out.stdout, out.stderr) == ("", "")

@@ -70,7 +70,7 @@ TORCHAO_PIN = "torchao==0.18.0"
 
 def _torchao():
     """The torchao float8 modules, imported on first use (torchao is the optional ``fp8`` extra)."""
-    with _quiet_pytree():
+    with _quiet_torchao_import():
         from torchao.float8 import config, float8_training_tensor, float8_utils
     return config, float8_training_tensor, float8_utils
 
@@ -81,16 +81,20 @@ def _torchao_installed() -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_pytree():
-    """torchao 0.18 registers its enums with torch's pytree on import, which torch >= 2.11 logs as
-    deprecated once per process and rank: noise above a run's first lines, not a problem of the run."""
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
+def _quiet_torchao_import():
+    """Importing torchao logs two kinds of noise above a run's first lines, once per process and rank:
+    torch >= 2.11 calls its enum registration with pytree deprecated, and torchao warns for each compiled
+    extension its wheel has for another Python or GPU (MXFP8, CUTLASS kernels), which the float8 recipes
+    here do not use (they call ``torch._scaled_mm``). Both loggers are quiet below ERROR for the import."""
+    loggers = [logging.getLogger("torch.utils._pytree"), logging.getLogger("torchao")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        pytree_log.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def check_fp8_config(precision) -> None:
@@ -387,7 +391,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
     # what torchao's convert_to_float8_training applies before any float8 kernel is compiled: Inductor's
     # min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
     # transposed fp8 correctly (torchao/float8/_inductor_patch.py, triton-lang/triton#11111)
-    with _quiet_pytree():
+    with _quiet_torchao_import():
         from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
 
     _patch_inductor_min_max_codegen()
