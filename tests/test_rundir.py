@@ -373,3 +373,17 @@ def test_checkpoint_save_inside_run_dir_holding_checkpoints_is_refused_by_the_ru
     assert (d / "config.yaml").read_text() == "x: 1\n"
     assert _single(_cfg(run__dir=str(d), checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"),
                    resuming=True, from_command_line=True) == d
+
+
+def test_planned_default_folder_follows_the_checkpoints_model_name():
+    """`checkpoint.use_checkpoint_args` replaced model.name after `${run.dir}` resolved: the default folder
+    names the checkpoint's model; the save folder inside it moves along, checkpoint.load (already read) stays."""
+    from mptrain.config.schema import as_config
+    from mptrain.training.rundir import follow_checkpoint_model_name, with_planned_run_dir
+
+    planned = with_planned_run_dir(_cfg(checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"))
+    cfg = as_config(planned)
+    cfg.model.name = "llama"
+    follow_checkpoint_model_name(cfg, planned.run.dir)
+    assert (cfg.run.dir, cfg.checkpoint.save, cfg.checkpoint.load) == (
+        "outputs/llama-tp1pp1-fp32", "outputs/llama-tp1pp1-fp32/ck", "outputs/tiny-tp1pp1-fp32/ck")

@@ -48,7 +48,7 @@ from mptrain.training.batch import CheckedProvider
 from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
-from mptrain.training.rundir import checkpoint_save_refusal, with_planned_run_dir
+from mptrain.training.rundir import checkpoint_save_refusal, follow_checkpoint_model_name, with_planned_run_dir
 from mptrain.training.sweep import current_sweep_job
 from mptrain.training.timers import Timers
 from mptrain.training.interrupt import Interrupted, exit_interrupted
@@ -238,8 +238,12 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         ConfigError: marked ``symmetric`` when it depends on the config and the world size only.
     """
     try:
-        cfg = with_planned_run_dir(cfg, current_sweep_job())  # `${run.dir}` resolves to the run folder
-        cfg = apply_checkpoint_args(as_config(cfg))  # the model of checkpoint.load, when it carries one
+        job = current_sweep_job()
+        planned = with_planned_run_dir(cfg, job)  # `${run.dir}` resolves to the run folder, not to "None"
+        default = planned is not cfg and job is None
+        cfg = apply_checkpoint_args(as_config(planned))  # the model of checkpoint.load, when it carries one
+        if default:  # the default folder names the model the run builds (the checkpoint's, when it brings one)
+            follow_checkpoint_model_name(cfg, planned.run.dir)
         derived = validate_config(cfg, world_size)
         check_fp8_environment(cfg.precision)  # torchao, the GPU's FP8 tensor cores: this machine, no collective
     except ConfigError as err:

@@ -70,6 +70,25 @@ def with_planned_run_dir(cfg: Any, sweep_job: Any = None) -> Any:
     return cfg
 
 
+def follow_checkpoint_model_name(cfg: Any, planned: str) -> None:
+    """Rename the planned default folder after `checkpoint.use_checkpoint_args` replaced `model.name`.
+
+    `with_planned_run_dir` names the default folder before the checkpoint's model is known; the
+    folder names the model the run builds (`default_run_dir(cfg)`), so `run.dir` and the literal
+    paths under the planned folder move there (in place). `checkpoint.load` stays: it was read already.
+
+    Args:
+        cfg: the resolved `Config` whose `run.dir` is `planned`.
+        planned: the folder `with_planned_run_dir` set.
+    """
+    new = default_run_dir(cfg)
+    if new == planned:
+        return
+    load = cfg.checkpoint.load
+    _move_paths(cfg, (planned, str(Path(planned).resolve())), new)
+    cfg.checkpoint.load, cfg.run.dir = load, new
+
+
 def config_container(cfg: Any) -> dict:
     """The resolved config as plain containers (`Config` schema applied, keys added with ``+`` kept)."""
     return config_to_container(cfg)
