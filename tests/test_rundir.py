@@ -292,3 +292,98 @@ def test_world2_moved_folder_broadcast_to_every_rank(tmp_path):
     out = run_distributed(_resolve_configured_on_world, 2, str(tmp_path))
     moved = str(tmp_path / "run-2")
     assert out == [(moved, moved, f"{moved}/ck")] * 2
+
+
+def test_run_dir_interpolation_is_the_default_run_folder_and_a_resume_appends_there(tmp_path, monkeypatch):
+    """`checkpoint.save=${run.dir}/ckpt` without run.dir: the checkpoint lands in the default run folder
+    (not `None/ckpt`), config.yaml records that path, and loading it back resumes in the same folder."""
+    from train_utils import compose, read_rows
+
+    from mptrain.training.run import run
+
+    monkeypatch.chdir(tmp_path)
+    base = ["model=tiny", "train.eval_interval=null", "checkpoint.save=${run.dir}/ckpt"]
+    run(compose(base + ["train.train_iters=1"]))
+    d = tmp_path / "outputs" / "tiny-tp1pp1-fp32"
+    assert (d / "ckpt" / "latest").read_text().strip() == "1" and (d / "ckpt" / "iter_0000001").is_dir()
+    saved = yaml.safe_load((d / "config.yaml").read_text())
+    assert (saved["run"]["dir"], saved["checkpoint"]["save"]) == (str(d), "outputs/tiny-tp1pp1-fp32/ckpt")
+    run(compose(base + ["train.train_iters=2", "checkpoint.load=${run.dir}/ckpt"]))
+    assert (d / "ckpt" / "latest").read_text().strip() == "2"
+    assert [r["iteration"] for r in read_rows(d)] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["tiny-tp1pp1-fp32"]
+
+
+def test_run_dir_interpolation_follows_the_default_folder_to_its_free_suffix(tmp_path, monkeypatch):
+    from mptrain.config.schema import as_config
+    from mptrain.training.rundir import with_planned_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    _hold_run(tmp_path / "outputs" / "tiny-tp1pp1-fp32")
+    composed = _cfg(checkpoint__save="${run.dir}/ck")
+    cfg = as_config(with_planned_run_dir(composed))
+    assert composed.run.dir is None  # the caller's config is left alone
+    assert _single(cfg, from_command_line=False) == tmp_path / "outputs" / "tiny-tp1pp1-fp32-2"
+    assert cfg.checkpoint.save == f"{tmp_path}/outputs/tiny-tp1pp1-fp32-2/ck"
+    saved = yaml.safe_load((tmp_path / "outputs" / "tiny-tp1pp1-fp32-2" / "config.yaml").read_text())
+    assert saved["checkpoint"]["save"] == f"{tmp_path}/outputs/tiny-tp1pp1-fp32-2/ck"
+    sweep = SweepJob(root=str(tmp_path / "S"), subdir="precision=bf16", num=0, overrides=(), swept=("precision",))
+    assert as_config(with_planned_run_dir(composed, sweep)).checkpoint.save == f"{tmp_path}/S/precision=bf16/ck"
+
+
+def _other_runs_checkpoints(path: Path) -> None:
+    (path / "iter_0000008").mkdir(parents=True)
+    (path / "latest").write_text("8\n")
+
+
+def test_fresh_run_into_a_checkpoint_save_holding_checkpoints_is_refused_before_writing(tmp_path):
+    """checkpoint.save holding another run's checkpoints, no checkpoint.load: one line, nothing written
+    (no run folder, `latest` untouched); the same folder as checkpoint.load resumes (checked alone here)."""
+    from train_utils import compose
+
+    from mptrain.training.rundir import checkpoint_save_refusal
+    from mptrain.training.run import run
+
+    ck = tmp_path / "ckcopy"
+    _other_runs_checkpoints(ck)
+    with pytest.raises(ConfigError) as err:
+        run(compose(["model=tiny", "train.train_iters=1", f"checkpoint.save={ck}", f"run.dir={tmp_path}/r"]))
+    assert str(err.value) == (f"checkpoint.save={ck} already holds checkpoints (latest = iteration 8) and this run does "
+                              f"not resume from them; resume with checkpoint.load={ck}, or choose an empty "
+                              "checkpoint.save folder")
+    assert not (tmp_path / "r").exists() and (ck / "latest").read_text() == "8\n"
+    assert sorted(p.name for p in ck.iterdir()) == ["iter_0000008", "latest"]
+    assert checkpoint_save_refusal(str(ck), f"{tmp_path}/./ckcopy") is None  # the restart pattern resumes
+    assert checkpoint_save_refusal(str(tmp_path / "empty"), None) is None
+
+
+def test_checkpoint_save_inside_run_dir_holding_checkpoints_is_refused_by_the_run_folder(tmp_path):
+    """A resume from another folder into a run.dir whose `${run.dir}/ck` holds checkpoints: refused on
+    rank 0's folder decision (symmetric), before config.yaml is rewritten."""
+    d = tmp_path / "r"
+    _hold_run(d)
+    _other_runs_checkpoints(d / "ck")
+    cfg = _cfg(run__dir=str(d), checkpoint__save="${run.dir}/ck", checkpoint__load=f"{tmp_path}/other")
+    with pytest.raises(ConfigError) as err:
+        _single(cfg, resuming=True, from_command_line=True)
+    assert err.value.symmetric
+    assert str(err.value).startswith(f"checkpoint.save={d}/ck already holds checkpoints (latest = iteration 8) and "
+                                     f"this run does not resume from them; resume with checkpoint.load={d}/ck")
+    assert (d / "config.yaml").read_text() == "x: 1\n"
+    assert _single(_cfg(run__dir=str(d), checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"),
+                   resuming=True, from_command_line=True) == d
+
+
+def test_planned_default_folder_follows_the_checkpoints_model_name():
+    """`checkpoint.use_checkpoint_args` replaced model.name after `${run.dir}` resolved: the default folder
+    names the checkpoint's model; the save folder inside it moves along, checkpoint.load (already read) stays."""
+    from mptrain.config.schema import as_config
+    from mptrain.training.rundir import follow_checkpoint_model_name, with_planned_run_dir
+
+    planned = with_planned_run_dir(_cfg(checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"))
+    cfg = as_config(planned)
+    cfg.model.name = "llama"
+    follow_checkpoint_model_name(cfg, planned.run.dir)
+    assert (cfg.run.dir, cfg.checkpoint.save, cfg.checkpoint.load) == (
+        "outputs/llama-tp1pp1-fp32", "outputs/llama-tp1pp1-fp32/ck", "outputs/tiny-tp1pp1-fp32/ck")

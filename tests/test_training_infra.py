@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from harness import run_distributed
 from procs import run_python
@@ -235,8 +236,9 @@ APP = textwrap.dedent('''
         from mptrain.training.validate import validate_config
         from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout
         from mptrain.training.metrics import MetricsWriter, TrainRow
-        from mptrain.training.rundir import resolve_run_dir
+        from mptrain.training.rundir import resolve_run_dir, with_planned_run_dir
         from mptrain.training.sweep import JobResult, current_sweep_job
+        cfg = with_planned_run_dir(cfg, current_sweep_job())
         derived = validate_config(cfg, 2)
         if cfg.train.seed == 99:
             raise RuntimeError("injected runtime failure")
@@ -296,6 +298,26 @@ def test_sweep_rerun_into_the_same_root_appends_new_job_numbers(tmp_path):
         (0, "train.seed=1", "completed"), (1, "train.seed=2", "completed"), (2, "train.seed=2", "rejected"),
         (3, "train.seed=3", "completed")]
     assert "sweep job 2 (train.seed=2) rejected" in proc.stderr
+
+
+def test_a_sweep_without_run_dir_gets_a_fresh_root_and_run_dir_is_the_job_folder(tmp_path):
+    """No run.dir: the first sweep writes to outputs/multirun, the second to outputs/multirun-2 (one line
+    says so), and `${run.dir}` in each job's config.yaml is that job's own folder."""
+    args = ("-m", "train.seed=1,2", "train.train_iters=3", "checkpoint.save=${run.dir}/ck")
+    proc, work = _run_app(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr
+    proc, work = _run_app(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert ("sweep: outputs/multirun holds an earlier sweep; this sweep writes to outputs/multirun-2 "
+            "(pick the folder with run.dir=)") in proc.stderr.splitlines()
+    for root in ("multirun", "multirun-2"):
+        summary = json.loads((work / "outputs" / root / "summary.json").read_text())
+        assert [(j["job"], j["dir"], j["status"]) for j in summary["jobs"]] == [
+            (0, "train.seed=1", "completed"), (1, "train.seed=2", "completed")]
+        saved = yaml.safe_load((work / "outputs" / root / "train.seed=2" / "config.yaml").read_text())
+        assert saved["run"]["dir"] == str(work / "outputs" / root / "train.seed=2")
+        assert saved["checkpoint"]["save"] == f"outputs/{root}/train.seed=2/ck"
+    assert sorted(p.name for p in (work / "outputs").iterdir()) == ["multirun", "multirun-2"]
 
 
 def test_sweep_runtime_failure_aborts(tmp_path):

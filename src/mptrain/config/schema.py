@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,11 +55,13 @@ def register() -> None:
     """Register the schemas: `base_config` (primary) and `<group>/base_<group>` for option files.
 
     Also registers the `mptrain_sweep_root` resolver used by conf/config.yaml's `hydra.sweep.dir`
-    (`run.dir`, or `outputs/multirun` when null; see `mptrain.training.sweep`).
+    (`fresh_sweep_root`: `run.dir`, or a fresh `outputs/multirun[-N]` when null; see `mptrain.training.sweep`).
     """
     from hydra.core.config_store import ConfigStore  # Hydra's import only where the entry points register
 
-    OmegaConf.register_new_resolver("mptrain_sweep_root", sweep_root, replace=True)
+    # use_cache: the first resolution of a sweep fixes its root; Hydra copies the cache into every
+    # job's config (`load_sweep_config`), so the jobs do not see their own sweep as an earlier one
+    OmegaConf.register_new_resolver("mptrain_sweep_root", fresh_sweep_root, replace=True, use_cache=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
@@ -67,6 +72,26 @@ def register() -> None:
 def sweep_root(run_dir: Optional[str]) -> str:
     """The sweep root for a `run.dir` value (null → `outputs/multirun`). Also the `mptrain_sweep_root` resolver."""
     return DEFAULT_SWEEP_ROOT if run_dir in (None, "", "None", "null") else str(run_dir)
+
+
+def fresh_sweep_root(run_dir: Optional[str]) -> str:
+    """The `mptrain_sweep_root` resolver: `run.dir` when set (a sweep into it appends to its summary),
+    else the first of `outputs/multirun`, `outputs/multirun-2`, ... that holds no earlier sweep.
+
+    A folder holding nothing but `multirun.yaml` counts as free: Hydra's sweeper writes that file on
+    every rank as the sweep starts, before any job folder or summary exists.
+    """
+    if sweep_root(run_dir) != DEFAULT_SWEEP_ROOT:
+        return sweep_root(run_dir)
+    base = Path(DEFAULT_SWEEP_ROOT)
+    candidate, n = base, 1
+    while candidate.exists() and (not candidate.is_dir() or any(e.name != "multirun.yaml" for e in candidate.iterdir())):
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    if n > 1 and os.environ.get("RANK", "0") == "0":  # torchrun's rank: every rank resolves, rank 0 says it
+        print(f"sweep: {base} holds an earlier sweep; this sweep writes to {candidate} (pick the folder with run.dir=)",
+              file=sys.stderr, flush=True)
+    return str(candidate)
 
 
 def as_config(cfg: Any) -> Config:

@@ -103,7 +103,8 @@ class CheckpointConfig:
 class RunConfig:
     dir: Optional[str] = None
     """Run folder; null = outputs/<model>-<parallel>-<precision> (a sweep: the sweep root,
-    null = outputs/multirun, each job in a subfolder named by its swept keys)."""
+    null = a fresh outputs/multirun[-N], each job in a subfolder named by its swept keys). `${run.dir}`
+    resolves to the folder the run (or the sweep job) uses, also when this is null."""
     progress_bar: Optional[bool] = None
     """Console: a progress bar (true), a plain line per train.log_interval (false); null = a bar on
     interactive terminals only."""

@@ -48,6 +48,8 @@ from mptrain.training.batch import CheckedProvider
 from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
+from mptrain.training.rundir import checkpoint_save_refusal, follow_checkpoint_model_name, with_planned_run_dir
+from mptrain.training.sweep import current_sweep_job
 from mptrain.training.timers import Timers
 from mptrain.training.interrupt import Interrupted, exit_interrupted
 from mptrain.training.step import Trainer, make_forward_step
@@ -236,7 +238,12 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         ConfigError: marked ``symmetric`` when it depends on the config and the world size only.
     """
     try:
-        cfg = apply_checkpoint_args(as_config(cfg))  # the model of checkpoint.load, when it carries one
+        job = current_sweep_job()
+        planned = with_planned_run_dir(cfg, job)  # `${run.dir}` resolves to the run folder, not to "None"
+        default = planned is not cfg and job is None
+        cfg = apply_checkpoint_args(as_config(planned))  # the model of checkpoint.load, when it carries one
+        if default:  # the default folder names the model the run builds (the checkpoint's, when it brings one)
+            follow_checkpoint_model_name(cfg, planned.run.dir)
         derived = validate_config(cfg, world_size)
         check_fp8_environment(cfg.precision)  # torchao, the GPU's FP8 tensor cores: this machine, no collective
     except ConfigError as err:
@@ -269,7 +276,8 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     Raises:
         ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist and is
             not also the save folder (resuming into the folder a job saves to is the usual
-            restart pattern, and starts fresh on the first attempt).
+            restart pattern, and starts fresh on the first attempt); `checkpoint.save` already holds
+            checkpoints and `checkpoint.load` is not that folder (`checkpoint_save_refusal`).
     """
     from pathlib import Path
 
@@ -281,6 +289,12 @@ def _check_checkpoint_paths(cfg: Config) -> None:
             f"checkpoint.load={load} does not exist; fix the path, or set checkpoint.load to the checkpoint.save "
             "folder to resume when it exists and start fresh otherwise"
         )
+    # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands
+    in_run_dir = bool(save and cfg.run.dir) and Path(cfg.run.dir).resolve() in (Path(save).resolve(),
+                                                                                *Path(save).resolve().parents)
+    refusal = None if in_run_dir else checkpoint_save_refusal(save, load)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def exit_on_config_error(err: BaseException) -> NoReturn:

@@ -18,10 +18,16 @@ command line) gives way to the first free `<dir>-2`, `<dir>-3`, ... (one line on
 and why; config values inside the folder, such as `checkpoint.save: ${run.dir}/checkpoints`, move
 with it), so consecutive fresh runs of one command never collide. Anything else is refused with
 one line naming `run.dir`. Nothing is written before `validate_config` passed (it runs first).
+
+A null `run.dir` is set to the planned folder before the config resolves (`with_planned_run_dir`),
+so `${run.dir}` never reads `None`. A `checkpoint.save` that already holds checkpoints the run does
+not resume from is refused (`checkpoint_save_refusal`): before any collective when it lies outside
+`run.dir`, else on rank 0's folder decision, where it lands after a move.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import dataclasses
 import json
@@ -30,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
@@ -41,6 +47,46 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
 def default_run_dir(cfg: Any) -> str:
     """`outputs/<model.name>-<parallel.name>-<precision.name>` (deterministic: same on every rank and rerun)."""
     return f"outputs/{cfg.model.name}-{cfg.parallel.name}-{cfg.precision.name}"
+
+
+def with_planned_run_dir(cfg: Any, sweep_job: Any = None) -> Any:
+    """`cfg` with a null `run.dir` set to the folder the run plans to use, so `${run.dir}` resolves to it.
+
+    The planned folder is the sweep job's `<root>/<subdir>`, else `default_run_dir(cfg)`. Without it
+    an interpolation such as `checkpoint.save: ${run.dir}/ckpt` resolves to the text `None/ckpt`.
+    The folder may still give way to `<dir>-N` (`resolve_run_dir`): literal paths under it move along.
+
+    Args:
+        cfg: the composed config; only a `DictConfig` whose `run.dir` is null is changed (a copy is
+            returned, the caller's object is left alone); a resolved `Config` is returned as is.
+        sweep_job: the `SweepJob` in a multirun, else None.
+    """
+    if not isinstance(cfg, DictConfig) or OmegaConf.select(cfg, "run.dir", throw_on_missing=False) not in (None, ""):
+        return cfg
+    planned = str(sweep_job.dir) if sweep_job is not None else default_run_dir(cfg)
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "run.dir", planned, force_add=True)
+    return cfg
+
+
+def follow_checkpoint_model_name(cfg: Any, planned: str) -> None:
+    """Rename the planned default folder after `checkpoint.use_checkpoint_args` replaced `model.name`.
+
+    `with_planned_run_dir` names the default folder before the checkpoint's model is known; the
+    folder names the model the run builds (`default_run_dir(cfg)`), so `run.dir` and the literal
+    paths under the planned folder move there (in place). `checkpoint.load` stays: it was read already.
+
+    Args:
+        cfg: the resolved `Config` whose `run.dir` is `planned`.
+        planned: the folder `with_planned_run_dir` set.
+    """
+    new = default_run_dir(cfg)
+    if new == planned:
+        return
+    load = cfg.checkpoint.load
+    _move_paths(cfg, (planned, str(Path(planned).resolve())), new)
+    cfg.checkpoint.load, cfg.run.dir = load, new
 
 
 def config_container(cfg: Any) -> dict:
@@ -127,6 +173,31 @@ def free_run_dir(path: str | os.PathLike, *, resuming: bool) -> Path:
     return candidate
 
 
+def checkpoint_save_refusal(save: Optional[str], load: Optional[str]) -> Optional[str]:
+    """The one-line refusal when `checkpoint.save` already holds checkpoints this run does not resume from.
+
+    A fresh run saving there would move `latest` back to its own iteration (pointing at another
+    model) and overwrite that run's `iter_N` folders. Resuming means `checkpoint.load` names the same
+    folder (the restart pattern `checkpoint.save=D checkpoint.load=D`). No side effects.
+
+    Args:
+        save, load: `checkpoint.save` and `checkpoint.load` (null: not set).
+    Returns:
+        None when `save` is unset, missing, holds no `latest` nor complete `iter_N`, or is the load folder.
+    """
+    from mptrain.checkpoint.atomic import list_iterations, read_latest
+
+    if not save or (load and Path(load).resolve() == Path(save).resolve()):
+        return None
+    folder = str(Path(save).resolve())  # `${run.dir}/../ck` before run.dir exists: the folder it will be
+    latest, iterations = read_latest(folder), list_iterations(folder)
+    if latest is None and not iterations:
+        return None
+    held = f"latest = iteration {latest}" if latest is not None else f"iterations {iterations[0]} to {iterations[-1]}"
+    return (f"checkpoint.save={save} already holds checkpoints ({held}) and this run does not resume from them; "
+            f"resume with checkpoint.load={save}, or choose an empty checkpoint.save folder")
+
+
 def _inside(path: Optional[str], folder: Path) -> bool:
     """`path` (e.g. ``checkpoint.load``) is `folder` or lies under it."""
     if not path:
@@ -146,6 +217,14 @@ def run_dir_from_command_line() -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides)
 
 
+def _moved_value(value: Any, olds: tuple, new: str) -> Any:
+    """`value` pointed at `new` when it is one of the `olds` folders or lies under one; else None."""
+    for old in olds:
+        if isinstance(value, str) and value and (value == old or value.startswith(old + "/")):
+            return new + value[len(old):]
+    return None
+
+
 def _move_paths(node: Any, olds: tuple, new: str) -> None:
     """Point every string value equal to one of `olds` or under it at `new` instead (in place; each
     value moves once, so `new` may lie inside an old folder, as a sweep job's does).
@@ -153,10 +232,7 @@ def _move_paths(node: Any, olds: tuple, new: str) -> None:
     Interpolations of a `DictConfig` are left alone: they follow `run.dir` by themselves.
     """
     def moved(value: Any) -> Any:
-        for old in olds:
-            if isinstance(value, str) and value and (value == old or value.startswith(old + "/")):
-                return new + value[len(old):]
-        return None
+        return _moved_value(value, olds, new)
 
     if isinstance(node, (DictConfig, ListConfig)):
         for key in list(node.keys()) if isinstance(node, DictConfig) else range(len(node)):
@@ -288,6 +364,13 @@ def resolve_run_dir(
             refusal = None
             print(f"run.dir: {configured} already holds a run; this run writes to {path} (pick the folder with "
                   f"run.dir=, or resume with checkpoint.load=)", file=sys.stderr, flush=True)
+        if refusal is None:
+            # checkpoint.save where it will be (moved along with the folder): another run's checkpoints there
+            # are refused before anything is written
+            olds = (str(Path(moved_from)), str(Path(moved_from).resolve())) if moved_from is not None else ()
+            save, load = (getattr(cfg.checkpoint, key, None) for key in ("save", "load"))
+            refusal = checkpoint_save_refusal(_moved_value(save, olds, str(path.resolve())) or save,
+                                              _moved_value(load, olds, str(path.resolve())) or load)
         if refusal is None:
             path.mkdir(parents=True, exist_ok=True)
         decision = (str(path.resolve()), refusal, moved_from)

@@ -5,7 +5,8 @@
 Every rank runs Hydra's basic sweeper, so every rank runs the same jobs in the same order in one
 process (the default process group is reused; each job builds and destroys its own groups).
 
-- Sweep root: `run.dir` (null: `outputs/multirun`); Hydra's `hydra.sweep.dir` points there too
+- Sweep root: `run.dir` (null: a fresh `outputs/multirun`, `outputs/multirun-2`, ...,
+  `mptrain.config.schema.fresh_sweep_root`); Hydra's `hydra.sweep.dir` points there too
   (`mptrain_sweep_root` resolver), so the only file Hydra writes, `multirun.yaml`, lands in it.
 - Job folder: `<root>/<swept keys>`, e.g. `parallel=tp2pp1` or `parallel=tp2pp1,precision=bf16`:
   only the keys swept on the command line (or in `hydra.sweeper.params`), sorted, `key=value`
