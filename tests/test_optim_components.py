@@ -165,6 +165,12 @@ def test_rmsprop_from_overrides_is_built_with_mapped_and_own_keywords():
 BAD = [
     (["optim._target_=no_such_pkg.Opt"], "optim._target_=no_such_pkg.Opt does not import"),
     (["optim._target_=torch.nn.Linear"], "optim._target_=torch.nn.Linear is not a valid optimizer: it lacks step"),
+    (["optim._target_=torch.optim"], r"^optim._target_=torch.optim is a module, not a class or function; name one in "
+                                     r"it \(torch.optim.Name\)$"),
+    (["optim._target_=math.pi"], r"^optim._target_=math.pi is not callable \(float\)"),
+    (["optim.lr_scheduler._target_=torch.optim"], "^optim.lr_scheduler._target_=torch.optim is a module"),
+    (["loss_scaler._target_=math"], r"^loss_scaler._target_=math is a module, not a class or function; name one in it "
+                                    r"\(math.Name\)$"),
     (["+optim.foo=1"], "optim.foo: torch.optim.Adam takes no keyword 'foo'"),
     (RMSPROP[:1] + ["+optim.alpha=abc"], "optim: torch.optim.RMSprop rejected its arguments"),
     (["optim.lr=-1"], "optim.lr=-1.0 must be >= 0"),
@@ -184,6 +190,8 @@ BAD = [
     (["loss_scaler._target_=torch.nn.Linear"], "loss_scaler._target_=torch.nn.Linear is not a valid loss scaler"),
     (["loss_scaler=constant", "+loss_scaler.foo=1"], "loss_scaler.foo: .*ConstantLossScaler takes no keyword 'foo'"),
     (["precision=fp16", "loss_scaler=none"], "loss_scaler: precision=fp16 with loss_scaler=none"),
+    (["precision=fp16", "loss_scaler.initial_scale=-1"], "^loss_scaler: initial_scale=-1.0 must be > 0"),
+    (["precision=fp16", "loss_scaler.max_consecutive_skips=-1"], "^loss_scaler.max_consecutive_skips=-1 must be >= 0"),
     (["precision._target_=no_such_pkg.W"], "precision._target_=no_such_pkg.W does not import"),
     (["precision._target_=torch.nn.Linear"], "precision._target_=torch.nn.Linear is not a valid optimizer wrapper"),
     (["precision=bf16", "precision._target_=test_optim_components.CountingWrapper",

@@ -186,3 +186,16 @@ def test_check_dry_run_on_meta_matches_planner():
     assert worst < 1e-9 and "worst" in text  # no DP padding at dp 1: exact
     for f in facts:
         assert f["measured"]["num_params"] == f["planned_num_params"]
+
+
+@pytest.mark.parametrize("override, line", [
+    ("top=-1", "top=-1 must be >= 1 (rows of the table), or top=null for all of them"),
+    ("hardware.gpu_memory_gib=-1", "hardware.gpu_memory_gib=-1.0 must be > 0"),
+    ("hardware.assumed_mfu=1.5", "hardware.assumed_mfu=1.5 must be in (0, 1] and hardware.gpus_per_node=8 >= 1"),
+])
+def test_bad_plan_numbers_are_one_line(override, line):
+    from mptrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _plan(["model=tiny", "world_size=2", override])
+    assert str(err.value) == line

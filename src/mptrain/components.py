@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
+import types
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from mptrain.errors import ConfigError
@@ -87,7 +89,8 @@ def import_target(key: str, target: Any) -> Callable:
     """The object a dotted path names (``pkg.module.Name`` or ``pkg.module.Outer.Name``).
 
     Raises:
-        ConfigError: no ``_target_``, or the path does not import (naming ``key._target_``).
+        ConfigError: no ``_target_``, the path does not import, or it names a module or another value that
+            cannot be called (naming ``key._target_``).
     """
     if callable(target) and not isinstance(target, str):
         return target
@@ -112,9 +115,22 @@ def import_target(key: str, target: Any) -> Callable:
         except AttributeError:
             raise ConfigError(f"{key}._target_={target}: module {module_name} has no {'.'.join(attrs)}; "
                               "fix the dotted path (module.Name)") from None
-        return obj
+        return _callable_target(key, target, obj)
+    if len(parts) == 1 and target.isidentifier() and importlib.util.find_spec(target) is not None:
+        _callable_target(key, target, importlib.import_module(target))  # "math": a module, not module.Name
     raise ConfigError(f"{key}._target_={target} does not import (no module {parts[0]!r}); fix the dotted path "
                       "(module.Name) or make the package importable (pip install -e, or PYTHONPATH)")
+
+
+def _callable_target(key: str, target: str, obj: Any) -> Callable:
+    """`obj` when it can be a ``_target_`` (a class or function); a module or any other value is one line."""
+    if isinstance(obj, types.ModuleType):
+        raise ConfigError(f"{key}._target_={target} is a module, not a class or function; name one in it "
+                          f"({target}.Name)")
+    if not callable(obj):
+        raise ConfigError(f"{key}._target_={target} is not callable ({type(obj).__name__}); name a class or "
+                          "function (module.Name)")
+    return obj
 
 
 def _first_line(err: BaseException) -> str:

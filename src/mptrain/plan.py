@@ -38,8 +38,8 @@ def plan_from_config(cfg: Any) -> tuple:
     """(PlanConfig object, ranked records) for a composed `plan` config (DictConfig or PlanConfig).
 
     Raises:
-        ConfigError: unknown format, world_size < 1, the tokenizer's vocab larger than the model's,
-            or no valid layout.
+        ConfigError: unknown format, world_size < 1, top < 1, a hardware number out of range, the
+            tokenizer's vocab larger than the model's, or no valid layout.
     """
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 
@@ -48,6 +48,14 @@ def plan_from_config(cfg: Any) -> tuple:
         raise ConfigError(f"format={c.format!r} is not one of {list(FORMATS)}; use format=table or format=json")
     if c.world_size < 1:
         raise ConfigError(f"world_size={c.world_size} must be >= 1")
+    if c.top is not None and c.top < 1:
+        raise ConfigError(f"top={c.top} must be >= 1 (rows of the table), or top=null for all of them")
+    for key in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_per_s", "inter_node_gb_per_s"):
+        if getattr(c.hardware, key) <= 0:
+            raise ConfigError(f"hardware.{key}={getattr(c.hardware, key)} must be > 0")
+    if not 0 < c.hardware.assumed_mfu <= 1 or c.hardware.gpus_per_node < 1:
+        raise ConfigError(f"hardware.assumed_mfu={c.hardware.assumed_mfu} must be in (0, 1] and "
+                          f"hardware.gpus_per_node={c.hardware.gpus_per_node} >= 1")
     vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
     return c, plan(c, c.world_size, c.hardware, vocab_size=vocab_size)
 

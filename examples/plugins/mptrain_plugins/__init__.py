@@ -3,7 +3,7 @@
 Put this folder on the path (``PYTHONPATH=examples/plugins`` or ``pip install -e examples/plugins``)
 and pick a component from the command line, e.g.::
 
-    torchrun --nproc_per_node=4 train.py parallel=tp2pp2 schedule._target_=mptrain_plugins.schedules.forward_backward_my_gpipe
+    torchrun --nproc_per_node=4 train.py parallel=tp2pp2 schedule._target_=mptrain_plugins.schedules.my_gpipe
 
 Each module holds one kind; `docs/COMPONENTS.md` gives each kind's interface.
 """

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.components import ComponentKind
+from mptrain.errors import ConfigError
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.optim.builders import param_groups as build_param_groups
 from mptrain.precision.clip_grads import (
@@ -136,6 +137,17 @@ class StepStats:
     def result(self) -> StepResult:
         """Read `values` (a host sync) and `settle`: for callers without a buffer of their own."""
         return self._result if self._result is not None else self.settle(self.values.tolist())
+
+
+def check_max_consecutive_skips(max_consecutive_skips: int) -> None:
+    """``loss_scaler.max_consecutive_skips`` is >= 0 (0 = never end the run on skipped steps); pure.
+
+    Raises:
+        ConfigError: a negative value (one line naming the key).
+    """
+    if int(max_consecutive_skips) < 0:
+        raise ConfigError(f"loss_scaler.max_consecutive_skips={max_consecutive_skips} must be >= 0 "
+                          "(0 = never end the run on skipped steps)")
 
 
 class TooManySkippedStepsError(RuntimeError):

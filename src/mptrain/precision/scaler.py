@@ -123,6 +123,7 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int,
     ) -> None:
         checks = (
+            (initial_scale > 0, f"loss_scaler: initial_scale={initial_scale} must be > 0"),
             (min_scale > 0, f"loss_scaler: min_scale={min_scale} must be > 0"),
             (min_scale <= initial_scale, f"loss_scaler: min_scale={min_scale} must be <= initial_scale={initial_scale}"),
             (growth_factor > 1.0, f"loss_scaler: growth_factor={growth_factor} must be > 1"),

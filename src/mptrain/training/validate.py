@@ -36,6 +36,7 @@ from mptrain.optim.builders import check_optimizer
 from mptrain.optim.lr_scheduler import check_lr_scheduler
 from mptrain.precision import params_dtype
 from mptrain.precision.scaler import build_loss_scaler, scaler_label
+from mptrain.precision.optimizer import check_max_consecutive_skips
 from mptrain.schedules import PipelineLayout, resolve_schedule
 from mptrain.training.loggers import check_logger_config
 from mptrain.training.faults import check_fault_config
@@ -125,6 +126,7 @@ def resolve_loss_scaler(cfg: Config) -> str:
     params_dtype(cfg.precision.name)
     check_fp8_config(cfg.precision)
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
+    check_max_consecutive_skips(cfg.loss_scaler.max_consecutive_skips)
     check_lr_scheduler(cfg.optim, cfg.train.train_iters, optimizer=check_optimizer(cfg.optim))
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
     return label
