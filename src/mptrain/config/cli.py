@@ -179,16 +179,17 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config") -> O
 
 
 def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *,
-                          grace_s: float = CONFIG_ERROR_GRACE_S) -> None:
+                          grace_s: float = CONFIG_ERROR_GRACE_S, config_name: str = "config") -> None:
     """`compose_error` on ``sys.argv[1:]``: rank 0 prints ``error: ...`` and every rank exits 1
     (`report_and_exit`, the same command line on every rank); returns when the command line composes.
+    ``config_name``: the top config (``config`` for training, ``plan`` for the planner).
 
     The rank and world size come from torchrun's ``RANK`` / ``WORLD_SIZE`` (or SLURM's
     ``SLURM_PROCID`` / ``SLURM_NTASKS``) directly: nothing else of the launch is needed to report.
     """
     import sys
 
-    message = compose_error(sys.argv[1:] if argv is None else argv, config_dir)
+    message = compose_error(sys.argv[1:] if argv is None else argv, config_dir, config_name)
     if message is None:
         return
     try:
