@@ -153,10 +153,10 @@ def test_interleaved_inflight_matches_the_schedule(pp, m):
 def test_json_output_schema_and_table():
     args = ["-m", "mptrain.plan", "model=gpt_1.3b", "precision=bf16", "world_size=4",
             "train.micro_batch_size=1", "train.global_batch_size=16"]
-    # the three commands side by side (suite time: each is one process on one core)
-    with ThreadPoolExecutor(3) as pool:
-        out, table, bad = pool.map(lambda a: run_python(a, cwd=ROOT, timeout=300),
-                                   [[*args, "format=json"], args, [*args, "format=xml"]])
+    # the four commands side by side (suite time: each is one process on one core)
+    with ThreadPoolExecutor(4) as pool:
+        out, table, bad, nope = pool.map(lambda a: run_python(a, cwd=ROOT, timeout=300),
+                                         [[*args, "format=json"], args, [*args, "format=xml"], [*args, "model=nope"]])
     assert out.returncode == 0, out.stderr
     records = json.loads(out.stdout)
     assert isinstance(records, list) and records
@@ -173,6 +173,8 @@ def test_json_output_schema_and_table():
     assert [r["fits"] for r in records] == sorted((r["fits"] for r in records), reverse=True)
     assert table.returncode == 0 and "layouts shown" in table.stdout
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "format" in bad.stderr
+    assert nope.returncode == 1 and nope.stderr.strip().count("\n") == 0
+    assert nope.stderr.startswith("error: model=nope: In 'plan': Could not find 'model/nope'; Available options")
 
 
 def test_check_dry_run_on_meta_matches_planner():

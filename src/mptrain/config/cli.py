@@ -139,10 +139,12 @@ def _message(err: BaseException, overrides: list, config_dir: str, config_name: 
     if several:
         group, option = several.groups()
         return f"+{group}={option}: {group} is selected already; select another option with {group}={option} (no +)"
-    missing = re.search(r"Could not find '([^'/]+)/[^']*'", line)
+    missing = re.search(r"Could not find '([^'/]+)/([^']*)'", line)
     if missing:  # a config group's option: Hydra's line lists the options (the fix)
-        group = missing.group(1)
+        group, option = missing.groups()
         named = [o for o in overrides if _key(o) in (group, group.replace("/", "."))]
+        # the override that names the missing option (a group given twice: the other one is fine)
+        named = [o for o in named if o.split("=", 1)[-1] == option] or named[-1:]
         return f"{named[0]}: {line}" if named else line
     if "requires --multirun" in line:
         return line  # Hydra's words name the fix
