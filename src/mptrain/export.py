@@ -356,7 +356,7 @@ def special_ids(meta: dict, eod: Optional[int]) -> tuple:
     """(bos_token_id, eos_token_id) for config.json: the imported model's own (`hf_record`), else the
     tokenizer's EOD for both (GPT-2's convention: one <|endoftext|> separates documents, and training
     saw EOD between documents and nothing else)."""
-    hf = hf_record(meta) or {}
+    hf = hf_record(meta)
     bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
     return (eod if bos is None else bos, eod if eos is None else eos)
 
@@ -633,6 +633,17 @@ def _load_one(folder: Path, metadata, key: str, dtype: torch.dtype) -> torch.Ten
     return full.to(dtype)
 
 
+def check_max_shard_size(max_shard_size_mb: float) -> None:
+    """``--max-shard-size-mb`` is > 0 (MB per safetensors shard).
+
+    Raises:
+        ConfigError: 0, negative or NaN (one line), which would cut one shard per tensor (NaN: none).
+    """
+    if not max_shard_size_mb > 0:
+        raise ConfigError(f"export --max-shard-size-mb={max_shard_size_mb:g}: must be > 0 (MB per safetensors "
+                          "shard, default 5000); pass a positive size")
+
+
 def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, dtype: Optional[str] = None,
               model_type: Optional[str] = None, max_shard_size_mb: float = 5000) -> tuple[Path, list]:
     """Write a Hugging Face folder (GPT-2, or Llama / Mistral / Qwen2) that ``AutoModelForCausalLM`` loads.
@@ -651,13 +662,14 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
         (the folder, notes for the user).
     Raises:
         ConfigError: the architecture has no Hugging Face family here, or ``model_type`` does not fit it
-            (one line naming --hf-model-type); ``max_shard_size_mb`` is not > 0.
+            (one line naming --hf-model-type); ``max_shard_size_mb`` is not > 0 (`check_max_shard_size`).
     """
     from safetensors.torch import save_file
 
     from mptrain.export_tokenizer import write_tokenizer_files
     from mptrain.hf_models import LLAMA_LIKE, hf_config_from_model, llama_export, llama_like_family
 
+    check_max_shard_size(max_shard_size_mb)
     folder = checkpoint_folder(checkpoint, iteration)
     meta = atomic_meta(folder)
     model = meta["config"]["model"]
@@ -697,8 +709,6 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
         layout.append((name, {k: v.numel() * out_dtype.itemsize for k, v in mapped.items()}))
     shards, current, size = [], [], 0
     limit = max_shard_size_mb * 1_000_000
-    if not limit > 0:
-        raise ConfigError(f"export --max-shard-size-mb={max_shard_size_mb}: must be > 0; pass a positive size")
     for name, sizes in layout:
         if current and size + sum(sizes.values()) > limit:
             shards.append(current)
@@ -806,9 +816,7 @@ def main(argv: Optional[list] = None) -> int:
         if args.hf_model_type is not None and args.format != "hf":
             raise ConfigError(f"export --hf-model-type={args.hf_model_type} applies to --format hf only (this is "
                               f"--format {args.format}); drop --hf-model-type or pass --format hf")
-        if not args.max_shard_size_mb > 0:  # 0 or less would cut one shard per tensor (or NaN: none)
-            raise ConfigError(f"export --max-shard-size-mb={args.max_shard_size_mb:g}: must be > 0 (MB per safetensors "
-                              "shard, default 5000); pass a positive size")
+        check_max_shard_size(args.max_shard_size_mb)
         check_new_output(Path(args.output), "export")
         if args.format == "hf-gpt2":
             out, notes = export_hf_gpt2(args.checkpoint, args.output, args.iteration)

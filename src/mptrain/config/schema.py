@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +17,7 @@ from mptrain.config.parallel import ParallelConfig
 from mptrain.config.precision import LossScalerConfig, PrecisionConfig
 from mptrain.config.schedule import ScheduleConfig
 from mptrain.config.train import CheckpointConfig, DebugConfig, LoggerConfig, RunConfig, TrainConfig
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, launch_rank_and_world
 
 DEFAULT_SWEEP_ROOT = "outputs/multirun"
 
@@ -88,7 +87,7 @@ def fresh_sweep_root(run_dir: Optional[str]) -> str:
     while candidate.exists() and (not candidate.is_dir() or any(e.name != "multirun.yaml" for e in candidate.iterdir())):
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
-    if n > 1 and os.environ.get("RANK", "0") == "0":  # torchrun's rank: every rank resolves, rank 0 says it
+    if n > 1 and launch_rank_and_world()[0] == 0:  # the launcher's rank: every rank resolves, rank 0 says it
         print(f"sweep: {base} holds an earlier sweep; this sweep writes to {candidate} (pick the folder with run.dir=)",
               file=sys.stderr, flush=True)
     return str(candidate)

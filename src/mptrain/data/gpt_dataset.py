@@ -155,12 +155,17 @@ class GPTDataset:
         return f"{Path(self.indexed.prefix).name}-{self.split}-{hashlib.md5(text.encode()).hexdigest()[:16]}"
 
     # --- indices -----------------------------------------------------------------------------
+    def _doc_cum(self, doc_idx: np.ndarray) -> np.ndarray:
+        """int64 [D + 1]: the stream offset of each document of `doc_idx` (in that order), then the total."""
+        doc_cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
+        np.cumsum(self.indexed.doc_lengths[doc_idx], out=doc_cum[1:])
+        return doc_cum
+
     def _build_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         docs = np.arange(self.doc_begin, self.doc_end, dtype=np.int64)
         rng = _rng(self.seed, self.split, epoch)
         doc_idx = rng.permutation(docs) if self.shuffle else docs
-        doc_cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)  # stream offset of each document
-        np.cumsum(self.indexed.doc_lengths[doc_idx], out=doc_cum[1:])
+        doc_cum = self._doc_cum(doc_idx)
         n = self.num_samples_per_epoch
         starts = np.arange(n + 1, dtype=np.int64) * self.seq_length
         # The document holding stream position p: the last d with doc_cum[d] <= p (empty
@@ -229,8 +234,7 @@ class GPTDataset:
         and its token offset in the .bin, in the epoch's document order."""
         if epoch not in self._streams:
             doc_idx = np.asarray(self.epoch_indices(epoch)[0])
-            doc_cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
-            np.cumsum(self.indexed.doc_lengths[doc_idx], out=doc_cum[1:])
+            doc_cum = self._doc_cum(doc_idx)
             while len(self._streams) >= _KEEP_EPOCHS:
                 self._streams.pop(next(iter(self._streams)))
             self._streams[epoch] = (doc_cum, self.indexed.doc_starts[doc_idx])

@@ -259,6 +259,13 @@ def empty_split_reason(data_cfg: Any, split: str) -> str:
     return f"data._target_={target} provides no {split} split"
 
 
+def _warn_on_rank0(line: str) -> None:
+    """Print a data warning to stderr on rank 0 only (or without a process group): rank 0 builds the
+    datasets first, then every rank that reads data builds them again, and a warning is said once per job."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        print(line, file=sys.stderr)
+
+
 class GPTDataProvider:
     """The shipped providers' common part: per-split datasets of `sample(i) -> (tokens [s+1], valid [s+1])`,
     the Megatron sampler, collation, and the collective construction (module docstring).
@@ -491,9 +498,8 @@ class IndexedDataProvider(GPTDataProvider):
         if indexed.num_documents == 0:
             raise DataError(f"{prefix}.idx: no documents; re-run preprocessing on a non-empty corpus")
         warning = check_tokenizer_record(prefix, self.tokenizer)
-        # rank 0 builds first, then every rank that reads data builds again: rank 0 alone says it, once per job
-        if warning is not None and not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-            print(warning, file=sys.stderr)
+        if warning is not None:
+            _warn_on_rank0(warning)
         # Ids the tokenizer cannot produce mean the data was made with another tokenizer: the
         # embedding would index out of range (tp 1) or silently mask them (tp > 1).
         max_id = indexed.max_token_id()
@@ -527,11 +533,10 @@ class IndexedDataProvider(GPTDataProvider):
             for _, indexed, doc_range in items
         ]
         for d in datasets:
-            if d.num_tokens < d.seq_length + 1 and not (dist.is_available() and dist.is_initialized()
-                                                        and dist.get_rank() != 0):  # rank 0: once per job
-                print(f"warning: data: the {split} split of {d.indexed.prefix} has {d.num_tokens} tokens, fewer than "
-                      f"one sample (model.seq_length + 1 = {d.seq_length + 1}): its one sample is mostly padding; "
-                      "lower model.seq_length, or give the split more documents (data.split)", file=sys.stderr)
+            if d.num_tokens < d.seq_length + 1:
+                _warn_on_rank0(f"warning: data: the {split} split of {d.indexed.prefix} has {d.num_tokens} tokens, fewer "
+                               f"than one sample (model.seq_length + 1 = {d.seq_length + 1}): its one sample is mostly "
+                               "padding; lower model.seq_length, or give the split more documents (data.split)")
         if (single if single is not None else len(items) == 1):
             return datasets[0]
         return BlendedDataset(datasets, [w for w, _, _ in items])

@@ -110,14 +110,11 @@ def check_fp8_config(precision) -> None:
             ``fp8_gemm_filter``, or ``fp8_first_last_layers_bf16`` < 0.
     """
     if precision.name != "fp8":
-        defaults = Fp8Recipe()
-        for key, default in (("fp8_recipe", defaults.recipe), ("fp8_emulate", defaults.emulate),
-                             ("fp8_gemm_filter", defaults.gemm_filter),
-                             ("fp8_first_last_layers_bf16", defaults.first_last_layers_bf16)):
-            value = getattr(precision, key, default)
-            if value != default:
-                raise ConfigError(f"precision.{key}={value} applies only to precision=fp8 (this run: precision="
-                                  f"{precision.name}); set precision=fp8, or drop the key")
+        for field in dataclasses.fields(Fp8Recipe):  # each Fp8Recipe field is the key precision.fp8_<field>
+            value = getattr(precision, f"fp8_{field.name}", field.default)
+            if value != field.default:
+                raise ConfigError(f"precision.fp8_{field.name}={value} applies only to precision=fp8 (this run: "
+                                  f"precision={precision.name}); set precision=fp8, or drop the key")
     check_choice("precision.fp8_recipe", precision.fp8_recipe, FP8_RECIPES)
     check_choice("precision.fp8_gemm_filter", precision.fp8_gemm_filter, FP8_GEMM_FILTERS)
     n = precision.fp8_first_last_layers_bf16

@@ -48,7 +48,8 @@ from mptrain.training.batch import CheckedProvider
 from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
-from mptrain.training.rundir import checkpoint_save_refusal, follow_checkpoint_model_name, with_planned_run_dir
+from mptrain.training.rundir import (checkpoint_save_refusal, follow_checkpoint_model_name, path_inside,
+                                     with_planned_run_dir)
 from mptrain.training.sweep import current_sweep_job
 from mptrain.training.timers import Timers
 from mptrain.training.interrupt import Interrupted, exit_interrupted
@@ -290,8 +291,7 @@ def _check_checkpoint_paths(cfg: Config) -> None:
             "folder to resume when it exists and start fresh otherwise"
         )
     # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands
-    in_run_dir = bool(save and cfg.run.dir) and Path(cfg.run.dir).resolve() in (Path(save).resolve(),
-                                                                                *Path(save).resolve().parents)
+    in_run_dir = bool(cfg.run.dir) and path_inside(save, Path(cfg.run.dir))
     refusal = None if in_run_dir else checkpoint_save_refusal(save, load)
     if refusal is not None:
         raise ConfigError(refusal)

@@ -198,7 +198,7 @@ def checkpoint_save_refusal(save: Optional[str], load: Optional[str]) -> Optiona
             f"resume with checkpoint.load={save}, or choose an empty checkpoint.save folder")
 
 
-def _inside(path: Optional[str], folder: Path) -> bool:
+def path_inside(path: Optional[str], folder: Path) -> bool:
     """`path` (e.g. ``checkpoint.load``) is `folder` or lies under it."""
     if not path:
         return False
@@ -231,15 +231,12 @@ def _move_paths(node: Any, olds: tuple, new: str) -> None:
 
     Interpolations of a `DictConfig` are left alone: they follow `run.dir` by themselves.
     """
-    def moved(value: Any) -> Any:
-        return _moved_value(value, olds, new)
-
     if isinstance(node, (DictConfig, ListConfig)):
         for key in list(node.keys()) if isinstance(node, DictConfig) else range(len(node)):
             if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
                 continue
             child = node[key]
-            target = moved(child)
+            target = _moved_value(child, olds, new)
             if target is not None:
                 node[key] = target
             elif isinstance(child, (DictConfig, ListConfig)):
@@ -247,14 +244,14 @@ def _move_paths(node: Any, olds: tuple, new: str) -> None:
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         for field in dataclasses.fields(node):
             child = getattr(node, field.name)
-            target = moved(child)
+            target = _moved_value(child, olds, new)
             if target is not None:
                 setattr(node, field.name, target)
             else:
                 _move_paths(child, olds, new)
     elif isinstance(node, (dict, list)):
         for key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
-            target = moved(child)
+            target = _moved_value(child, olds, new)
             if target is not None:
                 node[key] = target
             else:
@@ -357,7 +354,7 @@ def resolve_run_dir(
         if configured is not None and not explicit:
             # a folder the config named is appended to only by a resume from its own checkpoints;
             # resuming from another run's checkpoint is a fresh run here
-            resuming = resuming and _inside(getattr(cfg.checkpoint, "load", None), path)
+            resuming = resuming and path_inside(getattr(cfg.checkpoint, "load", None), path)
         refusal = run_dir_decision(path, resuming=resuming)
         if refusal is not None and configured is not None and holds_run(path) and not explicit:
             moved_from, path = configured, free_run_dir(path, resuming=resuming)
