@@ -43,20 +43,34 @@ def _pair(groups, sequence_parallel, recipe):
     return fc1, fc2
 
 
-def _run_pair(groups, sequence_parallel, recipe):
+def _run_pair(groups, sequence_parallel, recipe, cached=False):
+    """The pair's forward and backward; ``cached``: inside `Fp8WeightCasts.cached` (tensorwise), entered once
+    before with fc1's weight ×4 (a stale cast the second entry must replace)."""
+    import contextlib
+
     from mptrain.layers import mappings
+    from mptrain.layers.fp8 import Fp8WeightCasts
 
     fc1, fc2 = _pair(groups, sequence_parallel, recipe)
+    casts = Fp8WeightCasts([m for m in (fc1, fc2) if m.fp8_weight_cast is not None])
+    if cached:
+        assert len(casts) == 2
+        with torch.no_grad():
+            fc1.weight.mul_(4)
+            with casts.cached():
+                pass
+            fc1.weight.div_(4)
     gen = torch.Generator().manual_seed(7)
     x_full = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)  # [s, b, h]
     dy_full = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)
     x_full[3, 1, 5] = 9.0  # one outlier: a local amax that differs between TP ranks
     tp, r = groups.tp_size, groups.tp_rank
     x = (x_full.chunk(tp, 0)[r] if sequence_parallel else x_full).clone().requires_grad_(True)
-    h, _ = fc1(x)  # [s, b, f/tp]
-    h.retain_grad()
-    y, _ = fc2(torch.nn.functional.gelu(h))
-    y.backward(dy_full.chunk(tp, 0)[r] if sequence_parallel else dy_full)
+    with casts.cached() if cached else contextlib.nullcontext():
+        h, _ = fc1(x)  # [s, b, f/tp]
+        h.retain_grad()
+        y, _ = fc2(torch.nn.functional.gelu(h))
+        y.backward(dy_full.chunk(tp, 0)[r] if sequence_parallel else dy_full)
     gather = lambda t: mappings.gather_from_tp_region(t, groups.tp_group)  # noqa: E731 [.., local] -> [.., full]
     x_grad = x.grad
     if sequence_parallel:
@@ -97,6 +111,22 @@ def _torchao_reference(recipe):
         g.destroy()
 
 
+def _reads_cast_made_on_entry(groups) -> bool:
+    """Inside `Fp8WeightCasts.cached` the forward uses the cast made on entry, not the weight as it is now: fc1's
+    weight ×4 after entry leaves the output as it was (outside, the same change scales it by 4)."""
+    from mptrain.layers.fp8 import Fp8WeightCasts
+
+    fc1, _ = _pair(groups, False, "tensorwise")
+    x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    with torch.no_grad():
+        plain = fc1(x)[0]
+        with Fp8WeightCasts([fc1]).cached():
+            fc1.weight.mul_(4)
+            inside = fc1(x)[0]
+        outside = fc1(x)[0]
+    return torch.equal(inside, plain) and torch.equal(outside, 4 * plain)
+
+
 def _layers(rank, world):
     from mptrain.groups import build_groups
 
@@ -104,10 +134,16 @@ def _layers(rank, world):
     g1 = build_groups(1, 1)
     try:
         ref = {r: _run_pair(g1, False, r) for r in RECIPES}
+        cached = _run_pair(g1, False, "tensorwise", cached=True)
+        results["cached"] = {k: torch.equal(cached[k], ref["tensorwise"][k]) for k in cached}
+        results["reads_cast"] = _reads_cast_made_on_entry(g1)
     finally:
         g1.destroy()
     g2 = build_groups(world, 1)
     try:
+        for sp in (False, True):  # the cached weight casts: bitwise the casts each GEMM makes, TP-reduced alike
+            got, want = _run_pair(g2, sp, "tensorwise", cached=True), _run_pair(g2, sp, "tensorwise")
+            results[("cached", sp)] = {k: torch.equal(got[k], want[k]) for k in got}
         for recipe in RECIPES:
             for sp in (False, True):
                 got, want = _run_pair(g2, sp, recipe), ref[recipe]
@@ -122,21 +158,27 @@ def _layers(rank, world):
 
 
 def _traced_graphs(rank, world):
-    """Dynamo's graph and break counts for fc1 -> gelu -> fc2 in FP8 (every recipe), tp 1."""
+    """Dynamo's graph and break counts for fc1 -> gelu -> fc2 in FP8 (every recipe, and tensorwise with the
+    weight casts cached), tp 1."""
+    import contextlib
+
     from mptrain.groups import build_groups
+    from mptrain.layers.fp8 import Fp8WeightCasts
 
     g = build_groups(1, 1)
     try:
         counts = {}
-        for recipe in RECIPES:
-            fc1, fc2 = _pair(g, False, recipe)
+        for recipe in (*RECIPES, "tensorwise_cached"):
+            fc1, fc2 = _pair(g, False, recipe.removesuffix("_cached"))
+            casts = Fp8WeightCasts([fc1, fc2]).cached() if recipe.endswith("_cached") else contextlib.nullcontext()
 
             def f(x):
                 h, _ = fc1(x)
                 return fc2(torch.nn.functional.gelu(h))[0]
 
             torch._dynamo.reset()
-            explained = torch._dynamo.explain(f)(torch.randn(16, 2, 64, dtype=torch.bfloat16, requires_grad=True))
+            with casts:
+                explained = torch._dynamo.explain(f)(torch.randn(16, 2, 64, dtype=torch.bfloat16, requires_grad=True))
             counts[recipe] = (explained.graph_count, explained.graph_break_count,
                               [b.reason.splitlines()[0] for b in explained.break_reasons])
         return counts
@@ -148,12 +190,15 @@ def test_fp8_linears_trace_as_one_graph():
     """The FP8 casts, amaxes and GEMMs trace without a graph break (a break per cast made a compiled chunk
     host-bound: one graph per cast instead of one per chunk)."""
     counts = run_distributed(_traced_graphs, 1)[0]
-    assert counts == {r: (1, 0, []) for r in RECIPES}, counts
+    assert counts == {r: (1, 0, []) for r in (*RECIPES, "tensorwise_cached")}, counts
 
 
 def test_fp8_linears_equal_torchao_and_tp2_equals_tp1():
     for res in run_distributed(_layers, 2):
         assert res.pop("torchao") == {r: True for r in RECIPES}
+        assert res.pop("reads_cast")
+        for case in ("cached", ("cached", False), ("cached", True)):
+            assert all(res.pop(case).values()), case
         for case, out in res.items():
             assert all(out["exact"].values()), (case, out)
             assert all(v <= 2 * 2**-8 for v in out["close"].values()), (case, out)
@@ -345,6 +390,9 @@ def _fp8_summaries(rank, world):
             s = apply_fp8([chunk], recipe, num_layers=4)
             fp8_on = sorted(n for n, mod in chunk.named_modules() if getattr(mod, "fp8", None) is not None)
             out[name] = (s.fp8, s.below_size_rule, s.bf16_layers, fp8_on, s.describe())
+            out[f"{name}_cast_bytes"] = sum(c.data.nbytes + (0 if c.data_t is None else c.data_t.nbytes)
+                                            for c in (getattr(mod, "fp8_weight_cast", None) for mod in chunk.modules())
+                                            if c is not None)
             warnings[name] = s.warning()
         out["warnings"] = warnings
         # gpt_1.3b's GEMMs at tp1 (torchao's thresholds): tensorwise converts all four, rowwise only QKV and fc1
@@ -358,7 +406,19 @@ def _fp8_summaries(rank, world):
 
 
 def test_fp8_first_last_layers_and_size_rule():
+    from mptrain.config.model import ModelConfig
+    from mptrain.planner.config import PlanConfig
+    from mptrain.planner.memory import PlanLayout, fp8_weight_cast_bytes
+    from mptrain.planner.params import RankParams
+
     out = run_distributed(_fp8_summaries, 1)[0]
+    cfg = PlanConfig()  # the planner's weight-cast bytes against the casts allocated (emulated: no transposed copy)
+    cfg.model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+    cfg.precision.name, cfg.precision.fp8_emulate, cfg.precision.fp8_gemm_filter = "fp8", True, "none"
+    cfg.precision.fp8_first_last_layers_bf16 = 1
+    rp = RankParams(numel=0, num_params=0, layers=(0, 1, 2, 3), has_embedding=True, has_output=True)
+    layout = PlanLayout(1, 1, None, 1, False, "none", False, "no_pipelining", 1)
+    assert out["first_last_1_cast_bytes"] == fp8_weight_cast_bytes(cfg, layout, rp) == 2 * 12 * 64 * 64
     fp8, below, bf16_layers, on, line = out["first_last_1"]
     assert (fp8, below, bf16_layers) == (8, 0, [0, 3])
     assert {n.split(".")[2] for n in on} == {"1", "2"} and len(on) == 8  # decoder.layers.<n>.…

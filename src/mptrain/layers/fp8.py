@@ -256,21 +256,27 @@ class Fp8Gemms:
         return tensor_mod.hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role,
                                                         axiswise_dim)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_cast: Optional["Fp8WeightCast"] = None) -> tuple:
         """``y = x · Wᵀ``: x ``[T, in(/tp)]`` (bf16), weight ``[out(/tp), in(/tp)]`` -> (y ``[T, out(/tp)]``
-        in x's dtype, the tensors backward needs: a tuple for ``ctx.save_for_backward``)."""
+        in x's dtype, the tensors backward needs: a tuple for ``ctx.save_for_backward``).
+
+        ``weight_cast``: the weight's cast made once this optimizer step (`Fp8WeightCast`, tensorwise): used as
+        it is, so neither GEMM casts the weight (the same bits as casting it here)."""
         c, roles = self.config, self._roles
         sharded_w = self.amax_group is not None
         x8 = self._cast(x, c.cast_config_input, roles.INPUT, -1, tensor_sharded=self.input_sharded,
                         k_sharded=self.input_sharded)
+        # saved as plain tensors: the fp8 input where backward reuses its cast (1 byte an element instead of 2)
+        x_saved = (x8._data, x8._scale) if self.reuse_input else (x, None)
+        if weight_cast is not None:
+            w8_t = self._rebuild(weight_cast.data.t(), weight_cast.scale, weight.dtype, roles.WEIGHT)  # [in, out]
+            return torch.mm(x8, w8_t), (*x_saved, None, weight_cast.scale, weight_cast.grad_input_operand())
         w8_t = self._cast(weight.t(), c.cast_config_weight, roles.WEIGHT, 0, tensor_sharded=sharded_w,
                           k_sharded=self.input_sharded)  # [in, out]
         y = torch.mm(x8, w8_t)
-        # saved as plain tensors: the fp8 input where backward reuses its cast (1 byte an element instead of
-        # 2); of the weight's cast only the scale (backward recasts with it: the same bits, no amax pass and
-        # no reduction, and no fp8 copy of the weight held per micro-batch in flight)
-        x_saved = (x8._data, x8._scale) if self.reuse_input else (x, None)
-        return y, (*x_saved, weight, w8_t._scale if self.reuse_weight else None)
+        # of the weight's cast only the scale (backward recasts with it: the same bits, no amax pass and no
+        # reduction, and no fp8 copy of the weight held per micro-batch in flight)
+        return y, (*x_saved, weight, w8_t._scale if self.reuse_weight else None, None)
 
     def _recast(self, hp: torch.Tensor, scale: torch.Tensor, cast_config, role):
         return self._tensor_mod.hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.mm_config, role, None)
@@ -287,7 +293,9 @@ class Fp8Gemms:
     def grad_input(self, dy8, saved: tuple) -> torch.Tensor:
         """dx ``[T, in(/tp)]`` = dy · W from `cast_grad_output`'s dy and `forward`'s saved tensors; a
         partial sum over TP for a column-parallel layer (the caller reduces it)."""
-        _, _, weight, w_scale = saved
+        _, _, weight, w_scale, w8_cached = saved
+        if w8_cached is not None:  # [out, in]: the cached cast (`Fp8WeightCast.grad_input_operand`)
+            return torch.mm(dy8, self._rebuild(w8_cached, w_scale, dy8._orig_dtype, self._roles.WEIGHT))
         if self.reuse_weight:
             w8_t = self._recast(weight.t(), w_scale, self.config.cast_config_weight, self._roles.WEIGHT)
         else:
@@ -309,6 +317,124 @@ class Fp8Gemms:
             x_gw = self._cast(x_or_data, c.cast_config_input_for_grad_weight, roles.INPUT, 0,
                               tensor_sharded=self.input_sharded, k_sharded=False)
         return torch.mm(dy_gw.t(), x_gw)
+
+
+class Fp8WeightCast:
+    """The tensorwise FP8 cast of one linear's weight, made once per optimizer step (`Fp8WeightCasts`) instead of
+    in every micro-batch's forward and backward (Transformer Engine caches its FP8 weights the same way).
+
+    Attributes:
+        data: ``[out(/tp), in(/tp)]`` e4m3, the forward GEMM's operand (as ``data.t()``, column-major).
+        data_t: ``[in, out]`` e4m3, row-major: the grad-input GEMM's column-major operand (``data_t.t()``),
+            made once instead of one transposing copy per micro-batch; None under emulation, whose fp32 GEMM
+            reads ``data`` (the layout the uncached path gives it).
+        scale: ``[]`` fp32, ``fp8_max / amax`` of the whole logical weight (TP-reduced).
+        current: set while the trainer holds the casts current (`Fp8WeightCasts.cached`); a linear uses the
+            cast only then, so a forward outside (a test, user code after an update) casts as before.
+    On CUDA the tensors are marked static (CUDA graphs read them in place; `Fp8WeightCasts.refresh` writes
+    them in place).
+    """
+
+    def __init__(self, weight: torch.Tensor, target_dtype: torch.dtype, *, emulate: bool) -> None:
+        kwargs = {"dtype": target_dtype, "device": weight.device}
+        self.data = torch.empty(tuple(weight.shape), **kwargs)
+        self.data_t = None if emulate else torch.empty(tuple(weight.shape)[::-1], **kwargs)
+        self.scale = torch.ones((), dtype=torch.float32, device=weight.device)
+        self.current = False
+        if weight.is_cuda:
+            for t in (self.data, self.data_t, self.scale):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+
+    @classmethod
+    def for_linear(cls, gemms: Fp8Gemms, weight: torch.Tensor) -> Optional["Fp8WeightCast"]:
+        """A cast for a linear computing through ``gemms``, or None where its recipe casts the weight differently
+        in the forward and grad-input GEMMs (rowwise: per-row scales along a different dim in each)."""
+        if not gemms.reuse_weight:
+            return None
+        return cls(weight, gemms.config.cast_config_weight.target_dtype, emulate=gemms.recipe.emulate)
+
+    def grad_input_operand(self) -> torch.Tensor:
+        """``[out, in]`` e4m3: the weight operand of ``dx = dy · W``."""
+        return self.data if self.data_t is None else self.data_t.t()
+
+
+def _weight_amax(weight: torch.Tensor) -> torch.Tensor:
+    return torch.max(torch.abs(weight))  # torchao's tensor_to_amax (tensorwise)
+
+
+def _write_weight_cast(weight: torch.Tensor, scale: torch.Tensor, data: torch.Tensor,
+                       data_t: Optional[torch.Tensor]) -> None:
+    # torchao's _ToFloat8ConstrFunc: fp32 upcast, scale, saturate, round to fp8
+    bits = (weight.to(torch.float32) * scale).clamp(-torch.finfo(data.dtype).max, torch.finfo(data.dtype).max)
+    bits = bits.to(data.dtype)
+    data.copy_(bits)
+    if data_t is not None:
+        data_t.copy_(bits.t())
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+class Fp8WeightCasts:
+    """The `Fp8WeightCast`s of a model's linears, refreshed together (the trainer's, `mptrain.training.step`).
+
+    `refresh` recomputes every cast from the current weights: one amax per weight, one all-reduce (MAX) over
+    the TP group of all their amaxes at once (every layout's scales are those of tp = 1, module docstring),
+    one cast per weight writing ``data`` / ``data_t`` / ``scale`` in place; on CUDA the amax and the cast
+    are compiled (one kernel each). The result is bitwise the cast each GEMM would make (same amax, same
+    scale, same rounding); the weights must not change while the casts are `cached`.
+
+    Args:
+        linears: modules with ``weight`` and a non-None ``fp8_weight_cast`` and ``fp8`` (`Fp8Gemms`).
+    Raises:
+        ValueError: the linears reduce their amaxes over different groups.
+    """
+
+    def __init__(self, linears: list) -> None:
+        self._linears = list(linears)
+        groups = {id(m.fp8.amax_group): m.fp8.amax_group for m in self._linears}
+        if len(groups) > 1:
+            raise ValueError("Fp8WeightCasts: the linears' FP8 amaxes reduce over different groups")
+        self._group = next(iter(groups.values()), None)
+
+    def __len__(self) -> int:
+        return len(self._linears)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Cast every weight as it is now (collective over TP when tp > 1: every TP rank calls it)."""
+        if not self._linears:
+            return
+        weights = [m.weight for m in self._linears]
+        on_cuda = weights[0].is_cuda
+        amax_fn, cast_fn = (_compiled(_weight_amax), _compiled(_write_weight_cast)) if on_cuda else (
+            _weight_amax, _write_weight_cast)
+        amax = torch.stack([amax_fn(w) for w in weights]).float()  # [n]
+        if self._group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        first = self._linears[0].fp8
+        scales = first._utils.amax_to_scale(amax, first.config.cast_config_weight.target_dtype,
+                                            first.config.round_scales_to_power_of_2)  # [n] fp32
+        for i, m in enumerate(self._linears):
+            cast = m.fp8_weight_cast
+            cast.scale.copy_(scales[i])
+            cast_fn(m.weight, cast.scale, cast.data, cast.data_t)
+
+    @contextlib.contextmanager
+    def cached(self):
+        """Within: the linears use their casts, refreshed on entry (call it where the weights are settled for
+        the forwards inside: a training iteration's forward-backward, an evaluation)."""
+        self.refresh()
+        for m in self._linears:
+            m.fp8_weight_cast.current = True
+        try:
+            yield
+        finally:
+            for m in self._linears:
+                m.fp8_weight_cast.current = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -337,6 +463,7 @@ class Fp8Summary:
     bf16_layers: list = dataclasses.field(default_factory=list)
     in_bf16_layers: int = 0  # the block linears of `bf16_layers` (kept bf16 by first_last_layers_bf16)
     num_layers: int = 0  # model.num_layers (global)
+    weight_casts: Optional[Fp8WeightCasts] = None  # the FP8 linears' cached weight casts (tensorwise)
 
     def describe(self) -> str:
         """`` precision=fp8 (tensorwise: 8 of 16 block linears in FP8 ...; bf16: ...)``, for the ``kernels:`` line;
@@ -347,9 +474,10 @@ class Fp8Summary:
             kept.append(f"layers {', '.join(map(str, self.bf16_layers))} (precision.fp8_first_last_layers_bf16="
                         f"{r.first_last_layers_bf16})")
         total = self.fp8 + self.below_size_rule + self.in_bf16_layers
+        cached = "; weights cast to FP8 once per iteration" if self.weight_casts else ""
         return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block linears "
-                f"(3 GEMMs each) in FP8 on this rank; bf16: embeddings, output layer, {', '.join(kept)}; MFU is relative to the "
-                "bf16 dense peak)")
+                f"(3 GEMMs each) in FP8 on this rank{cached}; bf16: embeddings, output layer, {', '.join(kept)}; MFU is "
+                "relative to the bf16 dense peak)")
 
     def warning(self) -> Optional[str]:
         """One ``warning:`` line when no block GEMM of the model runs in FP8, naming the key that caused it;
@@ -376,7 +504,9 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
     Every module under ``model.decoder.layers[<global n>]`` that implements `UsesFp8` gets
     ``enable_fp8(recipe)``, except in the first and last ``recipe.first_last_layers_bf16`` layers of the
     model (Megatron-LM's ``--first-last-layers-bf16``). Embeddings and the output layer are never
-    converted. Parameters, names and checkpoints are unchanged: FP8 is a compute mode.
+    converted. Parameters, names and checkpoints are unchanged: FP8 is a compute mode. The converted
+    modules that hold an ``fp8_weight_cast`` (`Fp8WeightCast`) are gathered in the summary's
+    ``weight_casts`` (`Fp8WeightCasts`), which the trainer refreshes once per iteration.
 
     Args:
         models: model chunks, unwrapped (`GPTModel`s; a user's chunk without ``decoder.layers`` is left alone).
@@ -410,4 +540,6 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
                     else:
                         summary.below_size_rule += 1
     summary.bf16_layers.sort()
+    summary.weight_casts = Fp8WeightCasts([m for model in models for m in model.modules()
+                                           if getattr(m, "fp8_weight_cast", None) is not None])
     return summary

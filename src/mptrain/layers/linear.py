@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers import grad_accumulation
 from mptrain.layers.context import LayerContext
-from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe, fp8_gemms, gemm_runs_in_fp8
+from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe, Fp8WeightCast, fp8_gemms, gemm_runs_in_fp8
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.mappings import (
     copy_to_tp_region,
@@ -64,11 +64,12 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     With ``fp8`` (an `mptrain.layers.fp8.Fp8Gemms`, ``precision=fp8``) the three GEMMs run in FP8
     (`Fp8Gemms.forward` / ``backward``: casts with TP-reduced amaxes); the communications, the bias and
-    the accumulation into ``main_grad`` are the same.
+    the accumulation into ``main_grad`` are the same. ``fp8_weight`` (an `mptrain.layers.fp8.Fp8WeightCast`):
+    the weight's FP8 cast made once per optimizer step, used instead of casting it here.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None, fp8=None):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, main_grad=None, fp8=None, fp8_weight=None):
         total = gather_from_sequence_parallel_region_raw(x, group) if sequence_parallel else x
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         ctx.main_grad = main_grad  # not saved: a buffer view that other views mutate (version check)
@@ -76,7 +77,7 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if fp8 is None:
             ctx.save_for_backward(total, weight)
             return F.linear(total, weight, bias)  # [s, b, out/tp]
-        y, saved = fp8.forward(total.reshape(-1, total.shape[-1]), weight)  # [s·b, out/tp]
+        y, saved = fp8.forward(total.reshape(-1, total.shape[-1]), weight, fp8_weight)  # [s·b, out/tp]
         ctx.save_for_backward(*saved)
         # not a view of the GEMM's output: a custom Function's output may be modified in place (g's all-reduce)
         y = torch.ops.aten._unsafe_view(y, (*total.shape[:-1], y.shape[-1]))  # [s, b, out/tp]
@@ -104,7 +105,7 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             grad_in = pending.wait()
         elif not ctx.needs_input_grad[0]:
             grad_in = None
-        return grad_in, grad_w, grad_b, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None
 
 
 def _fp8_backward(ctx, grad_out: torch.Tensor) -> tuple:
@@ -127,24 +128,28 @@ def _fp8_backward(ctx, grad_out: torch.Tensor) -> tuple:
     grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     if pending is not None:
         grad_in = pending.wait()
-    return grad_in, grad_w, grad_b, None, None, None, None
+    return grad_in, grad_w, grad_b, None, None, None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           main_grad: Optional[torch.Tensor], fp8: Optional[Fp8Gemms] = None) -> torch.Tensor:
+           main_grad: Optional[torch.Tensor], fp8: Optional[Fp8Gemms] = None,
+           fp8_weight: Optional[Fp8WeightCast] = None) -> torch.Tensor:
     """``F.linear``, with our weight-grad GEMM (into ``main_grad`` when one is given; K-major
     operands where `grad_accumulation.tf32_kmajor_pays`) when grads are on; torch's autograd otherwise.
-    With ``fp8`` (`mptrain.layers.fp8.Fp8Gemms`) always ours: its GEMMs in FP8, with grads on or off."""
+    With ``fp8`` (`mptrain.layers.fp8.Fp8Gemms`) always ours: its GEMMs in FP8, with grads on or off
+    (``fp8_weight``: the weight's cached cast, `mptrain.layers.fp8.Fp8WeightCast`)."""
     ours = fp8 is not None or torch.is_grad_enabled() and weight.requires_grad and (
         main_grad is not None or grad_accumulation.tf32_kmajor_pays(weight))
     if ours:
-        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad, fp8)
+        return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, None, False, main_grad, fp8,
+                                                                      fp8_weight)
     return F.linear(x, weight, bias)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups,
                            sequence_parallel: bool, async_grad_allreduce: bool = True,
-                           main_grad: Optional[torch.Tensor] = None, fp8: Optional[Fp8Gemms] = None) -> torch.Tensor:
+                           main_grad: Optional[torch.Tensor] = None, fp8: Optional[Fp8Gemms] = None,
+                           fp8_weight: Optional[Fp8WeightCast] = None) -> torch.Tensor:
     """f (or SP's all-gather) then ``F.linear``: ``[s(/tp), b, in] -> [s, b, out/tp]``.
 
     ``async_grad_allreduce`` (``parallel.async_tensor_model_parallel_allreduce``) overlaps the
@@ -152,12 +157,12 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
     (`_LinearWithGradAccumulationAndAsyncCommunication`); off, the
     collective runs after both GEMMs (autograd of `column_parallel_input` + ``F.linear``).
     ``main_grad``: accumulate the weight grad into it (gradient accumulation fusion).
-    ``fp8``: compute the GEMMs in FP8 (`mptrain.layers.fp8.Fp8Gemms`).
+    ``fp8``: compute the GEMMs in FP8 (`mptrain.layers.fp8.Fp8Gemms`); ``fp8_weight``: the weight's cached cast.
     """
     if async_grad_allreduce and groups.tp_size > 1 and torch.is_grad_enabled():
         return _LinearWithGradAccumulationAndAsyncCommunication.apply(x, weight, bias, groups.tp_group,
-                                                                      sequence_parallel, main_grad, fp8)
-    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad, fp8)
+                                                                      sequence_parallel, main_grad, fp8, fp8_weight)
+    return linear(column_parallel_input(x, groups, sequence_parallel), weight, bias, main_grad, fp8, fp8_weight)
 
 
 def _divide(n: int, tp: int, what: str, key: str) -> int:
@@ -190,7 +195,8 @@ class ColumnParallelLinear(torch.nn.Module):
     ``parallel.gradient_accumulation_fusion``): the weight's ``main_grad`` view, into which
     backward accumulates the weight grad (`grad_accumulation`).
     ``fp8`` (None unless `enable_fp8` turned it on, ``precision=fp8``): the `mptrain.layers.fp8.Fp8Gemms`
-    its three GEMMs run through.
+    its three GEMMs run through; ``fp8_weight_cast`` (tensorwise): the weight's FP8 cast, made once per
+    optimizer step by `mptrain.layers.fp8.Fp8WeightCasts` and used while it is current.
     Raises:
         ConfigError: output_size not divisible by tp × parts.
     """
@@ -224,6 +230,7 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
         self.weight_main_grad: Optional[torch.Tensor] = None
         self.fp8: Optional[Fp8Gemms] = None
+        self.fp8_weight_cast: Optional[Fp8WeightCast] = None
 
     def local_shard_specs(self) -> dict:
         specs = {"weight": self._weight_spec}
@@ -244,12 +251,18 @@ class ColumnParallelLinear(torch.nn.Module):
             tp = self.groups.tp_size > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
                                  output_sharded=tp)
+            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
         return self.fp8 is not None
+
+    def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
+        cast = self.fp8_weight_cast
+        return cast if cast is not None and cast.current else None
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
-                                   self.async_grad_allreduce, self.weight_main_grad, self.fp8)  # [s, b, out/tp]
+                                   self.async_grad_allreduce, self.weight_main_grad, self.fp8,
+                                   self._cached_fp8_weight())  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp_region(y, self.groups.tp_group)
         return y, (self.bias if self.skip_bias_add else None)
@@ -266,7 +279,7 @@ class RowParallelLinear(torch.nn.Module):
     Args:
         input_is_parallel: the input is already ``[s, b, in/tp]`` (from a column-parallel
             layer); otherwise it is scattered on the last dim first. Must be True under SP.
-        others: as `ColumnParallelLinear` (``weight_main_grad`` and ``fp8`` too).
+        others: as `ColumnParallelLinear` (``weight_main_grad``, ``fp8`` and ``fp8_weight_cast`` too).
     Raises:
         ConfigError: input_size not divisible by tp.
     """
@@ -296,6 +309,7 @@ class RowParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
         self.weight_main_grad: Optional[torch.Tensor] = None
         self.fp8: Optional[Fp8Gemms] = None
+        self.fp8_weight_cast: Optional[Fp8WeightCast] = None
 
     def local_shard_specs(self) -> dict:
         specs = {"weight": self._weight_spec}
@@ -316,12 +330,18 @@ class RowParallelLinear(torch.nn.Module):
             tp = self.groups.tp_size > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,
                                  output_sharded=False)
+            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
         return self.fp8 is not None
+
+    def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
+        cast = self.fp8_weight_cast
+        return cast if cast is not None and cast.current else None
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.groups.tp_group)
-        partial = linear(x, self.weight, None, self.weight_main_grad, self.fp8)  # [s, b, out], partial over TP
+        partial = linear(x, self.weight, None, self.weight_main_grad, self.fp8,
+                         self._cached_fp8_weight())  # [s, b, out], partial over TP
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp_group)  # [s/tp, b, out]
         else:

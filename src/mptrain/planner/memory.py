@@ -6,6 +6,9 @@ t = tensor_model_parallel_size, V = padded vocab, N_r = parameter elements of ra
 
 Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimizer` allocates):
     weights         N_r × bytes(precision)                    (Float16Module casts to bf16/fp16)
+                    + precision=fp8, tensorwise: 2 bytes per block-linear weight element of the rank's
+                    FP8 layers (the weight's cast and its transpose, made once per iteration,
+                    `mptrain.layers.fp8.Fp8WeightCast`; 1 byte under fp8_emulate)
     grads           N_r × bytes(grad dtype)                   fp32 when grad_reduce_in_fp32 or the
                                                               params are bf16/fp16 (run.py), else fp32
     main params     N_r × 4 (bf16/fp16: MixedPrecisionOptimizer copies; fp32: none, stepped in place)
@@ -66,6 +69,7 @@ import torch
 
 from mptrain import components
 from mptrain.layers.embedding import padded_vocab_size
+from mptrain.layers.params import layer_matmul_weights
 from mptrain.planner.params import RankParams
 
 GIB = 2**30
@@ -166,7 +170,7 @@ def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
     owned = n / layout.dp if layout.use_distributed_optimizer else n
     main = owned * 4 if (half or layout.use_distributed_optimizer) else 0.0
     return {
-        "weights": n * PARAM_BYTES[cfg.precision.name],
+        "weights": n * PARAM_BYTES[cfg.precision.name] + fp8_weight_cast_bytes(cfg, layout, rp),
         "grads": n * grad_bytes_per_element(cfg),
         "main_params": main,
         "optimizer_state": owned * optimizer_state_bytes_per_element(cfg),
@@ -236,6 +240,17 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     if layout.sequence_parallel:
         return sbh * ((norms + split + masks) / t + linear_inputs) + lse
     return sbh * (norms + linear_inputs + masks + split / t) + lse
+
+
+def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
+    """Bytes of the rank's cached FP8 weight casts (precision=fp8, tensorwise; 0 otherwise): 2 per block-linear
+    weight element of each FP8 layer it holds (data and its transpose), 1 under ``fp8_emulate`` (data only)."""
+    p = cfg.precision
+    if p.name != "fp8" or p.fp8_recipe != "tensorwise":
+        return 0.0
+    n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
+    fp8_layers = sum(1 for i in rp.layers if n <= i < num_layers - n)
+    return fp8_layers * layer_matmul_weights(cfg.model) / layout.tp * (1 if p.fp8_emulate else 2)
 
 
 def _fp8_layer_fraction(cfg) -> float:

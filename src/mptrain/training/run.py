@@ -176,6 +176,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         # null: deferred where the device runs ahead of the host (CUDA); the CPU's work is synchronous
         defer_step_read=(groups.device.type == "cuda" if cfg.train.defer_step_read is None
                          else bool(cfg.train.defer_step_read)),
+        fp8_weight_casts=fp8.weight_casts if fp8 is not None else None,
     )
     built = Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,
                   scaler=scaler, fp8=fp8)

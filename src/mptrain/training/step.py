@@ -178,6 +178,12 @@ class Trainer:
     timers: Any  # mptrain.training.timers.Timers
     stats: Any = None
     defer_step_read: bool = False
+    fp8_weight_casts: Any = None  # precision=fp8: `mptrain.layers.fp8.Fp8WeightCasts`, made current per schedule call
+
+    def _weights_settled(self):
+        """The context of a schedule call, in which the weights do not change: the FP8 weight casts are made
+        once and used by every micro-batch (nothing without FP8 weight casts)."""
+        return self.fp8_weight_casts.cached() if self.fp8_weight_casts else contextlib.nullcontext()
 
     def __post_init__(self) -> None:
         self._launched: Optional[_Launched] = None
@@ -217,7 +223,7 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with self.timers("forward-backward"):
+        with self.timers("forward-backward"), self._weights_settled():
             reports, num_tokens = self._schedule(data_iterators, forward_only=False,
                                                  loss_scale=self.optimizer.get_loss_scale(),
                                                  no_sync_func=self._no_sync_func())
@@ -282,10 +288,11 @@ class Trainer:
             chunk.eval()
         iterators = make_iterators()
         total_loss, total_tokens = 0.0, 0.0
-        for _ in range(eval_iters):
-            reports, _ = self._schedule(iterators, forward_only=True)
-            loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
-            total_loss, total_tokens = total_loss + loss_sum, total_tokens + tokens
+        with self._weights_settled():
+            for _ in range(eval_iters):
+                reports, _ = self._schedule(iterators, forward_only=True)
+                loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
+                total_loss, total_tokens = total_loss + loss_sum, total_tokens + tokens
         for chunk in self.chunks:
             chunk.train()
         return total_loss / max(total_tokens, 1.0)
