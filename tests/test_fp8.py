@@ -455,8 +455,7 @@ def test_fp8_with_no_fp8_gemm_warns_in_the_train_log(tmp_path):
 # --- on an FP8 GPU (marker gpu; skipped elsewhere) ----------------------------------------------
 GPU_COMMON = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
               "model.seq_length=128", "train.global_batch_size=8", "train.micro_batch_size=4", "train.train_iters=20",
-              "train.eval_interval=null", "model.compile_layers=true", "run.progress_bar=false",
-              "precision.fp8_gemm_filter=none"]
+              "train.eval_interval=null", "model.compile_layers=true", "run.progress_bar=false"]
 
 
 @pytest.mark.gpu
@@ -480,9 +479,10 @@ def test_gpu_fp8_compiled_chunk_tracks_bf16(tmp_path, recipe):
             dist.destroy_process_group()
         return read_rows(tmp_path / name), (tmp_path / name / "train.log").read_text()
 
+    fp8_keys = ["precision=fp8", f"precision.fp8_recipe={recipe}", "precision.fp8_gemm_filter=none"]
     bf16, _ = job("bf16", ["precision=bf16"])
-    fp8, log = job("fp8", ["precision=fp8", f"precision.fp8_recipe={recipe}"])
-    eager, _ = job("fp8_eager", ["precision=fp8", f"precision.fp8_recipe={recipe}", "model.compile_layers=false"])
+    fp8, log = job("fp8", fp8_keys)
+    eager, _ = job("fp8_eager", fp8_keys + ["model.compile_layers=false"])
     assert f"precision=fp8 ({recipe}: 16 of 16 block linears" in log and "compile=chunk" in log, log
     for a, b, c in zip(fp8, bf16, eager):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=2e-2), (a, b)
@@ -499,13 +499,17 @@ def test_gpu_fp8_compiled_mlp_equals_torchao_compiled(recipe):
     compiled the same way, bit for bit (output, input grad, weight grads; tensorwise fc2's weight grad: the
     reused forward cast, see below), on real FP8 GEMMs. Eager, the two are bitwise equal for every recipe
     (`test_fp8_linears_equal_torchao_and_tp2_equals_tp1`); compiled, each differs from its own eager result
-    (the fused gelu stays fp32 up to the FP8 cast)."""
+    (the fused gelu stays fp32 up to the FP8 cast). Tensorwise with the weight casts made once
+    (`Fp8WeightCasts.cached`, its compiled refresh and the transposed copy the grad-input GEMM reads) equals
+    casting in each GEMM, bit for bit."""
+    import contextlib
+
     import torch.distributed as dist
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
     from mptrain.layers.context import LayerContext
-    from mptrain.layers.fp8 import Fp8Recipe
+    from mptrain.layers.fp8 import Fp8Recipe, Fp8WeightCasts
     from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
     from mptrain.layers.random import ParamInit
     from mptrain.groups import build_groups
@@ -533,14 +537,23 @@ def test_gpu_fp8_compiled_mlp_equals_torchao_compiled(recipe):
         x = torch.randn(128, 4, 256, generator=gen, device=cuda).to(torch.bfloat16)
         dy = torch.randn(128, 4, 256, generator=gen, device=cuda).to(torch.bfloat16)
         results = []
-        for f, lins in ((lambda t: fc2(torch.nn.functional.gelu(fc1(t)[0]))[0], (fc1, fc2)),
-                        (lambda t: r2(torch.nn.functional.gelu(r1(t))), (r1, r2))):
+        mlp = lambda t: fc2(torch.nn.functional.gelu(fc1(t)[0]))[0]  # noqa: E731
+        runs = [(mlp, (fc1, fc2), contextlib.nullcontext()),
+                (lambda t: r2(torch.nn.functional.gelu(r1(t))), (r1, r2), contextlib.nullcontext())]
+        if recipe == "tensorwise":
+            runs.append((mlp, (fc1, fc2), Fp8WeightCasts([fc1, fc2]).cached()))
+        for f, lins, casts in runs:
             torch._dynamo.reset()
+            for lin in lins:
+                lin.weight.grad = None
             xi = x.clone().requires_grad_(True)
-            y = torch.compile(f)(xi)
-            y.backward(dy)
+            with casts:
+                y = torch.compile(f)(xi)
+                y.backward(dy)
             results.append((y.detach(), xi.grad, lins[0].weight.grad, lins[1].weight.grad))
-        ours, theirs = results
+        ours, theirs, *cached = results
+        for c in cached:
+            assert all(torch.equal(a, b) for a, b in zip(c, ours))
         for a, b in zip(ours[:3], theirs[:3]):  # output, input grad, fc1's weight grad
             assert torch.equal(a, b)
         if recipe == "tensorwise":
