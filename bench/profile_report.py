@@ -16,8 +16,9 @@ KERNEL_CATEGORIES = (
     ("nccl", ("nccl",)),
     ("attention (flash/mem-efficient)", ("fmha", "flash", "attention", "efficient")),
     ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "nvjet", "gemv", "matmul")),
-    ("multi-tensor (optimizer/unscale/norm)", ("multi_tensor", "adam", "foreach", "unscale", "amp_")),
+    # before multi-tensor: Inductor names kernels after the ops they fuse ("..._clamp_..." holds "amp_")
     ("triton (compiled)", ("triton",)),
+    ("multi-tensor (optimizer/unscale/norm)", ("multi_tensor", "adam", "foreach", "unscale", "amp_")),
     ("softmax", ("softmax",)),
     ("layer_norm", ("layer_norm", "layernorm")),
     ("copy/cast/fill", ("copy", "memcpy", "memset", "cast", "fill")),

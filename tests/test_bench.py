@@ -218,6 +218,7 @@ def test_kernel_categories_of_the_profile_split():
         "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32": "gemm",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "multi-tensor (optimizer/unscale/norm)",
         "triton_poi_fused_gelu_gelu_backward_view_2": "triton (compiled)",
+        "triton_poi_fused__scaled_mm__to_copy_clamp_mul_native_layer_norm_reciprocal_t_view_3": "triton (compiled)",
         "Memcpy DtoD (Device -> Device)": "copy/cast/fill",
         "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>>": "elementwise/reduce",
         "Command Buffer Full": "other",

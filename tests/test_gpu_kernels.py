@@ -6,6 +6,9 @@ cover), fp32 inputs through ``addmm_``. Both against an fp64 reference of two ac
 
 `grad_accumulation.weight_grad` under TF32 with the K-major Xᵀ copy against
 the plain layout and fp64, into main_grad and returned.
+
+`mixed_add.add_into` (half grads into an fp32 ``main_grad``, the FP8 weight-grad path) bitwise against
+``add_``, directly and through `grad_accumulation.accumulate_into` inside a compiled function.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mptrain.layers.grad_accumulation import tf32_kmajor_pays, weight_grad, wgrad_accumulate
+from mptrain.layers import mixed_add
+from mptrain.layers.grad_accumulation import accumulate_into, tf32_kmajor_pays, weight_grad, wgrad_accumulate
 from mptrain.layers.transpose import transpose_copy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -72,3 +76,30 @@ def test_transpose_copy(dtype):
         assert got.is_contiguous() and torch.equal(got, src.t())
     compiled = torch.compile(lambda t: transpose_copy(t * 2))
     assert torch.equal(compiled(x), (x * 2).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_add_into_fp32(dtype):
+    """The Triton ``fp32 += half`` kernel: the same bits as ``add_``, with a ragged last block; a
+    non-contiguous grad takes ``add_``; inside torch.compile the op still adds in place."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for shape in ((2048, 6144), (300, 77)):  # a whole number of blocks, and a ragged one
+        main_grad = torch.randn(shape, device="cuda", generator=g) * 100
+        grad = torch.randn(shape, device="cuda", generator=g).to(dtype)
+        expected = main_grad.clone().add_(grad)
+        assert mixed_add._kernel_applies(main_grad, grad)
+        mixed_add.add_into(main_grad, grad)
+        assert torch.equal(main_grad, expected)
+    strided = torch.randn(77, 300, device="cuda", generator=g).to(dtype).t()
+    assert not mixed_add._kernel_applies(main_grad, strided)
+    mixed_add.add_into(main_grad, strided)
+    assert torch.equal(main_grad, expected.add_(strided))
+
+    def step(m, x):
+        accumulate_into(m, x * 2)
+
+    main_grad = torch.randn(256, 384, device="cuda", generator=g)
+    grad = torch.randn(256, 384, device="cuda", generator=g).to(dtype)
+    expected = main_grad.clone().add_(grad * 2)
+    torch.compile(step, fullgraph=True)(main_grad, grad)
+    assert torch.equal(main_grad, expected)

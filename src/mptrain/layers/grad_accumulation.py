@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from mptrain.layers import mixed_add
 from mptrain.layers.transpose import transpose_copy
 
 
@@ -72,8 +73,9 @@ def _(a, b_t, main_grad) -> None:
 
 
 def _add_into(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
-    """``main_grad += grad`` (the body of the `add_into` op; ``grad`` in its own dtype, added in ``main_grad``'s)."""
-    main_grad.add_(grad)
+    """``main_grad += grad`` (the body of the `add_into` op; ``grad`` in its own dtype, added in ``main_grad``'s):
+    half into fp32 on CUDA through `mixed_add.add_into`'s vectorised kernel, ``add_`` otherwise."""
+    mixed_add.add_into(main_grad, grad)
 
 
 # a declared mutation, as `wgrad_accumulate`: a compiled backward updates the buffer view in place
