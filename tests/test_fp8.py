@@ -16,6 +16,8 @@ out in the loss but less in the grad norm. Over 3 steps of the tiny model: the l
 a bf16 ulp, 2^-8), the grad norm to rel 2e-2 (bf16 parity's 1e-4 would need bitwise-equal casts).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -385,8 +387,11 @@ def _fp8_summaries(rank, world):
         warnings = {}
         for name, recipe in (("first_last_1", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=1)),
                              ("auto_filter", Fp8Recipe(emulate=True)),
-                             ("first_last_9", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=9))):
-            chunk = build_model_chunks(m, ParallelConfig(), groups, vocab_size=128)[0]
+                             ("first_last_9", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=9)),
+                             ("auto_filter_ffn1040", Fp8Recipe(emulate=True))):
+            # ffn 1040: fc1 [1040, 64] passes the size rule (out > 1024), QKV, proj and fc2 do not
+            shape = m if name != "auto_filter_ffn1040" else dataclasses.replace(m, ffn_hidden_size=1040)
+            chunk = build_model_chunks(shape, ParallelConfig(), groups, vocab_size=128)[0]
             s = apply_fp8([chunk], recipe, num_layers=4)
             fp8_on = sorted(n for n, mod in chunk.named_modules() if getattr(mod, "fp8", None) is not None)
             out[name] = (s.fp8, s.below_size_rule, s.bf16_layers, fp8_on, s.describe())
@@ -419,6 +424,11 @@ def test_fp8_first_last_layers_and_size_rule():
     rp = RankParams(numel=0, num_params=0, layers=(0, 1, 2, 3), has_embedding=True, has_output=True)
     layout = PlanLayout(1, 1, None, 1, False, "none", False, "no_pipelining", 1)
     assert out["first_last_1_cast_bytes"] == fp8_weight_cast_bytes(cfg, layout, rp) == 2 * 12 * 64 * 64
+    cfg.precision.fp8_gemm_filter, cfg.precision.fp8_first_last_layers_bf16 = "auto", 0
+    assert out["auto_filter_cast_bytes"] == fp8_weight_cast_bytes(cfg, layout, rp) == 0  # every GEMM below the rule
+    cfg.model.ffn_hidden_size = 1040
+    assert out["auto_filter_ffn1040_cast_bytes"] == fp8_weight_cast_bytes(cfg, layout, rp) == 4 * 1040 * 64
+    assert out["auto_filter_ffn1040"][:2] == (4, 12)  # fc1 of each layer in FP8, the other 12 linears bf16
     fp8, below, bf16_layers, on, line = out["first_last_1"]
     assert (fp8, below, bf16_layers) == (8, 0, [0, 3])
     assert {n.split(".")[2] for n in on} == {"1", "2"} and len(on) == 8  # decoder.layers.<n>.…
@@ -435,7 +445,8 @@ def test_fp8_first_last_layers_and_size_rule():
         "auto_filter": "warning: precision=fp8 with no FP8 GEMM: every block linear is below the size rule "
                        "(precision.fp8_gemm_filter=auto); set precision.fp8_gemm_filter=none, or use precision=bf16",
         "first_last_9": "warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=9 keeps all "
-                        "4 layers bf16; set it to at most 1, or use precision=bf16"}
+                        "4 layers bf16; set it to at most 1, or use precision=bf16",
+        "auto_filter_ffn1040": None}
     assert out["gpt_1.3b"] == {"tensorwise": ["fc1", "fc2", "proj", "qkv"], "rowwise": ["fc1", "qkv"]}
 
 

@@ -190,6 +190,21 @@ def test_check_dry_run_on_meta_matches_planner():
         assert f["measured"]["num_params"] == f["planned_num_params"]
 
 
+def test_check_counts_the_fp8_weight_casts_as_the_planner():
+    """precision=fp8: the dry run holds the trainer's FP8 weight casts (fc1 alone passes the size rule here, on
+    its TP shard of 528 rows: data and its transpose, 1 byte each), and the planner counts the same bytes."""
+    pytest.importorskip("torchao.float8")
+    from mptrain.check import format_report, run_check
+
+    cfg = _cfg(["model=tiny", "parallel=tp2pp1", "precision=fp8", "model.ffn_hidden_size=1056", "world_size=2"])
+    facts = run_check(cfg, 2)
+    text, worst = format_report(cfg, facts)
+    assert worst < 1e-9, text
+    h, layers = cfg.model.hidden_size, cfg.model.num_layers
+    for f in facts:  # bf16 params (2 bytes an element) + the casts
+        assert f["measured"]["weights"] == 2 * f["measured"]["numel"] + layers * 2 * 528 * h
+
+
 @pytest.mark.parametrize("override, line", [
     ("top=-1", "top=-1 must be >= 1 (rows of the table), or top=null for all of them"),
     ("hardware.gpu_memory_gib=-1", "hardware.gpu_memory_gib=-1.0 must be > 0"),

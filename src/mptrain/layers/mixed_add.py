@@ -46,10 +46,13 @@ def add_into(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
 
     Shapes: any, equal. main_grad fp32 (the kernel's case) or any dtype ``add_`` accepts; grad bf16 /
     fp16 for the kernel. Call it outside compiled code, or from a custom op's body (it launches a Triton
-    kernel directly, not through Inductor).
+    kernel directly, not through Inductor), with ``main_grad``'s device current (Triton launches there; each
+    trainer rank sets its own).
     """
+    n = main_grad.numel()
+    if n == 0:
+        return
     if not _kernel_applies(main_grad, grad):
         main_grad.add_(grad)
         return
-    n = main_grad.numel()
     _add_into_fp32_kernel[(triton.cdiv(n, _BLOCK),)](main_grad, grad, n, BLOCK=_BLOCK, num_warps=4)

@@ -87,6 +87,13 @@ def _widths(m) -> tuple:
     return h, np_, ng, hn, f, k
 
 
+def layer_linear_shapes(m) -> list:
+    """The global weight shapes ``[out, in]`` of one layer's four linears (QKV, proj, fc1, fc2), each with the
+    dim TP splits: 0 (``out``: the column-parallel QKV and fc1) or 1 (``in``: the row-parallel proj and fc2)."""
+    h, np_, ng, hn, f, k = _widths(m)
+    return [(((np_ + 2 * ng) * hn, h), 0), ((h, np_ * hn), 1), ((k * f, h), 0), ((h, f), 1)]
+
+
 def layer_matmul_weights(m) -> int:
     """Weights of one transformer layer's four linears (QKV, proj, fc1, fc2), whole (not per TP rank)."""
     h, np_, ng, hn, f, k = _widths(m)

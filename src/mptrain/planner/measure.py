@@ -18,7 +18,8 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def measured_rank_bytes(chunks: list, optimizer) -> dict:
-    """Bytes of weights, grad buffers, fp32 main params and inner optimizer state on this rank.
+    """Bytes of weights (with the FP8 weight casts under precision=fp8), grad buffers, fp32 main params and inner
+    optimizer state on this rank.
 
     Args:
         chunks: the `DistributedDataParallel` chunks (as `build_model_and_optimizer` returns them).
@@ -46,8 +47,11 @@ def measured_rank_bytes(chunks: list, optimizer) -> dict:
         for v in piece.state.values():
             if isinstance(v, torch.Tensor):
                 state += _bytes(v)
+    # precision=fp8: the FP8 weight casts the trainer keeps (`mptrain.layers.fp8.Fp8WeightCast`), as the planner
+    casts = [m.fp8_weight_cast for c in chunks for m in c.module.modules() if getattr(m, "fp8_weight_cast", None)]
+    cast_bytes = sum(_bytes(t) for w in casts for t in (w.data, w.data_t) if t is not None)
     return {
-        "weights": sum(_bytes(p) for p in params),
+        "weights": sum(_bytes(p) for p in params) + cast_bytes,
         "grads": sum(_bytes(b.data) for c in chunks for b in c.grad_buffers),
         "main_params": sum(_bytes(m) for m in mains),
         "optimizer_state": state,

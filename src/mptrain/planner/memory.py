@@ -69,7 +69,8 @@ import torch
 
 from mptrain import components
 from mptrain.layers.embedding import padded_vocab_size
-from mptrain.layers.params import layer_matmul_weights
+from mptrain.layers.fp8 import fp8_recipe_from, gemm_runs_in_fp8
+from mptrain.layers.params import layer_linear_shapes
 from mptrain.planner.params import RankParams
 
 GIB = 2**30
@@ -243,14 +244,21 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
 
 
 def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
-    """Bytes of the rank's cached FP8 weight casts (precision=fp8, tensorwise; 0 otherwise): 2 per block-linear
-    weight element of each FP8 layer it holds (data and its transpose), 1 under ``fp8_emulate`` (data only)."""
-    p = cfg.precision
-    if p.name != "fp8" or p.fp8_recipe != "tensorwise":
+    """Bytes of the rank's cached FP8 weight casts (precision=fp8, tensorwise; 0 otherwise): 2 per weight element
+    (data and its transpose; 1 under ``fp8_emulate``: data only) of each block linear that computes in FP8, in
+    the FP8 layers the rank holds. A linear computes in FP8 by the trainer's size rule (`gemm_runs_in_fp8`, on
+    the global shape and the rank's TP shard)."""
+    recipe = fp8_recipe_from(cfg.precision)
+    if recipe is None or recipe.recipe != "tensorwise":
         return 0.0
-    n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
+    tp, per_layer = layout.tp, 0
+    for (out, inp), split in layer_linear_shapes(cfg.model):
+        local = (out // tp, inp) if split == 0 else (out, inp // tp)
+        if gemm_runs_in_fp8(recipe, global_shape=(out, inp), local_shape=local):
+            per_layer += local[0] * local[1]
+    n, num_layers = recipe.first_last_layers_bf16, cfg.model.num_layers
     fp8_layers = sum(1 for i in rp.layers if n <= i < num_layers - n)
-    return fp8_layers * layer_matmul_weights(cfg.model) / layout.tp * (1 if p.fp8_emulate else 2)
+    return fp8_layers * per_layer * (1 if recipe.emulate else 2)
 
 
 def _fp8_layer_fraction(cfg) -> float:
