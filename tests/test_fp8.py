@@ -320,7 +320,7 @@ def test_fp8_bench_suite_runs_both_sides_per_precision(tmp_path):
         "bf16", "fp8-tensorwise", "fp8-rowwise", "bf16", "fp8-tensorwise", "fp8-rowwise"]
 
 
-def _fp8_saved_bytes_per_layer(rank, world):
+def _fp8_saved_bytes_per_layer(rank, world, hidden_size=64, gemm_filter="none"):
     """Bytes one tensorwise-FP8 layer saves for backward per micro-batch (4 layers minus 2, halved),
     counted as tests/test_plan_activations.py counts them (unique storages, parameters excluded)."""
     from mptrain.config.model import ModelConfig
@@ -334,9 +334,10 @@ def _fp8_saved_bytes_per_layer(rank, world):
     try:
         total = {}
         for layers in (4, 2):
-            m = ModelConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+            m = ModelConfig(num_layers=layers, hidden_size=hidden_size, num_attention_heads=4, seq_length=32,
+                            vocab_size=128)
             chunk = build_model_chunks(m, ParallelConfig(), groups, vocab_size=128)[0]
-            apply_fp8([chunk], Fp8Recipe(emulate=True, gemm_filter="none"), num_layers=layers)
+            apply_fp8([chunk], Fp8Recipe(emulate=True, gemm_filter=gemm_filter), num_layers=layers)
             model = Float16Module(chunk, torch.bfloat16, is_first_stage=True, is_last_stage=True)
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             seen = {}
@@ -355,19 +356,25 @@ def _fp8_saved_bytes_per_layer(rank, world):
         groups.destroy()
 
 
-def test_planner_fp8_activation_bytes_match_measurement():
+@pytest.mark.parametrize("hidden_size, gemm_filter", [
+    (64, "none"),  # all four linears in FP8
+    (272, "auto"),  # the size rule keeps QKV, proj and fc2 bf16 (fc1 [1088, 272]: out > 1024 is in FP8)
+])
+def test_planner_fp8_activation_bytes_match_measurement(hidden_size, gemm_filter):
     from mptrain.config.model import ModelConfig
     from mptrain.planner.config import PlanConfig
-    from mptrain.planner.memory import PlanLayout, layer_activation_bytes
+    from mptrain.planner.memory import PlanLayout, fp8_linears, layer_activation_bytes
 
-    measured = run_distributed(_fp8_saved_bytes_per_layer, 1)[0]
+    measured = run_distributed(_fp8_saved_bytes_per_layer, 1, hidden_size, gemm_filter)[0]
     cfg = PlanConfig()
-    cfg.model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+    cfg.model = ModelConfig(num_layers=4, hidden_size=hidden_size, num_attention_heads=4, seq_length=32,
+                            vocab_size=128)
     cfg.train.micro_batch_size = 2
     layout = PlanLayout(1, 1, None, 1, False, "none", False, "no_pipelining", 1)
     cfg.precision.name = "bf16"
     bf16 = layer_activation_bytes(cfg, layout)
-    cfg.precision.name = "fp8"
+    cfg.precision.name, cfg.precision.fp8_gemm_filter = "fp8", gemm_filter
+    assert fp8_linears(cfg, 1) == (["qkv", "proj", "fc1", "fc2"] if gemm_filter == "none" else ["fc1"])
     expected = layer_activation_bytes(cfg, layout)
     assert expected < bf16
     assert measured == pytest.approx(expected, rel=0.03), (measured, expected, bf16)  # as test_plan_activations

@@ -6,9 +6,10 @@ t = tensor_model_parallel_size, V = padded vocab, N_r = parameter elements of ra
 
 Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimizer` allocates):
     weights         N_r × bytes(precision)                    (Float16Module casts to bf16/fp16)
-                    + precision=fp8, tensorwise: 2 bytes per block-linear weight element of the rank's
-                    FP8 layers (the weight's cast and its transpose, made once per iteration,
-                    `mptrain.layers.fp8.Fp8WeightCast`; 1 byte under fp8_emulate)
+                    + precision=fp8, tensorwise: 2 bytes per weight element of each block linear in FP8
+                    (the size rule, `fp8_linears`) of the rank's FP8 layers (the weight's cast and its
+                    transpose, made once per iteration, `mptrain.layers.fp8.Fp8WeightCast`; 1 byte under
+                    fp8_emulate)
     grads           N_r × bytes(grad dtype)                   fp32 when grad_reduce_in_fp32 or the
                                                               params are bf16/fp16 (run.py), else fp32
     main params     N_r × 4 (bf16/fp16: MixedPrecisionOptimizer copies; fp32: none, stepped in place)
@@ -47,8 +48,9 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
                                         input adds its 1-byte cast beside the context SDPA keeps).
                                         Rowwise recipes save the bf16 inputs (their weight-grad casts
                                         scale along tokens): as bf16. Layers kept in bf16
-                                        (precision.fp8_first_last_layers_bf16) are weighted in;
-                                        the size rule is not (every GEMM is assumed converted).
+                                        (precision.fp8_first_last_layers_bf16) are weighted in, and
+                                        a linear the size rule keeps bf16 saves its bf16 input
+                                        (`fp8_linears`, `FP8_TENSORWISE_16BIT_DELTA`).
 Logits (last stage; read from layers/cross_entropy.py): the fp32 softmax saved for backward,
 4·s·b·V/t per in-flight micro-batch, plus a transient (bytes(activation) + 4)·s·b·V/t during the
 cross-entropy forward (the logits and one fp32 temporary alive at once); the final norm's input and
@@ -75,7 +77,11 @@ from mptrain.planner.params import RankParams
 
 GIB = 2**30
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 params and activations
-FP8_TENSORWISE_16BIT = {"linear_inputs_16bit": 2.0, "split_16bit": 21.0}  # FORMULA (module docstring)
+# FORMULA (module docstring): what one block linear computing in tensorwise FP8 changes in the 16-bit units of
+# `MEASURED`: QKV and fc1 save their input's 1-byte cast (2 -> 1 each), fc2 its input's (GELU out 8 -> 4),
+# proj saves its input's cast beside the context SDPA keeps (+1). All four: linear inputs 4 -> 2, S 24 -> 21.
+FP8_TENSORWISE_16BIT_DELTA = {  # linear name: (linear_inputs_16bit, split_16bit)
+    "qkv": (-1.0, 0.0), "proj": (0.0, 1.0), "fc1": (-1.0, 0.0), "fc2": (0.0, -4.0)}
 
 # MEASURED on CPU (torch 2.13, saved-tensor hooks, unique storages) for our TransformerLayer: bytes
 # saved for backward per layer per s·b·h element in 16-bit (bf16); fp32 measures exactly 2× these.
@@ -232,10 +238,11 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     split = MEASURED["split_selective_16bit" if recompute == "selective" else "split_16bit"] * scale
     norms = MEASURED["norm_inputs_16bit"] * scale
     linear_inputs = MEASURED["linear_inputs_16bit"] * scale
-    fp8 = _fp8_layer_fraction(cfg)
-    if fp8:  # tensorwise FP8 layers save 1-byte casts (module docstring); selective drops the same core tensors
-        split -= fp8 * (MEASURED["split_16bit"] - FP8_TENSORWISE_16BIT["split_16bit"])
-        linear_inputs -= fp8 * (MEASURED["linear_inputs_16bit"] - FP8_TENSORWISE_16BIT["linear_inputs_16bit"])
+    fraction = _fp8_layer_fraction(cfg)
+    for name in fp8_linears(cfg, t) if fraction else ():  # their 1-byte casts (module docstring)
+        d_inputs, d_split = FP8_TENSORWISE_16BIT_DELTA[name]
+        linear_inputs += fraction * d_inputs
+        split += fraction * d_split
     masks = MEASURED["hidden_dropout_masks"] * dropout_mask_bytes if m.hidden_dropout > 0 else 0.0
     lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp [b, a/t, s]
     if layout.sequence_parallel:
@@ -243,22 +250,36 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     return sbh * (norms + linear_inputs + masks + split / t) + lse
 
 
-def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
-    """Bytes of the rank's cached FP8 weight casts (precision=fp8, tensorwise; 0 otherwise): 2 per weight element
-    (data and its transpose; 1 under ``fp8_emulate``: data only) of each block linear that computes in FP8, in
-    the FP8 layers the rank holds. A linear computes in FP8 by the trainer's size rule (`gemm_runs_in_fp8`, on
-    the global shape and the rank's TP shard)."""
+LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")  # the order of `layer_linear_shapes`
+
+
+def fp8_linears(cfg, tp: int) -> list:
+    """The block linears (`LINEAR_NAMES`) that compute in FP8 at tensor-parallel size ``tp``: all four under
+    precision=fp8 unless the trainer's size rule (`gemm_runs_in_fp8`, on the global shape and the TP shard)
+    keeps one bf16; none otherwise."""
     recipe = fp8_recipe_from(cfg.precision)
-    if recipe is None or recipe.recipe != "tensorwise":
-        return 0.0
-    tp, per_layer = layout.tp, 0
-    for (out, inp), split in layer_linear_shapes(cfg.model):
+    if recipe is None:
+        return []
+    names = []
+    for name, ((out, inp), split) in zip(LINEAR_NAMES, layer_linear_shapes(cfg.model)):
         local = (out // tp, inp) if split == 0 else (out, inp // tp)
         if gemm_runs_in_fp8(recipe, global_shape=(out, inp), local_shape=local):
-            per_layer += local[0] * local[1]
-    n, num_layers = recipe.first_last_layers_bf16, cfg.model.num_layers
+            names.append(name)
+    return names
+
+
+def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
+    """Bytes of the rank's cached FP8 weight casts (precision=fp8, tensorwise; 0 otherwise): 2 per weight element
+    (data and its transpose; 1 under ``fp8_emulate``: data only) of each block linear in FP8 (`fp8_linears`),
+    in the FP8 layers the rank holds."""
+    p = cfg.precision
+    if p.name != "fp8" or p.fp8_recipe != "tensorwise":
+        return 0.0
+    shapes = {name: shape for name, (shape, _) in zip(LINEAR_NAMES, layer_linear_shapes(cfg.model))}
+    per_layer = sum(shapes[name][0] * shapes[name][1] // layout.tp for name in fp8_linears(cfg, layout.tp))
+    n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
     fp8_layers = sum(1 for i in rp.layers if n <= i < num_layers - n)
-    return fp8_layers * per_layer * (1 if recipe.emulate else 2)
+    return fp8_layers * per_layer * (1 if p.fp8_emulate else 2)
 
 
 def _fp8_layer_fraction(cfg) -> float:
