@@ -96,8 +96,7 @@ def layer_linear_shapes(m) -> list:
 
 def layer_matmul_weights(m) -> int:
     """Weights of one transformer layer's four linears (QKV, proj, fc1, fc2), whole (not per TP rank)."""
-    h, np_, ng, hn, f, k = _widths(m)
-    return h * (np_ + 2 * ng) * hn + np_ * hn * h + h * k * f + f * h
+    return sum(out * inp for (out, inp), _ in layer_linear_shapes(m))
 
 
 def norm_params(m) -> int:
