@@ -14,7 +14,7 @@ from harness import run_distributed
 S, B, H, A, V = 32, 2, 64, 4, 128
 
 
-def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout):
+def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout, shape):
     import torch
 
     from mptrain.config.model import ModelConfig
@@ -24,7 +24,7 @@ def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout):
 
     m = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V,
                     recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
-                    recompute_num_layers=1 if recompute == "full" else None, hidden_dropout=dropout)
+                    recompute_num_layers=1 if recompute == "full" else None, hidden_dropout=dropout, **shape)
     chunk = build_model_chunks(m, ParallelConfig(tensor_model_parallel_size=groups.tp_size, sequence_parallel=sp),
                                groups, vocab_size=V)[0]
     model = chunk if dtype_name == "fp32" else Float16Module(chunk, torch.bfloat16, is_first_stage=True,
@@ -45,14 +45,15 @@ def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout):
     return sum(seen.values())
 
 
-def measure_saved_bytes(rank, world, dtype_name, recompute, sp, dropout):
-    """Bytes one transformer layer saves per micro-batch on this rank (tp = world)."""
+def measure_saved_bytes(rank, world, dtype_name, recompute, sp, dropout, shape=None):
+    """Bytes one transformer layer saves per micro-batch on this rank (tp = world); ``shape``: more
+    ModelConfig keys (ffn size, activation, query groups)."""
     from mptrain.groups import build_groups
 
     groups = build_groups(world, 1)
     try:
-        four = _saved_bytes(groups, 4, dtype_name, recompute, sp, dropout)
-        two = _saved_bytes(groups, 2, dtype_name, recompute, sp, dropout)
+        four = _saved_bytes(groups, 4, dtype_name, recompute, sp, dropout, shape or {})
+        two = _saved_bytes(groups, 2, dtype_name, recompute, sp, dropout, shape or {})
         return (four - two) / 2
     finally:
         groups.destroy()
@@ -81,6 +82,33 @@ def test_layer_activation_bytes_match_measurement(tp, sp, dtype_name, recompute)
         # the constants are rounded to whole bytes per s·b·h element; a few small tensors (RNG offsets,
         # index tensors) are not modelled: 3 %
         assert rank_bytes == pytest.approx(expected, rel=0.03), (measured, expected)
+
+
+@pytest.mark.parametrize("shape, units, tp", [
+    ({"ffn_hidden_size": 128}, 24, 1),  # f = 2h: the MLP's fc1 out and GELU out halve (16 -> 8 of 32)
+    ({"ffn_hidden_size": 128}, 24, 2),
+    # grouped-query attention: SDPA reads k/v expanded, the same bytes as MHA (tp 1; at tp 2 with one group
+    # per rank the unexpanded k/v are saved too, +1 unit: not modelled, docs/PLANNER.md)
+    ({"num_query_groups": 2}, 32, 1),
+    ({"activation": "swiglu", "ffn_hidden_size": 176}, 38, 1),  # SwiGLU: 8 per f/h (fc1 out 2f, silu(gate), product)
+    ({"activation": "swiglu", "ffn_hidden_size": 176}, 38, 2),
+])
+def test_activation_bytes_scale_with_the_mlp_and_attention_shape(shape, units, tp):
+    """The split term's MLP part scales with ``model.ffn_hidden_size`` and the activation (in units of
+    s·b·h × 2 bytes per layer at tp 1: norms 4 + linear inputs 4 + S)."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.planner.config import PlanConfig
+    from mptrain.planner.memory import PlanLayout, layer_activation_bytes
+
+    measured = run_distributed(measure_saved_bytes, tp, "bf16", None, False, 0.0, shape)
+    cfg = PlanConfig()
+    cfg.model = ModelConfig(num_layers=4, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V, **shape)
+    cfg.precision.name, cfg.train.micro_batch_size = "bf16", B
+    layout = PlanLayout(tp, 1, None, 1, False, "none", False, "no_pipelining", 1)
+    expected = layer_activation_bytes(cfg, layout)
+    if tp == 1:
+        assert expected == S * B * H * units + 4 * A * S * B  # + the fp32 logsumexp
+    assert measured == pytest.approx([expected] * tp, rel=0.03)  # as above: 3 %
 
 
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])

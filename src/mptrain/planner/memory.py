@@ -32,10 +32,13 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
         QKV / fc1 inputs, replicated over TP, also under SP:    4   (our column-parallel linear saves
                                                                      the all-gathered input; Megatron
                                                                      saves the shard and re-gathers)
-        split over TP:                  S = 24  (q/k/v: views of the QKV output, one torch.split in
-                                                 attention.py, saved once; context, proj out,
-                                                 fc1 out, GELU out). 28 before q was a copy.
-        selective recompute:            S = 24  (the attention core's saved q/k/v/out dropped)
+        split over TP:                  S = 8 + M·f/h  (attention: q/k/v, views of the QKV output,
+                                                 one torch.split in attention.py, saved once, and
+                                                 the context: 8, also with grouped-query attention,
+                                                 whose k/v SDPA reads expanded; MLP per f/h: GELU 4
+                                                 (fc1 out, GELU out), SwiGLU 8 (fc1 out [gate; up],
+                                                 silu(gate), their product)). f = 4h, GELU: S = 24.
+        selective recompute:            S as above (the attention core's saved q/k/v/out dropped)
         hidden dropout > 0:             two masks of s·b·h (/t under SP): 1 byte each on CUDA
                                         (native_dropout's bool mask, as the paper); CPU's dropout
                                         saves the mask in the activation dtype (measured)
@@ -44,8 +47,8 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
         precision=fp8, tensorwise:      the linears save their input's FP8 cast (1 byte an element)
                                         instead of the bf16 input, and of the weight's cast only the
                                         scale (`mptrain.layers.fp8.Fp8Gemms.forward`): QKV / fc1
-                                        inputs 4 -> 2; S 24 -> 21 (GELU out 8 -> 4 as FP8; the proj
-                                        input adds its 1-byte cast beside the context SDPA keeps).
+                                        inputs 4 -> 2; S: fc2's input −f/h (GELU at f = 4h: 8 -> 4),
+                                        the proj input's 1-byte cast +1 (beside the context SDPA keeps).
                                         Rowwise recipes save the bf16 inputs (their weight-grad casts
                                         scale along tokens): as bf16. Layers kept in bf16
                                         (precision.fp8_first_last_layers_bf16) are weighted in, and
@@ -78,10 +81,11 @@ from mptrain.planner.params import RankParams
 GIB = 2**30
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 params and activations
 # FORMULA (module docstring): what one block linear computing in tensorwise FP8 changes in the 16-bit units of
-# `MEASURED`: QKV and fc1 save their input's 1-byte cast (2 -> 1 each), fc2 its input's (GELU out 8 -> 4),
-# proj saves its input's cast beside the context SDPA keeps (+1). All four: linear inputs 4 -> 2, S 24 -> 21.
-FP8_TENSORWISE_16BIT_DELTA = {  # linear name: (linear_inputs_16bit, split_16bit)
-    "qkv": (-1.0, 0.0), "proj": (0.0, 1.0), "fc1": (-1.0, 0.0), "fc2": (0.0, -4.0)}
+# `MEASURED`: QKV and fc1 save their input's 1-byte cast (2 -> 1 each), fc2 its input's (the activation's
+# output: -f/h, GELU at f = 4h 8 -> 4), proj saves its input's cast beside the context SDPA keeps (+1). All
+# four at f = 4h: linear inputs 4 -> 2, S 24 -> 21.
+FP8_TENSORWISE_16BIT_DELTA = {  # linear name: (linear_inputs_16bit, split_16bit; fc2's per f/h)
+    "qkv": (-1.0, 0.0), "proj": (0.0, 1.0), "fc1": (-1.0, 0.0), "fc2": (0.0, -1.0)}
 
 # MEASURED on CPU (torch 2.13, saved-tensor hooks, unique storages) for our TransformerLayer: bytes
 # saved for backward per layer per s·b·h element in 16-bit (bf16); fp32 measures exactly 2× these.
@@ -89,8 +93,9 @@ FP8_TENSORWISE_16BIT_DELTA = {  # linear name: (linear_inputs_16bit, split_16bit
 MEASURED = {
     "norm_inputs_16bit": 4.0,  # the two norms' inputs: replicated over TP, split under SP
     "linear_inputs_16bit": 4.0,  # QKV and fc1 inputs: replicated over TP, full size (gathered) under SP too
-    "split_16bit": 24.0,  # QKV output (q/k/v views of it), context, projections, fc1 out, GELU out
-    "split_selective_16bit": 24.0,  # selective recompute: the core attention's saved tensors dropped
+    "split_attention_16bit": 8.0,  # QKV output (q/k/v views of it) and the context; the same with GQA
+    "split_selective_attention_16bit": 8.0,  # selective recompute: the core attention's saved tensors dropped
+    "split_mlp_per_ffn_16bit": {"gelu": 4.0, "swiglu": 8.0},  # × f/h: fc1 out and what the activation saves
     "hidden_dropout_masks": 2.0,  # masks per layer when hidden_dropout > 0 (× mask bytes per element)
 }
 CUDA_DROPOUT_MASK_BYTES = 1  # FORMULA: torch's CUDA native_dropout saves a bool mask (Korthikanti et al. §4.1)
@@ -235,14 +240,16 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     s, b, h, a, t = m.seq_length, cfg.train.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
     sbh = s * b * h
     scale = PARAM_BYTES[cfg.precision.name] / 2  # constants are in 16-bit bytes
-    split = MEASURED["split_selective_16bit" if recompute == "selective" else "split_16bit"] * scale
+    ffn_per_h = (m.ffn_hidden_size or 4 * h) / h  # f/h
+    attention = MEASURED["split_selective_attention_16bit" if recompute == "selective" else "split_attention_16bit"]
+    split = (attention + MEASURED["split_mlp_per_ffn_16bit"][m.activation] * ffn_per_h) * scale
     norms = MEASURED["norm_inputs_16bit"] * scale
     linear_inputs = MEASURED["linear_inputs_16bit"] * scale
     fraction = _fp8_layer_fraction(cfg)
     for name in fp8_linears(cfg, t) if fraction else ():  # their 1-byte casts (module docstring)
         d_inputs, d_split = FP8_TENSORWISE_16BIT_DELTA[name]
         linear_inputs += fraction * d_inputs
-        split += fraction * d_split
+        split += fraction * d_split * (ffn_per_h if name == "fc2" else 1.0)
     masks = MEASURED["hidden_dropout_masks"] * dropout_mask_bytes if m.hidden_dropout > 0 else 0.0
     lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp [b, a/t, s]
     if layout.sequence_parallel:
