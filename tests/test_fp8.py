@@ -374,7 +374,7 @@ def test_planner_fp8_activation_bytes_match_measurement(hidden_size, gemm_filter
     cfg.precision.name = "bf16"
     bf16 = layer_activation_bytes(cfg, layout)
     cfg.precision.name, cfg.precision.fp8_gemm_filter = "fp8", gemm_filter
-    assert fp8_linears(cfg, 1) == (["qkv", "proj", "fc1", "fc2"] if gemm_filter == "none" else ["fc1"])
+    assert list(fp8_linears(cfg, 1)) == (["qkv", "proj", "fc1", "fc2"] if gemm_filter == "none" else ["fc1"])
     expected = layer_activation_bytes(cfg, layout)
     assert expected < bf16
     assert measured == pytest.approx(expected, rel=0.03), (measured, expected, bf16)  # as test_plan_activations

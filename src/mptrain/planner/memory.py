@@ -260,19 +260,19 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
 LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")  # the order of `layer_linear_shapes`
 
 
-def fp8_linears(cfg, tp: int) -> list:
-    """The block linears (`LINEAR_NAMES`) that compute in FP8 at tensor-parallel size ``tp``: all four under
-    precision=fp8 unless the trainer's size rule (`gemm_runs_in_fp8`, on the global shape and the TP shard)
-    keeps one bf16; none otherwise."""
+def fp8_linears(cfg, tp: int) -> dict:
+    """The block linears (`LINEAR_NAMES`) that compute in FP8 at tensor-parallel size ``tp``, each with its weight's
+    shape on one TP rank: all four under precision=fp8 unless the trainer's size rule (`gemm_runs_in_fp8`, on the
+    global shape and the TP shard) keeps one bf16; none otherwise."""
     recipe = fp8_recipe_from(cfg.precision)
     if recipe is None:
-        return []
-    names = []
+        return {}
+    shards = {}
     for name, ((out, inp), split) in zip(LINEAR_NAMES, layer_linear_shapes(cfg.model)):
         local = (out // tp, inp) if split == 0 else (out, inp // tp)
         if gemm_runs_in_fp8(recipe, global_shape=(out, inp), local_shape=local):
-            names.append(name)
-    return names
+            shards[name] = local
+    return shards
 
 
 def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
@@ -282,8 +282,7 @@ def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
     p = cfg.precision
     if p.name != "fp8" or p.fp8_recipe != "tensorwise":
         return 0.0
-    shapes = {name: shape for name, (shape, _) in zip(LINEAR_NAMES, layer_linear_shapes(cfg.model))}
-    per_layer = sum(shapes[name][0] * shapes[name][1] // layout.tp for name in fp8_linears(cfg, layout.tp))
+    per_layer = sum(out * inp for out, inp in fp8_linears(cfg, layout.tp).values())
     n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
     fp8_layers = sum(1 for i in rp.layers if n <= i < num_layers - n)
     return fp8_layers * per_layer * (1 if p.fp8_emulate else 2)
