@@ -12,6 +12,10 @@ as the peer does. No collective is needed after the run (each rank writes its ow
 ``--bench-profile FILE`` (stripped before Hydra sees the command line): run the job under
 `torch.profiler` and write rank 0's top kernels by device time to FILE (a text table). Timings
 of a profiled run are not benchmark numbers.
+
+``--bench-inductor KEY=VALUE[,KEY=VALUE]`` (stripped likewise): set Inductor config keys
+(``torch._inductor.config``, e.g. ``triton.prefer_nd_tiling=true``) before anything compiles, to A/B
+Inductor's code generation on the whole trainer.
 """
 
 from __future__ import annotations
@@ -39,11 +43,28 @@ def _pop_flag(argv: list, flag: str):
 
 PROFILE_FILE = _pop_flag(sys.argv, "--bench-profile")
 PROFILE_SKIP = 3  # iterations not profiled (compile, autotune, NCCL set-up)
+INDUCTOR = _pop_flag(sys.argv, "--bench-inductor")
 
 from mptrain.config.schema import register  # noqa: E402  (after sys.path is final)
 from profile_report import write_profile  # noqa: E402  (bench/ is the script's folder, on sys.path)
 
 register()
+
+
+def _set_inductor(pairs: str) -> None:
+    """``KEY=VALUE,...`` into ``torch._inductor.config`` (values: true / false / integers / strings)."""
+    import torch._inductor.config as inductor_config
+
+    for pair in pairs.split(","):
+        key, value = pair.split("=", 1)
+        parsed = {"true": True, "false": False}.get(value.lower(), int(value) if value.lstrip("-").isdigit() else value)
+        obj = inductor_config
+        *path, leaf = key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        if not hasattr(obj, leaf):
+            raise SystemExit(f"--bench-inductor: torch._inductor.config has no key {key}")
+        setattr(obj, leaf, parsed)
 
 
 def _write_peak(run_dir: str) -> None:
@@ -93,6 +114,8 @@ def _run_profiled(cfg, hydra_main):
 def main(cfg) -> None:
     from mptrain.training.run import hydra_main
 
+    if INDUCTOR:
+        _set_inductor(INDUCTOR)
     summary = _run_profiled(cfg, hydra_main) if PROFILE_FILE else hydra_main(cfg)
     _write_peak((summary or {}).get("run_dir") or cfg.run.dir)
 

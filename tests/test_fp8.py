@@ -214,6 +214,20 @@ BASE = ["model=tiny", "model.seq_length=32", "train.eval_interval=null",
         "precision.fp8_gemm_filter=none"]
 
 
+def test_fp8_grad_output_amax_beside_the_bias_grad_is_the_same_cast():
+    """``cast_grad_output(with_bias_grad=True)`` takes dy's tensorwise amax as the max of its column amaxes (one
+    reduction over tokens with the bias grad's): the same scale and bits as the whole-tensor amax, the max of
+    any one column being the largest included."""
+    from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe
+
+    gemms = Fp8Gemms(Fp8Recipe(emulate=True), amax_group=None, input_sharded=False, output_sharded=False)
+    dy = torch.randn(96, 40, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    dy[17, 33] = -9.0  # the amax, in one column
+    by_column, whole = (gemms.cast_grad_output(dy, with_bias_grad=b) for b in (True, False))
+    assert float(by_column._scale) == float(whole._scale) == float(torch.tensor(57344.0) / 9.0)
+    assert torch.equal(by_column._data.view(torch.uint8), whole._data.view(torch.uint8))
+
+
 def _job(tmp, name, world, overrides, steps=STEPS, base=BASE):
     run_dir = tmp / name
     run_distributed(run_job, world, base + overrides + [f"train.train_iters={steps}", f"run.dir={run_dir}"],

@@ -238,18 +238,23 @@ class Fp8Gemms:
     def _same_cast(self, a, b) -> bool:
         return a == b and a.scaling_type is not self._disabled and a.scaling_granularity is self._tensorwise
 
-    def _cast(self, t: torch.Tensor, cast_config, role, axis: int, *, tensor_sharded: bool, k_sharded: bool):
+    def _cast(self, t: torch.Tensor, cast_config, role, axis: int, *, tensor_sharded: bool, k_sharded: bool,
+              column_amax: bool = False):
         """``t`` as a Float8TrainingTensor (or ``t`` itself when the recipe keeps it in high precision).
 
         ``axis``: the contraction dim of ``t`` in its GEMM (rowwise scales are amaxes along it);
-        ``tensor_sharded`` / ``k_sharded``: whether ``t`` / that dim is split over TP (the module docstring).
+        ``tensor_sharded`` / ``k_sharded``: whether ``t`` / that dim is split over TP (the module docstring);
+        ``column_amax``: a tensorwise amax of a 2-D ``t`` taken as the max of its column amaxes (`cast_grad_output`).
         """
         if cast_config.scaling_type is self._disabled:
             return t
         tensor_mod, utils = self._tensor_mod, self._utils
         tensorwise = cast_config.scaling_granularity is self._tensorwise
         axiswise_dim = None if tensorwise else axis
-        amax = utils.tensor_to_amax(t, False, None, cast_config.scaling_granularity, axiswise_dim).float()
+        if tensorwise and column_amax and t.dim() == 2:
+            amax = torch.amax(torch.abs(t), dim=0).max().float()  # the same value: max is exact in any order
+        else:
+            amax = utils.tensor_to_amax(t, False, None, cast_config.scaling_granularity, axiswise_dim).float()
         if self.amax_group is not None and (tensor_sharded if tensorwise else k_sharded):
             amax = _all_reduce(amax, self.amax_group, "max")  # the amax of the whole logical tensor / row
         scale = utils.amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
@@ -284,11 +289,17 @@ class Fp8Gemms:
     def _rebuild(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, role):
         return self._tensor_mod.Float8TrainingTensor(data, scale, dtype, self.mm_config, role, None)
 
-    def cast_grad_output(self, grad_output: torch.Tensor):
+    def cast_grad_output(self, grad_output: torch.Tensor, *, with_bias_grad: bool = False):
         """dy ``[T, out(/tp)]`` cast for the grad-input GEMM (its amax TP-reduced where ``out`` is sharded);
-        under tensorwise the grad-weight GEMM reuses it."""
+        under tensorwise the grad-weight GEMM reuses it.
+
+        ``with_bias_grad``: the caller also sums dy over tokens (the bias grad). The tensorwise amax is then taken
+        over tokens first (``[out]`` column amaxes, then their max: the same value), a reduction over the same
+        dim as the bias grad's, so that Inductor computes both in one pass over dy (at the MLP's fc1 that pass
+        also recomputes GeLU's backward) instead of two."""
         return self._cast(grad_output, self.config.cast_config_grad_output, self._roles.GRAD_OUTPUT, -1,
-                          tensor_sharded=self.output_sharded, k_sharded=self.output_sharded)
+                          tensor_sharded=self.output_sharded, k_sharded=self.output_sharded,
+                          column_amax=with_bias_grad)
 
     def grad_input(self, dy8, saved: tuple) -> torch.Tensor:
         """dx ``[T, in(/tp)]`` = dy · W from `cast_grad_output`'s dy and `forward`'s saved tensors; a

@@ -113,7 +113,9 @@ def _fp8_backward(ctx, grad_out: torch.Tensor) -> tuple:
     collective launched before the wgrad GEMM (into ``main_grad`` when fused), then the wait."""
     go2 = grad_out.reshape(-1, grad_out.shape[-1])  # [s·b, out/tp]
     saved = ctx.saved_tensors
-    dy8 = ctx.fp8.cast_grad_output(go2)
+    bias_grad = ctx.has_bias and ctx.needs_input_grad[2]
+    dy8 = ctx.fp8.cast_grad_output(go2, with_bias_grad=bias_grad)
+    grad_b = go2.sum(dim=0) if bias_grad else None  # beside the cast's amax: one pass over dy (cast_grad_output)
     grad_in = pending = None
     if ctx.needs_input_grad[0]:
         grad_in = ctx.fp8.grad_input(dy8, saved).reshape(ctx.input_shape)  # [s, b, in], partial over TP (with a group)
@@ -125,7 +127,6 @@ def _fp8_backward(ctx, grad_out: torch.Tensor) -> tuple:
         if ctx.main_grad is not None:
             grad_accumulation.accumulate_into(ctx.main_grad, grad_w)
             grad_w = None
-    grad_b = go2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     if pending is not None:
         grad_in = pending.wait()
     return grad_in, grad_w, grad_b, None, None, None, None, None
