@@ -4,7 +4,8 @@
 Each fixture holds the checkpoint of iteration 4 of an 8-iteration run and ``straight.json``: the
 train rows (``lm_loss``, ``grad_norm``, ``loss_scale``, ``lr``, ``skipped_iter``) of the same 8
 iterations run straight through. Resuming from the checkpoint with today's code must give rows
-5..8 bitwise (== on the floats read back from JSON):
+5..8 as written: ``loss_scale``, ``lr`` and ``skipped_iter`` exactly, ``lm_loss`` and ``grad_norm`` within
+`TOLERANCES` (bitwise on a CPU like the writer's; `TOLERANCES` says why not on every CPU):
 
 - ``ckpt_fp16_tp1pp2``: fp16 params with fp32 main params, a dynamic loss scaler whose scale grows
   every 2 clean steps (its trackers must cross the checkpoint), pipeline-parallel over 2 processes;
@@ -38,6 +39,12 @@ CASES = {
                                  "parallel.use_distributed_optimizer=true"]),
 }
 KEYS = ("lm_loss", "grad_norm", "loss_scale", "lr", "skipped_iter")
+# Bitwise on a CPU like the writer's. Another CPU's kernels (other vector widths) sum the fp32 grad norm in another
+# order, and bf16 training carries that on: resumed against the written rows on an AVX-512 machine,
+# ckpt_bf16_dp2_zero1's lm_loss is off by at most 1.2e-7 (relative) and its grad_norm by 8e-8, 3.7e-6, 3.9e-4 at
+# iterations 6-8 (ckpt_fp16_tp1pp2 stays bitwise). Resuming without the optimizer state (checkpoint.load_optim=false)
+# moves lm_loss by 5.6e-4 to 1.6e-3 and grad_norm by 2e-3 to 8e-2: the tolerances lie between.
+TOLERANCES = {"lm_loss": 1e-5, "grad_norm": 1e-3}
 SAVED_AT = 4
 
 
@@ -46,7 +53,7 @@ def _rows(run_dir) -> dict:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_resume_from_an_earlier_checkpoint_is_bitwise(tmp_path, case):
+def test_resume_from_an_earlier_checkpoint_continues_its_run(tmp_path, case):
     world, extra = CASES[case]
     fixture = FIXTURES / case
     straight = {int(k): v for k, v in json.loads((fixture / "straight.json").read_text()).items()}
@@ -56,7 +63,11 @@ def test_resume_from_an_earlier_checkpoint_is_bitwise(tmp_path, case):
     run_distributed(run_job, world, SMALL + extra + [f"run.dir={run_dir}", f"checkpoint.load={ckpt}"])
     got = _rows(run_dir)
     assert sorted(got) == list(range(SAVED_AT + 1, 9))
-    assert [got[i] for i in sorted(got)] == [straight[i] for i in range(SAVED_AT + 1, 9)]
+    for i in range(SAVED_AT + 1, 9):
+        exact = {k: v for k, v in got[i].items() if k not in TOLERANCES}
+        assert exact == {k: v for k, v in straight[i].items() if k not in TOLERANCES}, i
+        for key, rel in TOLERANCES.items():
+            assert got[i][key] == pytest.approx(straight[i][key], rel=rel, abs=0), (i, key)
     if case.startswith("ckpt_fp16"):
         scales = [straight[i]["loss_scale"] for i in range(1, 9)]
         assert scales[SAVED_AT - 1] != scales[-1], scales  # the scale moved after the save: its trackers count
