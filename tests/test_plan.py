@@ -209,6 +209,9 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
     ("top=-1", "top=-1 must be >= 1 (rows of the table), or top=null for all of them"),
     ("hardware.gpu_memory_gib=-1", "hardware.gpu_memory_gib=-1.0 must be > 0"),
     ("hardware.assumed_mfu=1.5", "hardware.assumed_mfu=1.5 must be in (0, 1] and hardware.gpus_per_node=8 >= 1"),
+    ("+hardware.gpu_memry_gib=80", "hardware.gpu_memry_gib: unknown config key (misspelt? `+` adds keys the schema does "
+                                   "not have); valid keys of hardware: assumed_mfu, gpu_memory_gib, gpus_per_node, "
+                                   "inter_node_gb_per_s, intra_node_gb_per_s, peak_tflops"),
 ])
 def test_bad_plan_numbers_are_one_line(override, line):
     from mptrain.errors import ConfigError

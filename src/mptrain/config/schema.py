@@ -98,7 +98,7 @@ def as_config(cfg: Any) -> Config:
 
     Merging onto the structured schema makes unknown keys and wrong types fail here too. A key
     that Hydra's ``+key=value`` forced into a typed group survives that merge, so unknown keys are
-    also looked for in the result (`_reject_unknown_keys`).
+    also looked for in the result (`reject_unknown_keys`).
 
     Raises:
         omegaconf.errors.ValidationError / ConfigKeyError: unknown key or wrong type.
@@ -119,7 +119,7 @@ def as_config(cfg: Any) -> Config:
         error = ConfigError(f"{err.full_key}: {reason}; fix the ${{...}} interpolation (or write a literal $ as \\$)")
         error.symmetric = False  # ${oc.env:X} may resolve on one node and not on another: each failing rank prints
         raise error from None
-    _reject_unknown_keys(obj, "")
+    reject_unknown_keys(obj, "")
     return obj
 
 
@@ -146,7 +146,7 @@ def _to_container(obj: Any) -> Any:
     return obj
 
 
-def _reject_unknown_keys(obj: Any, prefix: str) -> None:
+def reject_unknown_keys(obj: Any, prefix: str) -> None:
     """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields.
 
     A component node (a schema with a ``_target_`` field, `mptrain.components`) keeps such keys:
@@ -161,4 +161,4 @@ def _reject_unknown_keys(obj: Any, prefix: str) -> None:
     for name in fields:
         value = getattr(obj, name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            _reject_unknown_keys(value, f"{prefix}{name}.")
+            reject_unknown_keys(value, f"{prefix}{name}.")
