@@ -26,6 +26,7 @@ import traceback
 import hydra
 from omegaconf import OmegaConf
 
+from mptrain.config.schema import reject_unknown_keys
 from mptrain.errors import ConfigError
 from mptrain.planner.config import CONF_DIR, register_plan
 
@@ -155,6 +156,7 @@ def format_report(cfg, facts: list) -> tuple:
 def main(cfg) -> None:
     c = OmegaConf.to_object(cfg)
     try:
+        reject_unknown_keys(c, "")  # `+foo=1` (as `mptrain.plan`)
         facts = run_check(c, c.world_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
