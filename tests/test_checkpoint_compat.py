@@ -4,8 +4,8 @@
 Each fixture holds the checkpoint of iteration 4 of an 8-iteration run and ``straight.json``: the
 train rows (``lm_loss``, ``grad_norm``, ``loss_scale``, ``lr``, ``skipped_iter``) of the same 8
 iterations run straight through. Resuming from the checkpoint with today's code must give rows
-5..8 as written: ``loss_scale``, ``lr`` and ``skipped_iter`` exactly, ``lm_loss`` and ``grad_norm`` within
-`TOLERANCES` (bitwise on a CPU like the writer's; `TOLERANCES` says why not on every CPU):
+5..8 as written: bitwise, except the floats `TOLERANCES` names for a fixture (bitwise on a CPU like the
+writer's; `TOLERANCES` says why not on every CPU):
 
 - ``ckpt_fp16_tp1pp2``: fp16 params with fp32 main params, a dynamic loss scaler whose scale grows
   every 2 clean steps (its trackers must cross the checkpoint), pipeline-parallel over 2 processes;
@@ -39,12 +39,13 @@ CASES = {
                                  "parallel.use_distributed_optimizer=true"]),
 }
 KEYS = ("lm_loss", "grad_norm", "loss_scale", "lr", "skipped_iter")
-# Bitwise on a CPU like the writer's. Another CPU's kernels (other vector widths) sum the fp32 grad norm in another
-# order, and bf16 training carries that on: resumed against the written rows on an AVX-512 machine,
-# ckpt_bf16_dp2_zero1's lm_loss is off by at most 1.2e-7 (relative) and its grad_norm by 8e-8, 3.7e-6, 3.9e-4 at
-# iterations 6-8 (ckpt_fp16_tp1pp2 stays bitwise). Resuming without the optimizer state (checkpoint.load_optim=false)
-# moves lm_loss by 5.6e-4 to 1.6e-3 and grad_norm by 2e-3 to 8e-2: the tolerances lie between.
-TOLERANCES = {"lm_loss": 1e-5, "grad_norm": 1e-3}
+# Per fixture: the floats that may differ from the written rows on a CPU unlike the writer's, with their relative
+# tolerance. On an AVX-512 machine ckpt_fp16_tp1pp2 resumes bitwise; ckpt_bf16_dp2_zero1's rows match up to the
+# first update after the load and then drift in the last bits, which bf16 training carries on: lm_loss by at most
+# 1.2e-7, grad_norm by 8e-8, 3.7e-6, 3.9e-4 at iterations 6-8. Resuming without the optimizer state
+# (checkpoint.load_optim=false) or from data position 0 moves lm_loss by 5.6e-4 to 3.9e-3: lm_loss is the sharp check,
+# grad_norm's looser bound leaves room for other CPUs (its drift grows about 100-fold an iteration).
+TOLERANCES = {"ckpt_fp16_tp1pp2": {}, "ckpt_bf16_dp2_zero1": {"lm_loss": 1e-5, "grad_norm": 1e-2}}
 SAVED_AT = 4
 
 
@@ -63,10 +64,11 @@ def test_resume_from_an_earlier_checkpoint_continues_its_run(tmp_path, case):
     run_distributed(run_job, world, SMALL + extra + [f"run.dir={run_dir}", f"checkpoint.load={ckpt}"])
     got = _rows(run_dir)
     assert sorted(got) == list(range(SAVED_AT + 1, 9))
+    tolerances = TOLERANCES[case]
     for i in range(SAVED_AT + 1, 9):
-        exact = {k: v for k, v in got[i].items() if k not in TOLERANCES}
-        assert exact == {k: v for k, v in straight[i].items() if k not in TOLERANCES}, i
-        for key, rel in TOLERANCES.items():
+        exact = {k: v for k, v in got[i].items() if k not in tolerances}
+        assert exact == {k: v for k, v in straight[i].items() if k not in tolerances}, i
+        for key, rel in tolerances.items():
             assert got[i][key] == pytest.approx(straight[i][key], rel=rel, abs=0), (i, key)
     if case.startswith("ckpt_fp16"):
         scales = [straight[i]["loss_scale"] for i in range(1, 9)]

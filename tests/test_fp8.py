@@ -30,7 +30,8 @@ RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def _pair(groups, sequence_parallel, recipe):
-    """fc1 [h -> f] column-parallel, fc2 [f -> h] row-parallel, bf16, FP8 on (tp from ``groups``)."""
+    """fc1 [h -> f] column-parallel with a bias (zeros: its grad takes the output grad's amax beside it,
+    `Fp8Gemms.cast_grad_output`), fc2 [f -> h] row-parallel, bf16, FP8 on (tp from ``groups``)."""
     from mptrain.layers.context import LayerContext
     from mptrain.layers.fp8 import Fp8Recipe
     from mptrain.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -38,7 +39,7 @@ def _pair(groups, sequence_parallel, recipe):
 
     ctx = LayerContext(groups=groups, init=ParamInit(seed=5, std=0.05, num_layers=2), params_dtype=torch.bfloat16,
                        sequence_parallel=sequence_parallel)
-    fc1 = ColumnParallelLinear(64, 128, context=ctx, name="fc1", bias=False)
+    fc1 = ColumnParallelLinear(64, 128, context=ctx, name="fc1", bias=True)
     fc2 = RowParallelLinear(128, 64, context=ctx, name="fc2", bias=False)
     on = Fp8Recipe(recipe=recipe, emulate=True, gemm_filter="none")
     assert fc1.enable_fp8(on) and fc2.enable_fp8(on)
@@ -79,7 +80,7 @@ def _run_pair(groups, sequence_parallel, recipe, cached=False):
         y = mappings.gather_from_sequence_parallel_region_raw(y.contiguous(), groups.tp_group)
         x_grad = mappings.gather_from_sequence_parallel_region_raw(x_grad, groups.tp_group)
     return dict(h=gather(h.detach()), y=y.detach(), x_grad=x_grad, w1_grad=gather(fc1.weight.grad.t()).t(),
-                w2_grad=gather(fc2.weight.grad))
+                w2_grad=gather(fc2.weight.grad), b1_grad=gather(fc1.bias.grad))
 
 
 def _torchao_reference(recipe):
@@ -150,7 +151,7 @@ def _layers(rank, world):
             for sp in (False, True):
                 got, want = _run_pair(g2, sp, recipe), ref[recipe]
                 results[(recipe, sp)] = {
-                    "exact": {k: torch.equal(got[k], want[k]) for k in ("h", "w1_grad", "w2_grad")},
+                    "exact": {k: torch.equal(got[k], want[k]) for k in ("h", "w1_grad", "w2_grad", "b1_grad")},
                     # summed over TP in bf16: within one bf16 rounding (2^-8 relative) of the largest element, twice
                     "close": {k: float((got[k].float() - want[k].float()).abs().max() / want[k].float().abs().max())
                               for k in ("y", "x_grad")}}
