@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""FP8 against bf16 on real text: the final validation loss of each, same recipe, several seeds, one call.
+
+    python3 bench/fp8_convergence.py [--seeds 1234,2,3] [--recipe tensorwise] [--out FILE] [--emulate] [-- overrides]
+
+gpt_125m size on the shipped Shakespeare corpus (byte-level tokenizer), sequences of 1024, 2 per step,
+2,000 iterations: 4.1 M tokens, under one epoch of the train split, so the validation loss measures
+generalisation rather than how a second pass over 5 MB is memorised (past one epoch, runs of equal precision
+spread by 4-9 %: bench/reports/2026-12-03-remaining-rows-and-fp8-convergence.md). Cosine lr 6e-4 → 6e-5 after
+100 warm-up iterations, AdamW, clip 1.0; evaluation every 500 iterations on 50 batches; the fp8 arm with every
+block GEMM in FP8 (``precision.fp8_gemm_filter=none``: at width 768 the size rule would keep proj and fc2 in bf16).
+
+Arms run one after another, interleaved by seed (bf16 seed 1, fp8 seed 1, bf16 seed 2, ...), each as
+``torchrun --nproc_per_node=1 bench/mptrain_entry.py`` into its own run folder. Prints (and with ``--out``
+appends) one JSON row per run: precision, seed, validation lm_loss at each evaluation; then a summary row:
+the mean final validation loss of each arm, fp8 / bf16, and the spread (max - min) / mean of each arm's finals,
+which says whether a 1 % difference can be resolved. Overrides after ``--`` apply to every run (a CPU smoke run:
+``--emulate -- model=tiny model.seq_length=64 train.train_iters=4 train.eval_interval=2 train.eval_iters=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ["model=gpt_125m", "model.vocab_size=null", "data=shakespeare", "model.seq_length=1024",
+          "train.micro_batch_size=2", "train.global_batch_size=2", "train.train_iters=2000",
+          "train.eval_interval=500", "train.eval_iters=50", "optim=adamw", "optim.lr=6e-4", "optim.min_lr=6e-5",
+          "optim.lr_warmup_iters=100", "optim.lr_decay_iters=2000", "optim.lr_decay_style=cosine",
+          "train.clip_grad=1.0", "run.progress_bar=false"]
+
+
+def valid_losses(run_dir: Path) -> dict:
+    """{iteration: validation lm_loss} from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["iteration"]: r["lm_loss"] for r in rows if r.get("split") == "valid"}
+
+
+def run_arm(precision: str, seed: int, recipe: str, root: Path, extra: list, emulate: bool = False) -> dict:
+    run_dir = root / f"{precision}_seed{seed}"
+    prec = [f"precision={precision}"]
+    if precision == "fp8":  # every block GEMM in FP8, as the earlier convergence runs (the size rule keeps some bf16)
+        prec += [f"precision.fp8_recipe={recipe}", "precision.fp8_gemm_filter=none"]
+        prec += ["precision.fp8_emulate=true"] if emulate else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           str(ROOT / "bench" / "mptrain_entry.py"), *RECIPE, *prec, f"train.seed={seed}", f"run.dir={run_dir}", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    row = {"precision": precision, "recipe": recipe if precision == "fp8" else None, "seed": seed,
+           "status": "ok" if out.returncode == 0 else f"exit {out.returncode}",
+           "command": " ".join(cmd[1:]).replace(str(ROOT) + "/", "")}
+    if out.returncode != 0:
+        row["stderr_tail"] = out.stderr[-1500:]
+        return row
+    losses = valid_losses(run_dir)
+    row["valid_lm_loss"] = {str(k): v for k, v in sorted(losses.items())}
+    row["final_valid_lm_loss"] = losses[max(losses)]
+    return row
+
+
+def summary(rows: list) -> dict:
+    finals = {p: [r["final_valid_lm_loss"] for r in rows if r["precision"] == p and r["status"] == "ok"]
+              for p in ("bf16", "fp8")}
+    out = {"summary": True}
+    for p, values in finals.items():
+        if values:
+            mean = statistics.fmean(values)
+            out[p] = {"mean_final": round(mean, 5), "finals": values, "spread": round((max(values) - min(values)) / mean, 4)}
+    if finals["bf16"] and finals["fp8"]:
+        out["fp8_over_bf16"] = round(out["fp8"]["mean_final"] / out["bf16"]["mean_final"], 5)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", default="1234,2,3")
+    ap.add_argument("--recipe", default="tensorwise")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--emulate", action="store_true", help="the fp8 arm with precision.fp8_emulate=true (CPU)")
+    ap.add_argument("extra", nargs="*", help="overrides for every run (after --)")
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    root = Path(tempfile.mkdtemp(prefix="fp8_conv_"))
+    rows = []
+    for seed in (int(s) for s in a.seeds.split(",")):
+        for precision in ("bf16", "fp8"):
+            rows.append(run_arm(precision, seed, a.recipe, root, a.extra, a.emulate))
+            print(json.dumps(rows[-1]), flush=True)
+    rows.append(summary(rows))
+    print(json.dumps(rows[-1]), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
