@@ -194,6 +194,15 @@ BAD = [
     (["precision=fp16", "loss_scaler.max_consecutive_skips=-1"], "^loss_scaler.max_consecutive_skips=-1 must be >= 0"),
     (["precision._target_=no_such_pkg.W"], "precision._target_=no_such_pkg.W does not import"),
     (["precision._target_=torch.nn.Linear"], "precision._target_=torch.nn.Linear is not a valid optimizer wrapper"),
+    # a key added to the precision node: checked at validation (before the run folder is written), the keys the
+    # trainer passes refused, a misspelt schema key answered with it
+    (["precision=bf16", "+precision.fp8_recipee=rowwise"],
+     r"^precision.fp8_recipee: mptrain.precision.optimizer.MixedPrecisionOptimizer takes no keyword 'fp8_recipee'; "
+     r"it accepts: fold_into_fused_step, log_num_zeros; did you mean precision.fp8_recipe\? remove the key or fix its "
+     r"name$"),
+    (["precision=bf16", "+precision.clip_grad=0.5"],
+     r"^precision.clip_grad: the trainer passes 'clip_grad' to the optimizer wrapper itself \(train.clip_grad\); "
+     r"remove the key$"),
     (["precision=bf16", "precision._target_=test_optim_components.CountingWrapper",
       "parallel.use_distributed_optimizer=true"], "precision._target_=test_optim_components.CountingWrapper is not a DistributedOptimizer"),
 ]

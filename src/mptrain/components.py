@@ -26,6 +26,7 @@ Errors (`ConfigError`, one line naming the config key, the dotted path and the f
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -165,7 +166,7 @@ def _check_methods(key: str, target: str, obj: Callable, kind: ComponentKind) ->
 
 
 def resolve(key: str, node: Any, kind: ComponentKind, *, mapped: Optional[Mapping[str, Any]] = None,
-            drop: Sequence[str] = ()) -> tuple[Callable, dict]:
+            drop: Sequence[str] = (), schema_keys: Sequence[str] = ()) -> tuple[Callable, dict]:
     """Import ``node._target_``, check it against `kind`, and return (target, config keywords).
 
     Args:
@@ -175,6 +176,7 @@ def resolve(key: str, node: Any, kind: ComponentKind, *, mapped: Optional[Mappin
         mapped: keywords derived from Megatron-named keys; each is kept only if the target accepts it.
         drop: node keys that are not keywords of the target (schema fields consumed elsewhere,
             e.g. ``optim.lr_decay_style``).
+        schema_keys: the node's schema fields, offered with the keywords as the fix of a misspelt key.
     Returns:
         (the imported target, the keywords to pass besides the runtime ones).
     Raises:
@@ -191,10 +193,12 @@ def resolve(key: str, node: Any, kind: ComponentKind, *, mapped: Optional[Mappin
         unknown = sorted(k for k in kwargs if k not in accepted)
         if unknown:
             offered = sorted(accepted - set(kind.runtime_keywords) - {"self"})
+            close = difflib.get_close_matches(unknown[0], [*schema_keys, *offered], n=1)
             raise ConfigError(
                 f"{key}.{unknown[0]}: {target_path} takes no keyword {unknown[0]!r}"
                 + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else "")
-                + f"; it accepts: {', '.join(offered) or '(none)'}; remove the key or fix its name")
+                + f"; it accepts: {', '.join(offered) or '(none)'}; "
+                + (f"did you mean {key}.{close[0]}? " if close else "") + "remove the key or fix its name")
         mapped_kw = {k: v for k, v in mapped_kw.items() if k in accepted}
     return target, {**mapped_kw, **kwargs}
 

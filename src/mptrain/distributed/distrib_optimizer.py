@@ -181,11 +181,24 @@ def wrapper_target(precision_cfg, use_distributed_optimizer: bool):
     is replaced by `DistributedOptimizer` (ZeRO-1 shards fp32 main params of any params dtype); a user
     wrapper must then itself be a DistributedOptimizer subclass.
 
+    The keys a user added to the node with ``+`` are checked here, before anything is written: each must be a
+    keyword of the target, and none may be one the trainer passes itself (``clip_grad`` comes from
+    ``train.clip_grad``).
+
     Raises:
-        ConfigError: the target does not import or lacks a method; a user wrapper that cannot shard
-            with use_distributed_optimizer=true.
+        ConfigError: the target does not import or lacks a method; an added key the target does not take (with
+            the closest ``precision`` key or keyword, if any) or that the trainer passes; a user wrapper that
+            cannot shard with use_distributed_optimizer=true.
     """
-    target, _ = resolve("precision", {"_target_": precision_cfg._target_}, OPTIMIZER_WRAPPER)
+    extras = extra_keys(precision_cfg)
+    passed = sorted(set(extras) & set(OPTIMIZER_WRAPPER.runtime_keywords))
+    if passed:
+        source = {"clip_grad": " (train.clip_grad)", "max_consecutive_skips": " (loss_scaler.max_consecutive_skips)"}
+        raise ConfigError(f"precision.{passed[0]}: the trainer passes {passed[0]!r} to the optimizer wrapper itself"
+                          f"{source.get(passed[0], '')}; remove the key")
+    schema_keys = [f.name for f in dataclasses.fields(precision_cfg)] if dataclasses.is_dataclass(precision_cfg) else []
+    target, _ = resolve("precision", {"_target_": precision_cfg._target_, **extras}, OPTIMIZER_WRAPPER,
+                        schema_keys=schema_keys)
     if not use_distributed_optimizer:
         return target
     if target in BUILTIN_WRAPPERS:

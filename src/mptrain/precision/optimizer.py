@@ -566,6 +566,9 @@ class FP32Optimizer(OptimizerWrapper):
 OPTIMIZER_WRAPPER = ComponentKind(
     "optimizer wrapper", methods=("step", "zero_grad", "get_loss_scale", "sharded_state_dict",
                                   "load_sharded_state_dict"),
+    # what `build_optimizer_wrapper` offers (a wrapper takes those its constructor names); never config keys
+    runtime_keywords=("build_optimizer", "params", "specs", "grad_fn", "model_chunks", "groups", "scaler",
+                      "clip_grad", "max_consecutive_skips"),
     interface=OptimizerWrapper)
 """The optimizer-wrapper kind: the methods above, plus the attributes ``param_groups`` (the LR
 schedule writes ``lr``) and ``optimizer`` (the inner torch optimizer), as `OptimizerWrapper` documents."""
