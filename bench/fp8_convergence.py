@@ -12,7 +12,8 @@ block GEMM in FP8 (``precision.fp8_gemm_filter=none``: at width 768 the size rul
 
 Arms run one after another, interleaved by seed (bf16 seed 1, fp8 seed 1, bf16 seed 2, ...), each as
 ``torchrun --nproc_per_node=1 bench/mptrain_entry.py`` into its own run folder. Prints (and with ``--out``
-appends) one JSON row per run: precision, seed, validation lm_loss at each evaluation; then a summary row:
+appends) one JSON row per run: precision, seed, run folder, command, validation lm_loss at each evaluation (or the
+run's ``error:`` line); exit 1 when a run failed; then a summary row:
 the mean final validation loss of each arm, fp8 / bf16, and the spread (max - min) / mean of each arm's finals,
 which says whether a 1 % difference can be resolved. Overrides after ``--`` apply to every run (a CPU smoke run:
 ``--emulate -- model=tiny model.seq_length=64 train.train_iters=4 train.eval_interval=2 train.eval_iters=1``).
@@ -30,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 RECIPE = ["model=gpt_125m", "model.vocab_size=null", "data=shakespeare", "model.seq_length=1024",
           "train.micro_batch_size=2", "train.global_batch_size=2", "train.train_iters=2000",
           "train.eval_interval=500", "train.eval_iters=50", "optim=adamw", "optim.lr=6e-4", "optim.min_lr=6e-5",
@@ -53,10 +55,11 @@ def run_arm(precision: str, seed: int, recipe: str, root: Path, extra: list, emu
            str(ROOT / "bench" / "mptrain_entry.py"), *RECIPE, *prec, f"train.seed={seed}", f"run.dir={run_dir}", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     row = {"precision": precision, "recipe": recipe if precision == "fp8" else None, "seed": seed,
-           "status": "ok" if out.returncode == 0 else f"exit {out.returncode}",
-           "command": " ".join(cmd[1:]).replace(str(ROOT) + "/", "")}
-    if out.returncode != 0:
-        row["stderr_tail"] = out.stderr[-1500:]
+           "status": "ok" if out.returncode == 0 else f"exit {out.returncode}", "run_dir": str(run_dir),
+           "command": "python3 " + " ".join(cmd[1:]).replace(str(ROOT) + "/", "")}
+    if out.returncode != 0:  # the trainer's own `error:` line, which torchrun's failure report would push out of a tail
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        row["error"] = errors[0] if errors else out.stderr[-1500:]
         return row
     losses = valid_losses(run_dir)
     row["valid_lm_loss"] = {str(k): v for k, v in sorted(losses.items())}
@@ -78,15 +81,19 @@ def summary(rows: list) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", default="1234,2,3")
-    ap.add_argument("--recipe", default="tensorwise")
-    ap.add_argument("--out", default=None)
+    from mptrain.layers.fp8 import FP8_RECIPES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="1234,2,3", help="train.seed of each pair of runs (default: %(default)s)")
+    ap.add_argument("--recipe", default="tensorwise", choices=FP8_RECIPES, help="the fp8 arm's precision.fp8_recipe")
+    ap.add_argument("--out", default=None, help="append the rows to this JSONL file")
+    ap.add_argument("--root", default=None, help="the folder of the run folders (default: a new temporary one)")
     ap.add_argument("--emulate", action="store_true", help="the fp8 arm with precision.fp8_emulate=true (CPU)")
     ap.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    root = Path(tempfile.mkdtemp(prefix="fp8_conv_"))
+    root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="fp8_conv_"))
+    print(f"# run folders under {root}", flush=True)
     rows = []
     for seed in (int(s) for s in a.seeds.split(",")):
         for precision in ("bf16", "fp8"):
@@ -97,6 +104,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    sys.exit(0 if all(r["status"] == "ok" for r in rows[:-1]) else 1)  # a failed run: exit 1 (its row says why)
 
 
 if __name__ == "__main__":
