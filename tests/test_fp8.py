@@ -229,6 +229,17 @@ def test_fp8_grad_output_amax_beside_the_bias_grad_is_the_same_cast():
     assert torch.equal(by_column._data.view(torch.uint8), whole._data.view(torch.uint8))
 
 
+def test_fp8_kernels_line_says_which_gemms_run_in_fp8():
+    """The start-up line's count of FP8 GEMMs per linear follows the recipe: rowwise_with_gw_hp keeps the weight-grad
+    GEMM in bf16."""
+    from mptrain.layers.fp8 import Fp8Recipe, Fp8Summary
+
+    lines = {r: Fp8Summary(Fp8Recipe(recipe=r), fp8=4, num_layers=1).describe() for r in RECIPES}
+    assert "4 of 4 block linears (3 GEMMs each) in FP8" in lines["tensorwise"]
+    assert "4 of 4 block linears (3 GEMMs each) in FP8" in lines["rowwise"]
+    assert "4 of 4 block linears (2 of 3 GEMMs each, the weight grad's in bf16) in FP8" in lines["rowwise_with_gw_hp"]
+
+
 def _job(tmp, name, world, overrides, steps=STEPS, base=BASE):
     run_dir = tmp / name
     run_distributed(run_job, world, base + overrides + [f"train.train_iters={steps}", f"run.dir={run_dir}"],

@@ -94,10 +94,12 @@ def run_check(cfg, world_size: int, *, timeout_s: float = 600.0) -> list:
     """
     from mptrain.config.schema import as_config
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
+    from mptrain.layers.fp8 import check_fp8_installed
     from mptrain.training.validate import validate_config
 
     cfg = as_config(cfg)
     derived = validate_config(cfg, world_size)
+    check_fp8_installed(cfg.precision)  # the dry run applies FP8 as the trainer does (torchao's modules)
     vocab_size = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -168,4 +170,7 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    from mptrain.config.cli import exit_on_compose_error
+
+    exit_on_compose_error(str(CONF_DIR), config_name="plan")  # one line for an override Hydra cannot compose
     main()

@@ -122,6 +122,17 @@ def check_fp8_config(precision) -> None:
         raise ConfigError(f"precision.fp8_first_last_layers_bf16={n} must be an integer >= 0 (0: every layer in fp8)")
 
 
+def check_fp8_installed(precision) -> None:
+    """``precision=fp8`` needs torchao installed (what a dry run on any machine needs too, `mptrain.check`).
+
+    Raises:
+        ConfigError: precision=fp8 and torchao missing.
+    """
+    if precision.name == "fp8" and not _torchao_installed():
+        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
+                          "or pick precision=bf16")
+
+
 def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
     """What ``precision=fp8`` needs from this machine, checked before any collective.
 
@@ -134,9 +145,7 @@ def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
     """
     if precision.name != "fp8":
         return
-    if not _torchao_installed():
-        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
-                          "or pick precision=bf16")
+    check_fp8_installed(precision)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if precision.fp8_emulate:
         return
@@ -486,8 +495,10 @@ class Fp8Summary:
                         f"{r.first_last_layers_bf16})")
         total = self.fp8 + self.below_size_rule + self.in_bf16_layers
         cached = "; weights cast to FP8 once per iteration" if self.weight_casts else ""
+        # rowwise_with_gw_hp: the weight-grad GEMM stays bf16 (torchao's recipe)
+        gemms = "2 of 3 GEMMs each, the weight grad's in bf16" if r.recipe == "rowwise_with_gw_hp" else "3 GEMMs each"
         return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block linears "
-                f"(3 GEMMs each) in FP8 on this rank{cached}; bf16: embeddings, output layer, {', '.join(kept)}; MFU is "
+                f"({gemms}) in FP8 on this rank{cached}; bf16: embeddings, output layer, {', '.join(kept)}; MFU is "
                 "relative to the bf16 dense peak)")
 
     def warning(self) -> Optional[str]:
