@@ -212,6 +212,9 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
     ("+hardware.gpu_memry_gib=80", "hardware.gpu_memry_gib: unknown config key (misspelt? `+` adds keys the schema does "
                                    "not have); valid keys of hardware: assumed_mfu, gpu_memory_gib, gpus_per_node, "
                                    "inter_node_gb_per_s, intra_node_gb_per_s, peak_tflops"),
+    ("+precision.fp8_recipee=rowwise", "precision.fp8_recipee: mptrain.precision.optimizer.FP32Optimizer takes no "
+                                       "keyword 'fp8_recipee'; it accepts: fold_into_fused_step, log_num_zeros; did you mean "
+                                       "precision.fp8_recipe? remove the key or fix its name"),
 ])
 def test_bad_plan_numbers_are_one_line(override, line):
     from mptrain.errors import ConfigError

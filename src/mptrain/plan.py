@@ -28,6 +28,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from mptrain.config.schema import reject_unknown_keys
+from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
 from mptrain.planner.config import CONF_DIR, FORMATS, register_plan
 from mptrain.planner.layouts import plan
@@ -39,13 +40,15 @@ def plan_from_config(cfg: Any) -> tuple:
     """(PlanConfig object, ranked records) for a composed `plan` config (DictConfig or PlanConfig).
 
     Raises:
-        ConfigError: a key added with ``+`` that the schema does not have, unknown format, world_size < 1, top < 1, a hardware number out of range, the
+        ConfigError: a key added with ``+`` that the schema (or, under ``precision``, its wrapper) does not take,
+            unknown format, world_size < 1, top < 1, a hardware number out of range, the
             tokenizer's vocab larger than the model's, or no valid layout.
     """
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 
     c = OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else cfg
     reject_unknown_keys(c, "")  # `+foo=1`: a key Hydra forced into the typed config, refused as train.py does
+    wrapper_target(c.precision, c.parallel.use_distributed_optimizer)  # `+precision.<key>=`, checked as train.py does
     if c.format not in FORMATS:
         raise ConfigError(f"format={c.format!r} is not one of {list(FORMATS)}; use format=table or format=json")
     if c.world_size < 1:
