@@ -172,6 +172,8 @@ def test_json_output_schema_and_table():
         assert r["fits"] == (r["memory_gib"]["total"] <= 80)
     assert [r["fits"] for r in records] == sorted((r["fits"] for r in records), reverse=True)
     assert table.returncode == 0 and "layouts shown" in table.stdout
+    assert table.stdout.splitlines()[0] == ("plan: model=gpt_1.3b (24 layers x 2048) precision=bf16 seq_length=2048 "
+                                            "micro_batch_size=1 global_batch_size=16 world_size=4")
     assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "format" in bad.stderr
     assert nope.returncode == 1 and nope.stderr.strip().count("\n") == 0
     assert nope.stderr.startswith("error: model=nope: In 'plan': Could not find 'model/nope'; Available options")

@@ -65,6 +65,15 @@ def plan_from_config(cfg: Any) -> tuple:
     return c, plan(c, c.world_size, c.hardware, vocab_size=vocab_size)
 
 
+def plan_title(c) -> str:
+    """The first line of the table: what was planned (the keys a reader would otherwise have to guess, e.g. the
+    precision, fp32 unless given)."""
+    m, t = c.model, c.train
+    return (f"plan: model={m.name} ({m.num_layers} layers x {m.hidden_size}) precision={c.precision.name} "
+            f"seq_length={m.seq_length} micro_batch_size={t.micro_batch_size} global_batch_size={t.global_batch_size} "
+            f"world_size={c.world_size}")
+
+
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
@@ -104,6 +113,7 @@ def main(cfg) -> None:
     if c.format == "json":
         print(json.dumps(records, indent=1))
     else:
+        print(plan_title(c))
         print(format_table(records, top=c.top, gpu_memory_gib=c.hardware.gpu_memory_gib))
 
 
