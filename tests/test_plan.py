@@ -226,15 +226,19 @@ def test_bad_plan_numbers_are_one_line(override, line):
     assert str(err.value) == line
 
 
-def test_check_refuses_an_unknown_key_in_one_line():
-    """`python -m mptrain.check +foo=1 ...`: the one line `train.py` prints, exit 1, before any process spawns."""
+@pytest.mark.parametrize("override, line", [
+    ("+foo=1", "error: foo: unknown config key (misspelt? `+` adds keys the schema does not have); valid keys of the top "
+               "level: checkpoint, data, debug, format, hardware, logger, loss_scaler, model, optim, parallel, precision, "
+               "run, schedule, top, train, world_size"),
+    ("world_size=0", "error: world_size=0 must be >= 1"),
+])
+def test_check_refuses_bad_keys_in_one_line(override, line):
+    """`python -m mptrain.check ...`: the one line `train.py` / `plan` print, exit 1, before any process spawns."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "mptrain.check", "+foo=1", "model=tiny", "world_size=1"],
+    out = subprocess.run([sys.executable, "-m", "mptrain.check", override, "model=tiny"] +
+                         (["world_size=1"] if not override.startswith("world_size") else []),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-2000:]
-    assert out.stderr.splitlines() == [
-        "error: foo: unknown config key (misspelt? `+` adds keys the schema does not have); valid keys of the top "
-        "level: checkpoint, data, debug, format, hardware, logger, loss_scaler, model, optim, parallel, precision, "
-        "run, schedule, top, train, world_size"]
+    assert out.stderr.splitlines() == [line]

@@ -159,6 +159,8 @@ def main(cfg) -> None:
     c = OmegaConf.to_object(cfg)
     try:
         reject_unknown_keys(c, "")  # `+foo=1` (as `mptrain.plan`)
+        if c.world_size < 1:
+            raise ConfigError(f"world_size={c.world_size} must be >= 1")  # the key as given (as `mptrain.plan`)
         facts = run_check(c, c.world_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
