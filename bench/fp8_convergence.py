@@ -31,7 +31,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from train_utils import read_rows  # noqa: E402  (tests/ holds the metrics.jsonl reader, as bench/cpu_paired.py uses)
 RECIPE = ["model=gpt_125m", "model.vocab_size=null", "data=shakespeare", "model.seq_length=1024",
           "train.micro_batch_size=2", "train.global_batch_size=2", "train.train_iters=2000",
           "train.eval_interval=500", "train.eval_iters=50", "optim=adamw", "optim.lr=6e-4", "optim.min_lr=6e-5",
@@ -41,8 +43,7 @@ RECIPE = ["model=gpt_125m", "model.vocab_size=null", "data=shakespeare", "model.
 
 def valid_losses(run_dir: Path) -> dict:
     """{iteration: validation lm_loss} from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["iteration"]: r["lm_loss"] for r in rows if r.get("split") == "valid"}
+    return {r["iteration"]: r["lm_loss"] for r in read_rows(run_dir, "valid")}
 
 
 def run_arm(precision: str, seed: int, recipe: str, root: Path, extra: list, emulate: bool = False) -> dict:

@@ -26,9 +26,8 @@ import traceback
 import hydra
 from omegaconf import OmegaConf
 
-from mptrain.config.schema import reject_unknown_keys
 from mptrain.errors import ConfigError
-from mptrain.planner.config import CONF_DIR, register_plan
+from mptrain.planner.config import CONF_DIR, check_plan_keys, register_plan
 
 register_plan()
 
@@ -158,9 +157,7 @@ def format_report(cfg, facts: list) -> tuple:
 def main(cfg) -> None:
     c = OmegaConf.to_object(cfg)
     try:
-        reject_unknown_keys(c, "")  # `+foo=1` (as `mptrain.plan`)
-        if c.world_size < 1:
-            raise ConfigError(f"world_size={c.world_size} must be >= 1")  # the key as given (as `mptrain.plan`)
+        check_plan_keys(c)
         facts = run_check(c, c.world_size)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -27,10 +27,8 @@ from typing import Any
 import hydra
 from omegaconf import OmegaConf
 
-from mptrain.config.schema import reject_unknown_keys
-from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
-from mptrain.planner.config import CONF_DIR, FORMATS, register_plan
+from mptrain.planner.config import CONF_DIR, FORMATS, check_plan_keys, register_plan
 from mptrain.planner.layouts import plan
 
 register_plan()
@@ -47,12 +45,9 @@ def plan_from_config(cfg: Any) -> tuple:
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 
     c = OmegaConf.to_object(cfg) if OmegaConf.is_config(cfg) else cfg
-    reject_unknown_keys(c, "")  # `+foo=1`: a key Hydra forced into the typed config, refused as train.py does
-    wrapper_target(c.precision, c.parallel.use_distributed_optimizer)  # `+precision.<key>=`, checked as train.py does
+    check_plan_keys(c)
     if c.format not in FORMATS:
         raise ConfigError(f"format={c.format!r} is not one of {list(FORMATS)}; use format=table or format=json")
-    if c.world_size < 1:
-        raise ConfigError(f"world_size={c.world_size} must be >= 1")
     if c.top is not None and c.top < 1:
         raise ConfigError(f"top={c.top} must be >= 1 (rows of the table), or top=null for all of them")
     for key in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_per_s", "inter_node_gb_per_s"):

@@ -46,8 +46,8 @@ class _LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     With a ``group`` (column-parallel, ``async_tensor_model_parallel_allreduce``): backward
     computes dgrad = dY W, launches its all-reduce over TP (or, under sequence
     parallelism, its reduce-scatter to ``[s/tp, b, in]``) asynchronously, computes wgrad = dYᵀ X and
-    the bias grad while the collective runs (in FP8 the bias grad comes first, beside dY's cast), then waits. Same math as f / ḡ followed by
-    ``F.linear``. Forward under SP all-gathers ``[s/tp, b, in] -> [s, b, in]`` first and saves the
+    the bias grad while the collective runs (in FP8 the bias grad comes first, beside dY's cast), then
+    waits. Same math as f / ḡ followed by ``F.linear``. Forward under SP all-gathers ``[s/tp, b, in] -> [s, b, in]`` first and saves the
     gathered input (as ``F.linear``'s autograd would).
 
     In eager mode the collective is ``dist.*(async_op=True)``; under ``torch.compile`` (layers

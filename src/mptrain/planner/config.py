@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from mptrain.config.schema import Config
+from mptrain.config.schema import Config, reject_unknown_keys
+from mptrain.errors import ConfigError
 from mptrain.layers.params import DEFAULT_PEAK_TFLOPS
 from mptrain.resources import conf_dir
 
@@ -67,3 +68,18 @@ def compose_plan(overrides: list) -> object:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="plan", overrides=list(overrides))
+
+
+def check_plan_keys(c: PlanConfig) -> None:
+    """What `plan` and `check` refuse alike before they run, as `train.py` does: a key added with ``+`` that the
+    schema (or, under ``precision``, its wrapper: `wrapper_target`) does not take, and ``world_size`` < 1.
+
+    Raises:
+        ConfigError: one line naming the key.
+    """
+    from mptrain.distributed.distrib_optimizer import wrapper_target
+
+    reject_unknown_keys(c, "")
+    wrapper_target(c.precision, c.parallel.use_distributed_optimizer)
+    if c.world_size < 1:
+        raise ConfigError(f"world_size={c.world_size} must be >= 1")
