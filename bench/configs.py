@@ -271,9 +271,9 @@ def _quick(gpus: int) -> list:
 
 def _small(gpus: int) -> list:
     """The single-GPU table: mptrain (compiled layers) against the compiled plain-PyTorch GPT at each shape,
-    both in one call (ratios only within a call). Ordered by priority. Why 30-40 timed iterations at the
+    both in one call (ratios only within a call). Ordered by priority. Why 40-100 timed iterations at the
     small shapes: mptrain's host runs one step ahead of the device, and the window mean charges it once for
-    the final drain, about 1/iters of the window."""
+    the final drain, about 1/iters of the window (a training run pays it once in thousands of iterations)."""
     small = dict(gpus=1, tp=1, pp=1, precision="bf16", warmup=3, iters=10, variants=("compile",), peer=False,
                  reference=True)
     configs = [
@@ -283,14 +283,14 @@ def _small(gpus: int) -> list:
         BenchConfig("s_6x384_v65_s256_mb64", "gpt_6x384_v65", micro_batch_size=64, num_microbatches=1,
                     timeout_s=150, **{**small, "variants": ("default",), "iters": 40}),
         BenchConfig("s_gpt124m_s1024_mb12_do0.1", "gpt_124m_s1024", micro_batch_size=12, num_microbatches=1,
-                    timeout_s=150, dropout=0.1, **{**small, "variants": ("default",), "iters": 30}),
+                    timeout_s=150, dropout=0.1, **{**small, "variants": ("default",), "iters": 100}),
         BenchConfig("s_gpt11m_s256_mb64", "gpt_11m_s256", micro_batch_size=64, num_microbatches=1, timeout_s=120, **small),
         BenchConfig("s_gpt124m_s1024_mb12", "gpt_124m_s1024", micro_batch_size=12, num_microbatches=1, timeout_s=120,
-                    **{**small, "iters": 30}),
+                    **{**small, "iters": 100}),
         BenchConfig("s_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, timeout_s=150,
                     **{**small, "iters": 8}),
         BenchConfig("s_gpt350m_mb8", "gpt_350m", micro_batch_size=8, num_microbatches=1, timeout_s=120,
-                    **{**small, "iters": 30}),
+                    **{**small, "iters": 100}),
         # the default command on the shipped corpus against the same run on mock data (the data path's cost)
         BenchConfig("s_6x384_v257_s256_mb64_do0.2_real", "gpt_6x384_v257", micro_batch_size=64, num_microbatches=1,
                     timeout_s=150, dropout=0.2, **{**small, "variants": ("default", "default_real"), "iters": 40,
