@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 from typing import Any, Optional, Protocol, runtime_checkable
@@ -78,6 +79,15 @@ def _torchao():
 def _torchao_installed() -> bool:
     """Whether torchao can be imported (found, not imported: importing it is left to the first fp8 GEMM)."""
     return importlib.util.find_spec("torchao") is not None
+
+
+def _torchao_version() -> Optional[str]:
+    """The installed torchao's version from its package metadata (None without metadata: a source tree on
+    the path, taken as it is)."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @contextlib.contextmanager
@@ -126,11 +136,18 @@ def check_fp8_installed(precision) -> None:
     """``precision=fp8`` needs torchao installed (what a dry run on any machine needs too, `mptrain.check`).
 
     Raises:
-        ConfigError: precision=fp8 and torchao missing.
+        ConfigError: precision=fp8 and torchao missing, or of another minor release than `TORCHAO_PIN`.
     """
-    if precision.name == "fp8" and not _torchao_installed():
+    if precision.name != "fp8":
+        return
+    if not _torchao_installed():
         raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
                           "or pick precision=bf16")
+    found, pinned = _torchao_version(), TORCHAO_PIN.split("==")[1]
+    # the float8 modules used here (casts, its Inductor patch) are torchao internals that move between releases
+    if found is not None and found.split(".")[:2] != pinned.split(".")[:2]:
+        raise ConfigError(f"precision=fp8 needs torchao {pinned} (its float8 internals change between releases), "
+                          f"found {found}; install it (pip install -e .[fp8]) or pick precision=bf16")
 
 
 def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
@@ -198,23 +215,38 @@ def _configs(recipe: str, emulate: bool):
     return config, mm
 
 
-def gemm_runs_in_fp8(recipe: Fp8Recipe, *, global_shape: tuple, local_shape: tuple) -> bool:
-    """The size rule: does a linear of weight shape ``[out, in]`` compute in FP8?
+IN_FP8 = "fp8"
+BELOW_SIZE_RULE = "below_size_rule"
+LOCAL_DIMS_NOT_16 = "local_dims_not_multiple_of_16"
+"""`fp8_gemm_decision`'s outcomes: the GEMM computes in FP8; the size rule keeps it bf16; its weight dims on
+this rank are not multiples of 16 (``_scaled_mm`` needs them), so it computes in bf16."""
 
-    ``_scaled_mm`` needs both local dims to be multiples of 16. With ``gemm_filter=auto`` the
-    thresholds of torchao's ``_auto_filter_for_recipe`` (``float8_linear_utils.py``: below them the
-    casts cost more than the FP8 GEMM saves) apply to the global shape, so every layout decides alike:
-    tensorwise skips ``in <= 4096 and out <= 1024``; rowwise skips ``out <= 2048``, ``in <= 1024`` and
-    ``out <= 4096 and in <= 2048``.
+
+def fp8_gemm_decision(recipe: Fp8Recipe, *, global_shape: tuple, local_shape: tuple) -> str:
+    """The size rule for a linear of weight shape ``[out, in]``: `IN_FP8`, `BELOW_SIZE_RULE` or `LOCAL_DIMS_NOT_16`.
+
+    With ``gemm_filter=auto`` the thresholds of torchao's ``_auto_filter_for_recipe``
+    (``float8_linear_utils.py``: below them the casts cost more than the FP8 GEMM saves) apply to the
+    global shape, so every layout decides alike: tensorwise skips ``in <= 4096 and out <= 1024``; rowwise
+    skips ``out <= 2048``, ``in <= 1024`` and ``out <= 4096 and in <= 2048``. Then ``_scaled_mm`` needs both
+    local dims (after tensor parallelism) to be multiples of 16; where a TP shard breaks that, this layout
+    computes that GEMM in bf16 where tp = 1 would not (`Fp8Summary.warning` says so), also under emulation,
+    which decides as the GPU would.
     """
-    if any(d % 16 for d in local_shape):
-        return False
-    if recipe.gemm_filter == "none":
-        return True
     n, k = global_shape
-    if recipe.recipe == "tensorwise":
-        return not (k <= 4096 and n <= 1024)
-    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+    if recipe.gemm_filter == "auto":
+        small = (k <= 4096 and n <= 1024) if recipe.recipe == "tensorwise" else (
+            n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+        if small:
+            return BELOW_SIZE_RULE
+    if any(d % 16 for d in local_shape):
+        return LOCAL_DIMS_NOT_16
+    return IN_FP8
+
+
+def gemm_runs_in_fp8(recipe: Fp8Recipe, *, global_shape: tuple, local_shape: tuple) -> bool:
+    """Whether `fp8_gemm_decision` puts this GEMM in FP8."""
+    return fp8_gemm_decision(recipe, global_shape=global_shape, local_shape=local_shape) == IN_FP8
 
 
 class Fp8Gemms:
@@ -467,10 +499,11 @@ def fp8_gemms(recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output
 @runtime_checkable
 class UsesFp8(Protocol):
     """A layer whose GEMMs may run in FP8: `apply_fp8` calls ``enable_fp8(recipe)``, which returns
-    whether the layer now computes in FP8 (its size rule may keep it in bf16). Implemented by
-    `mptrain.layers.linear.ColumnParallelLinear` / ``RowParallelLinear``."""
+    `fp8_gemm_decision`'s outcome (`IN_FP8` when the layer now computes in FP8; the size rule or its
+    local dims may keep it in bf16). Implemented by `mptrain.layers.linear.ColumnParallelLinear` /
+    ``RowParallelLinear``."""
 
-    def enable_fp8(self, recipe: Fp8Recipe) -> bool: ...
+    def enable_fp8(self, recipe: Fp8Recipe) -> str: ...
 
 
 @dataclasses.dataclass
@@ -480,6 +513,7 @@ class Fp8Summary:
     recipe: Fp8Recipe
     fp8: int = 0
     below_size_rule: int = 0
+    local_dims_not_16: int = 0  # kept bf16: weight dims on this rank not multiples of 16 (`LOCAL_DIMS_NOT_16`)
     bf16_layers: list = dataclasses.field(default_factory=list)
     in_bf16_layers: int = 0  # the block linears of `bf16_layers` (kept bf16 by first_last_layers_bf16)
     num_layers: int = 0  # model.num_layers (global)
@@ -490,10 +524,12 @@ class Fp8Summary:
         the total counts every block linear on this rank, those of the bf16 layers included."""
         r = self.recipe
         kept = [f"{self.below_size_rule} below the size rule (precision.fp8_gemm_filter={r.gemm_filter})"]
+        if self.local_dims_not_16:
+            kept.append(f"{self.local_dims_not_16} with weight dims on this rank not multiples of 16")
         if self.bf16_layers:
             kept.append(f"layers {', '.join(map(str, self.bf16_layers))} (precision.fp8_first_last_layers_bf16="
                         f"{r.first_last_layers_bf16})")
-        total = self.fp8 + self.below_size_rule + self.in_bf16_layers
+        total = self.fp8 + self.below_size_rule + self.local_dims_not_16 + self.in_bf16_layers
         cached = "; weights cast to FP8 once per iteration" if self.weight_casts else ""
         # rowwise_with_gw_hp: the weight-grad GEMM stays bf16 (torchao's recipe)
         gemms = "2 of 3 GEMMs each, the weight grad's in bf16" if r.recipe == "rowwise_with_gw_hp" else "3 GEMMs each"
@@ -502,22 +538,24 @@ class Fp8Summary:
                 "relative to the bf16 dense peak)")
 
     def warning(self) -> Optional[str]:
-        """One ``warning:`` line when no block GEMM of the model runs in FP8, naming the key that caused it;
-        None otherwise. Decided for the whole model, not this rank alone: every layer has the same shapes
-        (the size rule decides alike everywhere), and a rank whose layers are all first/last bf16 layers
-        warns only when every layer of the model is one (2 × first_last_layers_bf16 >= num_layers)."""
-        if self.fp8 > 0:
-            return None
+        """One ``warning:`` line when no block GEMM of the model runs in FP8, naming the key that caused it,
+        or when the size rule would put a GEMM in FP8 but its weight dims on this rank are not multiples of
+        16; None otherwise. Decided for the whole model, not this rank alone: every layer has the same
+        shapes, and a rank whose layers are all first/last bf16 layers warns only when every layer of the
+        model is one (2 × first_last_layers_bf16 >= num_layers)."""
         r, n = self.recipe, self.recipe.first_last_layers_bf16
-        if self.num_layers and 2 * n >= self.num_layers:
+        if self.fp8 == 0 and self.num_layers and 2 * n >= self.num_layers:
             return (f"warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16={n} keeps all "
                     f"{self.num_layers} layers bf16; set it to at most {(self.num_layers - 1) // 2}, or use precision=bf16")
-        if self.below_size_rule == 0:
-            return None  # this rank holds no block linear to judge by
-        fix = ("set precision.fp8_gemm_filter=none" if r.gemm_filter == "auto"
-               else "the local weight dims (after tensor parallelism) must be multiples of 16")
+        if self.local_dims_not_16:  # the only cause that depends on the layout: say it even when others run in FP8
+            return (f"warning: precision=fp8: {self.local_dims_not_16} block linears on this rank compute in bf16: "
+                    "their weight dims after tensor parallelism are not multiples of 16, as FP8 GEMMs need; make "
+                    "model.hidden_size and model.ffn_hidden_size multiples of 16 x parallel.tensor_model_parallel_size"
+                    " (and the QKV width), or use precision=bf16")
+        if self.fp8 > 0 or self.below_size_rule == 0:
+            return None  # something runs in FP8, or this rank holds no block linear to judge by
         return (f"warning: precision=fp8 with no FP8 GEMM: every block linear is below the size rule "
-                f"(precision.fp8_gemm_filter={r.gemm_filter}); {fix}, or use precision=bf16")
+                f"(precision.fp8_gemm_filter={r.gemm_filter}); set precision.fp8_gemm_filter=none, or use precision=bf16")
 
 
 def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> Optional[Fp8Summary]:
@@ -557,10 +595,10 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
                 continue
             for module in layer.modules():
                 if isinstance(module, UsesFp8):
-                    if module.enable_fp8(recipe):
-                        summary.fp8 += 1
-                    else:
-                        summary.below_size_rule += 1
+                    decision = module.enable_fp8(recipe)
+                    summary.fp8 += decision == IN_FP8
+                    summary.below_size_rule += decision == BELOW_SIZE_RULE
+                    summary.local_dims_not_16 += decision == LOCAL_DIMS_NOT_16
     summary.bf16_layers.sort()
     summary.weight_casts = Fp8WeightCasts([m for model in models for m in model.modules()
                                            if getattr(m, "fp8_weight_cast", None) is not None])

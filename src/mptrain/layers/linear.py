@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mptrain.errors import ConfigError
 from mptrain.layers import grad_accumulation
 from mptrain.layers.context import LayerContext
-from mptrain.layers.fp8 import Fp8Gemms, Fp8Recipe, Fp8WeightCast, fp8_gemms, gemm_runs_in_fp8
+from mptrain.layers.fp8 import IN_FP8, Fp8Gemms, Fp8Recipe, Fp8WeightCast, fp8_gemm_decision, fp8_gemms
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.mappings import (
     copy_to_tp_region,
@@ -244,16 +244,17 @@ class ColumnParallelLinear(torch.nn.Module):
         weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
         self.weight_main_grad = main_grad(self.weight)
 
-    def enable_fp8(self, recipe: Fp8Recipe) -> bool:
+    def enable_fp8(self, recipe: Fp8Recipe) -> str:
         """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if the size rule lets this GEMM
-        (`gemm_runs_in_fp8` on ``[out, in]``); the output dim is TP-sharded. Returns whether it does."""
-        if gemm_runs_in_fp8(recipe, global_shape=(self.output_size, self.input_size),
-                            local_shape=(self.output_size_per_partition, self.input_size)):
+        (`fp8_gemm_decision` on ``[out, in]``); the output dim is TP-sharded. Returns the decision."""
+        decision = fp8_gemm_decision(recipe, global_shape=(self.output_size, self.input_size),
+                                     local_shape=(self.output_size_per_partition, self.input_size))
+        if decision == IN_FP8:
             tp = self.groups.tp_size > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
                                  output_sharded=tp)
             self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
-        return self.fp8 is not None
+        return decision
 
     def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
         cast = self.fp8_weight_cast
@@ -323,16 +324,17 @@ class RowParallelLinear(torch.nn.Module):
         weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
         self.weight_main_grad = main_grad(self.weight)
 
-    def enable_fp8(self, recipe: Fp8Recipe) -> bool:
+    def enable_fp8(self, recipe: Fp8Recipe) -> str:
         """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.enable_fp8`; the input dim is TP-sharded."""
         output_size = self.weight.shape[0]
-        if gemm_runs_in_fp8(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
-                            local_shape=(output_size, self.input_size_per_partition)):
+        decision = fp8_gemm_decision(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
+                                     local_shape=(output_size, self.input_size_per_partition))
+        if decision == IN_FP8:
             tp = self.groups.tp_size > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,
                                  output_sharded=False)
             self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
-        return self.fp8 is not None
+        return decision
 
     def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
         cast = self.fp8_weight_cast

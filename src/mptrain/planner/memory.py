@@ -51,7 +51,8 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
                                         the proj input's 1-byte cast +1 (beside the context SDPA keeps).
                                         Rowwise recipes save the bf16 inputs (their weight-grad casts
                                         scale along tokens): as bf16. Layers kept in bf16
-                                        (precision.fp8_first_last_layers_bf16) are weighted in, and
+                                        (precision.fp8_first_last_layers_bf16) are weighted in per
+                                        pipeline stage (the stage's share of FP8 layers), and
                                         a linear the size rule keeps bf16 saves its bf16 input
                                         (`fp8_linears`, `FP8_TENSORWISE_16BIT_DELTA`).
 Logits (last stage; read from layers/cross_entropy.py): the fp32 softmax saved for backward,
@@ -68,7 +69,7 @@ chunk-micro-batches of L/(pp·vpp) layers each (Megatron's warmup count; §2.2.2
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -229,11 +230,14 @@ def planner_assumptions(cfg, layout: PlanLayout) -> list[str]:
 
 
 def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] = None,
-                           dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES) -> float:
+                           dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES,
+                           layers: Optional[Sequence[int]] = None) -> float:
     """Bytes one transformer layer keeps for backward per micro-batch (no full recompute), module docstring.
 
     Args:
         dropout_mask_bytes: bytes per dropout-mask element (1 on CUDA; the activation size on CPU).
+        layers: the global indices of the layers averaged over (a pipeline stage's; default: the whole
+            model); under precision=fp8 their FP8 share weights in the FP8 savings.
     """
     m = cfg.model
     recompute = layout.recompute if recompute is None else recompute
@@ -245,7 +249,7 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     split = (attention + MEASURED["split_mlp_per_ffn_16bit"][m.activation] * ffn_per_h) * scale
     norms = MEASURED["norm_inputs_16bit"] * scale
     linear_inputs = MEASURED["linear_inputs_16bit"] * scale
-    fraction = _fp8_layer_fraction(cfg)
+    fraction = _fp8_layer_fraction(cfg, layers)
     for name in fp8_linears(cfg, t) if fraction else ():  # their 1-byte casts (module docstring)
         d_inputs, d_split = FP8_TENSORWISE_16BIT_DELTA[name]
         linear_inputs += fraction * d_inputs
@@ -288,14 +292,16 @@ def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
     return fp8_layers * per_layer * (1 if p.fp8_emulate else 2)
 
 
-def _fp8_layer_fraction(cfg) -> float:
-    """The share of layers whose linears save FP8 casts: precision=fp8 with the tensorwise recipe, less the
-    first / last ``fp8_first_last_layers_bf16`` layers; 0 otherwise."""
+def _fp8_layer_fraction(cfg, layers: Optional[Sequence[int]] = None) -> float:
+    """The share of ``layers`` (global indices; default: all of the model's) whose linears save FP8 casts:
+    precision=fp8 with the tensorwise recipe, outside the first / last ``fp8_first_last_layers_bf16``
+    layers; 0 otherwise."""
     p = cfg.precision
     if p.name != "fp8" or p.fp8_recipe != "tensorwise":
         return 0.0
-    n, layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
-    return max(0, layers - 2 * n) / layers
+    n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
+    layers = range(num_layers) if layers is None else layers
+    return sum(1 for i in layers if n <= i < num_layers - n) / max(1, len(layers))
 
 
 def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int) -> float:
@@ -307,12 +313,13 @@ def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: 
                                      pp_rank=pp_rank)
     layers_per_unit = n_layers / v  # one in-flight unit = one micro-batch through one chunk
     if layout.recompute != "full":
-        return inflight * layers_per_unit * layer_activation_bytes(cfg, layout)
+        # the stage's own FP8 share: the first stage, which holds the most micro-batches, may be all bf16 layers
+        return inflight * layers_per_unit * layer_activation_bytes(cfg, layout, layers=rp.layers)
     group = max(1, m.recompute_num_layers or 1)
     sbh = m.seq_length * cfg.train.micro_batch_size * m.hidden_size
     checkpoint_input = PARAM_BYTES[cfg.precision.name] * sbh / (layout.tp if layout.sequence_parallel else 1)
     saved = inflight * (layers_per_unit / group) * checkpoint_input
-    recomputing = min(group, layers_per_unit) * layer_activation_bytes(cfg, layout, recompute="none")
+    recomputing = min(group, layers_per_unit) * layer_activation_bytes(cfg, layout, recompute="none", layers=rp.layers)
     return saved + recomputing
 
 
