@@ -297,6 +297,27 @@ def _fake_save(root, iteration, keep_last_n=None):
     return atomic.publish(str(root), iteration, keep_last_n)
 
 
+def test_load_refusal_names_the_folder_a_resume_reads(tmp_path):
+    """checkpoint.load at one iteration's folder (it would load nothing and start fresh) or at a missing
+    load_iteration is refused at start-up, before the run folder is written."""
+    from mptrain.checkpoint import atomic
+    from mptrain.errors import ConfigError
+    from mptrain.training.run import _validated
+    from train_utils import compose
+
+    _fake_save(tmp_path, 4)
+    assert atomic.load_refusal(str(tmp_path), None) is None and atomic.load_refusal(str(tmp_path), 4) is None
+    line = (f"checkpoint.load={tmp_path}/iter_0000004 is the checkpoint of one iteration, not a checkpoint folder; "
+            f"load it as checkpoint.load={tmp_path} checkpoint.load_iteration=4")
+    assert atomic.load_refusal(str(tmp_path / "iter_0000004"), None) == line
+    assert atomic.load_refusal(str(tmp_path), 5) == (f"checkpoint.load_iteration=5: {tmp_path}/iter_0000005 is not a "
+                                                     f"complete checkpoint (complete iterations in {tmp_path}: [4])")
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        _validated(compose(["model=tiny", f"run.dir={run_dir}", f"checkpoint.load={tmp_path}/iter_0000004"]), 1)
+    assert str(info.value) == line and not run_dir.exists()
+
+
 def test_keep_last_n_and_latest(tmp_path):
     from mptrain.checkpoint import atomic
 

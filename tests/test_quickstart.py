@@ -170,7 +170,7 @@ def test_ctrl_c_under_the_launcher_saves_and_says_so_in_one_line(launcher_jobs):
     assert last >= 3 and read_rows(run_dir)[-1]["iteration"] == last
     assert (ck / f"iter_{last:07d}" / ".metadata").is_file()
     assert err.splitlines() == [f"interrupted: iteration {last} saved to {ck}/iter_{last:07d}; "
-                                f"resume with checkpoint.load={ck}"]
+                                f"resume with checkpoint.load={ck} run.dir={run_dir}"]
 
 
 def test_ctrl_c_without_checkpoint_save_names_the_key(launcher_jobs):

@@ -91,6 +91,24 @@ def resolve_load_dir(root: str, iteration: Optional[int] = None) -> tuple[Option
     return Path(root) / iter_dir_name(have[-1]), note
 
 
+def load_refusal(root: str, iteration: Optional[int]) -> Optional[str]:
+    """Why ``checkpoint.load=root`` (with ``checkpoint.load_iteration=iteration``) cannot resume, as one line, or
+    None: ``root`` is itself one iteration's folder (a resume reads the folder that holds the ``iter_N``
+    folders and ``latest``: loading nothing from it would start a fresh run), or ``iteration`` is asked
+    for and is not complete there."""
+    path = Path(root)
+    m = _ITER_RE.match(path.name)
+    if m and is_complete(path):
+        return (f"checkpoint.load={root} is the checkpoint of one iteration, not a checkpoint folder; load it as "
+                f"checkpoint.load={path.parent} checkpoint.load_iteration={int(m.group(1))}")
+    if iteration is not None and path.is_dir():
+        try:
+            resolve_load_dir(root, iteration)
+        except FileNotFoundError as err:
+            return str(err)
+    return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:

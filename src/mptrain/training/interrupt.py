@@ -22,12 +22,15 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # 130: what a shell reports for a j
 
 @dataclasses.dataclass
 class Stop:
-    """How a stop signal ended the loop: the signal, the last finished iteration and the save folder
-    (`checkpoint.save`, None when unset: a stop saves its iteration whenever the folder is set)."""
+    """How a stop signal ended the loop: the signal, the last finished iteration, the save folder
+    (`checkpoint.save`, None when unset: a stop saves its iteration whenever the folder is set) and the
+    run folder (named in the resume line: a resume without it would write a fresh run to the config's
+    folder, `mptrain.training.rundir`)."""
 
     signum: int
     iteration: int
     save: Optional[str]
+    run_dir: Optional[str] = None
 
 
 class Interrupted(Exception):
@@ -39,12 +42,13 @@ class Interrupted(Exception):
         self.stop = stop
 
 
-def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str]) -> Optional[Interrupted]:
+def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str],
+                 run_dir: Optional[str] = None) -> Optional[Interrupted]:
     """The `Interrupted` to raise when a stop signal ended the loop after `iteration` and it was
     SIGINT (Ctrl-C); None for SIGTERM (a scheduler's stop ends with exit 0) or no signal."""
     if signum != signal.SIGINT:
         return None
-    return Interrupted(Stop(int(signum), iteration, save or None))
+    return Interrupted(Stop(int(signum), iteration, save or None, run_dir))
 
 
 def interrupted_line(stop: Optional[Stop]) -> str:
@@ -52,8 +56,9 @@ def interrupted_line(stop: Optional[Stop]) -> str:
     if stop is None:
         return "interrupted before the first iteration: nothing saved"
     if stop.save is not None:
+        run_dir = f" run.dir={stop.run_dir}" if stop.run_dir else ""
         return (f"interrupted: iteration {stop.iteration} saved to {stop.save}/iter_{stop.iteration:07d}; "
-                f"resume with checkpoint.load={stop.save}")
+                f"resume with checkpoint.load={stop.save}{run_dir}")
     return (f"interrupted after iteration {stop.iteration}: nothing saved; set checkpoint.save=DIR to save "
             "when stopped")
 

@@ -47,7 +47,8 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
     if stopped is None:
         evaluator.at_end(at.iteration, trained=at.iteration > start_iteration)
     result = recorder.finish(built, iteration=at.iteration, stopped=stopped)
-    interrupted = interrupt_of(stop.signum, iteration=at.iteration, save=cfg.checkpoint.save) if stopped else None
+    interrupted = (interrupt_of(stop.signum, iteration=at.iteration, save=cfg.checkpoint.save,
+                                run_dir=str(recorder.run_dir)) if stopped else None)
     if interrupted is not None:
         raise interrupted  # Ctrl-C: the entry point prints what was saved and exits 130 (training/interrupt.py)
     return result

@@ -278,10 +278,14 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     Raises:
         ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist and is
             not also the save folder (resuming into the folder a job saves to is the usual
-            restart pattern, and starts fresh on the first attempt); `checkpoint.save` already holds
-            checkpoints and `checkpoint.load` is not that folder (`checkpoint_save_refusal`).
+            restart pattern, and starts fresh on the first attempt); `checkpoint.load` is one iteration's
+            folder, or `checkpoint.load_iteration` is not complete there (`load_refusal`);
+            `checkpoint.save` already holds checkpoints and `checkpoint.load` is not that folder
+            (`checkpoint_save_refusal`).
     """
     from pathlib import Path
+
+    from mptrain.checkpoint.atomic import load_refusal
 
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
     if save and Path(save).exists() and not Path(save).is_dir():
@@ -291,6 +295,9 @@ def _check_checkpoint_paths(cfg: Config) -> None:
             f"checkpoint.load={load} does not exist; fix the path, or set checkpoint.load to the checkpoint.save "
             "folder to resume when it exists and start fresh otherwise"
         )
+    refusal = load_refusal(load, cfg.checkpoint.load_iteration) if load else None
+    if refusal is not None:
+        raise ConfigError(refusal)
     # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands
     in_run_dir = bool(cfg.run.dir) and path_inside(save, Path(cfg.run.dir))
     refusal = None if in_run_dir else checkpoint_save_refusal(save, load)
