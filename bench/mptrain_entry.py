@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc_per_node=N bench/mptrain_entry.py [--bench-profile FILE] <overrides>
 
-Runs what `train.py` runs (`mptrain.training.run.hydra_main`; not train.py's command-line pre-check,
-`mptrain.config.cli`), then every rank writes
+Runs what `train.py` runs (its command-line pre-check, `mptrain.config.cli`: an override Hydra cannot
+compose is one ``error:`` line, which `fp8_convergence.py` records; then `mptrain.training.run.hydra_main`),
+then every rank writes
 ``<run.dir>/bench_rank<R>.json``: {"rank", "peak_alloc_gib", "peak_reserved_gib"} from
 `torch.cuda.max_memory_allocated` / `max_memory_reserved` (GiB = 2^30 bytes; null on CPU) — the
 metrics rows carry rank 0's current allocation only, and the benchmark reports the max over ranks,
@@ -121,4 +122,7 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    from mptrain.config.cli import exit_on_compose_error
+
+    exit_on_compose_error(str(ROOT / "conf"))
     main()
