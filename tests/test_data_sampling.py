@@ -261,6 +261,10 @@ def test_provider_config_and_data_errors(corpus, tmp_path):
         _provider(_cfg([0.5, "x", "y"]), tmp_path)
     with pytest.raises(ConfigError, match=r"data.prefixes is empty"):
         _provider(_cfg([]), tmp_path)
+    from mptrain.data.provider import check_data_config  # the same line at start-up, before the run folder
+    with pytest.raises(ConfigError, match=r"^data.prefixes is empty; set data.prefixes=\[PATH_PREFIX\]"):
+        check_data_config(_cfg([]))
+    check_data_config(DataConfig(name="mock", tokenizer=BYTE))  # mock data reads no corpus
     with pytest.raises(ConfigError, match=r"data.vocab_size=300 exceeds the tokenizer's vocab_size=257"):
         build_provider(DataConfig(name="mock", vocab_size=300), tokenizer=ByteTokenizer(), seq_length=8, micro_batch_size=1,
                        global_batch_size=1, dp_rank=0, dp_size=1, needs_data=True)

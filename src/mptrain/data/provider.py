@@ -138,7 +138,8 @@ def check_data_config(data_cfg: Any) -> None:
       `corpus`) must be a keyword of the target (else it would be ignored silently);
     - `data.prefixes` (+ `data.split`) and the separate corpora `data.train_prefixes` /
       `valid_prefixes` / `test_prefixes` exclude each other; separate corpora need
-      `train_prefixes`; valid / test may be empty (no such evaluation);
+      `train_prefixes`; valid / test may be empty (no such evaluation); a target whose
+      ``requires_prefixes`` is true (`IndexedDataProvider`) needs one of them;
     - each prefix list is `[p, ...]` or a blend `[w1, p1, w2, p2, ...]`; `data.split` parses;
     - `data.tokenizer._target_` imports, has `encode` / `decode`, takes its keys.
 
@@ -161,9 +162,10 @@ def check_data_config(data_cfg: Any) -> None:
             if items.get(key) and key not in accepted:
                 raise ConfigError(f"data.{key}={items[key]} is not used by data._target_={target_path} (it takes no "
                                   f"{key!r}); remove data.{key} or pick data=indexed")
-    check_corpora(items.get("prefixes"), items.get("train_prefixes"), items.get("valid_prefixes"),
-                  items.get("test_prefixes"))
     parse_split(items.get("split", "969,30,1"))
+    # a provider that reads prefixes and was given none (data=indexed alone) is refused here, before the run folder
+    check_corpora(items.get("prefixes"), items.get("train_prefixes"), items.get("valid_prefixes"),
+                  items.get("test_prefixes"), required=bool(getattr(target, "requires_prefixes", False)))
     resolve_tokenizer(data_cfg)
 
 
@@ -473,6 +475,7 @@ class IndexedDataProvider(GPTDataProvider):
     """
 
     option = "indexed"
+    requires_prefixes = True  # `check_data_config`: no corpus given is a config error, found at validation
 
     def __init__(self, *, prefixes: Sequence = (), train_prefixes: Sequence = (), valid_prefixes: Sequence = (),
                  test_prefixes: Sequence = (), tokenizer: TokenizerProtocol, seq_length: int, micro_batch_size: int, global_batch_size: int,
@@ -553,6 +556,7 @@ class ShakespeareDataProvider(IndexedDataProvider):
     """
 
     option = "shakespeare"
+    requires_prefixes = False  # its corpus is `corpus` (default: the shipped one)
 
     def __init__(self, *, corpus: Optional[str] = None, tokenizer: TokenizerProtocol, seq_length: int, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, needs_data: bool, seed: int = 1234, split: Any = "969,30,1",
