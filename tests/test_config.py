@@ -55,6 +55,8 @@ def _context(group, option):
         return [f"parallel={layout}"], _tp_pp(layout)[0] * _tp_pp(layout)[1]
     if group == "loss_scaler":
         return (["precision=fp32"] if option == "none" else ["precision=fp16"]), 1
+    if (group, option) == ("data", "indexed"):
+        return ["data.prefixes=[/data/corpus_text_document]"], None  # its corpus is the one key it needs
     return [], None  # the world its own layout needs (experiment files pick a parallel=)
 
 

@@ -242,3 +242,28 @@ def test_check_refuses_bad_keys_in_one_line(override, line):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-2000:]
     assert out.stderr.splitlines() == [line]
+
+
+@pytest.mark.parametrize("command", ["plan", "check"])
+@pytest.mark.parametrize("overrides, line", [
+    (["precision=fp8", "precision.fp8_recipe=rowwize"],
+     "precision.fp8_recipe: unknown option 'rowwize'; valid: tensorwise, rowwise, rowwise_with_gw_hp; set "
+     "precision.fp8_recipe to one of them"),
+    (["precision=fp16", "loss_scaler=none"],
+     "loss_scaler: precision=fp16 with loss_scaler=none (_target_=mptrain.precision.scaler.no_loss_scaler) would "
+     "underflow small fp16 gradients to zero; use loss_scaler=auto (dynamic) or loss_scaler=dynamic or "
+     "loss_scaler=constant"),
+    (["optim.lr=-1"], "optim.lr=-1.0 must be >= 0; set optim.lr to the peak learning rate, e.g. 3e-4"),
+])
+def test_a_wrong_key_is_reported_as_itself_not_as_the_batch_arithmetic(command, overrides, line):
+    """The default batch sizes (2 × dp 8 > 8) fail at tp1pp1 of world_size=8, which plan skips and check runs:
+    a key no layout changes is checked first, once, and named (not `train.global_batch_size=8 is not divisible`)."""
+    from mptrain.check import run_check
+    from mptrain.errors import ConfigError
+
+    args = ["model=tiny", "world_size=8", "parallel=tp1pp1", *overrides]
+    with pytest.raises(ConfigError) as err:
+        _plan(args) if command == "plan" else run_check(_cfg(args), 8)
+    assert str(err.value) == line
+    with pytest.raises(ConfigError, match="^train.global_batch_size=8 is not divisible"):  # the real problem stays
+        run_check(_cfg(args[:3]), 8)

@@ -1,7 +1,8 @@
 """`python -m mptrain.check [training overrides] world_size=N`: validate a layout without GPUs.
 
 1. composes `conf/plan.yaml` (the training config groups + `world_size`) and runs the trainer's
-   `validate_config` (a ConfigError prints one line and exits 1, as `train.py`);
+   `validate_config` (its checks no layout changes first, `check_layout_free`); a ConfigError prints one
+   line and exits 1, as `train.py`;
 2. spawns N CPU processes (gloo, world N) that build the process groups of the layout and the
    trainer's own objects with `training.run.build_model_and_optimizer` on the META device: model
    chunks (layer split, TP shapes, padded vocab, tied copy), Float16Module, DDP grad buffers and

@@ -1,7 +1,8 @@
 """Enumerate valid layouts, estimate communication, bubble and step time, rank them.
 
 Validity is the trainer's own: every candidate goes through `validate_config` and
-`check_model_config` (a layout the planner lists is one `train.py` accepts).
+`check_model_config` (a layout the planner lists is one `train.py` accepts). The checks no layout
+changes run once first (`check_layout_free`), so a wrong key is reported as itself.
 
 Communication (FORMULAS): bytes SENT per rank per optimizer step (one global batch), by group,
 for ring collectives (an all-reduce of n bytes sends 2(k−1)/k·n per rank, a reduce-scatter or an
@@ -29,7 +30,7 @@ import dataclasses
 from typing import Optional
 
 from mptrain.config.schema import as_config
-from mptrain.training.validate import validate_config
+from mptrain.training.validate import check_layout_free, validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config
@@ -188,9 +189,11 @@ def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: 
     """Records for every valid layout, ranked: fitting first, then estimated step time, then bubble.
 
     Raises:
-        ConfigError: no layout of ``world_size`` passes validation (the message names the keys).
+        ConfigError: a key no layout changes is wrong (`check_layout_free`), or no layout of ``world_size``
+            passes validation (the message names the keys).
     """
     cfg = as_config(cfg)
+    check_layout_free(cfg)
     layouts = candidate_layouts(cfg, world_size) if layouts is None else layouts
     if not layouts:
         validate_config(cfg, world_size)  # raises the trainer's own message for the given layout

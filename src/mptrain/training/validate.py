@@ -172,6 +172,28 @@ def check_training_keys(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} needs checkpoint.save=<folder> to save into; set it, or {key}=null")
 
 
+def check_layout_free(cfg: Any) -> str:
+    """The checks of `validate_config` that no parallel size or world size changes, run first: debug keys,
+    model components, precision / loss scaler / optimizer / LR schedule, training, load, logger and data keys.
+
+    First because a wrong value here fails every layout: after the layout's batch arithmetic it would be
+    reported as that (``train.global_batch_size=8 is not divisible by ...``) in `mptrain.plan` and
+    `mptrain.check`, which try layouts the user did not pick. Returns the resolved loss scaler's name.
+
+    Raises:
+        ConfigError: one line naming the key and the fix.
+    """
+    c = as_config(cfg)
+    check_fault_config(c.debug)  # the debug.* rules live with the fault injector
+    check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
+    loss_scaler = resolve_loss_scaler(c)
+    check_training_keys(c)
+    check_load_keys(c)  # the load keys' rules live with the load
+    check_logger_config(c)  # logger.mode, and the logger.loggers.* components (import, methods, keywords, packages)
+    check_data_config(c.data)  # data._target_, data.tokenizer._target_, corpora, split (mptrain.data.provider)
+    return loss_scaler
+
+
 def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
     """Check every DESIGN.md §5 combination and derive the layout; pure (no collectives, no I/O).
 
@@ -182,14 +204,13 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
         the `DerivedLayout` (dp size, num_microbatches, resolved schedule and loss scaler).
     Raises:
         ConfigError: the first problem found, one line naming the key(s), the values and the fix.
-            Order: debug keys, layout sizes, model shape, layer split, batch, schedule, scaler,
-            training keys.
+            Order: the checks no layout changes (`check_layout_free`), then layout sizes, model shape,
+            layer split, batch, schedule.
     """
     c = as_config(cfg)
-    check_fault_config(c.debug)  # the debug.* rules live with the fault injector
+    loss_scaler = check_layout_free(c)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
-    check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
     num_microbatches = check_batch(c, dp)
     schedule = resolve_schedule(c.schedule, PipelineLayout(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
@@ -205,11 +226,6 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers on CUDA GPUs "
             f"with NCCL; it also needs {' and '.join(missing)} (got tp={tp}); set those or parallel.tp_comm_overlap=false"
         )
-    loss_scaler = resolve_loss_scaler(c)
-    check_training_keys(c)
-    check_load_keys(c)  # the load keys' rules live with the load
-    check_logger_config(c)  # logger.mode, and the logger.loggers.* components (import, methods, keywords, packages)
-    check_data_config(c.data)  # data._target_, data.tokenizer._target_, corpora, split (mptrain.data.provider)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,
