@@ -286,7 +286,7 @@ def test_fp8_layouts_match_tp1pp1(tmp_path, reference, name, world, overrides):
         assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=2e-2), where
 
 
-def test_fp8_resume_is_bitwise_and_switches_to_bf16(tmp_path, reference):
+def test_fp8_resume_is_bitwise_and_switches_precision_both_ways(tmp_path, reference):
     ref, ref_dir, ckpt = reference
     assert "precision=fp8 (tensorwise, emulated: 16 of 16 block linears (3 GEMMs each) in FP8" in (ref_dir / "train.log").read_text()
     strip = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops_per_gpu")} for r in rows]  # noqa: E731
@@ -294,12 +294,17 @@ def test_fp8_resume_is_bitwise_and_switches_to_bf16(tmp_path, reference):
     assert strip(resumed) == strip(ref[2:])  # bitwise: the same floats in metrics.jsonl
     assert "precision changed" not in (resumed_dir / "train.log").read_text()
     bf16, bf16_dir = _job(tmp_path, "bf16", 1, [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2",
-                                                "precision=bf16"],
+                                                "precision=bf16", f"checkpoint.save={tmp_path / 'bf16ck'}",
+                                                "checkpoint.save_interval=2"],
                           base=[i for i in BASE if not i.startswith("precision.fp8_")])  # fp8-only keys: refused on bf16
     assert [r["iteration"] for r in bf16] == [3, 4] and bf16 != resumed
     assert abs(bf16[0]["lm_loss"] - ref[2]["lm_loss"]) < 0.05  # the same weights, now with bf16 GEMMs
     log = (bf16_dir / "train.log").read_text()
     assert log.count("checkpoint: precision changed fp8 -> bf16") == 1, log
+    back, back_dir = _job(tmp_path, "fp8_again", 1, [f"checkpoint.load={tmp_path / 'bf16ck'}"], steps=STEPS + 1)
+    assert [r["iteration"] for r in back] == [STEPS + 1]  # the bf16 run's iteration-4 checkpoint, now in fp8
+    log = (back_dir / "train.log").read_text()
+    assert log.count("checkpoint: precision changed bf16 -> fp8") == 1, log
 
 
 def test_fp8_error_lines(monkeypatch):
