@@ -1,5 +1,6 @@
 """Start-up lines of train.log: which optimizer class / kernel and which norm run (the log
-says which kernels run), and why evaluation skips a split, phrased by what is configured."""
+says which kernels run), whether sequence parallelism is on, and why evaluation skips a split,
+phrased by what is configured."""
 
 from __future__ import annotations
 
@@ -30,13 +31,17 @@ EAGER = " compile=off (default: eager on cpu; model.compile_layers=true compiles
     (["optim=adamw", "precision=bf16"],
      "kernels: optimizer=torch.optim.AdamW (fused=True) norm=mptrain.layers.norms.LayerNorm "
      "(torch.nn.functional.layer_norm)" + EAGER),
-    (["optim._target_=torch.optim.RMSprop"],  # takes foreach but not fused
+    (["optim._target_=torch.optim.RMSprop", "parallel.sequence_parallel=true"],  # takes foreach but not fused
      "kernels: optimizer=torch.optim.RMSprop (foreach=True) norm=mptrain.layers.norms.LayerNorm "
      "(torch.nn.functional.layer_norm)" + EAGER),
 ])
 def test_train_log_names_the_optimizer_kernel_and_the_norm(tmp_path, overrides, want):
     run_distributed(run_job, 1, TINY + overrides + [f"run.dir={tmp_path}"])
     assert _kernels_line(tmp_path) == want
+    job = [line for line in (tmp_path / "train.log").read_text().splitlines() if "job: " in line]
+    sp = ("off (parallel.sequence_parallel=true has no effect at tp=1)" if "parallel.sequence_parallel=true" in overrides
+          else "off")
+    assert len(job) == 1 and f" sequence-parallel={sp} run.dir=" in job[0], job
 
 
 def test_empty_split_reason_follows_the_configured_data():

@@ -129,10 +129,14 @@ class Recorder:
                                     run_config=config_container(self.cfg) if self.is_writer else None,
                                     start_iteration=start_iteration)
         d = self.derived
+        # sequence parallelism splits what TP replicates: at tp = 1 the key is accepted and has no effect (as Megatron)
+        sp = ("on" if d.sequence_parallel else
+              "off (parallel.sequence_parallel=true has no effect at tp=1)" if self.cfg.parallel.sequence_parallel else "off")
         self.log(
             f"job: model={self.cfg.model.name} tp={d.tensor_model_parallel_size} pp={d.pipeline_model_parallel_size} "
             f"vpp={d.virtual_pipeline_model_parallel_size} dp={d.data_parallel_size} schedule={d.schedule} "
-            f"precision={self.cfg.precision.name} micro-batches={d.num_microbatches} run.dir={self.run_dir}"
+            f"precision={self.cfg.precision.name} micro-batches={d.num_microbatches} sequence-parallel={sp} "
+            f"run.dir={self.run_dir}"
         )
         if built is not None:
             self.log(kernels_line(built))
