@@ -261,6 +261,7 @@ def _mismatch_task(rank, world, root, overrides=("model.num_layers=2", "model.hi
     try:
         with pytest.raises(ConfigError) as info:
             maybe_load_checkpoint(built, None)
+        assert info.value.symmetric  # the same line on every rank (gathered names): rank 0 alone prints it
         return str(info.value)
     finally:
         groups.destroy()

@@ -411,12 +411,14 @@ def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved
     now = (cfg if isinstance(cfg, dict) else config_dict(cfg)).get("model", {})
     diffs = [f"model.{k}={saved_model.get(k)!r} in the checkpoint vs {now.get(k)!r}" for k in SHAPE_KEYS
              if k in saved_model and saved_model.get(k) != now.get(k)]
-    raise ConfigError(
+    err = ConfigError(
         f"checkpoint.load: {folder} holds a different model; " + "; ".join(parts)
         + (f"; config differs: {', '.join(diffs)}" if diffs else "")
         + "".join(f"; {hint}" for hint in _row_mismatch_hints(saved, wanted))
         + "; load it with the model it was saved with, or set checkpoint.load=null to start fresh"
     )
+    err.symmetric = True  # built from the gathered names: the same line on every rank, rank 0 prints it
+    raise err
 
 
 def maybe_load_checkpoint(built, recorder=None) -> dict:
@@ -470,9 +472,11 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
     optimizer = _optimizer(built)
     change = optimizer_change(optimizer.optimizer, meta.get("config", {}), config_dict(cfg), tkeys, okeys)
     if change and load_optim:
-        raise ConfigError(f"checkpoint.load: {folder}: optimizer changed ({change}); set checkpoint.load_optim=false "
+        err = ConfigError(f"checkpoint.load: {folder}: optimizer changed ({change}); set checkpoint.load_optim=false "
                           "to resume with a fresh optimizer state, checkpoint.finetune=true to start a new run from "
                           "the weights, or select the checkpoint's optimizer (optim / optim._target_)")
+        err.symmetric = True  # the configs' optimizer class and the checkpoint's keys: alike on every rank
+        raise err
     chunks = model_chunks(records, tensor_keys=set(tkeys))
     optimizer_state = optimizer.sharded_state_dict()
     opt_chunks, opt_objects = optimizer_load_items(optimizer_state, records, set(tkeys), okeys)
