@@ -271,7 +271,7 @@ def _quick(gpus: int) -> list:
 
 def _small(gpus: int) -> list:
     """The single-GPU table: mptrain (compiled layers) against the compiled plain-PyTorch GPT at each shape,
-    both in one call (ratios only within a call). Ordered by priority. Why 40-100 timed iterations at the
+    both in one call (ratios only within a call). Ordered by priority. Why up to 100 timed iterations at the
     small shapes: mptrain's host runs one step ahead of the device, and the window mean charges it once for
     the final drain, about 1/iters of the window (a training run pays it once in thousands of iterations)."""
     small = dict(gpus=1, tp=1, pp=1, precision="bf16", warmup=3, iters=10, variants=("compile",), peer=False,

@@ -64,6 +64,9 @@ def run_arm(precision: str, seed: int, recipe: str, root: Path, extra: list, emu
         row["error"] = errors[0] if errors else out.stderr[-1500:]
         return row
     losses = valid_losses(run_dir)
+    if not losses:  # ended without an evaluation (e.g. an override that turned it off): a failed arm, not a crash
+        row.update(status="no validation rows", error=f"{run_dir}/metrics.jsonl has no valid rows")
+        return row
     row["valid_lm_loss"] = {str(k): v for k, v in sorted(losses.items())}
     row["final_valid_lm_loss"] = losses[max(losses)]
     return row
@@ -102,6 +105,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="runs at once on the one device (default: %(default)s)")
     ap.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     a = ap.parse_args()
+    if a.jobs < 1:
+        ap.error(f"--jobs={a.jobs} must be >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="fp8_conv_"))
     print(f"# run folders under {root}", flush=True)

@@ -117,6 +117,24 @@ def test_a_config_error_is_reported_when_the_launch_environment_is_the_error(mon
     assert capsys.readouterr().err == "error: train.seed=-1 must be >= 0\n"  # not a traceback of the second error
 
 
+@pytest.mark.parametrize("rank, local_rank, prints", [(0, 0, True), (1, 1, False), (2, 0, True), (3, 1, False)])
+def test_this_machines_error_is_printed_by_each_nodes_first_rank(monkeypatch, capsys, rank, local_rank, prints):
+    """torchao / the GPU / a checkpoint folder (``per_node``): alike on a node's ranks, not across nodes: local
+    rank 0 of each node prints it (world 4 = 2 nodes x 2); the others exit 1 after the grace period, silent."""
+    from mptrain.groups import DistEnv
+    from mptrain.training import run as run_module
+
+    monkeypatch.setattr(run_module, "read_dist_env", lambda: DistEnv(rank=rank, world_size=4, local_rank=local_rank))
+    monkeypatch.setattr("mptrain.errors.time.sleep", lambda s: None)  # the grace period, and its SIGTERM handler
+    monkeypatch.setattr("mptrain.errors.signal.signal", lambda *a: None)
+    err = ConfigError("precision=fp8 needs torchao 0.18.0, found 0.12.0")
+    err.per_node = True
+    with pytest.raises(SystemExit) as exit_info:
+        run_module.exit_on_config_error(err)
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == ("error: precision=fp8 needs torchao 0.18.0, found 0.12.0\n" if prints else "")
+
+
 def test_a_sweep_under_a_config_that_sets_multirun_is_left_to_hydra(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)

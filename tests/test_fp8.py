@@ -17,8 +17,8 @@ a bf16 ulp, 2^-8), the grad norm to rel 2e-2 (bf16 parity's 1e-4 would need bitw
 That noise is as large as wrong scales would make it at this size (tp2 + SP at step 1: grad norm 3.5e-3
 from tp1 with the TP amax reductions and without them), so the scales themselves are asserted bitwise
 in 2, and these jobs check that the layouts carry FP8 through the trainer. Without TP (pp2, dp2 with
-ZeRO-1) every cast sees tp1's bf16 values: the loss is bitwise tp1's, the grad norm equal to fp32
-summation order (rel 1e-6; measured 3e-7).
+ZeRO-1) every cast sees tp1's bf16 values and only the fp32 summation order of grads differs: loss and
+grad norm to rel 1e-5 (measured on one machine: the loss bitwise, the grad norm 3e-7).
 """
 
 import dataclasses
@@ -279,8 +279,9 @@ def test_fp8_layouts_match_tp1pp1(tmp_path, reference, name, world, overrides):
     with_tp = name.startswith("tp2")
     for r, q in zip(rows, ref):
         where = (name, r["iteration"], r["lm_loss"], q["lm_loss"], r["grad_norm"], q["grad_norm"])
-        if not with_tp:  # the same casts of the same bf16 values: the loss bitwise, the grad norm to fp32 order
-            assert r["lm_loss"] == q["lm_loss"] and r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-6), where
+        if not with_tp:  # the same casts of the same bf16 values, up to fp32 summation order (DP, the norm)
+            assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5), where
+            assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), where
             continue
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=2e-3), where
         assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=2e-2), where
@@ -451,6 +452,14 @@ def test_planner_fp8_stage_activations_count_the_stage_own_bf16_layers():
                         has_output=stage == 3)
         inflight = inflight_microbatches("1f1b", pp=4, vpp=None, m=8, pp_rank=stage)
         assert stage_activation_bytes(cfg, layout, rp, pp_rank=stage) == pytest.approx(inflight * 2 * per_layer), stage
+    # full recompute, one layer a group, a stage of layers 1 (bf16) and 2 (FP8): the recomputed peak is the bf16 layer's
+    full = dataclasses.replace(layout, recompute="full")
+    cfg.model.recompute_num_layers = 1
+    rp = RankParams(numel=0, num_params=0, layers=(1, 2), has_embedding=False, has_output=False)
+    saved = stage_activation_bytes(cfg, full, rp, pp_rank=1) - layer_activation_bytes(cfg, full, recompute="none",
+                                                                                         layers=(1,))
+    b = cfg.train.micro_batch_size
+    assert saved == pytest.approx(3 * 2 * 2 * 32 * b * 64)  # 3 in flight x 2 groups x 2-byte inputs [s, b, h]
 
 
 def _fp8_summaries(rank, world):
@@ -469,13 +478,17 @@ def _fp8_summaries(rank, world):
                              ("auto_filter", Fp8Recipe(emulate=True)),
                              ("first_last_9", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=9)),
                              ("auto_filter_ffn1040", Fp8Recipe(emulate=True)),
-                             ("hidden_72", Fp8Recipe(emulate=True, gemm_filter="none"))):
+                             ("hidden_72", Fp8Recipe(emulate=True, gemm_filter="none")),
+                             ("hidden_72_bf16_stage", Fp8Recipe(emulate=True, gemm_filter="none",
+                                                                first_last_layers_bf16=4))):
             # ffn 1040: fc1 [1040, 64] passes the size rule (out > 1024), QKV, proj and fc2 do not;
             # hidden 72: every linear has a dim of 72, not a multiple of 16
+            # hidden_72_bf16_stage: layers 0-3 of a 9-layer model on one pipeline stage, all four kept bf16
             shape = {"auto_filter_ffn1040": dataclasses.replace(m, ffn_hidden_size=1040),
-                     "hidden_72": dataclasses.replace(m, hidden_size=72)}.get(name, m)
+                     "hidden_72": dataclasses.replace(m, hidden_size=72),
+                     "hidden_72_bf16_stage": dataclasses.replace(m, hidden_size=72)}.get(name, m)
             chunk = build_model_chunks(shape, ParallelConfig(), groups, vocab_size=128)[0]
-            s = apply_fp8([chunk], recipe, num_layers=4)
+            s = apply_fp8([chunk], recipe, num_layers=9 if name == "hidden_72_bf16_stage" else 4)
             fp8_on = sorted(n for n, mod in chunk.named_modules() if getattr(mod, "fp8", None) is not None)
             out[name] = (s.fp8, s.below_size_rule, s.bf16_layers, fp8_on, s.describe(), s.local_dims_not_16)
             out[f"{name}_cast_bytes"] = sum(c.data.nbytes + (0 if c.data_t is None else c.data_t.nbytes)
@@ -491,6 +504,12 @@ def _fp8_summaries(rank, world):
         return out
     finally:
         groups.destroy()
+
+
+SHARD_WARNING = ("warning: precision=fp8: block linears whose weight dims after tensor parallelism are not multiples "
+                 "of 16, as FP8 GEMMs need, compute in bf16 (the kernels: line counts them); make model.hidden_size and "
+                 "model.ffn_hidden_size multiples of 16 x parallel.tensor_model_parallel_size (and the QKV width), or "
+                 "use precision=bf16")
 
 
 def test_fp8_first_last_layers_and_size_rule():
@@ -530,12 +549,10 @@ def test_fp8_first_last_layers_and_size_rule():
         "first_last_9": "warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=9 keeps all "
                         "4 layers bf16; set it to at most 1, or use precision=bf16",
         "auto_filter_ffn1040": None,
-        "hidden_72": "warning: precision=fp8: 16 block linears on this rank compute in bf16: their weight dims after "
-                     "tensor parallelism are not multiples of 16, as FP8 GEMMs need; make model.hidden_size and "
-                     "model.ffn_hidden_size multiples of 16 x parallel.tensor_model_parallel_size (and the QKV width), "
-                     "or use precision=bf16"}
+        "hidden_72": SHARD_WARNING, "hidden_72_bf16_stage": SHARD_WARNING}
     fp8, below, _, on, line, local = out["hidden_72"]
     assert (fp8, below, local, on) == (0, 0, 16, [])
+    assert out["hidden_72_bf16_stage"][:3] == (0, 0, [0, 1, 2, 3]) and out["hidden_72_bf16_stage"][5] == 0
     assert "0 of 16 block linears (3 GEMMs each) in FP8" in line and "16 with weight dims on this rank not multiples of 16" in line
     assert out["gpt_1.3b"] == {"tensorwise": ["fc1", "fc2", "proj", "qkv"], "rowwise": ["fc1", "qkv"]}
 
@@ -547,6 +564,8 @@ def test_fp8_size_rule_decides_on_the_global_shape_then_the_tp_shard():
     # hidden 48: QKV [144, 48] is FP8 at tp1; at tp2 its shard [72, 48] is not a multiple of 16
     assert fp8_gemm_decision(none, global_shape=(144, 48), local_shape=(144, 48)) == IN_FP8
     assert fp8_gemm_decision(none, global_shape=(144, 48), local_shape=(72, 48)) == LOCAL_DIMS_NOT_16
+    # the size rule first: a small GEMM is below it whatever its shard (hidden 72: not a multiple of 16 either)
+    assert fp8_gemm_decision(auto, global_shape=(216, 72), local_shape=(216, 72)) == BELOW_SIZE_RULE
     # the thresholds read the global shape: a tp8 shard of gpt_1.3b's fc2 [2048, 8192 / 8] stays in FP8
     assert fp8_gemm_decision(auto, global_shape=(2048, 8192), local_shape=(2048, 1024)) == IN_FP8
     assert fp8_gemm_decision(auto, global_shape=(1024, 4096), local_shape=(512, 4096)) == BELOW_SIZE_RULE

@@ -139,7 +139,7 @@ def check_data_config(data_cfg: Any) -> None:
     - `data.prefixes` (+ `data.split`) and the separate corpora `data.train_prefixes` /
       `valid_prefixes` / `test_prefixes` exclude each other; separate corpora need
       `train_prefixes`; valid / test may be empty (no such evaluation); a target whose
-      ``requires_prefixes`` is true (`IndexedDataProvider`) needs one of them;
+      ``requires_prefixes`` is true (`IndexedDataProvider`) and that takes ``prefixes`` needs one of them;
     - each prefix list is `[p, ...]` or a blend `[w1, p1, w2, p2, ...]`; `data.split` parses;
     - `data.tokenizer._target_` imports, has `encode` / `decode`, takes its keys.
 
@@ -163,9 +163,11 @@ def check_data_config(data_cfg: Any) -> None:
                 raise ConfigError(f"data.{key}={items[key]} is not used by data._target_={target_path} (it takes no "
                                   f"{key!r}); remove data.{key} or pick data=indexed")
     parse_split(items.get("split", "969,30,1"))
-    # a provider that reads prefixes and was given none (data=indexed alone) is refused here, before the run folder
+    # a provider that reads prefixes and was given none (data=indexed alone) is refused here, before the run folder;
+    # a subclass that takes no `prefixes` keyword (its corpus comes another way, as data=shakespeare's) is not
+    required = bool(getattr(target, "requires_prefixes", False)) and accepted is not None and "prefixes" in accepted
     check_corpora(items.get("prefixes"), items.get("train_prefixes"), items.get("valid_prefixes"),
-                  items.get("test_prefixes"), required=bool(getattr(target, "requires_prefixes", False)))
+                  items.get("test_prefixes"), required=required)
     resolve_tokenizer(data_cfg)
 
 
@@ -484,7 +486,7 @@ class IndexedDataProvider(GPTDataProvider):
                  eod_mask_loss: bool = False) -> None:
         self.prefixes = list(prefixes or [])
         self.per_split = check_corpora(self.prefixes, list(train_prefixes or []), list(valid_prefixes or []),
-                                       list(test_prefixes or []), required=True)
+                                       list(test_prefixes or []), required=self.requires_prefixes)
         super().__init__(tokenizer=tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, needs_data=needs_data,
                          seed=seed, split=split, cache_dir=cache_dir, reset_position_ids=reset_position_ids,
@@ -556,7 +558,6 @@ class ShakespeareDataProvider(IndexedDataProvider):
     """
 
     option = "shakespeare"
-    requires_prefixes = False  # its corpus is `corpus` (default: the shipped one)
 
     def __init__(self, *, corpus: Optional[str] = None, tokenizer: TokenizerProtocol, seq_length: int, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, needs_data: bool, seed: int = 1234, split: Any = "969,30,1",

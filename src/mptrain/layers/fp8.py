@@ -500,8 +500,11 @@ def fp8_gemms(recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output
 class UsesFp8(Protocol):
     """A layer whose GEMMs may run in FP8: `apply_fp8` calls ``enable_fp8(recipe)``, which returns
     `fp8_gemm_decision`'s outcome (`IN_FP8` when the layer now computes in FP8; the size rule or its
-    local dims may keep it in bf16). Implemented by `mptrain.layers.linear.ColumnParallelLinear` /
-    ``RowParallelLinear``."""
+    local dims may keep it in bf16); ``fp8_decision(recipe)`` is that outcome without enabling anything
+    (asked of the first / last bf16 layers, so the summary sees a TP shard that breaks FP8 on any stage).
+    Implemented by `mptrain.layers.linear.ColumnParallelLinear` / ``RowParallelLinear``."""
+
+    def fp8_decision(self, recipe: Fp8Recipe) -> str: ...
 
     def enable_fp8(self, recipe: Fp8Recipe) -> str: ...
 
@@ -514,6 +517,7 @@ class Fp8Summary:
     fp8: int = 0
     below_size_rule: int = 0
     local_dims_not_16: int = 0  # kept bf16: weight dims on this rank not multiples of 16 (`LOCAL_DIMS_NOT_16`)
+    shard_breaks_fp8: bool = False  # some block linear of this rank, bf16 layers included, is `LOCAL_DIMS_NOT_16`
     bf16_layers: list = dataclasses.field(default_factory=list)
     in_bf16_layers: int = 0  # the block linears of `bf16_layers` (kept bf16 by first_last_layers_bf16)
     num_layers: int = 0  # model.num_layers (global)
@@ -547,9 +551,9 @@ class Fp8Summary:
         if self.fp8 == 0 and self.num_layers and 2 * n >= self.num_layers:
             return (f"warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16={n} keeps all "
                     f"{self.num_layers} layers bf16; set it to at most {(self.num_layers - 1) // 2}, or use precision=bf16")
-        if self.local_dims_not_16:  # the only cause that depends on the layout: say it even when others run in FP8
-            return (f"warning: precision=fp8: {self.local_dims_not_16} block linears on this rank compute in bf16: "
-                    "their weight dims after tensor parallelism are not multiples of 16, as FP8 GEMMs need; make "
+        if self.shard_breaks_fp8:  # the only cause that depends on the layout: say it even when others run in FP8
+            return ("warning: precision=fp8: block linears whose weight dims after tensor parallelism are not "
+                    "multiples of 16, as FP8 GEMMs need, compute in bf16 (the kernels: line counts them); make "
                     "model.hidden_size and model.ffn_hidden_size multiples of 16 x parallel.tensor_model_parallel_size"
                     " (and the QKV width), or use precision=bf16")
         if self.fp8 > 0 or self.below_size_rule == 0:
@@ -591,7 +595,10 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
         for key, layer in layers.items():
             if int(key) < n or int(key) >= num_layers - n:
                 summary.bf16_layers.append(int(key))
-                summary.in_bf16_layers += sum(isinstance(m, UsesFp8) for m in layer.modules())
+                users = [m for m in layer.modules() if isinstance(m, UsesFp8)]
+                summary.in_bf16_layers += len(users)
+                # a stage of bf16 layers alone still reports a TP shard that breaks FP8 (rank 0 logs the warning)
+                summary.shard_breaks_fp8 |= any(m.fp8_decision(recipe) == LOCAL_DIMS_NOT_16 for m in users)
                 continue
             for module in layer.modules():
                 if isinstance(module, UsesFp8):
@@ -599,6 +606,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
                     summary.fp8 += decision == IN_FP8
                     summary.below_size_rule += decision == BELOW_SIZE_RULE
                     summary.local_dims_not_16 += decision == LOCAL_DIMS_NOT_16
+                    summary.shard_breaks_fp8 |= decision == LOCAL_DIMS_NOT_16
     summary.bf16_layers.sort()
     summary.weight_casts = Fp8WeightCasts([m for model in models for m in model.modules()
                                            if getattr(m, "fp8_weight_cast", None) is not None])

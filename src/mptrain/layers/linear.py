@@ -244,11 +244,14 @@ class ColumnParallelLinear(torch.nn.Module):
         weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
         self.weight_main_grad = main_grad(self.weight)
 
+    def fp8_decision(self, recipe: Fp8Recipe) -> str:
+        """`mptrain.layers.fp8.UsesFp8`: `fp8_gemm_decision` on ``[out, in]``; the output dim is TP-sharded."""
+        return fp8_gemm_decision(recipe, global_shape=(self.output_size, self.input_size),
+                                 local_shape=(self.output_size_per_partition, self.input_size))
+
     def enable_fp8(self, recipe: Fp8Recipe) -> str:
-        """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if the size rule lets this GEMM
-        (`fp8_gemm_decision` on ``[out, in]``); the output dim is TP-sharded. Returns the decision."""
-        decision = fp8_gemm_decision(recipe, global_shape=(self.output_size, self.input_size),
-                                     local_shape=(self.output_size_per_partition, self.input_size))
+        """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if `fp8_decision` says so. Returns the decision."""
+        decision = self.fp8_decision(recipe)
         if decision == IN_FP8:
             tp = self.groups.tp_size > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
@@ -324,11 +327,15 @@ class RowParallelLinear(torch.nn.Module):
         weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
         self.weight_main_grad = main_grad(self.weight)
 
-    def enable_fp8(self, recipe: Fp8Recipe) -> str:
-        """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.enable_fp8`; the input dim is TP-sharded."""
+    def fp8_decision(self, recipe: Fp8Recipe) -> str:
+        """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.fp8_decision`; the input dim is TP-sharded."""
         output_size = self.weight.shape[0]
-        decision = fp8_gemm_decision(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
-                                     local_shape=(output_size, self.input_size_per_partition))
+        return fp8_gemm_decision(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
+                                 local_shape=(output_size, self.input_size_per_partition))
+
+    def enable_fp8(self, recipe: Fp8Recipe) -> str:
+        """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.enable_fp8`."""
+        decision = self.fp8_decision(recipe)
         if decision == IN_FP8:
             tp = self.groups.tp_size > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,

@@ -30,7 +30,7 @@ import dataclasses
 from typing import Optional
 
 from mptrain.config.schema import as_config
-from mptrain.training.validate import check_layout_free, validate_config
+from mptrain.training.validate import check_layout_free, derive_layout, validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config
@@ -65,8 +65,13 @@ def layout_config(cfg, layout: PlanLayout):
 
 
 def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_parallel=(False, True)) -> list:
-    """Every (tp, pp, vpp, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``."""
+    """Every (tp, pp, vpp, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``.
+
+    Raises:
+        ConfigError: a key no layout changes is wrong (`check_layout_free`, run once for all candidates).
+    """
     cfg = as_config(cfg)
+    loss_scaler = check_layout_free(cfg)
     out = []
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
@@ -79,7 +84,7 @@ def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_para
                             probe = PlanLayout(tp, pp, vpp, world_size // (tp * pp), distopt, recompute, sp, "auto", 0)
                             c = layout_config(cfg, probe)
                             try:
-                                derived = validate_config(c, world_size)
+                                derived = derive_layout(c, world_size, loss_scaler=loss_scaler)
                                 check_model_config(c.model, c.parallel)
                             except ConfigError:
                                 continue

@@ -319,7 +319,11 @@ def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: 
     sbh = m.seq_length * cfg.train.micro_batch_size * m.hidden_size
     checkpoint_input = PARAM_BYTES[cfg.precision.name] * sbh / (layout.tp if layout.sequence_parallel else 1)
     saved = inflight * (layers_per_unit / group) * checkpoint_input
-    recomputing = min(group, layers_per_unit) * layer_activation_bytes(cfg, layout, recompute="none", layers=rp.layers)
+    # one group's full activations while it is recomputed: the group with the fewest FP8 layers (uniform groups)
+    layers = sorted(rp.layers)
+    worst = min((layers[i:i + group] for i in range(0, len(layers), group)), default=layers,
+                key=lambda g: _fp8_layer_fraction(cfg, g))
+    recomputing = min(group, layers_per_unit) * layer_activation_bytes(cfg, layout, recompute="none", layers=worst)
     return saved + recomputing
 
 

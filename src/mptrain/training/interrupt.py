@@ -45,7 +45,8 @@ class Interrupted(Exception):
 def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str],
                  run_dir: Optional[str] = None) -> Optional[Interrupted]:
     """The `Interrupted` to raise when a stop signal ended the loop after `iteration` and it was
-    SIGINT (Ctrl-C); None for SIGTERM (a scheduler's stop ends with exit 0) or no signal."""
+    SIGINT (Ctrl-C); None for SIGTERM (a scheduler's stop ends with exit 0) or no signal. ``save``:
+    `checkpoint.save`; ``run_dir``: the run folder, named in the resume line beside it."""
     if signum != signal.SIGINT:
         return None
     return Interrupted(Stop(int(signum), iteration, save or None, run_dir))

@@ -247,12 +247,16 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         if default:  # the default folder names the model the run builds (the checkpoint's, when it brings one)
             follow_checkpoint_model_name(cfg, planned.run.dir)
         derived = validate_config(cfg, world_size)
-        check_fp8_environment(cfg.precision)  # torchao, the GPU's FP8 tensor cores: this machine, no collective
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
             err.symmetric = True  # (rank 0 prints it); an environment-dependent one says symmetric=False
         raise
-    _check_checkpoint_paths(cfg)
+    try:
+        check_fp8_environment(cfg.precision)  # torchao, the GPU's FP8 tensor cores: this machine, no collective
+        _check_checkpoint_paths(cfg)
+    except ConfigError as err:
+        err.per_node = True  # this machine's: alike on its ranks, maybe not on another node's (`exit_on_config_error`)
+        raise
     return cfg, derived
 
 
@@ -310,16 +314,20 @@ def exit_on_config_error(err: BaseException) -> NoReturn:
 
     A start-up config error (`validate_config`: config + world size only; ``err.symmetric``) and the
     skip limit (decided by an all-reduce) are the same on every rank: rank 0 alone prints it, so a
-    torchrun job shows one line, not one per rank. Other errors may differ between ranks (a file one
-    node lacks, an unset ``${oc.env:...}``): every failing rank prints its own at once and exits
-    after `mptrain.errors.CONFIG_ERROR_GRACE_S`.
+    torchrun job shows one line, not one per rank. This machine's (``err.per_node``: torchao, the GPU,
+    the checkpoint folders) are alike on a node's ranks: each node's local rank 0 prints it. Other
+    errors may differ between ranks (an unset ``${oc.env:...}``): every failing rank prints its own at
+    once and exits after `mptrain.errors.CONFIG_ERROR_GRACE_S`.
     """
     try:
         env = read_dist_env()
-        rank, world_size = env.rank, env.world_size
+        rank, world_size, local_rank = env.rank, env.world_size, env.local_rank
     except ConfigError:  # the launch environment is itself the error (a SLURM node list nothing can parse)
         rank, world_size = launch_rank_and_world()
+        local_rank = rank
     symmetric = getattr(err, "symmetric", False) or isinstance(err, TooManySkippedStepsError)
+    if getattr(err, "per_node", False):  # this machine's (a file, torchao, the GPU): each node's first rank prints
+        rank, symmetric = local_rank, True
     report_and_exit(f"error: {err}", rank=rank, world_size=world_size, symmetric=symmetric)
 
 

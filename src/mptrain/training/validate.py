@@ -208,7 +208,18 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             layer split, batch, schedule.
     """
     c = as_config(cfg)
-    loss_scaler = check_layout_free(c)
+    return derive_layout(c, world_size, loss_scaler=check_layout_free(c))
+
+
+def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str) -> DerivedLayout:
+    """`validate_config` after `check_layout_free` (which returned ``loss_scaler``): layout sizes, model shape,
+    layer split, batch, schedule. For a caller that tries many layouts of one config (`mptrain.planner`), which
+    runs the layout-free checks once instead of once per candidate.
+
+    Raises:
+        ConfigError: as `validate_config`.
+    """
+    c = as_config(cfg)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     num_microbatches = check_batch(c, dp)
