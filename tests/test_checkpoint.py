@@ -299,23 +299,37 @@ def _fake_save(root, iteration, keep_last_n=None):
 
 
 def test_load_refusal_names_the_folder_a_resume_reads(tmp_path):
-    """checkpoint.load at one iteration's folder (it would load nothing and start fresh) or at a missing
-    load_iteration is refused at start-up, before the run folder is written."""
+    """checkpoint.load where a resume would load nothing and train a fresh run (one iteration's folder, its
+    `latest` file, the run folder above the checkpoints, an empty folder that is not the save folder) or a
+    missing load_iteration: refused at start-up, before the run folder is written."""
     from mptrain.checkpoint import atomic
     from mptrain.errors import ConfigError
     from mptrain.training.run import _validated
     from train_utils import compose
 
-    _fake_save(tmp_path, 4)
-    assert atomic.load_refusal(str(tmp_path), None) is None and atomic.load_refusal(str(tmp_path), 4) is None
-    line = (f"checkpoint.load={tmp_path}/iter_0000004 is the checkpoint of one iteration, not a checkpoint folder; "
-            f"load it as checkpoint.load={tmp_path} checkpoint.load_iteration=4")
-    assert atomic.load_refusal(str(tmp_path / "iter_0000004"), None) == line
-    assert atomic.load_refusal(str(tmp_path), 5) == (f"checkpoint.load_iteration=5: {tmp_path}/iter_0000005 is not a "
-                                                     f"complete checkpoint (complete iterations in {tmp_path}: [4])")
+    ck = tmp_path / "a" / "checkpoints"
+    _fake_save(ck, 4)
+    assert atomic.load_refusal(str(ck), None) is None and atomic.load_refusal(str(ck), 4) is None
+    line = (f"checkpoint.load={ck}/iter_0000004 is the checkpoint of one iteration, not a checkpoint folder; "
+            f"load it as checkpoint.load={ck} checkpoint.load_iteration=4")
+    assert atomic.load_refusal(str(ck / "iter_0000004"), None) == line
+    assert atomic.load_refusal(str(ck), 5) == (f"checkpoint.load_iteration=5: {ck}/iter_0000005 is not a "
+                                               f"complete checkpoint (complete iterations in {ck}: [4])")
+    assert atomic.load_refusal(str(ck / "latest"), None) == (
+        f"checkpoint.load={ck}/latest is a file; point it at the folder that holds the iter_* folders and latest "
+        f"(checkpoint.load={ck})")
+    assert atomic.load_refusal(str(tmp_path / "a"), None) == (
+        f"checkpoint.load={tmp_path / 'a'} holds no complete checkpoint; point it at checkpoint.load={ck}, or at "
+        "this run's checkpoint.save folder to resume when it holds one and start fresh otherwise")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert atomic.load_refusal(str(empty), None, str(empty)) is None  # a restartable job's first start: fresh
+    assert atomic.load_refusal(str(tmp_path / "missing"), None) is None  # (a missing one: _check_checkpoint_paths)
+    assert atomic.load_refusal(str(empty), None).startswith(f"checkpoint.load={empty} holds no complete checkpoint; "
+                                                             "point it at a checkpoint.save folder")
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError) as info:
-        _validated(compose(["model=tiny", f"run.dir={run_dir}", f"checkpoint.load={tmp_path}/iter_0000004"]), 1)
+        _validated(compose(["model=tiny", f"run.dir={run_dir}", f"checkpoint.load={ck}/iter_0000004"]), 1)
     assert str(info.value) == line and not run_dir.exists()
 
 

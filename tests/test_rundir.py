@@ -243,15 +243,20 @@ def test_configured_folder_moves_the_literal_paths_inside_it_of_a_config_object(
         str(tmp_path / "r-2"), f"{tmp_path}/r-2/ck", f"{tmp_path}/other")
 
 
-def test_configured_folder_is_resumed_only_from_its_own_checkpoints(tmp_path):
+def test_configured_folder_is_resumed_only_from_its_own_checkpoints(tmp_path, capsys):
     """A resume appends to the configured folder when it loads that folder's checkpoints; loading
-    another run's checkpoints makes a fresh run, which gives way to <dir>-2 like any other."""
+    another run's checkpoints makes a fresh run, which gives way to <dir>-2 like any other, and the line
+    says how to append to that run instead."""
     d = tmp_path / "r"
     _hold_run(d)
     other = f"{tmp_path}/other/checkpoints"
     assert _single(_cfg(run__dir=str(d), checkpoint__load=f"{d}/checkpoints"), resuming=True,
                    from_command_line=False) == d
+    capsys.readouterr()
     assert _single(_cfg(run__dir=str(d), checkpoint__load=other), resuming=True, from_command_line=False) == tmp_path / "r-2"
+    assert capsys.readouterr().err == (f"run.dir: {d} already holds a run; this run writes to {tmp_path}/r-2 (its "
+                                       "checkpoint.load lies outside it: add run.dir=<the folder of that run> to "
+                                       "append there)\n")
     assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "metrics.jsonl"]
 
 

@@ -91,22 +91,33 @@ def resolve_load_dir(root: str, iteration: Optional[int] = None) -> tuple[Option
     return Path(root) / iter_dir_name(have[-1]), note
 
 
-def load_refusal(root: str, iteration: Optional[int]) -> Optional[str]:
+def load_refusal(root: str, iteration: Optional[int], save: Optional[str] = None) -> Optional[str]:
     """Why ``checkpoint.load=root`` (with ``checkpoint.load_iteration=iteration``) cannot resume, as one line, or
-    None: ``root`` is itself one iteration's folder (a resume reads the folder that holds the ``iter_N``
-    folders and ``latest``: loading nothing from it would start a fresh run), or ``iteration`` is asked
-    for and is not complete there."""
+    None. A resume reads the folder that holds the ``iter_N`` folders and ``latest``; pointed elsewhere it
+    would load nothing and train a fresh run. Refused: ``root`` is one iteration's folder or a file (its
+    ``latest``); ``iteration`` is not complete there; ``root`` holds no complete checkpoint and is not
+    ``save`` (the folder this run saves to, where loading nothing is a restartable job's first start)."""
     path = Path(root)
     m = _ITER_RE.match(path.name)
     if m and is_complete(path):
         return (f"checkpoint.load={root} is the checkpoint of one iteration, not a checkpoint folder; load it as "
                 f"checkpoint.load={path.parent} checkpoint.load_iteration={int(m.group(1))}")
-    if iteration is not None and path.is_dir():
+    if path.is_file():
+        return (f"checkpoint.load={root} is a file; point it at the folder that holds the iter_* folders and latest"
+                f" (checkpoint.load={path.parent})")
+    if not path.is_dir():
+        return None
+    if iteration is not None:
         try:
             resolve_load_dir(root, iteration)
         except FileNotFoundError as err:
             return str(err)
-    return None
+    if (save and Path(save).resolve() == path.resolve()) or resolve_load_dir(root)[0] is not None:
+        return None
+    inner = [c for c in sorted(path.iterdir()) if c.is_dir() and list_iterations(str(c))]  # e.g. <run>/checkpoints
+    where = f"checkpoint.load={inner[0]}" if inner else "a checkpoint.save folder"
+    return (f"checkpoint.load={root} holds no complete checkpoint; point it at {where}, or at this run's "
+            "checkpoint.save folder to resume when it holds one and start fresh otherwise")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -283,7 +283,8 @@ def _check_checkpoint_paths(cfg: Config) -> None:
         ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist and is
             not also the save folder (resuming into the folder a job saves to is the usual
             restart pattern, and starts fresh on the first attempt); `checkpoint.load` is one iteration's
-            folder, or `checkpoint.load_iteration` is not complete there (`load_refusal`);
+            folder or a file, `checkpoint.load_iteration` is not complete there, or it holds no checkpoint and
+            is not the save folder (`load_refusal`);
             `checkpoint.save` already holds checkpoints and `checkpoint.load` is not that folder
             (`checkpoint_save_refusal`).
     """
@@ -299,7 +300,7 @@ def _check_checkpoint_paths(cfg: Config) -> None:
             f"checkpoint.load={load} does not exist; fix the path, or set checkpoint.load to the checkpoint.save "
             "folder to resume when it exists and start fresh otherwise"
         )
-    refusal = load_refusal(load, cfg.checkpoint.load_iteration) if load else None
+    refusal = load_refusal(load, cfg.checkpoint.load_iteration, save) if load else None
     if refusal is not None:
         raise ConfigError(refusal)
     # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands

@@ -359,8 +359,12 @@ def resolve_run_dir(
         if refusal is not None and configured is not None and holds_run(path) and not explicit:
             moved_from, path = configured, free_run_dir(path, resuming=resuming)
             refusal = None
-            print(f"run.dir: {configured} already holds a run; this run writes to {path} (pick the folder with "
-                  f"run.dir=, or resume with checkpoint.load=)", file=sys.stderr, flush=True)
+            # a resume from checkpoints outside the config's folder: the fix is the run folder, not checkpoint.load
+            hint = ("its checkpoint.load lies outside it: add run.dir=<the folder of that run> to append there"
+                    if getattr(cfg.checkpoint, "load", None) else "pick the folder with run.dir=, or resume with "
+                    "checkpoint.load=")
+            print(f"run.dir: {configured} already holds a run; this run writes to {path} ({hint})",
+                  file=sys.stderr, flush=True)
         if refusal is None:
             # checkpoint.save where it will be (moved along with the folder): another run's checkpoints there
             # are refused before anything is written
