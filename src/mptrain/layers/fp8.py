@@ -191,6 +191,12 @@ class Fp8Recipe:
     gemm_filter: str = "auto"
     first_last_layers_bf16: int = 0
 
+    def layer_in_fp8(self, layer: int, num_layers: int) -> bool:
+        """Whether global layer ``layer`` (0-based) of ``num_layers`` computes in FP8: not one of the first or
+        last ``first_last_layers_bf16`` (Megatron-LM's ``--first-last-layers-bf16``)."""
+        n = self.first_last_layers_bf16
+        return n <= layer < num_layers - n
+
 
 def fp8_recipe_from(precision) -> Optional[Fp8Recipe]:
     """The `Fp8Recipe` of a ``precision`` config node; None unless ``precision.name`` is fp8."""
@@ -587,13 +593,12 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
 
     _patch_inductor_min_max_codegen()
     summary = Fp8Summary(recipe, num_layers=num_layers)
-    n = recipe.first_last_layers_bf16
     for model in models:
         layers = getattr(getattr(model, "decoder", None), "layers", None)
         if layers is None:
             continue
         for key, layer in layers.items():
-            if int(key) < n or int(key) >= num_layers - n:
+            if not recipe.layer_in_fp8(int(key), num_layers):
                 summary.bf16_layers.append(int(key))
                 users = [m for m in layer.modules() if isinstance(m, UsesFp8)]
                 summary.in_bf16_layers += len(users)

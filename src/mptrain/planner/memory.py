@@ -287,8 +287,8 @@ def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
     if p.name != "fp8" or p.fp8_recipe != "tensorwise":
         return 0.0
     per_layer = sum(out * inp for out, inp in fp8_linears(cfg, layout.tp).values())
-    n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
-    fp8_layers = sum(1 for i in rp.layers if n <= i < num_layers - n)
+    recipe, num_layers = fp8_recipe_from(p), cfg.model.num_layers
+    fp8_layers = sum(recipe.layer_in_fp8(i, num_layers) for i in rp.layers)
     return fp8_layers * per_layer * (1 if p.fp8_emulate else 2)
 
 
@@ -299,9 +299,9 @@ def _fp8_layer_fraction(cfg, layers: Optional[Sequence[int]] = None) -> float:
     p = cfg.precision
     if p.name != "fp8" or p.fp8_recipe != "tensorwise":
         return 0.0
-    n, num_layers = p.fp8_first_last_layers_bf16, cfg.model.num_layers
+    recipe, num_layers = fp8_recipe_from(p), cfg.model.num_layers
     layers = range(num_layers) if layers is None else layers
-    return sum(1 for i in layers if n <= i < num_layers - n) / max(1, len(layers))
+    return sum(recipe.layer_in_fp8(i, num_layers) for i in layers) / max(1, len(layers))
 
 
 def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int) -> float:
