@@ -158,6 +158,20 @@ def test_the_label_does_not_select():
         build_loss_scaler(types.SimpleNamespace(name="constant"), "fp16")
 
 
+@pytest.mark.parametrize("name, key, value", [("constant", "initial_scale", 0.0), ("dynamic", "scale", 8.0),
+                                             ("auto", "scale", 8.0), ("none", "hysteresis", 4)])
+def test_a_key_the_scaler_does_not_take_is_refused(name, key, value):
+    """One schema for every scaler: a key moved off its default that the target does not take would be dropped."""
+    precision = "fp16" if name != "none" else "fp32"
+    with pytest.raises(ConfigError) as info:
+        build_loss_scaler(LossScalerConfig(_target_=TARGETS[name], name=name, **{key: value}), precision)
+    assert str(info.value) == (f"loss_scaler.{key}={value} is not used by loss_scaler={name} (_target_={TARGETS[name]}); "
+                               "drop the key, or pick the scaler that takes it (dynamic: initial_scale, min_scale, "
+                               "growth_factor, backoff_factor, growth_interval, hysteresis; constant: scale)")
+    built = build_loss_scaler(LossScalerConfig(_target_=TARGETS[name], name=name), precision)  # defaults: accepted
+    assert (built is None) == (name == "none")
+
+
 @pytest.mark.parametrize(
     "override, match",
     [
