@@ -228,27 +228,29 @@ def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
     node = {"_target_": target, **components.extra_keys(cfg)}
     extras = components.extra_keys(cfg)
     # the schema's keys (its defaults under what cfg sets: a partial namespace gets the defaults too)
-    values = {**{f.name: f.default for f in dataclasses.fields(LossScalerConfig)}, **vars(cfg)}
+    defaults = {f.name: f.default for f in dataclasses.fields(LossScalerConfig)}
+    values = {**defaults, **vars(cfg)}
     fields = {k: v for k, v in values.items()
               if k not in components.RESERVED_KEYS and k not in _NOT_SCALER_KEYS and k not in extras}
-    check_scaler_keys_apply(cfg, fields)
+    check_scaler_keys_apply(cfg, fields, defaults)
     scaler = components.build("loss_scaler", node, LOSS_SCALER, mapped={**fields, "params_dtype": dtype})
     check_scaler_for_precision(scaler, precision, scaler_option(cfg))
     return scaler
 
 
-def check_scaler_keys_apply(cfg, fields: dict) -> None:
+def check_scaler_keys_apply(cfg, fields: dict, defaults: dict) -> None:
     """A schema key set away from its default that ``loss_scaler._target_`` does not take would be dropped
     silently (`LossScalerConfig` is one schema for every scaler: ``scale`` is constant's, ``initial_scale``
     ... dynamic's and auto's), so it is refused, as the ``precision.fp8_*`` keys are on other precisions.
 
+    Args:
+        fields: the scaler keys `build_loss_scaler` maps; defaults: `LossScalerConfig`'s default of each.
     Raises:
         ConfigError: ``loss_scaler.<key>=<value>`` and the scaler that does not use it.
     """
     accepted = components.accepted_keywords(components.import_target("loss_scaler", getattr(cfg, "_target_", None)))
     if accepted is None:  # a target taking **kwargs receives every key
         return
-    defaults = {f.name: f.default for f in dataclasses.fields(LossScalerConfig)}
     for key, value in fields.items():
         if key not in accepted and key in defaults and value != defaults[key]:
             raise ConfigError(f"loss_scaler.{key}={value} is not used by loss_scaler={scaler_option(cfg)}; drop the "
