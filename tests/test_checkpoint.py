@@ -324,7 +324,10 @@ def test_load_refusal_names_the_folder_a_resume_reads(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert atomic.load_refusal(str(empty), None, str(empty)) is None  # a restartable job's first start: fresh
-    assert atomic.load_refusal(str(tmp_path / "missing"), None) is None  # (a missing one: _check_checkpoint_paths)
+    assert atomic.load_refusal(str(tmp_path / "missing"), None, str(tmp_path / "missing")) is None  # likewise
+    assert atomic.load_refusal(str(tmp_path / "missing"), None) == (
+        f"checkpoint.load={tmp_path / 'missing'} does not exist; fix the path, or set checkpoint.load to the "
+        "checkpoint.save folder to resume when it exists and start fresh otherwise")
     assert atomic.load_refusal(str(empty), None).startswith(f"checkpoint.load={empty} holds no complete checkpoint; "
                                                              "point it at a checkpoint.save folder")
     run_dir = tmp_path / "run"

@@ -95,9 +95,11 @@ def load_refusal(root: str, iteration: Optional[int], save: Optional[str] = None
     """Why ``checkpoint.load=root`` (with ``checkpoint.load_iteration=iteration``) cannot resume, as one line, or
     None. A resume reads the folder that holds the ``iter_N`` folders and ``latest``; pointed elsewhere it
     would load nothing and train a fresh run. Refused: ``root`` is one iteration's folder or a file (its
-    ``latest``); ``iteration`` is not complete there; ``root`` holds no complete checkpoint and is not
-    ``save`` (the folder this run saves to, where loading nothing is a restartable job's first start)."""
+    ``latest``); ``iteration`` is not complete there; ``root`` does not exist or holds no complete checkpoint,
+    and is not ``save`` (the folder this run saves to, where loading nothing is a restartable job's first
+    start)."""
     path = Path(root)
+    is_save = bool(save) and Path(save).resolve() == path.resolve()
     m = _ITER_RE.match(path.name)
     if m and is_complete(path):
         return (f"checkpoint.load={root} is the checkpoint of one iteration, not a checkpoint folder; load it as "
@@ -106,13 +108,14 @@ def load_refusal(root: str, iteration: Optional[int], save: Optional[str] = None
         return (f"checkpoint.load={root} is a file; point it at the folder that holds the iter_* folders and latest"
                 f" (checkpoint.load={path.parent})")
     if not path.is_dir():
-        return None
+        return None if is_save else (f"checkpoint.load={root} does not exist; fix the path, or set checkpoint.load "
+                                     "to the checkpoint.save folder to resume when it exists and start fresh otherwise")
     if iteration is not None:
         try:
             resolve_load_dir(root, iteration)
         except FileNotFoundError as err:
             return str(err)
-    if (save and Path(save).resolve() == path.resolve()) or resolve_load_dir(root)[0] is not None:
+    if is_save or resolve_load_dir(root)[0] is not None:
         return None
     inner = [c for c in sorted(path.iterdir()) if c.is_dir() and list_iterations(str(c))]  # e.g. <run>/checkpoints
     where = f"checkpoint.load={inner[0]}" if inner else "a checkpoint.save folder"

@@ -280,11 +280,10 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     """Checkpoint folders that cannot work, rejected before any collective (not at the first save).
 
     Raises:
-        ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist and is
-            not also the save folder (resuming into the folder a job saves to is the usual
-            restart pattern, and starts fresh on the first attempt); `checkpoint.load` is one iteration's
-            folder or a file, `checkpoint.load_iteration` is not complete there, or it holds no checkpoint and
-            is not the save folder (`load_refusal`);
+        ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist or holds no
+            checkpoint and is not also the save folder (resuming into the folder a job saves to is the usual
+            restart pattern, and starts fresh on the first attempt), is one iteration's folder or a file, or
+            `checkpoint.load_iteration` is not complete there (`load_refusal`);
             `checkpoint.save` already holds checkpoints and `checkpoint.load` is not that folder
             (`checkpoint_save_refusal`).
     """
@@ -295,11 +294,6 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
     if save and Path(save).exists() and not Path(save).is_dir():
         raise ConfigError(f"checkpoint.save={save} is a file, not a folder; pick another checkpoint.save")
-    if load and not Path(load).exists() and (not save or Path(load).resolve() != Path(save).resolve()):
-        raise ConfigError(
-            f"checkpoint.load={load} does not exist; fix the path, or set checkpoint.load to the checkpoint.save "
-            "folder to resume when it exists and start fresh otherwise"
-        )
     refusal = load_refusal(load, cfg.checkpoint.load_iteration, save) if load else None
     if refusal is not None:
         raise ConfigError(refusal)
