@@ -11,6 +11,8 @@ ends cleanly. `mptrain.launch` passes the workers' 130 through without torchrun'
 from __future__ import annotations
 
 import dataclasses
+import re
+import shlex
 import signal
 import sys
 from typing import NoReturn, Optional
@@ -52,14 +54,28 @@ def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str],
     return Interrupted(Stop(int(signum), iteration, save or None, run_dir))
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_./+-]*")  # a value that Hydra and a shell both take as it is
+
+
+def override_word(key: str, value: str) -> str:
+    """``key=value`` as one shell word that Hydra parses back to ``value``: as is when plain; else the value
+    in Hydra's double quotes and the word in the shell's single quotes (a path with spaces, ``,``, ``=`` or
+    brackets would otherwise split or parse as a list). Hydra's escapes: ``"`` as ``\\"``, and backslashes
+    doubled only where they precede a quote or the closing one."""
+    if _PLAIN.fullmatch(value):
+        return f"{key}={value}"
+    quoted = re.sub(r'(\\*)("|$)', lambda m: 2 * m.group(1) + ('\\"' if m.group(2) else ""), value)
+    return shlex.quote(f'{key}="{quoted}"')
+
+
 def interrupted_line(stop: Optional[Stop]) -> str:
     """The one line for a Ctrl-C stop (`stop` None: interrupted before the first iteration)."""
     if stop is None:
         return "interrupted before the first iteration: nothing saved"
     if stop.save is not None:
-        run_dir = f" run.dir={stop.run_dir}" if stop.run_dir else ""
+        run_dir = f" {override_word('run.dir', stop.run_dir)}" if stop.run_dir else ""
         return (f"interrupted: iteration {stop.iteration} saved to {stop.save}/iter_{stop.iteration:07d}; "
-                f"resume with checkpoint.load={stop.save}{run_dir}")
+                f"resume with {override_word('checkpoint.load', stop.save)}{run_dir}")
     return (f"interrupted after iteration {stop.iteration}: nothing saved; set checkpoint.save=DIR to save "
             "when stopped")
 
