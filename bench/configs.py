@@ -62,7 +62,9 @@ BENCH_SHAPES = {
 }
 
 # mptrain variants: name -> extra Hydra overrides (each measured change is a variant); an item
-# "env:NAME=VALUE" sets an environment variable of the run instead (`variant_env`).
+# "env:NAME=VALUE" sets an environment variable of the run instead (`variant_env`), an item
+# "inductor:KEY=VALUE" a ``torch._inductor.config`` key (mptrain_entry.py's --bench-inductor), an item
+# "flag:--NAME=VALUE" one of mptrain_entry.py's own flags (both through `variant_flags`).
 VARIANTS = {
     "base": ("model.compile_layers=false",),  # eager: the loss reference of the other variants
     "default": (),  # the plain command a user runs (compiled on CUDA: model.compile_layers=null)
@@ -80,6 +82,11 @@ VARIANTS = {
     "compile_cdt": ("model.compile_layers=true", "env:TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1"),
     "compile_apt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1"),
     "compile_noapt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=0"),
+    # 2-D tiled reductions: lets Inductor fuse a column sum (a bias grad) with the kernel producing its input
+    "default_tiled_red": ("inductor:triton.tile_reductions=true", "inductor:triton.prefer_nd_tiling=true"),
+    # Inductor's own heuristics instead of mptrain.layers.inductor_choices (norms as persistent reductions);
+    # its own kernel cache, since the choices handler is not part of every torch's cache key
+    "default_stock_inductor": ("flag:--bench-inductor-choices=stock", "env:TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_stock"),
     # attention core: SDPA everywhere vs the unfused GEMM-softmax-GEMM core (auto picks unfused for
     # half precision on CUDA with head dim > 256, i.e. the seed model's 512)
     "sdpa": ("model.attention_backend=sdpa",),
@@ -146,6 +153,16 @@ def variant_precision(cfg: "BenchConfig", variant: str) -> str:
     recipe = next((i.split("=", 1)[1] for i in items if i.startswith("precision.fp8_recipe=")),
                   variant.split("fp8_", 1)[1] if "fp8_" in variant else "tensorwise")
     return f"fp8-{recipe}"
+
+
+def variant_flags(variant: str) -> list:
+    """mptrain_entry.py's own flags that variant `variant` sets (``["--bench-inductor", "K=V,..."]``, ...)."""
+    flags = []
+    for item in VARIANTS[variant]:
+        if item.startswith("flag:"):
+            flags += item[5:].split("=", 1)
+    inductor = [item[9:] for item in VARIANTS[variant] if item.startswith("inductor:")]
+    return flags + (["--bench-inductor", ",".join(inductor)] if inductor else [])
 
 
 def variant_env(variant: str) -> dict:
@@ -384,7 +401,7 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
         o += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
     elif cfg.recompute is not None:
         o.append(f"model.recompute_granularity={cfg.recompute}")
-    return o + [item for item in VARIANTS[variant] if not item.startswith(("env:", "precision=", "data="))]
+    return o + [item for item in VARIANTS[variant] if not item.startswith(("env:", "inductor:", "flag:", "precision=", "data="))]
 
 
 def reference_env(cfg: BenchConfig) -> dict:

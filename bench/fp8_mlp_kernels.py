@@ -27,6 +27,9 @@ from mptrain.layers.linear import linear
 
 VARIANTS = {  # name: (FP8, Inductor options, dy's amax beside the bias grad: cast_grad_output's with_bias_grad)
     "bf16": (False, {}, None),
+    "bf16_nd_tiling": (False, {"triton.prefer_nd_tiling": True}, None),
+    "bf16_tiled_reductions": (False, {"triton.prefer_nd_tiling": True, "triton.tile_reductions": True}, None),
+    "bf16_cooperative": (False, {"triton.cooperative_reductions": True}, None),
     "fp8": (True, {}, True),
     "fp8_whole_tensor_amax": (True, {}, False),
     "fp8_nd_tiling": (True, {"triton.prefer_nd_tiling": True}, True),

@@ -17,6 +17,10 @@ of a profiled run are not benchmark numbers.
 ``--bench-inductor KEY=VALUE[,KEY=VALUE]`` (stripped likewise): set Inductor config keys
 (``torch._inductor.config``, e.g. ``triton.prefer_nd_tiling=true``) before anything compiles, to A/B
 Inductor's code generation on the whole trainer.
+
+``--bench-inductor-choices stock`` (stripped likewise): leave Inductor's own heuristics in place of
+`mptrain.layers.inductor_choices` (the A/B of that module; give the run its own ``TORCHINDUCTOR_CACHE_DIR``:
+the handler is not part of every torch's cache key).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def _pop_flag(argv: list, flag: str):
 PROFILE_FILE = _pop_flag(sys.argv, "--bench-profile")
 PROFILE_SKIP = 3  # iterations not profiled (compile, autotune, NCCL set-up)
 INDUCTOR = _pop_flag(sys.argv, "--bench-inductor")
+CHOICES = _pop_flag(sys.argv, "--bench-inductor-choices")
 
 from mptrain.config.schema import register  # noqa: E402  (after sys.path is final)
 from profile_report import write_profile  # noqa: E402  (bench/ is the script's folder, on sys.path)
@@ -117,6 +122,12 @@ def main(cfg) -> None:
 
     if INDUCTOR:
         _set_inductor(INDUCTOR)
+    if CHOICES == "stock":
+        from mptrain.layers import inductor_choices
+
+        inductor_choices.install = lambda: "stock"
+    elif CHOICES is not None:
+        raise SystemExit(f"--bench-inductor-choices: {CHOICES!r} is not 'stock'")
     summary = _run_profiled(cfg, hydra_main) if PROFILE_FILE else hydra_main(cfg)
     _write_peak((summary or {}).get("run_dir") or cfg.run.dir)
 

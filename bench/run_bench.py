@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE))
 from configs import (  # noqa: E402
     PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, reference_env,
     reference_variants, suite,
-    variant_env, variant_precision)
+    variant_env, variant_flags, variant_precision)
 
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -204,13 +204,14 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
             for variant in cfg.variants:
                 tag = f"{cfg.name}-{variant}"
                 run_dir = log_dir / "runs" / tag
-                args = mptrain_overrides(cfg, variant, str(run_dir))
-                timeout_s = cfg.timeout_s + (90 if "compile" in variant else 0)
+                args = variant_flags(variant) + mptrain_overrides(cfg, variant, str(run_dir))
+                # compiled variants (every one on CUDA but the eager ones) get the compile time on top
+                timeout_s = cfg.timeout_s + (0 if "model.compile_layers=false" in VARIANTS[variant] else 90)
                 jobs.append(dict(kind="mptrain", cfg=cfg, trainer="mptrain", variant=variant, run_dir=run_dir,
                                  timeout_s=timeout_s, env=variant_env(variant),
                                  argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py", args)))
                 if variant in profile:  # a separate run: a profiled run's timings are not benchmark numbers
-                    prof_args = mptrain_overrides(cfg, variant, str(run_dir) + "-profile")
+                    prof_args = variant_flags(variant) + mptrain_overrides(cfg, variant, str(run_dir) + "-profile")
                     prof_file = log_dir / f"profile_{tag}.txt"
                     jobs.append(dict(kind="profile", cfg=cfg, trainer="mptrain-profile", variant=variant,
                                      timeout_s=timeout_s, env=variant_env(variant), profile_file=prof_file,

@@ -177,6 +177,21 @@ def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
     assert "d_gpt1.3b_bf16_tp2pp2" in capsys.readouterr().out
 
 
+def test_inductor_and_flag_items_become_entry_flags_not_overrides(tmp_path, capsys):
+    """A variant's "inductor:" / "flag:" items reach mptrain_entry.py as its flags, before the overrides."""
+    assert bc.variant_flags("default_stock_inductor") == ["--bench-inductor-choices", "stock"]
+    assert bc.variant_flags("default_tiled_red") == [
+        "--bench-inductor", "triton.tile_reductions=true,triton.prefer_nd_tiling=true"]
+    assert bc.variant_flags("default") == []
+    out = tmp_path / "r.jsonl"
+    assert run_bench.main(["--suite", "small", "--gpus", "1", "--only", "s_gpt1.3b_mb4x4", "--variants",
+                           "default_stock_inductor", "--no-reference", "--dry-run", "--out", str(out)]) == 0
+    words = [c for c in capsys.readouterr().out.splitlines() if "mptrain_entry.py" in c][0].split()
+    at = words.index("--bench-inductor-choices")
+    assert words[at - 1].endswith("mptrain_entry.py") and words[at + 1] == "stock"
+    assert not any(w.startswith(("flag:", "inductor:", "env:")) for w in words)
+
+
 def test_cpu_run_of_the_entry_becomes_a_row(tmp_path):
     """One real job through torchrun + bench/mptrain_entry.py (tiny model, 1 gloo process)."""
     cfg = bc.BenchConfig("t", "tiny", 1, 1, 1, 2, 2, "fp32", warmup=1, iters=2)

@@ -116,3 +116,65 @@ def test_layer_scope_is_its_own_reason():
         " compile=chunk (one graph per model chunk, mode default; model.compile_layers=true)",
         " compile=off (default: eager on cpu; model.compile_layers=true compiles)",
     ]
+
+
+class _FakeSizevars:
+    @staticmethod
+    def statically_known_leq(a, b):
+        return a <= b
+
+
+class _FakeFeatures:
+    def __init__(self, hint, numel):
+        self.hint, self.reduction_numel = hint, numel
+
+    def get_reduction_hint(self):
+        return self.hint
+
+
+@pytest.mark.parametrize("hint, numel, want", [
+    ("INNER", 512, True),  # Inductor's own rule (up to 1024)
+    ("INNER", 2048, True),  # a norm over h = 2048: Inductor alone would loop twice over the row
+    ("INNER", 4096, True),
+    ("INNER", 8192, False),  # above PERSISTENT_ROW_REDUCTION_MAX: Inductor's looped kernel
+    ("OUTER", 2048, False),  # a column reduction (a bias grad): Inductor's own rule
+])
+def test_norms_over_the_hidden_dim_are_persistent_reductions(hint, numel, want):
+    import sympy
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    from mptrain.layers.inductor_choices import PersistentNorms
+
+    graph = SimpleNamespace(sizevars=_FakeSizevars())
+    with V.set_graph_handler(graph):
+        features = _FakeFeatures(getattr(ReductionHint, hint), sympy.Integer(numel))
+        got = PersistentNorms.should_use_persistent_reduction(features, False)
+    assert got is want
+
+
+def test_install_sets_the_choices_and_keeps_a_users_class():
+    import torch._inductor.config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    from mptrain.layers import inductor_choices
+
+    class Users(InductorChoices):
+        def uuid(self):
+            return "users"
+
+    prior_class = getattr(inductor_config, "inductor_choices_class", None)
+    restore = V.set_choices_handler(V.choices)  # restores this thread's handler on exit
+    try:
+        with restore:
+            assert "persistent" in inductor_choices.install()
+            assert isinstance(V.choices, inductor_choices.PersistentNorms)
+            if hasattr(inductor_config, "inductor_choices_class"):
+                assert inductor_config.inductor_choices_class is inductor_choices.PersistentNorms
+                inductor_config.inductor_choices_class = Users
+                assert inductor_choices.install() == "kept the configured Inductor choices class"
+                assert inductor_config.inductor_choices_class is Users
+    finally:
+        if hasattr(inductor_config, "inductor_choices_class"):
+            inductor_config.inductor_choices_class = prior_class

@@ -138,8 +138,12 @@ def apply_compile(model: torch.nn.Module, plan: CompilePlan) -> None:
 
     In place, so parameter names and the module tree are unchanged (checkpoints address them by name).
     Layer graphs: Dynamo caches by code object, so every layer reuses the graphs traced for the first
-    one (parameters are graph inputs).
+    one (parameters are graph inputs). Inductor generates the norms with `mptrain.layers.inductor_choices`.
     """
+    if plan.compile_layers:
+        from mptrain.layers import inductor_choices
+
+        inductor_choices.install()
     if plan.chunk:
         model.compile(mode=plan.mode)
     elif plan.compile_layers:
