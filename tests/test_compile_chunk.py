@@ -153,7 +153,7 @@ def test_norms_over_the_hidden_dim_are_persistent_reductions(hint, numel, want):
     assert got is want
 
 
-def test_install_sets_the_choices_and_keeps_a_users_class():
+def test_install_sets_the_choices_and_keeps_a_users_own():
     import torch._inductor.config as inductor_config
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
@@ -164,17 +164,42 @@ def test_install_sets_the_choices_and_keeps_a_users_class():
         def uuid(self):
             return "users"
 
+    has_key = hasattr(inductor_config, "inductor_choices_class")
     prior_class = getattr(inductor_config, "inductor_choices_class", None)
-    restore = V.set_choices_handler(V.choices)  # restores this thread's handler on exit
+    restore = V.set_choices_handler(InductorChoices())  # Inductor's plain default on this thread; restored on exit
     try:
         with restore:
+            if has_key:
+                inductor_config.inductor_choices_class = None
             assert "persistent" in inductor_choices.install()
-            assert isinstance(V.choices, inductor_choices.PersistentNorms)
-            if hasattr(inductor_config, "inductor_choices_class"):
+            assert type(V.choices) is inductor_choices.PersistentNorms
+            if has_key:  # what other threads (the autograd thread's backward compiles) build theirs from
                 assert inductor_config.inductor_choices_class is inductor_choices.PersistentNorms
-                inductor_config.inductor_choices_class = Users
-                assert inductor_choices.install() == "kept the configured Inductor choices class"
+                inductor_config.inductor_choices_class = Users  # a class of the user's own: kept
+                assert inductor_choices.install() == "kept the configured Inductor choices"
                 assert inductor_config.inductor_choices_class is Users
+                inductor_config.inductor_choices_class = None
+            V.set_choices_handler(Users())  # a handler of the user's own on this thread: kept
+            assert inductor_choices.install() == "kept the configured Inductor choices"
+            assert type(V.choices) is Users
     finally:
-        if hasattr(inductor_config, "inductor_choices_class"):
+        if has_key:
             inductor_config.inductor_choices_class = prior_class
+
+
+@pytest.mark.parametrize("device, compile_layers, installs", [(CUDA, True, True), (CPU, True, False),
+                                                              (CUDA, False, False)])
+def test_apply_compile_installs_the_heuristics_for_cuda_only(device, compile_layers, installs, monkeypatch):
+    """The C++ code generation of CPU compiles never consults Inductor's choices: nothing is changed there."""
+    from mptrain.layers import inductor_choices
+    from mptrain.layers.compile import apply_compile, plan_compile
+
+    calls = []
+    monkeypatch.setattr(inductor_choices, "install", lambda: calls.append(1))
+    compiled = []
+    model = SimpleNamespace(compile=lambda mode: compiled.append(mode))
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, compile_layers=compile_layers)
+    plan = plan_compile(cfg, _groups(), device, sequence_parallel=False)
+    assert plan.cuda is (device.type == "cuda")
+    apply_compile(model, plan)
+    assert calls == ([1] if installs else []) and compiled == ([plan.mode] if compile_layers else [])

@@ -1,6 +1,7 @@
-"""The Ctrl-C line's resume command is one a user can paste: the shell splits it into the overrides and
-Hydra parses each back to the folder, whatever characters the folders hold. The line under a real
-launcher is tests/test_quickstart.py."""
+"""The Ctrl-C line's resume command is one a user can paste: the shell splits it into the overrides, and
+Hydra's parser and OmegaConf compose each back to the folder's string (spaces, quotes, ``,=[]``, ``${``,
+and relative names that would parse as null, a bool or a number). The line under a real launcher is
+tests/test_quickstart.py."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import shlex
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from mptrain.training.interrupt import Stop, interrupted_line
 
 FOLDERS = ["/runs/a/checkpoints", "/runs/my run/checkpoints", "/runs/lr=3e-4,wd=0.1/ck", "/runs/[x]/it's",
-           'C:\\runs\\"q"\\', "/runs/$HOME/ck"]
+           'C:\\runs\\"q"\\', "/runs/$HOME/ck", "/runs/${x}/ck", "/runs/${oc.env:HOME}", "/r/a${",
+           "null", "true", "1e-4", "ckpts"]
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
@@ -21,9 +24,10 @@ def test_the_resume_command_parses_back_to_the_folders(folder):
     line = interrupted_line(Stop(2, 4, folder, run_dir))
     assert line.startswith(f"interrupted: iteration 4 saved to {folder}/iter_0000004; resume with ")
     words = shlex.split(line.split("; resume with ", 1)[1])
-    parser = OverridesParser.create()
-    parsed = {o.key_or_group: o.value() for o in parser.parse_overrides(words)}
-    assert parsed == {"checkpoint.load": folder, "run.dir": run_dir}
+    cfg = OmegaConf.create({"checkpoint": {"load": None}, "run": {"dir": None}})
+    for override in OverridesParser.create().parse_overrides(words):  # as Hydra applies a value override
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+    assert OmegaConf.to_container(cfg, resolve=True) == {"checkpoint": {"load": folder}, "run": {"dir": run_dir}}
 
 
 def test_a_plain_folder_stays_unquoted():

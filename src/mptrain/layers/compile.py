@@ -101,6 +101,8 @@ class CompilePlan:
         blocker: why the chunk is not one graph (`chunk_compile_blocker`, or ``model.compile_scope=layer``);
             None when it is.
         why: why ``compile_layers`` is on or off (`resolve_compile_layers`).
+        cuda: the chunk lives on a CUDA device (Inductor generates Triton kernels: `apply_compile` installs
+            `mptrain.layers.inductor_choices` there).
     """
 
     compile_layers: bool
@@ -108,6 +110,7 @@ class CompilePlan:
     mode: Optional[str]
     blocker: Optional[str]
     why: str = ""
+    cuda: bool = False
 
     @property
     def fused_cross_entropy(self) -> bool:
@@ -128,7 +131,8 @@ def plan_compile(config, groups, device: torch.device, sequence_parallel: bool) 
                else "model.compile_scope=layer")
     chunk = compile_layers and blocker is None
     return CompilePlan(compile_layers=compile_layers, chunk=chunk,
-                       mode=compile_mode_for(config, groups, device, chunk), blocker=blocker, why=why)
+                       mode=compile_mode_for(config, groups, device, chunk), blocker=blocker, why=why,
+                       cuda=torch.device(device).type == "cuda")
 
 
 def apply_compile(model: torch.nn.Module, plan: CompilePlan) -> None:
@@ -138,9 +142,10 @@ def apply_compile(model: torch.nn.Module, plan: CompilePlan) -> None:
 
     In place, so parameter names and the module tree are unchanged (checkpoints address them by name).
     Layer graphs: Dynamo caches by code object, so every layer reuses the graphs traced for the first
-    one (parameters are graph inputs). Inductor generates the norms with `mptrain.layers.inductor_choices`.
+    one (parameters are graph inputs). On CUDA, Inductor's heuristics are `mptrain.layers.inductor_choices`'s
+    (the CPU's C++ code generation does not consult them).
     """
-    if plan.compile_layers:
+    if plan.compile_layers and plan.cuda:
         from mptrain.layers import inductor_choices
 
         inductor_choices.install()

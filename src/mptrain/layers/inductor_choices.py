@@ -1,18 +1,21 @@
-"""Inductor heuristics for the compiled model chunks: norms over the hidden dim as persistent reductions.
+"""Inductor heuristics for the compiled model chunks: row reductions up to 4096 elements persistent.
 
 A LayerNorm / RMSNorm forward reduces each token's row of h elements (mean and variance). Inductor
 generates a row reduction of up to 1024 elements as a persistent kernel: the row is loaded once into
 registers, reduced and normalised there. Above 1024 it generates a looped kernel: one loop over the row
 updates a Welford mean and M2 per element (a division each), a second loop reads the row again to
-normalise it. Hidden sizes of 2048 and 4096 are common. `PersistentNorms` raises the limit for row
-reductions to `PERSISTENT_ROW_REDUCTION_MAX` (a row of that many fp32 values fits in registers). The
-persistent kernel sums in another order than the looped one, so results differ from it by rounding.
+normalise it. Hidden sizes of 2048 and 4096 are common. `PersistentNorms` raises the limit for every row
+(inner) reduction to `PERSISTENT_ROW_REDUCTION_MAX`: the norms over h, and any other row of that length
+(e.g. the unfused attention core's softmax rows at s <= 4096). The persistent kernel sums in another
+order than the looped one, so results differ from it by rounding. bench/reports holds the measurement
+(LayerNorm forward at h = 2048).
 
-Installed by `install` when a chunk is compiled on CUDA (`mptrain.layers.compile.apply_compile`):
-``torch._inductor.config.inductor_choices_class`` (every thread's Inductor, e.g. the autograd thread that
-compiles backward graphs; part of Inductor's cache key) where this torch has that key and nobody else
-set it, and the calling thread's handler (``V.set_choices_handler``) in any case. A user's own choices
-class is kept.
+`install` runs where layers are compiled on CUDA (`mptrain.layers.compile.apply_compile`; the CPU's C++
+code generation does not consult the rule). It sets ``torch._inductor.config.inductor_choices_class``, which every
+thread's Inductor builds its handler from (the autograd thread compiles the backward graphs; from torch
+2.13 the class's ``uuid`` is part of Inductor's cache key), and replaces the calling thread's handler when
+that is Inductor's plain default. A choices class or handler of your own, set before the model is built,
+is kept.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
 PERSISTENT_ROW_REDUCTION_MAX = 4096
-"""Largest row (elements) reduced by a persistent kernel: h up to 4096 (gpt_6.7b's width)."""
+"""Largest row (elements) reduced by a persistent kernel: h up to 4096 (gpt_6.7b's width; measured at 2048)."""
 
 
 class PersistentNorms(InductorChoices):
@@ -46,14 +49,14 @@ class PersistentNorms(InductorChoices):
 
 
 def install() -> str:
-    """Make `PersistentNorms` Inductor's choices (module docstring); returns what was done, for the log."""
+    """Make `PersistentNorms` Inductor's choices (module docstring); returns what was done (tests read it)."""
     import torch._inductor.config as inductor_config
 
     current = getattr(inductor_config, "inductor_choices_class", None)
-    if current not in (None, PersistentNorms):
-        return "kept the configured Inductor choices class"
+    if current not in (None, PersistentNorms) or type(V.choices) not in (InductorChoices, PersistentNorms):
+        return "kept the configured Inductor choices"
     if hasattr(inductor_config, "inductor_choices_class"):
         inductor_config.inductor_choices_class = PersistentNorms
-    if not isinstance(V.choices, PersistentNorms):
+    if type(V.choices) is InductorChoices:  # this thread's default, built before the config named ours
         V.set_choices_handler(PersistentNorms())
-    return f"norms over up to {PERSISTENT_ROW_REDUCTION_MAX} elements as persistent reductions"
+    return f"row reductions of up to {PERSISTENT_ROW_REDUCTION_MAX} elements as persistent kernels"

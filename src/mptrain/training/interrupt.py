@@ -54,17 +54,22 @@ def interrupt_of(signum: Optional[int], *, iteration: int, save: Optional[str],
     return Interrupted(Stop(int(signum), iteration, save or None, run_dir))
 
 
-_PLAIN = re.compile(r"[A-Za-z0-9_./+-]*")  # a value that Hydra and a shell both take as it is
+_PLAIN = re.compile(r"[A-Za-z0-9_./+-]*/[A-Za-z0-9_./+-]*")  # holds a "/": never a number, bool or null to Hydra
 
 
 def override_word(key: str, value: str) -> str:
-    """``key=value`` as one shell word that Hydra parses back to ``value``: as is when plain; else the value
-    in Hydra's double quotes and the word in the shell's single quotes (a path with spaces, ``,``, ``=`` or
-    brackets would otherwise split or parse as a list). Hydra's escapes: ``"`` as ``\\"``, and backslashes
-    doubled only where they precede a quote or the closing one."""
+    """``key=value`` as one shell word that Hydra composes back to the string ``value``.
+
+    A path of plain characters holding a ``/`` goes as it is. Anything else (``null``, ``1e-4``, ``true``
+    would parse as null, a float, a bool; spaces, ``,``, ``=`` or brackets would split the word or make a
+    list) goes in Hydra's double quotes inside the shell's single quotes. Hydra's escapes: ``"`` as
+    ``\\"``, backslashes doubled only where they precede a quote or the closing one, and ``${`` as
+    ``\\${`` (else OmegaConf reads an interpolation).
+    """
     if _PLAIN.fullmatch(value):
         return f"{key}={value}"
     quoted = re.sub(r'(\\*)("|$)', lambda m: 2 * m.group(1) + ('\\"' if m.group(2) else ""), value)
+    quoted = quoted.replace("${", "\\${")
     return shlex.quote(f'{key}="{quoted}"')
 
 
