@@ -42,6 +42,14 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gro
               "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear")
 
 
+def _dcp_io():
+    """`mptrain.checkpoint.dcp_io`, imported at first use: torch.distributed.checkpoint imports DTensor, 0.5 s
+    of every process's start-up that only runs which save or load need."""
+    from mptrain.checkpoint import dcp_io
+
+    return dcp_io
+
+
 def _log(recorder, msg: str) -> None:
     if recorder is not None:
         recorder.log(msg)
@@ -196,7 +204,7 @@ def save_checkpoint(built, *, iteration: int, consumed_samples: int, recorder=No
         return None
     import time
 
-    from mptrain.checkpoint import dcp_io  # noqa: F401  here, not in an async save's thread (a 0.5 s import)
+    _dcp_io()  # imported here, not in an async save's thread
 
     t0 = time.perf_counter()
     asynchronous = bool(getattr(cfg.checkpoint, "async_save", False))
@@ -247,9 +255,7 @@ def _write_and_publish(root, iteration, chunks, objects, common, cfg, rank, worl
         faults.maybe_fail("save_write")  # debug: die while iter_N.tmp is being written
     shards = None
     try:
-        from mptrain.checkpoint import dcp_io  # DCP imports DTensor (0.5 s of start-up): only runs that save or load
-
-        dcp_io.save_chunks(str(tmp), chunks, objects, process_group=group)
+        _dcp_io().save_chunks(str(tmp), chunks, objects, process_group=group)
         shards = integrity.own_shards(tmp, rank)  # this rank's files, checksummed in parallel
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -467,7 +473,7 @@ def maybe_load_checkpoint(built, recorder=None) -> dict:
         _log(recorder, f"checkpoint: nothing to load in {root}; starting from iteration 0")
         return fresh
     folder = _verified_folder(root, folder, cfg, groups, recorder)  # checksums (checkpoint/integrity.py)
-    from mptrain.checkpoint import dcp_io  # DCP imports DTensor (0.5 s of start-up): only runs that save or load
+    dcp_io = _dcp_io()
     metadata = dcp_io.read_metadata(str(folder))
     tkeys = dcp_io.tensor_keys(metadata)
     okeys = set(dcp_io.object_keys(metadata))
@@ -540,7 +546,7 @@ def load_model_weights(folder: Path, chunks: list, groups, saved_cfg: dict) -> N
     Raises:
         ConfigError: the checkpoint holds a different model (keys and shapes listed).
     """
-    from mptrain.checkpoint import dcp_io  # DCP imports DTensor (0.5 s of start-up): only runs that save or load
+    dcp_io = _dcp_io()
     metadata = dcp_io.read_metadata(str(folder))
     tkeys = dcp_io.tensor_keys(metadata)
     records = param_records(chunks)

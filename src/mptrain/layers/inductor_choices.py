@@ -10,12 +10,12 @@ normalise it. Hidden sizes of 2048 and 4096 are common. `PersistentNorms` raises
 order than the looped one, so results differ from it by rounding. bench/reports holds the measurement
 (LayerNorm forward at h = 2048).
 
-`install` runs where layers are compiled on CUDA (`mptrain.layers.compile.apply_compile`; the CPU's C++
-code generation does not consult the rule). It sets ``torch._inductor.config.inductor_choices_class``, which every
-thread's Inductor builds its handler from (the autograd thread compiles the backward graphs; from torch
-2.13 the class's ``uuid`` is part of Inductor's cache key), and replaces the calling thread's handler when
-that is Inductor's plain default. A choices class or handler of your own, set before the model is built,
-is kept.
+`install` runs where layers are compiled on CUDA (`mptrain.layers.compile.apply_compile`; the CPU's
+C++ code generation does not consult the rule). It sets ``torch._inductor.config.inductor_choices_class``,
+which every thread's Inductor builds its handler from (the autograd thread compiles the backward graphs;
+from torch 2.13 the class's ``uuid`` is part of Inductor's cache key), and replaces the calling thread's
+handler when that is Inductor's plain default. A choices class or handler of your own, set before the
+model is built, is kept.
 """
 
 from __future__ import annotations
