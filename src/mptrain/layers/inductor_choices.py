@@ -1,12 +1,12 @@
-"""Inductor heuristics for the compiled model chunks: row reductions up to 4096 elements persistent.
+"""Inductor heuristics for the compiled model chunks: row reductions up to 2048 elements persistent.
 
 A LayerNorm / RMSNorm forward reduces each token's row of h elements (mean and variance). Inductor
 generates a row reduction of up to 1024 elements as a persistent kernel: the row is loaded once into
 registers, reduced and normalised there. Above 1024 it generates a looped kernel: one loop over the row
 updates a Welford mean and M2 per element (a division each), a second loop reads the row again to
-normalise it. Hidden sizes of 2048 and 4096 are common. `PersistentNorms` raises the limit for every row
-(inner) reduction to `PERSISTENT_ROW_REDUCTION_MAX`: the norms over h, and any other row of that length
-(e.g. the unfused attention core's softmax rows at s <= 4096). The persistent kernel sums in another
+normalise it. `PersistentNorms` raises the limit for every row (inner) reduction to
+`PERSISTENT_ROW_REDUCTION_MAX`: the norms over h, and any other row of that length (e.g. the unfused
+attention core's softmax rows at s <= 2048). The persistent kernel sums in another
 order than the looped one, so results differ from it by rounding. bench/reports holds the measurement
 (LayerNorm forward at h = 2048).
 
@@ -24,8 +24,9 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
-PERSISTENT_ROW_REDUCTION_MAX = 4096
-"""Largest row (elements) reduced by a persistent kernel: h up to 4096 (gpt_6.7b's width; measured at 2048)."""
+PERSISTENT_ROW_REDUCTION_MAX = 2048
+"""Largest row (elements) reduced by a persistent kernel: h = 2048, where it was measured faster. Wider rows
+(h = 2560, 4096) hold more registers per thread and stay with Inductor's looped kernel until measured."""
 
 
 class PersistentNorms(InductorChoices):
