@@ -198,8 +198,10 @@ def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: 
             passes validation (the message names the keys).
     """
     cfg = as_config(cfg)
-    check_layout_free(cfg)
-    layouts = candidate_layouts(cfg, world_size) if layouts is None else layouts
+    if layouts is None:
+        layouts = candidate_layouts(cfg, world_size)  # runs check_layout_free once, before any candidate
+    else:
+        check_layout_free(cfg)
     if not layouts:
         validate_config(cfg, world_size)  # raises the trainer's own message for the given layout
         raise ConfigError(

@@ -225,8 +225,8 @@ def build_loss_scaler(cfg, precision: str) -> Optional[LossScaler]:
     """
     dtype = params_dtype(precision)
     target = getattr(cfg, "_target_", None)
-    node = {"_target_": target, **components.extra_keys(cfg)}
     extras = components.extra_keys(cfg)
+    node = {"_target_": target, **extras}
     # the schema's keys (its defaults under what cfg sets: a partial namespace gets the defaults too)
     defaults = {f.name: f.default for f in dataclasses.fields(LossScalerConfig)}
     values = {**defaults, **vars(cfg)}
