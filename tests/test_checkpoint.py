@@ -270,10 +270,11 @@ def _mismatch_task(rank, world, root, overrides=("model.num_layers=2", "model.hi
 def test_different_model_is_a_config_error(tmp_path):
     run_distributed(_save_task, 2, str(tmp_path), ["parallel=tp1pp2"], 1, 2)
     msg = run_distributed(_mismatch_task, 1, str(tmp_path))[0]
-    assert msg.startswith(f"checkpoint.load: {tmp_path}/iter_0000006 holds a different model; shape mismatch: ")
+    assert msg.startswith(f"checkpoint.load: {tmp_path}/iter_0000006 holds a different model: model.num_layers=4 in the "
+                          "checkpoint vs 2, model.hidden_size=32 in the checkpoint vs 16; shape mismatch: ")
+    assert msg.count(" (checkpoint [") == 3 and "more); " in msg  # three names show the kind; the keys say why
     assert "decoder.layers.0.self_attention" in msg or "decoder.layers.0." in msg
     assert "not in the model: decoder.layers.2." in msg  # layers 2, 3 exist only in the checkpoint
-    assert "model.num_layers=4 in the checkpoint vs 2" in msg and "model.hidden_size=32 in the checkpoint vs 16" in msg
     assert "vocabulary" not in msg and "model.max_position_embeddings=" not in msg  # not a row-only mismatch
     # another tokenizer's vocabulary (257 rows) and a shorter seq_length: each mismatch names its fix
     msg = run_distributed(_mismatch_task, 1, str(tmp_path), ("model.seq_length=8",), vocab_size=257)[0]

@@ -40,6 +40,7 @@ FULL_DISK_BYTES = 1 << 20  # a failed save with less free space than this on che
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
               "vocab_size", "max_position_embeddings", "seq_length", "normalization", "activation",
               "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear")
+MISMATCH_NAMES_SHOWN = 3  # tensor names per kind of mismatch in the one-line error
 
 
 def _dcp_io():
@@ -411,21 +412,23 @@ def _check_model_matches(folder: Path, records: list, tkeys: dict, groups, saved
     incomplete = [m for k in wanted if k in saved for m in [check_coverage(k, *saved[k])] if m]
     if not (missing or unexpected or mismatched or incomplete):
         return
-    parts = []
-    for title, keys in (("shape mismatch", mismatched), ("missing from the checkpoint", missing),
-                        ("not in the model", unexpected), ("incomplete", incomplete)):
-        if keys:
-            shown = ", ".join(k.removeprefix("model/") for k in keys[:8])
-            parts.append(f"{title}: {shown}" + (f" (+{len(keys) - 8} more)" if len(keys) > 8 else ""))
     saved_model = saved_cfg.get("model", {})
     now = (cfg if isinstance(cfg, dict) else config_dict(cfg)).get("model", {})
     diffs = [f"model.{k}={saved_model.get(k)!r} in the checkpoint vs {now.get(k)!r}" for k in SHAPE_KEYS
              if k in saved_model and saved_model.get(k) != now.get(k)]
+    parts = []
+    for title, keys in (("shape mismatch", mismatched), ("missing from the checkpoint", missing),
+                        ("not in the model", unexpected), ("incomplete", incomplete)):
+        if keys:  # a few names show the kind of mismatch; the config keys above say its cause
+            shown = ", ".join(k.removeprefix("model/") for k in keys[:MISMATCH_NAMES_SHOWN])
+            more = len(keys) - MISMATCH_NAMES_SHOWN
+            parts.append(f"{title}: {shown}" + (f" (+{more} more)" if more > 0 else ""))
     err = ConfigError(
-        f"checkpoint.load: {folder} holds a different model; " + "; ".join(parts)
-        + (f"; config differs: {', '.join(diffs)}" if diffs else "")
+        f"checkpoint.load: {folder} holds a different model"
+        + (f": {', '.join(diffs)}" if diffs else "") + "; " + "; ".join(parts)
         + "".join(f"; {hint}" for hint in _row_mismatch_hints(saved, wanted))
-        + "; load it with the model it was saved with, or set checkpoint.load=null to start fresh"
+        + "; load it with the model it was saved with (checkpoint.use_checkpoint_args=true builds it), or set "
+          "checkpoint.load=null to start fresh"
     )
     err.symmetric = True  # built from the gathered names: the same line on every rank, rank 0 prints it
     raise err
