@@ -179,6 +179,19 @@ def test_json_output_schema_and_table():
     assert nope.stderr.startswith("error: model=nope: In 'plan': Could not find 'model/nope'; Available options")
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["precision=fp8", "precision.fp8_first_last_layers_bf16=2"],
+     ["warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=2 keeps all 4 layers bf16; "
+      "set it to at most 1, or use precision=bf16"]),
+    (["precision=fp8", "precision.fp8_first_last_layers_bf16=1"], []),  # layers 1, 2 compute in FP8
+    (["precision=bf16", "precision.fp8_first_last_layers_bf16=2"], []),
+])
+def test_plan_warns_as_the_trainer_would(overrides, expected):
+    from mptrain.plan import plan_warnings
+
+    assert plan_warnings(_cfg(["model=tiny", "world_size=1", *overrides])) == expected
+
+
 def test_check_dry_run_on_meta_matches_planner():
     from mptrain.check import format_report, run_check
 

@@ -28,6 +28,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from mptrain.errors import ConfigError
+from mptrain.layers.fp8 import fp8_recipe_from
 from mptrain.planner.config import CONF_DIR, FORMATS, check_plan_keys, register_plan
 from mptrain.planner.layouts import plan
 
@@ -58,6 +59,14 @@ def plan_from_config(cfg: Any) -> tuple:
                           f"hardware.gpus_per_node={c.hardware.gpus_per_node} >= 1")
     vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
     return c, plan(c, c.world_size, c.hardware, vocab_size=vocab_size)
+
+
+def plan_warnings(c) -> list:
+    """The trainer's start-up warnings that the config alone decides (``warning: ...`` lines), said before
+    the launch rather than after: precision=fp8 with every layer kept bf16."""
+    recipe = fp8_recipe_from(c.precision)
+    warning = recipe.all_layers_bf16_warning(c.model.num_layers) if recipe is not None else None
+    return [warning] if warning else []
 
 
 def plan_title(c) -> str:
@@ -110,6 +119,8 @@ def main(cfg) -> None:
     else:
         print(plan_title(c))
         print(format_table(records, top=c.top, gpu_memory_gib=c.hardware.gpu_memory_gib))
+    for warning in plan_warnings(c):
+        print(warning, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

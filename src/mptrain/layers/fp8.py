@@ -197,6 +197,15 @@ class Fp8Recipe:
         n = self.first_last_layers_bf16
         return n <= layer < num_layers - n
 
+    def all_layers_bf16_warning(self, num_layers: int) -> Optional[str]:
+        """One ``warning:`` line when ``first_last_layers_bf16`` keeps every one of ``num_layers`` layers bf16
+        (no block GEMM in FP8), naming the key and its largest useful value; None otherwise."""
+        n = self.first_last_layers_bf16
+        if not num_layers or 2 * n < num_layers:
+            return None
+        return (f"warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16={n} keeps all "
+                f"{num_layers} layers bf16; set it to at most {(num_layers - 1) // 2}, or use precision=bf16")
+
 
 def fp8_recipe_from(precision) -> Optional[Fp8Recipe]:
     """The `Fp8Recipe` of a ``precision`` config node; None unless ``precision.name`` is fp8."""
@@ -553,10 +562,10 @@ class Fp8Summary:
         16; None otherwise. Decided for the whole model, not this rank alone: every layer has the same
         shapes, and a rank whose layers are all first/last bf16 layers warns only when every layer of the
         model is one (2 × first_last_layers_bf16 >= num_layers)."""
-        r, n = self.recipe, self.recipe.first_last_layers_bf16
-        if self.fp8 == 0 and self.num_layers and 2 * n >= self.num_layers:
-            return (f"warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16={n} keeps all "
-                    f"{self.num_layers} layers bf16; set it to at most {(self.num_layers - 1) // 2}, or use precision=bf16")
+        r = self.recipe
+        all_bf16 = r.all_layers_bf16_warning(self.num_layers)
+        if self.fp8 == 0 and all_bf16:
+            return all_bf16
         if self.shard_breaks_fp8:  # the only cause that depends on the layout: say it even when others run in FP8
             return ("warning: precision=fp8: block linears whose weight dims after tensor parallelism are not "
                     "multiples of 16, as FP8 GEMMs need, compute in bf16 (the kernels: line counts them); make "
