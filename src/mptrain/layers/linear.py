@@ -172,7 +172,51 @@ def _divide(n: int, tp: int, what: str, key: str) -> int:
     return n // tp
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _TensorParallelLinear(torch.nn.Module):
+    """What the column- and row-parallel linears share: the weight ``[out, in]`` sharded on
+    ``_weight_spec.partition_dim`` (0: the output dim, column-parallel; 1: the input dim, row-parallel),
+    its shard specs, gradient accumulation fusion and the FP8 hooks (`mptrain.layers.fp8.UsesFp8`).
+
+    Subclasses set ``weight``, ``bias`` (or None), ``_weight_spec``, ``_bias_spec`` (with a bias), ``groups``,
+    ``weight_main_grad``, ``fp8`` and ``fp8_weight_cast`` in ``__init__``.
+    """
+
+    def local_shard_specs(self) -> dict:
+        specs = {"weight": self._weight_spec}
+        if self.bias is not None:
+            specs["bias"] = self._bias_spec
+        return specs
+
+    def fuse_grad_accumulation(self, main_grad: MainGradOf) -> None:
+        """`mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation`: backward accumulates the
+        weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
+        self.weight_main_grad = main_grad(self.weight)
+
+    def fp8_decision(self, recipe: Fp8Recipe) -> str:
+        """`mptrain.layers.fp8.UsesFp8`: `fp8_gemm_decision` on the global ``[out, in]`` and this rank's shard."""
+        return fp8_gemm_decision(recipe, global_shape=tuple(self._weight_spec.global_shape),
+                                 local_shape=tuple(self.weight.shape))
+
+    def enable_fp8(self, recipe: Fp8Recipe) -> str:
+        """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if `fp8_decision` says so. Returns the decision.
+
+        The amax of a TP-sharded operand is all-reduced over TP (every layout scales as tp1): the output
+        (and its grad) of a column-parallel linear, the input of a row-parallel one."""
+        decision = self.fp8_decision(recipe)
+        if decision == IN_FP8:
+            tp = self.groups.tp_size > 1
+            column = self._weight_spec.partition_dim == 0
+            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None,
+                                 input_sharded=tp and not column, output_sharded=tp and column)
+            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
+        return decision
+
+    def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
+        cast = self.fp8_weight_cast
+        return cast if cast is not None and cast.current else None
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """Y = X A + b with A split along its output columns: A = [A_1 ... A_tp], rank r holds A_r.
 
     Shapes: input ``[s, b, in]`` (or ``[s/tp, b, in]`` under ``context.sequence_parallel``:
@@ -233,36 +277,6 @@ class ColumnParallelLinear(torch.nn.Module):
         self.fp8: Optional[Fp8Gemms] = None
         self.fp8_weight_cast: Optional[Fp8WeightCast] = None
 
-    def local_shard_specs(self) -> dict:
-        specs = {"weight": self._weight_spec}
-        if self.bias is not None:
-            specs["bias"] = self._bias_spec
-        return specs
-
-    def fuse_grad_accumulation(self, main_grad: MainGradOf) -> None:
-        """`mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation`: backward accumulates the
-        weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
-        self.weight_main_grad = main_grad(self.weight)
-
-    def fp8_decision(self, recipe: Fp8Recipe) -> str:
-        """`mptrain.layers.fp8.UsesFp8`: `fp8_gemm_decision` on ``[out, in]``; the output dim is TP-sharded."""
-        return fp8_gemm_decision(recipe, global_shape=(self.output_size, self.input_size),
-                                 local_shape=(self.output_size_per_partition, self.input_size))
-
-    def enable_fp8(self, recipe: Fp8Recipe) -> str:
-        """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if `fp8_decision` says so. Returns the decision."""
-        decision = self.fp8_decision(recipe)
-        if decision == IN_FP8:
-            tp = self.groups.tp_size > 1
-            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=False,
-                                 output_sharded=tp)
-            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
-        return decision
-
-    def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
-        cast = self.fp8_weight_cast
-        return cast if cast is not None and cast.current else None
-
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
         y = column_parallel_linear(x, self.weight, bias, self.groups, self.sequence_parallel,
@@ -273,7 +287,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return y, (self.bias if self.skip_bias_add else None)
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_TensorParallelLinear):
     """Y = X A + b with A split along its input rows: A = [A_1; ...; A_tp], X = [X_1 ... X_tp].
 
     Y = sum_r X_r A_r: each rank computes a partial ``[s, b, out]``, then g all-reduces it (or,
@@ -315,37 +329,6 @@ class RowParallelLinear(torch.nn.Module):
         self.weight_main_grad: Optional[torch.Tensor] = None
         self.fp8: Optional[Fp8Gemms] = None
         self.fp8_weight_cast: Optional[Fp8WeightCast] = None
-
-    def local_shard_specs(self) -> dict:
-        specs = {"weight": self._weight_spec}
-        if self.bias is not None:
-            specs["bias"] = self._bias_spec
-        return specs
-
-    def fuse_grad_accumulation(self, main_grad: MainGradOf) -> None:
-        """`mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation`: backward accumulates the
-        weight grad into ``main_grad(self.weight)`` (``weight_main_grad``)."""
-        self.weight_main_grad = main_grad(self.weight)
-
-    def fp8_decision(self, recipe: Fp8Recipe) -> str:
-        """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.fp8_decision`; the input dim is TP-sharded."""
-        output_size = self.weight.shape[0]
-        return fp8_gemm_decision(recipe, global_shape=(output_size, self._weight_spec.global_shape[1]),
-                                 local_shape=(output_size, self.input_size_per_partition))
-
-    def enable_fp8(self, recipe: Fp8Recipe) -> str:
-        """`mptrain.layers.fp8.UsesFp8`: as `ColumnParallelLinear.enable_fp8`."""
-        decision = self.fp8_decision(recipe)
-        if decision == IN_FP8:
-            tp = self.groups.tp_size > 1
-            self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None, input_sharded=tp,
-                                 output_sharded=False)
-            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
-        return decision
-
-    def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:
-        cast = self.fp8_weight_cast
-        return cast if cast is not None and cast.current else None
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
