@@ -84,6 +84,10 @@ VARIANTS = {
     "compile_noapt": ("model.compile_layers=true", "env:TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=0"),
     # 2-D tiled reductions: lets Inductor fuse a column sum (a bias grad) with the kernel producing its input
     "default_tiled_red": ("inductor:triton.tile_reductions=true", "inductor:triton.prefer_nd_tiling=true"),
+    # LayerNorm weight-grad finalisation: Inductor's mix-order reduction writes [rows / split_size, h] partial
+    # sums that a second kernel adds up; larger splits mean fewer partial rows (the heuristic picked 16 at h = 2048)
+    "default_mix_split64": ("inductor:triton.mix_order_reduction_split_size=64",),
+    "default_mix_autotune": ("inductor:triton.mix_order_reduction_autotune_split_size=true",),
     # Inductor's own heuristics instead of mptrain.layers.inductor_choices (norms as persistent reductions);
     # its own kernel cache, since the choices handler is not part of every torch's cache key
     "default_stock_inductor": ("flag:--bench-inductor-choices=stock", "env:TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_stock"),
