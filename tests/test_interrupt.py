@@ -33,3 +33,23 @@ def test_the_resume_command_parses_back_to_the_folders(folder):
 def test_a_plain_folder_stays_unquoted():
     line = interrupted_line(Stop(2, 8, "/runs/a/checkpoints", "/runs/a"))
     assert line.endswith("resume with checkpoint.load=/runs/a/checkpoints run.dir=/runs/a")
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    ([], {}, 600),  # torchrun's own default would SIGKILL a stop's save after 30 s
+    (["--shutdown-timeout=45"], {}, 45),
+    ([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"}, 90),
+])
+def test_the_launcher_gives_a_stop_signals_save_time(argv, environ, expected, monkeypatch):
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from mptrain.launch import with_stop_shutdown_timeout
+
+    args = get_args_parser().parse_args([*argv, "--nproc_per_node=1", "train.py"])
+    if not hasattr(args, "shutdown_timeout"):
+        pytest.skip("this torchrun has no --shutdown-timeout (its agent waits 30 s)")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    config, _, _ = config_from_args(with_stop_shutdown_timeout(args, environ))
+    assert config.shutdown_timeout == expected  # what torchrun's agent waits before its SIGKILL

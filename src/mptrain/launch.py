@@ -18,6 +18,13 @@ finish their step, save when `checkpoint.save` is set, and rank 0 prints one lin
 (`mptrain.training.interrupt`); the launcher waits for them and adds nothing: no traceback of
 its own, no report for the workers' exit code 130.
 
+A stop signal's save gets time: torchrun's agent, on Ctrl-C or SIGTERM, signals the workers and sends them
+SIGKILL ``--shutdown-timeout`` seconds later (torchrun's default: 30 s). A large model's step plus its save
+takes longer, and a worker killed mid-save publishes no checkpoint and prints no line. Unless that option or
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` is given, this launcher waits `STOP_SHUTDOWN_TIMEOUT_S`; a worker stuck in
+its step still ends at its own grace timer (`mptrain.training.watchdog.StopSignal`). A torch whose torchrun
+has no such option keeps its 30 s.
+
 The exit status is torchrun's: 0 on success, 1 on any worker failure; 130 after Ctrl-C.
 ``--max-restarts`` and every other torchrun option behave as in torchrun.
 """
@@ -32,6 +39,17 @@ from typing import Optional
 
 
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # as `mptrain.training.interrupt` (not imported: no torch work here)
+STOP_SHUTDOWN_TIMEOUT_S = 600  # seconds from a stop signal to the agent's SIGKILL: the step and its save
+
+
+def with_stop_shutdown_timeout(args, environ=os.environ):
+    """torchrun's parsed ``args`` with ``shutdown_timeout`` = `STOP_SHUTDOWN_TIMEOUT_S` where neither
+    ``--shutdown-timeout`` nor ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` set it (module docstring); unchanged for a
+    torchrun without the option. Returns ``args``."""
+    if hasattr(args, "shutdown_timeout") and args.shutdown_timeout is None \
+            and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in environ:
+        args.shutdown_timeout = STOP_SHUTDOWN_TIMEOUT_S
+    return args
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -39,7 +57,7 @@ def main(argv: Optional[list] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = with_stop_shutdown_timeout(get_args_parser().parse_args(sys.argv[1:] if argv is None else argv))
     if "LOGLEVEL" not in os.environ:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
         # "Received SIGINT death signal, shutting down workers": the workers' own line says what happened
