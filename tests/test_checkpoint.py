@@ -337,6 +337,29 @@ def test_load_refusal_names_the_folder_a_resume_reads(tmp_path):
     assert str(info.value) == line and not run_dir.exists()
 
 
+def test_save_refusal_before_the_first_step(tmp_path, monkeypatch):
+    """checkpoint.save that no save could write is refused at start-up, before any step or file."""
+    from mptrain.checkpoint import atomic
+    from mptrain.errors import ConfigError
+    from mptrain.training.run import _validated
+    from train_utils import compose
+
+    (tmp_path / "afile").write_text("x")
+    assert atomic.save_refusal(str(tmp_path / "new" / "deep" / "ck")) is None  # the save creates the folders
+    assert atomic.save_refusal(str(tmp_path / "afile")) == (
+        f"checkpoint.save={tmp_path}/afile is a file, not a folder; pick another checkpoint.save")
+    line = f"checkpoint.save={tmp_path}/afile/ck: {tmp_path}/afile is a file, not a folder; pick another checkpoint.save"
+    assert atomic.save_refusal(str(tmp_path / "afile" / "ck")) == line
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        _validated(compose(["model=tiny", f"run.dir={run_dir}", f"checkpoint.save={tmp_path}/afile/ck"]), 1)
+    assert str(info.value) == line and not run_dir.exists()
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # as a user without write permission there
+    assert atomic.save_refusal(str(tmp_path / "new" / "ck")) == (
+        f"checkpoint.save={tmp_path}/new/ck: {tmp_path} is not writable by this user; fix its permissions or point "
+        "checkpoint.save= elsewhere")
+
+
 def test_keep_last_n_and_latest(tmp_path):
     from mptrain.checkpoint import atomic
 

@@ -319,7 +319,10 @@ def _save_error(root: str, iteration: int, tmp: Path, error: Optional[BaseExcept
         pass
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        Path(root, "latest.tmp").unlink(missing_ok=True)
+        try:
+            Path(root, "latest.tmp").unlink(missing_ok=True)
+        except OSError:  # root itself unusable (under a file, unreadable): the message below says so
+            pass
     os_err = _root_oserror(error) if error is not None else None
     if (os_err is not None and os_err.errno == errno.ENOSPC) or (free is not None and free < FULL_DISK_BYTES):
         cause, fix = "no space left on device", "free space there or point checkpoint.save= at a folder with room"

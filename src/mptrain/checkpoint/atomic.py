@@ -123,6 +123,24 @@ def load_refusal(root: str, iteration: Optional[int], save: Optional[str] = None
             "checkpoint.save folder to resume when it holds one and start fresh otherwise")
 
 
+def save_refusal(save: str) -> Optional[str]:
+    """Why ``checkpoint.save=save`` cannot be written, as one line, or None; checked at start-up, so a run
+    does not train until its first save to find out. Refused: ``save`` is a file; the nearest existing folder
+    on its path is a file (``afile/ck``) or not writable by this process (``os.access``: no write is made)."""
+    path = Path(save)
+    if path.exists() and not path.is_dir():
+        return f"checkpoint.save={save} is a file, not a folder; pick another checkpoint.save"
+    ancestor = path.absolute()
+    while not ancestor.exists():  # the save creates the missing folders below the nearest existing one
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"checkpoint.save={save}: {ancestor} is a file, not a folder; pick another checkpoint.save"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return (f"checkpoint.save={save}: {ancestor} is not writable by this user; fix its permissions or point "
+                "checkpoint.save= elsewhere")
+    return None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(str(path), os.O_RDONLY)
     try:

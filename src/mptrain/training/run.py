@@ -280,7 +280,8 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     """Checkpoint folders that cannot work, rejected before any collective (not at the first save).
 
     Raises:
-        ConfigError: `checkpoint.save` is an existing file; `checkpoint.load` does not exist or holds no
+        ConfigError: `checkpoint.save` is a file, lies under one or is not writable (`save_refusal`);
+            `checkpoint.load` does not exist or holds no
             checkpoint and is not also the save folder (resuming into the folder a job saves to is the usual
             restart pattern, and starts fresh on the first attempt), is one iteration's folder or a file, or
             `checkpoint.load_iteration` is not complete there (`load_refusal`);
@@ -289,11 +290,12 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     """
     from pathlib import Path
 
-    from mptrain.checkpoint.atomic import load_refusal
+    from mptrain.checkpoint.atomic import load_refusal, save_refusal
 
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
-    if save and Path(save).exists() and not Path(save).is_dir():
-        raise ConfigError(f"checkpoint.save={save} is a file, not a folder; pick another checkpoint.save")
+    refusal = save_refusal(save) if save else None
+    if refusal is not None:
+        raise ConfigError(refusal)
     refusal = load_refusal(load, cfg.checkpoint.load_iteration, save) if load else None
     if refusal is not None:
         raise ConfigError(refusal)
