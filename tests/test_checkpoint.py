@@ -370,6 +370,10 @@ def test_keep_last_n_and_latest(tmp_path):
     _fake_save(tmp_path, 6, keep_last_n=2)  # re-saving an existing iteration (a resumed run) replaces it
     assert (tmp_path / "latest").read_text() == "6\n" and atomic.list_iterations(str(tmp_path)) == [6, 8]
     assert not (tmp_path / "iter_0000006.old").exists()
+    # a resume rewound to 6 saves 7: keep_last_n counts 6 and 7; 8 (the rewound run's) stays until passed
+    assert _fake_save(tmp_path, 7, keep_last_n=2) == [] and atomic.list_iterations(str(tmp_path)) == [6, 7, 8]
+    assert _fake_save(tmp_path, 8, keep_last_n=2) == [6] and atomic.list_iterations(str(tmp_path)) == [7, 8]
+    assert (tmp_path / "latest").read_text() == "8\n"
 
 
 def test_resolve_load_dir(tmp_path):

@@ -170,6 +170,10 @@ def prepare_tmp(root: str, iteration: int) -> Path:
 def publish(root: str, iteration: int, keep_last_n: Optional[int]) -> list:
     """Rank 0, after every rank wrote ``iter_N.tmp``: rename, update ``latest``, prune.
 
+    ``keep_last_n`` counts the folders up to ``iteration``: the newest N of them stay. Folders of a later
+    iteration were left by the run a resume rewound (``checkpoint.load_iteration``): they stay until this
+    run saves the same iteration (which replaces it) or passes them.
+
     Returns:
         the iterations removed by ``keep_last_n``.
     """
@@ -200,10 +204,8 @@ def publish(root: str, iteration: int, keep_last_n: Optional[int]) -> list:
         shutil.rmtree(old, ignore_errors=True)
     removed = []
     if keep_last_n is not None and keep_last_n > 0:
-        have = list_iterations(root)
+        have = [it for it in list_iterations(root) if it <= iteration]  # this run's line, `iteration` the newest
         for it in have[: max(0, len(have) - keep_last_n)]:
-            if it == iteration:
-                continue
             shutil.rmtree(root_path / iter_dir_name(it), ignore_errors=True)
             removed.append(it)
     return removed
