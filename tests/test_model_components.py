@@ -40,6 +40,13 @@ class MyRow(RowParallelLinear):
     pass
 
 
+class MyGELU(torch.nn.Module):
+    """A user's activation with no __init__ of its own (Module's takes **kwargs only to reject them)."""
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x)
+
+
 def _outputs(rank, world, overrides):
     """(logits, {module path: class name}) of the rank's model built from the composed config."""
     from mptrain.groups import build_groups
@@ -68,6 +75,8 @@ def _outputs(rank, world, overrides):
       f"{SUBS}.mlp.submodules.linear_fc2._target_=test_model_components.MyRow"],
      "decoder.layers.1.self_attention.linear_proj", "MyRow"),
     ([f"{SUBS}.mlp.submodules.activation._target_=torch.nn.GELU"], "decoder.layers.0.mlp.act", "GELU"),
+    ([f"{SUBS}.mlp.submodules.activation._target_=test_model_components.MyGELU"], "decoder.layers.0.mlp.act",
+     "MyGELU"),
     ([f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention"],
      "decoder.layers.0.self_attention.core_attention", "SlidingWindowAttention"),
 ])

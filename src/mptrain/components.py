@@ -141,7 +141,14 @@ def _first_line(err: BaseException) -> str:
 
 def accepted_keywords(fn: Callable) -> Optional[set[str]]:
     """The keyword names `fn` (a class: its ``__init__``) accepts; None when it takes ``**kwargs``
-    or has no inspectable signature (then any keyword is passed through)."""
+    or has no inspectable signature (then any keyword is passed through). A `torch.nn.Module` subclass
+    without an ``__init__`` of its own accepts none: Module's ``**kwargs`` exist only to reject them."""
+    cls = fn
+    while isinstance(cls, functools.partial):  # a partial of the class (`build`): its keywords are config keys
+        cls = cls.func
+    init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
+    if getattr(init, "__qualname__", None) == "Module.__init__" and init.__module__ == "torch.nn.modules.module":
+        return set()
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
