@@ -282,3 +282,42 @@ def test_wandb_logger_keywords_from_the_shared_logger_keys(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="logger.loggers.w: mptrain.training.loggers.WandbLogger rejected its arguments"):
         build("logger.loggers.w", {"_target_": "mptrain.training.loggers.WandbLogger", "mode": "loud"}, LOGGER_KIND,
               runtime={"run_dir": tmp_path})
+
+
+class FailingLogger:
+    """A logger whose tracking server cannot be reached."""
+
+    def __init__(self, run_dir=None):
+        raise ValueError("cannot reach the tracking server")
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def finish(self):
+        pass
+
+
+def _build_failing_loggers(rank, world, run_dir):
+    from mptrain.groups import build_groups
+    from mptrain.training.recorder import Recorder
+
+    cfg = as_config(compose(["model=tiny", "+logger.loggers.bad._target_=test_loggers.FailingLogger"]))
+    groups = build_groups(1, 1)
+    try:
+        recorder = Recorder(cfg=cfg, groups=groups, derived=None, run_dir=Path(run_dir), flops_per_iteration=1,
+                            peak_tflops=None, t_start=0.0)
+        with pytest.raises(ConfigError) as info:
+            recorder._build_loggers(0)
+        return str(info.value), info.value.symmetric
+    finally:
+        groups.destroy()
+
+
+def test_a_logger_failing_on_rank_0_ends_every_rank_with_its_one_line(tmp_path):
+    """Loggers are built on rank 0 alone: its failure reaches the other ranks as the same error (rank 0 prints
+    it), instead of leaving them to fail in their next collective with a traceback of their own."""
+    line = ("logger.loggers.bad: test_loggers.FailingLogger failed while being built (ValueError: cannot reach the "
+            "tracking server); no logger.loggers.bad.* keys were given to it, so the cause is in the target or its "
+            "environment")
+    assert run_distributed(_build_failing_loggers, 2, str(tmp_path)) == [
+        (line, True), (f"rank 0 could not build its loggers: {line}", True)]

@@ -252,8 +252,16 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
 
 def rejected_arguments(key: str, items: Mapping[str, Any], cause: BaseException) -> ConfigError:
     """The one line for a target that raised TypeError / ValueError while being built: its message and the
-    node's own keys (what the user can change)."""
+    node's own keys (what the user can change); a ValueError where no key was given says the cause is the
+    target's own."""
     own = {k: v for k, v in items.items() if k not in RESERVED_KEYS and not isinstance(v, (dict, list))}
     given = ", ".join(f"{key}.{k}={v!r}" for k, v in own.items())
+    nested = any(isinstance(v, (dict, list)) for k, v in items.items() if k not in RESERVED_KEYS)
+    if not own and not nested and not isinstance(cause, TypeError):
+        # a ValueError with no key of the user's given (a TypeError is a signature mismatch, e.g. a missing
+        # required keyword: the keys are the fix): the cause is the target's own (its environment, its code)
+        return ConfigError(f"{key}: {items.get('_target_')} failed while being built ({type(cause).__name__}: "
+                           f"{_first_line(cause)}); no {key}.* keys were given to it, so the cause is in the "
+                           "target or its environment")
     return ConfigError(f"{key}: {items.get('_target_')} rejected its arguments ({type(cause).__name__}: "
                        f"{_first_line(cause)}); fix the {key}.* keys" + (f" (given: {given})" if given else ""))

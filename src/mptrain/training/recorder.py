@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.params import flops_per_iteration
@@ -125,9 +126,7 @@ class Recorder:
         for text in self.pending:
             self.writer.message(text)
         self.pending.clear()
-        self.logger = build_loggers(self.cfg.logger, rank=self.groups.rank, run_dir=self.run_dir,
-                                    run_config=config_container(self.cfg) if self.is_writer else None,
-                                    start_iteration=start_iteration)
+        self.logger = self._build_loggers(start_iteration)
         d = self.derived
         # sequence parallelism splits what TP replicates: at tp = 1 the key is accepted and has no effect (as Megatron)
         sp = ("on" if d.sequence_parallel else
@@ -144,6 +143,33 @@ class Recorder:
             if fp8 is not None and fp8.warning() is not None:
                 self.log(fp8.warning())
         self.log(f"startup: {time.time() - self.t_start:.1f} s to first iteration's setup")
+
+    def _build_loggers(self, start_iteration: int) -> LoggerGroup:
+        """`build_loggers` on rank 0, whose outcome every rank then learns (one broadcast): a logger that fails
+        to build ends the job on every rank with rank 0's one line, where the others would otherwise wait in
+        their next collective for a rank that is gone and fail with a traceback of their own.
+
+        Raises:
+            ConfigError: a logger failed to build (``symmetric``: rank 0 prints it); rank 0 raises its own error.
+        """
+        error: Optional[BaseException] = None
+        logger = LoggerGroup()
+        try:
+            logger = build_loggers(self.cfg.logger, rank=self.groups.rank, run_dir=self.run_dir,
+                                   run_config=config_container(self.cfg) if self.is_writer else None,
+                                   start_iteration=start_iteration)
+        except Exception as err:  # noqa: BLE001 - re-raised below, after every rank has heard of it
+            error = err
+        if self.groups.world_size > 1:
+            box = [None if error is None else str(error)]
+            torch.distributed.broadcast_object_list(box, src=0)
+            if error is None and box[0] is not None:
+                error = ConfigError(f"rank 0 could not build its loggers: {box[0]}")
+        if error is not None:
+            if isinstance(error, ConfigError):
+                error.symmetric = True  # rank 0's line; the other ranks exit 1 without one
+            raise error
+        return logger
 
     def eval_row(self, split: str, iteration: int, loss: float) -> None:
         row = EvalRow(split=split, iteration=iteration, lm_loss=loss)
