@@ -14,6 +14,7 @@ from mptrain.config.cli import FIX, compose_error, exit_on_compose_error
 from mptrain.config.schema import register
 from mptrain.config.schema import as_config
 from mptrain.errors import ConfigError
+from harness import run_distributed
 from procs import run_python
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -149,3 +150,24 @@ def test_a_config_tree_that_does_not_compose_blames_no_override(tmp_path):
     (conf / "config.yaml").write_text((conf / "config.yaml").read_text() + "\ntrain: [not, a, mapping\n")
     message = compose_error(["optim.lr=1e-3"], str(conf))
     assert message is not None and not message.startswith("optim.lr") and FIX not in message
+
+
+def _first_to_say_task(rank, world, tag):
+    import torch.distributed as dist
+
+    from mptrain.errors import _first_to_say
+
+    same = _first_to_say(f"error: the same line on every rank ({tag})")
+    dist.barrier()
+    own = _first_to_say(f"error: rank {rank}'s own line ({tag})")
+    return same, own
+
+
+def test_a_line_several_ranks_report_is_printed_once():
+    """Errors that need not be alike on every rank (raised while building, after the process group is up):
+    each distinct line is printed by the first rank to report it, counted in the job's store."""
+    import uuid
+
+    results = run_distributed(_first_to_say_task, 2, uuid.uuid4().hex)
+    assert sorted(same for same, _ in results) == [False, True]
+    assert [own for _, own in results] == [True, True]

@@ -52,18 +52,42 @@ def launch_rank_and_world(environ=None) -> tuple:
     return int(env["SLURM_PROCID"]), int(env.get("SLURM_NTASKS", 1))
 
 
+STORE_TIMEOUT_S = 2.0  # how long `_first_to_say` waits for the job's store before printing anyway
+
+
+def _first_to_say(line: str) -> bool:
+    """Whether this rank is the first of the job to report ``line`` (one print per distinct line: ranks that
+    hit the same error while building, e.g. a component rejecting its config, say it once). Counted in the
+    default process group's store (torchrun's agent or rank 0 host it); True without one, or when it does
+    not answer within `STORE_TIMEOUT_S` (a second copy of a line beats a lost one)."""
+    try:
+        import datetime
+        import hashlib
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return True
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return store.add(f"mptrain/error_line/{hashlib.sha1(line.encode()).hexdigest()}", 1) == 1
+    except Exception:  # noqa: BLE001 - no store, or one that is gone: print
+        return True
+
+
 def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool,
                     grace_s: float = CONFIG_ERROR_GRACE_S) -> NoReturn:
     """Write ``line`` to stderr in one write and exit 1 (never returns).
 
     ``symmetric``: every rank hit the same error (the same config and world size), so rank 0 alone
-    prints it; otherwise every rank that calls this prints its own. Under torchrun
+    prints it; otherwise every rank that calls this prints its own, a line that several ranks report once
+    (`_first_to_say`). Under torchrun
     (``world_size > 1``) the agent stops every worker (SIGTERM) as soon as one exits, so a rank
     that might still have a line to print must not be stopped by a peer's early exit: every rank
     waits ``grace_s`` before exiting (a SIGTERM meanwhile is an exit 1 too), except rank 0 of a
     symmetric error, which exits once it has printed (its peers hit the same error: nothing left to say).
     """
-    if rank == 0 or not symmetric:
+    if (rank == 0 or not symmetric) and (symmetric or _first_to_say(line)):
         sys.stderr.write(line.rstrip("\n") + "\n")
         sys.stderr.flush()
     if world_size > 1 and not (symmetric and rank == 0):
