@@ -125,7 +125,7 @@ class _Log:
     def __init__(self):
         self.lines = []
 
-    def log(self, msg):
+    def log(self, msg, *, console=True):
         self.lines.append(msg)
 
 

@@ -51,9 +51,9 @@ def _dcp_io():
     return dcp_io
 
 
-def _log(recorder, msg: str) -> None:
+def _log(recorder, msg: str, *, console: bool = True) -> None:
     if recorder is not None:
-        recorder.log(msg)
+        recorder.log(msg, console=console)
 
 
 def config_dict(cfg: Any) -> dict:
@@ -169,6 +169,7 @@ class AsyncSaves:
         self.thread = None
         error, message, self.error, self.message = self.error, self.message, None, None
         if error is not None:
+            _log(recorder, f"error: {error}", console=False)  # the save thread could not log it
             raise error
         _log(recorder, message)
 
@@ -338,8 +339,8 @@ def _save_error(root: str, iteration: int, tmp: Path, error: Optional[BaseExcept
            f"{fix}")
     import threading
 
-    if threading.current_thread() is threading.main_thread():  # an async save's error is logged by wait()
-        _log(recorder, f"error: {msg}")
+    if threading.current_thread() is threading.main_thread():  # an async save's error is logged by `AsyncSaves.wait`
+        _log(recorder, f"error: {msg}", console=False)  # the console's copy: the entry point's one line
     return StorageError(msg, all_ranks=True)
 
 

@@ -246,12 +246,13 @@ class MetricsWriter:
             f"{self.iteration_prefix(row.iteration)} | {row.split} lm_loss {data['lm_loss']:.6f} | ppl {_fmt(data['ppl'], '.3f')}"
         )
 
-    def message(self, text: str) -> None:
-        """A line on the console and in train.log (rank 0)."""
+    def message(self, text: str, *, console: bool = True) -> None:
+        """A line in train.log and, unless ``console`` is False, on the console (rank 0)."""
         if not self.active:
             return
         self._log_line(text)
-        self.console.message(text)
+        if console:
+            self.console.message(text)
 
     def close(self) -> None:
         """Close the files, the bar, and detach from the `mptrain` logger (idempotent)."""

@@ -102,14 +102,15 @@ class Recorder:
     def is_writer(self) -> bool:
         return self.groups.rank == 0
 
-    def log(self, text: str) -> None:
-        """A line for the console and train.log (rank 0; held until the writer opens)."""
+    def log(self, text: str, *, console: bool = True) -> None:
+        """A line for train.log and, unless ``console`` is False (an error line the entry point prints), the
+        console (rank 0; held until the writer opens)."""
         if not self.is_writer:
             return
         if self.writer is None:
             self.pending.append(text)
         else:
-            self.writer.message(text)
+            self.writer.message(text, console=console)
 
     def start(self, start_iteration: int, built=None) -> None:
         """Open metrics.jsonl / train.log and build the experiment loggers (rank 0), after a checkpoint
