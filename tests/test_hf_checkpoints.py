@@ -318,8 +318,13 @@ def test_preprocessing_takes_the_imported_eod(imported):
 
     path = imported["llama_untied"][0] / "tokenizer.json"
     assert parse_cli_tokenizer(f"hf:{path}:</s>").eod == EOS
-    with pytest.raises(ConfigError, match=re.escape("eod_token='<|endoftext|>' is not in the vocabulary")):
+    with pytest.raises(ConfigError) as err:
         parse_cli_tokenizer(f"hf:{path}")
+    # the fix as the trainer's key (added with +) and as preprocess's flag, and the token the files name
+    assert str(err.value) == (
+        f"data.tokenizer.eod_token='<|endoftext|>' is not in the vocabulary of {path}; pass the tokenizer's "
+        f"end-of-document token as +data.tokenizer.eod_token=TOKEN (to mptrain.data.preprocess: --tokenizer "
+        f"hf:{path}:TOKEN); tokenizer_config.json beside it names eos_token '</s>'")
 
 
 def test_data_preprocessed_with_another_eod_is_refused(imported, tmp_path):

@@ -140,9 +140,11 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"data.tokenizer.tokenizer_json={path}: not a tokenizers JSON file ({exc})") from exc
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
+            named = _eod_candidates(self._tok, path)
             raise ConfigError(
                 f"data.tokenizer.eod_token={eod_token!r} is not in the vocabulary of {path}; pass the tokenizer's "
-                f"end-of-document token as data.tokenizer.eod_token"
+                f"end-of-document token as +data.tokenizer.eod_token=TOKEN (to mptrain.data.preprocess: --tokenizer "
+                f"hf:{tokenizer_json}:TOKEN){named}"
             )
         self.eod = int(eod)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -161,6 +163,25 @@ class HFTokenizer(Tokenizer):
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+
+def _eod_candidates(tok: Any, path: Path) -> str:
+    """``"; ..."``: the end-of-document tokens a tokenizer file offers (the ``eos_token`` of the
+    tokenizer_config.json beside it, its special added tokens), for the error when ``eod_token`` is missing."""
+    import json
+
+    notes = []
+    try:
+        eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        eos = None
+    eos = eos.get("content") if isinstance(eos, dict) else eos  # older files store an AddedToken's fields
+    if isinstance(eos, str) and tok.token_to_id(eos) is not None:
+        notes.append(f"tokenizer_config.json beside it names eos_token {eos!r}")
+    special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+    if special:
+        notes.append(f"its special tokens: {', '.join(special[:8])}")
+    return "".join(f"; {n}" for n in notes)
 
 
 class TiktokenTokenizer(Tokenizer):
