@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import shutil
 from pathlib import Path
 

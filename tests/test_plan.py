@@ -280,3 +280,14 @@ def test_a_wrong_key_is_reported_as_itself_not_as_the_batch_arithmetic(command, 
     assert str(err.value) == line
     with pytest.raises(ConfigError, match="^train.global_batch_size=8 is not divisible"):  # the real problem stays
         run_check(_cfg(args[:3]), 8)
+
+
+def test_check_names_world_size_as_the_fix_of_the_world_size():
+    """`mptrain.check` takes the world size as `world_size=`, not torchrun's --nproc_per_node: its fix says so."""
+    from mptrain.check import run_check
+    from mptrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        run_check(_cfg(["model=tiny", "world_size=2", "parallel=tp2pp2"]), 2)
+    assert str(err.value) == ("parallel: world size 2 is not divisible by tensor_model_parallel_size × "
+                              "pipeline_model_parallel_size = 4; run with world_size=4 or 8, or pick another parallel=")

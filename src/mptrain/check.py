@@ -98,7 +98,7 @@ def run_check(cfg, world_size: int, *, timeout_s: float = 600.0) -> list:
     from mptrain.training.validate import validate_config
 
     cfg = as_config(cfg)
-    derived = validate_config(cfg, world_size)
+    derived = validate_config(cfg, world_size, world_size_flag="world_size")
     check_fp8_installed(cfg.precision)  # the dry run applies FP8 as the trainer does (torchao's modules)
     vocab_size = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)
     ctx = mp.get_context("spawn")

@@ -192,8 +192,11 @@ def validate_layout(
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    *,
+    world_size_flag: str = "--nproc_per_node",
 ) -> int:
-    """Check a layout and return the data-parallel size.
+    """Check a layout and return the data-parallel size. ``world_size_flag``: what sets the world size where
+    the fix is given (torchrun's flag; ``world_size`` for `mptrain.plan` / `mptrain.check`).
 
     Raises:
         ConfigError: sizes below 1, world size not divisible by tp x pp, or a virtual pipeline
@@ -209,7 +212,7 @@ def validate_layout(
         multiples = [tp * pp * k for k in (1, 2)]
         raise ConfigError(
             f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size × "
-            f"pipeline_model_parallel_size = {tp * pp}; run with --nproc_per_node={multiples[0]} or "
+            f"pipeline_model_parallel_size = {tp * pp}; run with {world_size_flag}={multiples[0]} or "
             f"{multiples[1]}, or pick another parallel="
         )
     if vpp is not None:

@@ -203,7 +203,7 @@ def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: 
     else:
         check_layout_free(cfg)
     if not layouts:
-        validate_config(cfg, world_size)  # raises the trainer's own message for the given layout
+        validate_config(cfg, world_size, world_size_flag="world_size")  # the trainer's own message, for this layout
         raise ConfigError(
             f"plan: no tp × pp × vpp layout of world_size={world_size} passes validation for model={cfg.model.name} "
             f"(train.global_batch_size={cfg.train.global_batch_size}, micro_batch_size={cfg.train.micro_batch_size}); "

@@ -78,7 +78,8 @@ def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> No
         raise ConfigError(f"{key}={value} must be an integer >= 1{' or null' if allow_none else ''}")
 
 
-def check_parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, Optional[int], int]:
+def check_parallel_sizes(cfg: Config, world_size: int, *,
+                         world_size_flag: str = "--nproc_per_node") -> tuple[int, int, Optional[int], int]:
     """World size vs tp × pp, and the virtual pipeline size; returns (tp, pp, vpp or None, dp).
 
     Raises:
@@ -90,7 +91,7 @@ def check_parallel_sizes(cfg: Config, world_size: int) -> tuple[int, int, Option
     _positive("parallel.tensor_model_parallel_size", tp)
     _positive("parallel.pipeline_model_parallel_size", pp)
     _positive("parallel.virtual_pipeline_model_parallel_size", vpp, allow_none=True)
-    validate_layout(world_size, tp, pp, vpp)  # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
+    validate_layout(world_size, tp, pp, vpp, world_size_flag=world_size_flag)  # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
 
 
@@ -194,12 +195,14 @@ def check_layout_free(cfg: Any) -> str:
     return loss_scaler
 
 
-def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
+def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = "--nproc_per_node") -> DerivedLayout:
     """Check every DESIGN.md §5 combination and derive the layout; pure (no collectives, no I/O).
 
     Args:
         cfg: the composed config (`DictConfig` from Hydra, or a `Config`).
         world_size: number of processes (torchrun's WORLD_SIZE).
+        world_size_flag: what sets it, in the fix of a world size the layout does not divide (torchrun's
+            ``--nproc_per_node``; ``world_size`` for the planner).
     Returns:
         the `DerivedLayout` (dp size, num_microbatches, resolved schedule and loss scaler).
     Raises:
@@ -208,10 +211,11 @@ def validate_config(cfg: Any, world_size: int) -> DerivedLayout:
             layer split, batch, schedule.
     """
     c = as_config(cfg)
-    return derive_layout(c, world_size, loss_scaler=check_layout_free(c))
+    return derive_layout(c, world_size, loss_scaler=check_layout_free(c), world_size_flag=world_size_flag)
 
 
-def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str) -> DerivedLayout:
+def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
+                  world_size_flag: str = "--nproc_per_node") -> DerivedLayout:
     """`validate_config` after `check_layout_free` (which returned ``loss_scaler``): layout sizes, model shape,
     layer split, batch, schedule. For a caller that tries many layouts of one config (`mptrain.planner`), which
     runs the layout-free checks once instead of once per candidate.
@@ -220,7 +224,7 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str) -> DerivedLayo
         ConfigError: as `validate_config`.
     """
     c = as_config(cfg)
-    tp, pp, vpp, dp = check_parallel_sizes(c, world_size)
+    tp, pp, vpp, dp = check_parallel_sizes(c, world_size, world_size_flag=world_size_flag)
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     num_microbatches = check_batch(c, dp)
     schedule = resolve_schedule(c.schedule, PipelineLayout(
