@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.data.tokenizers import NullTokenizer
-from mptrain.errors import ConfigError
+from mptrain.errors import ConfigError, launch_rank_and_world
 
 
 @dataclasses.dataclass
@@ -113,7 +113,11 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
         raise ConfigError(f"--tensor-model-parallel-size={tp} with world size {env.world_size}: generation runs one "
                           f"model replica with pipeline size 1; launch with --nproc_per_node={tp}")
     model_cfg = _saved_model_config(saved, tp)
-    check_model_config(model_cfg, ParallelConfig(tensor_model_parallel_size=tp))  # heads / groups vs tp, before any collective
+    try:  # heads / groups vs tp, before any collective; the fix is the process count, not a config key
+        check_model_config(model_cfg, ParallelConfig(tensor_model_parallel_size=tp))
+    except ConfigError as err:
+        raise ConfigError(f"--tensor-model-parallel-size={tp}: the checkpoint's model does not split over {tp} ranks "
+                          f"({str(err).split(';')[0]}); launch with a --nproc_per_node that divides it") from None
     tokenizer = build_tokenizer(saved.get("data", {}))
     prompt_ids = None if prompt is None else encode_prompt(tokenizer, prompt, saved, int(meta["vocab_size"]))
     device = init_distributed(env, timeout_s=timeout_s)
@@ -214,7 +218,14 @@ def main(argv: Optional[list] = None) -> int:
                 print(full)
         return 0
     except (ConfigError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        try:
+            rank = launch_rank_and_world()[0]
+        except ValueError:
+            rank = 0
+        # before the process group the error comes from the arguments and the checkpoint's files: alike on
+        # every rank, rank 0 says it once; after it, each failing rank says its own
+        if rank == 0 or dist.is_initialized():
+            print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         if gen is not None:
