@@ -171,3 +171,15 @@ def test_a_line_several_ranks_report_is_printed_once():
     results = run_distributed(_first_to_say_task, 2, uuid.uuid4().hex)
     assert sorted(same for same, _ in results) == [False, True]
     assert [own for _, own in results] == [True, True]
+
+
+def test_the_fix_names_the_program_that_was_run():
+    """plan / check compose `conf/plan.yaml`: their fix is their own `--cfg job`, not train.py's."""
+    from mptrain.config.cli import fix_for
+    from mptrain.planner.config import CONF_DIR, register_plan
+
+    register_plan()
+    message = compose_error(["optim.lr=abc"], str(CONF_DIR), "plan", "python -m mptrain.plan")
+    assert message == ("optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; "
+                       "`python -m mptrain.plan --cfg job` lists every key and its value")
+    assert fix_for("python train.py") == FIX

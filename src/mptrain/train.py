@@ -11,6 +11,9 @@ with one line for a config error; 130 with one line for Ctrl-C (`mptrain.trainin
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import hydra
 
 from mptrain.config.cli import exit_on_compose_error
@@ -30,10 +33,19 @@ def main(cfg):
     return hydra_main(cfg)  # the JobResult: the sweep summary records it
 
 
+def program() -> str:
+    """The command the user ran, as an error's fix names it: ``python -m mptrain.train``, ``mptrain-train`` or
+    (a checkout's) ``python train.py``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == "mptrain.train":
+        return "python -m mptrain.train"
+    return "mptrain-train" if Path(sys.argv[0]).name == "mptrain-train" else "python train.py"
+
+
 def cli() -> None:
     """Compose-check the command line (one line, rank 0, exit 1 for an override Hydra cannot compose), then run."""
     try:
-        exit_on_compose_error(str(CONF))
+        exit_on_compose_error(str(CONF), program=program())
         main()
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT
         exit_interrupted(None)

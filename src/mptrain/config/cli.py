@@ -25,6 +25,13 @@ from typing import Optional
 from mptrain.errors import CONFIG_ERROR_GRACE_S, launch_rank_and_world, report_and_exit
 
 FIX = "`python train.py --cfg job` lists every key and its value"
+"""The fix of the trainer's lines; `fix_for` names another program's ``--cfg job``."""
+
+
+def fix_for(program: str) -> str:
+    """`FIX` for ``program`` (the command a user ran, e.g. ``python -m mptrain.plan``)."""
+    return f"`{program} --cfg job` lists every key and its value"
+
 GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
 
 
@@ -123,7 +130,8 @@ def _multirun_by_config(overrides: list, config_dir: str, config_name: str) -> b
     return cfg is not None and str(cfg.hydra.get("mode")) == "RunMode.MULTIRUN"
 
 
-def _message(err: BaseException, overrides: list, config_dir: str, config_name: str) -> str:
+def _message(err: BaseException, overrides: list, config_dir: str, config_name: str,
+             program: str = "python train.py") -> str:
     """The one-line message for ``err``, starting with the override it is about (where one is found)."""
     for override in overrides:  # the grammar first: its own error names the character
         parse = _parse_error(override)
@@ -154,15 +162,17 @@ def _message(err: BaseException, overrides: list, config_dir: str, config_name: 
         alone = [o for o in overrides if _composes([o], config_dir, config_name) is not None]
         if alone:
             line = f"{alone[0]}: {line}"
-    return f"{line}; {FIX}"
+    return f"{line}; {fix_for(program)}"
 
 
-def compose_error(argv: list, config_dir: str, config_name: str = "config") -> Optional[str]:
+def compose_error(argv: list, config_dir: str, config_name: str = "config",
+                  program: str = "python train.py") -> Optional[str]:
     """The one-line message for the overrides in ``argv`` that Hydra cannot compose, or None.
 
     Args:
         argv: the command line after the program name (``sys.argv[1:]``).
         config_dir: the primary config folder (``conf/``); config_name: its top config.
+        program: the command the user ran, named in the fix (its ``--cfg job``).
     Returns:
         ``"<override>: <what is wrong>; <fix>"`` (no ``error:`` prefix), or None: it composes, or it
         is left to Hydra (see the module docstring).
@@ -177,21 +187,23 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config") -> O
     if _multirun_by_config(overrides, config_dir, config_name):
         return None
     err = _composes(overrides, config_dir, config_name)
-    return None if err is None else _message(err, overrides, config_dir, config_name)
+    return None if err is None else _message(err, overrides, config_dir, config_name, program)
 
 
 def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *,
-                          grace_s: float = CONFIG_ERROR_GRACE_S, config_name: str = "config") -> None:
+                          grace_s: float = CONFIG_ERROR_GRACE_S, config_name: str = "config",
+                          program: str = "python train.py") -> None:
     """`compose_error` on ``sys.argv[1:]``: rank 0 prints ``error: ...`` and every rank exits 1
     (`report_and_exit`, the same command line on every rank); returns when the command line composes.
-    ``config_name``: the top config (``config`` for training, ``plan`` for the planner).
+    ``config_name``: the top config (``config`` for training, ``plan`` for the planner); ``program``: the
+    command, named in the fix.
 
     The rank and world size come from torchrun's ``RANK`` / ``WORLD_SIZE`` (or SLURM's
     ``SLURM_PROCID`` / ``SLURM_NTASKS``) directly: nothing else of the launch is needed to report.
     """
     import sys
 
-    message = compose_error(sys.argv[1:] if argv is None else argv, config_dir, config_name)
+    message = compose_error(sys.argv[1:] if argv is None else argv, config_dir, config_name, program)
     if message is None:
         return
     try:
