@@ -205,8 +205,11 @@ def test_missing_and_truncated_files(tmp_path):
     make_corpus(tmp_path / "c.jsonl", num_docs=3)
     (prefix,) = preprocess([str(tmp_path / "c.jsonl")], output_prefix=str(tmp_path / "out"), tokenizer=ByteTokenizer(), progress=False)
     idx, bin_ = Path(prefix + ".idx").read_bytes(), Path(prefix + ".bin").read_bytes()
-    with pytest.raises(DataError, match=r"nope.idx: no such file \(indexed dataset .*nope\); re-create it with"):
+    with pytest.raises(DataError) as err:  # no file of the prefix: a wrong path, named as the key that holds it
         IndexedDataset(tmp_path / "nope")
+    assert str(err.value) == (f"{tmp_path}/nope.idx: no such file (indexed dataset {tmp_path}/nope); fix the prefix in "
+                              "data.prefixes (or data.train_prefixes / valid / test), or create the dataset with "
+                              "`python -m mptrain.data.preprocess --input CORPUS --output-prefix PREFIX`")
     Path(prefix + ".bin").write_bytes(bin_[:-2])
     with pytest.raises(DataError, match=rf"out.bin: truncated \({len(bin_) - 2} bytes, index expects {len(bin_)}\)"):
         IndexedDataset(prefix)
@@ -224,7 +227,7 @@ def test_missing_and_truncated_files(tmp_path):
     with pytest.raises(DataError, match=r"out.idx: not an MMIDIDX v1 index"):
         IndexedDataset(prefix)
     Path(prefix + ".bin").unlink()
-    with pytest.raises(DataError, match=r"out.bin: no such file"):
+    with pytest.raises(DataError, match=r"out.bin: no such file \(indexed dataset .*out\); re-create it with"):
         IndexedDataset(prefix)
 
 

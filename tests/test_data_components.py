@@ -177,6 +177,8 @@ def test_split_as_list_or_string_and_corpus_rules(corpora):
         (f"data.valid_prefixes=[{corpora['b']}]",): r"^data.valid_prefixes is set but data.train_prefixes is empty",
         (f"data.train_prefixes=[0.5,{corpora['a']},{corpora['b']}]",): r"^data.train_prefixes=\[0.5, .*: give \[prefix",
         ("data.split=[1,-1]",): r"^data.split=\[1, -1\]: give train,valid,test weights",
+        (f"data.prefixes=[{corpora['a']}]", "data.split=[0,100,0]"):
+            r"^data.split=\[0, 100, 0\] gives the train split no share; give it one, e.g. 'data.split=\"90,5,5\"'$",
     }
     for overrides, message in bad.items():
         with pytest.raises(ConfigError, match=message):

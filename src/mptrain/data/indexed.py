@@ -121,6 +121,10 @@ class IndexedDataset:
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.prefix = str(prefix)
         idx_path, bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+        if not idx_path.is_file() and not bin_path.is_file():  # a prefix that names no dataset: a wrong path
+            raise DataError(f"{idx_path}: no such file (indexed dataset {prefix}); fix the prefix in data.prefixes "
+                            "(or data.train_prefixes / valid / test), or create the dataset with `python -m "
+                            "mptrain.data.preprocess --input CORPUS --output-prefix PREFIX`")
         for p in (idx_path, bin_path):
             if not p.is_file():
                 raise DataError(f"{p}: no such file (indexed dataset {prefix}); {FIX}")

@@ -138,7 +138,8 @@ def check_data_config(data_cfg: Any) -> None:
       `corpus`) must be a keyword of the target (else it would be ignored silently);
     - `data.prefixes` (+ `data.split`) and the separate corpora `data.train_prefixes` /
       `valid_prefixes` / `test_prefixes` exclude each other; separate corpora need
-      `train_prefixes`; valid / test may be empty (no such evaluation); a target whose
+      `train_prefixes`; valid / test may be empty (no such evaluation), train may not (a `data.split`
+      train weight of 0, where the target takes ``split``); a target whose
       ``requires_prefixes`` is true (`IndexedDataProvider`) and that takes ``prefixes`` needs one of them;
     - each prefix list is `[p, ...]` or a blend `[w1, p1, w2, p2, ...]`; `data.split` parses;
     - `data.tokenizer._target_` imports, has `encode` / `decode`, takes its keys.
@@ -162,7 +163,11 @@ def check_data_config(data_cfg: Any) -> None:
             if items.get(key) and key not in accepted:
                 raise ConfigError(f"data.{key}={items[key]} is not used by data._target_={target_path} (it takes no "
                                   f"{key!r}); remove data.{key} or pick data=indexed")
-    parse_split(items.get("split", "969,30,1"))
+    split = items.get("split", "969,30,1")
+    uses_split = (accepted is None or "split" in accepted) and not items.get("train_prefixes")
+    if parse_split(split)[0] == 0 and uses_split:  # an empty train split, known before any file is read
+        raise ConfigError(f"data.split={split!r} gives the train split no share; give it one, e.g. "
+                          "'data.split=\"90,5,5\"'")
     # a provider that reads prefixes and was given none (data=indexed alone) is refused here, before the run folder;
     # a subclass that takes no `prefixes` keyword (its corpus comes another way, as data=shakespeare's) is not
     required = bool(getattr(target, "requires_prefixes", False)) and accepted is not None and "prefixes" in accepted
