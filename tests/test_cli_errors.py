@@ -157,9 +157,12 @@ def _first_to_say_task(rank, world, tag):
 
     from mptrain.errors import _first_to_say
 
+    store = dist.distributed_c10d._get_default_store()
+    timeout = store.timeout
     same = _first_to_say(f"error: the same line on every rank ({tag})")
     dist.barrier()
     own = _first_to_say(f"error: rank {rank}'s own line ({tag})")
+    assert store.timeout == timeout  # the store's own timeout is left as it was (a sweep's next job uses it)
     return same, own
 
 

@@ -69,8 +69,12 @@ def _first_to_say(line: str) -> bool:
         if not dist.is_initialized():
             return True
         store = dist.distributed_c10d._get_default_store()
+        previous = store.timeout  # restored: the process may go on (a sweep's next job, a test's next task)
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        return store.add(f"mptrain/error_line/{hashlib.sha1(line.encode()).hexdigest()}", 1) == 1
+        try:
+            return store.add(f"mptrain/error_line/{hashlib.sha1(line.encode()).hexdigest()}", 1) == 1
+        finally:
+            store.set_timeout(previous)
     except Exception:  # noqa: BLE001 - no store, or one that is gone: print
         return True
 
