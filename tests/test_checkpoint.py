@@ -270,8 +270,8 @@ def _mismatch_task(rank, world, root, overrides=("model.num_layers=2", "model.hi
 def test_different_model_is_a_config_error(tmp_path):
     run_distributed(_save_task, 2, str(tmp_path), ["parallel=tp1pp2"], 1, 2)
     msg = run_distributed(_mismatch_task, 1, str(tmp_path))[0]
-    assert msg.startswith(f"checkpoint.load: {tmp_path}/iter_0000006 holds a different model: model.num_layers=4 in the "
-                          "checkpoint vs 2, model.hidden_size=32 in the checkpoint vs 16; shape mismatch: ")
+    assert msg.startswith(f"checkpoint.load: {tmp_path}/iter_0000006 holds a different model: model.num_layers=4 "
+                          "in the checkpoint vs 2, model.hidden_size=32 in the checkpoint vs 16; shape mismatch: ")
     assert msg.count(" (checkpoint [") == 3 and "more); " in msg  # three names show the kind; the keys say why
     assert "decoder.layers.0.self_attention" in msg or "decoder.layers.0." in msg
     assert "not in the model: decoder.layers.2." in msg  # layers 2, 3 exist only in the checkpoint
@@ -348,7 +348,8 @@ def test_save_refusal_before_the_first_step(tmp_path, monkeypatch):
     assert atomic.save_refusal(str(tmp_path / "new" / "deep" / "ck")) is None  # the save creates the folders
     assert atomic.save_refusal(str(tmp_path / "afile")) == (
         f"checkpoint.save={tmp_path}/afile is a file, not a folder; pick another checkpoint.save")
-    line = f"checkpoint.save={tmp_path}/afile/ck: {tmp_path}/afile is a file, not a folder; pick another checkpoint.save"
+    line = (f"checkpoint.save={tmp_path}/afile/ck: {tmp_path}/afile is a file, not a folder; pick another "
+            "checkpoint.save")
     assert atomic.save_refusal(str(tmp_path / "afile" / "ck")) == line
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError) as info:

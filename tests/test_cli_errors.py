@@ -157,13 +157,23 @@ def _first_to_say_task(rank, world, tag):
 
     from mptrain.errors import _first_to_say
 
+    line = f"error: the same line on every rank ({tag})"
     store = dist.distributed_c10d._get_default_store()
     timeout = store.timeout
-    same = _first_to_say(f"error: the same line on every rank ({tag})")
-    dist.barrier()
-    own = _first_to_say(f"error: rank {rank}'s own line ({tag})")
+    without = _first_to_say(line)  # a store a worker hosts (it may be gone with that worker): every rank prints
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as under torchrun, whose agent hosts the store
+    try:
+        dist.barrier()
+        same = _first_to_say(line)
+        own = _first_to_say(f"error: rank {rank}'s own line ({tag})")
+        dist.barrier()
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # a restarted job's attempt reports it again
+        again = _first_to_say(line)
+    finally:
+        del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+        os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
     assert store.timeout == timeout  # the store's own timeout is left as it was (a sweep's next job uses it)
-    return same, own
+    return without, same, own, again
 
 
 def test_a_line_several_ranks_report_is_printed_once():
@@ -172,8 +182,9 @@ def test_a_line_several_ranks_report_is_printed_once():
     import uuid
 
     results = run_distributed(_first_to_say_task, 2, uuid.uuid4().hex)
-    assert sorted(same for same, _ in results) == [False, True]
-    assert [own for _, own in results] == [True, True]
+    without, same, own, again = zip(*results)
+    assert without == (True, True) and own == (True, True)
+    assert sorted(same) == [False, True] and sorted(again) == [False, True]
 
 
 def test_the_fix_names_the_program_that_was_run():

@@ -217,21 +217,29 @@ def test_a_corrupt_shard_is_one_line_before_any_process_group(ckpt, tmp_path, ca
     assert not dist.is_initialized()
 
 
-def test_a_process_count_the_heads_do_not_divide_names_the_launch(ckpt, monkeypatch, capsys):
+def test_a_process_count_the_heads_do_not_divide_names_the_launch(ckpt, monkeypatch):
     """Three processes for a 4-head model: the fix is the launch's process count (generate has no parallel=
-    key), said once by rank 0, before any process group."""
+    key); raised before any process group, it is alike on every rank: `report_and_exit` with symmetric=True
+    (rank 0 prints it, the others wait for that before they exit)."""
     import torch.distributed as dist
 
-    from mptrain import groups
-    from mptrain.generate import main
+    from mptrain import generate, groups
 
-    for rank, printed in ((0, True), (1, False)):
+    reported = []
+
+    def report(line, *, rank, world_size, symmetric):
+        reported.append((line, rank, world_size, symmetric))
+        raise SystemExit(1)
+
+    monkeypatch.setattr(generate, "report_and_exit", report)
+    for rank in (0, 1):
         monkeypatch.setattr(groups, "read_dist_env", lambda: groups.DistEnv(rank=rank, world_size=3))
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", "3")
-        assert main(["--checkpoint", str(ckpt), "--prompt", "1 2 3"]) == 1
-        assert capsys.readouterr().err == ((
-            "error: --tensor-model-parallel-size=3: the checkpoint's model does not split over 3 ranks "
+        with pytest.raises(SystemExit):
+            generate.main(["--checkpoint", str(ckpt), "--prompt", "1 2 3"])
+    line = ("error: --tensor-model-parallel-size=3: the checkpoint's model does not split over 3 ranks "
             "(model.num_attention_heads=4 is not divisible by parallel.tensor_model_parallel_size=3); launch with a "
-            "--nproc_per_node that divides it\n") if printed else "")
+            "--nproc_per_node that divides it")
+    assert reported == [(line, 0, 3, True), (line, 1, 3, True)]
     assert not dist.is_initialized()

@@ -321,3 +321,21 @@ def test_a_logger_failing_on_rank_0_ends_every_rank_with_its_one_line(tmp_path):
             "environment")
     assert run_distributed(_build_failing_loggers, 2, str(tmp_path)) == [
         (line, True), (f"rank 0 could not build its loggers: {line}", True)]
+
+
+class ProjectLogger(FailingLogger):
+    """A logger that takes the shared `logger.project` key and rejects its value."""
+
+    def __init__(self, run_dir=None, project=None):
+        raise ValueError(f"project {project!r} does not exist on the server")
+
+
+def test_a_rejected_shared_key_is_named_as_given(tmp_path):
+    """A shared key (`logger.project`) the logger takes counts as given: the line names it and its fix, and
+    does not say that no keys were given."""
+    with pytest.raises(ConfigError) as err:
+        build("logger.loggers.p", {"_target_": "test_loggers.ProjectLogger"}, LOGGER_KIND,
+              runtime={"run_dir": tmp_path}, mapped={"project": "my-proj", "group": "g"})
+    assert str(err.value) == ("logger.loggers.p: test_loggers.ProjectLogger rejected its arguments (ValueError: "
+                              "project 'my-proj' does not exist on the server); fix the logger.loggers.p.* keys or the "
+                              "shared keys it takes (given: project='my-proj' (a shared key))")

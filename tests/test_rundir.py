@@ -231,6 +231,32 @@ def test_configured_folder_holding_a_run_gives_way_to_the_first_free_suffix(tmp_
     assert sorted(p.name for p in (tmp_path / "r-3").iterdir()) == ["notes.txt"]
 
 
+def test_a_save_folder_inside_run_dir_is_judged_where_it_lands(tmp_path, capsys, monkeypatch):
+    """checkpoint.save under run.dir moves with it: the old run's unusable folder does not refuse the new run
+    (validation leaves it to the folder decision), and the moved folder is checked where it lands."""
+    from mptrain.checkpoint import atomic
+    from mptrain.training.run import _check_checkpoint_paths
+    from mptrain.config.schema import as_config
+
+    d = tmp_path / "r"
+    _hold_run(d)
+    (d / "checkpoints").write_text("not a folder")  # the old run's: no save could write under it
+    cfg = _cfg(run__dir=str(d))
+    cfg.checkpoint.save = "${run.dir}/checkpoints/sub"
+    _check_checkpoint_paths(as_config(cfg))  # no refusal before the folder is decided
+    assert _single(cfg, from_command_line=False) == tmp_path / "r-2"
+    capsys.readouterr()
+    assert atomic.save_refusal(str(d / "checkpoints" / "sub")) is not None  # where it was, it would be refused
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # where it lands, this user cannot write
+    cfg = _cfg(run__dir=str(tmp_path / "new"))
+    cfg.checkpoint.save = "${run.dir}/checkpoints"
+    with pytest.raises(ConfigError) as err:
+        _single(cfg, from_command_line=False)
+    assert str(err.value) == (f"checkpoint.save={tmp_path}/new/checkpoints: {tmp_path} is not writable by this user; "
+                              "fix its permissions or point checkpoint.save= elsewhere")
+    assert not (tmp_path / "new").exists()  # refused before the folder was created
+
+
 def test_configured_folder_moves_the_literal_paths_inside_it_of_a_config_object(tmp_path):
     """A resolved `Config` (what the trainer passes): literal values under the configured folder move, others stay."""
     from mptrain.config.schema import as_config

@@ -244,24 +244,29 @@ def build(key: str, node: Any, kind: ComponentKind, *, runtime: Optional[Mapping
     except Exception as err:  # noqa: BLE001 - hydra wraps the target's own error in __cause__
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ is not None else err
         if isinstance(cause, (TypeError, ValueError)) and not isinstance(cause, ConfigError):
-            raise rejected_arguments(key, items, cause) from None
+            passed = {k: v for k, v in kwargs.items() if k in (mapped or {})}  # the shared keys it takes
+            raise rejected_arguments(key, items, cause, mapped=passed) from None
         if isinstance(cause, ConfigError):
             raise cause from None
         raise
 
 
-def rejected_arguments(key: str, items: Mapping[str, Any], cause: BaseException) -> ConfigError:
+def rejected_arguments(key: str, items: Mapping[str, Any], cause: BaseException, *,
+                       mapped: Optional[Mapping[str, Any]] = None) -> ConfigError:
     """The one line for a target that raised TypeError / ValueError while being built: its message and the
-    node's own keys (what the user can change); a ValueError where no key was given says the cause is the
-    target's own."""
+    keys it was given (what the user can change): the node's own, and ``mapped`` (keywords filled from shared
+    config keys, e.g. ``logger.project``); a ValueError where no key was given says the cause is the target's."""
     own = {k: v for k, v in items.items() if k not in RESERVED_KEYS and not isinstance(v, (dict, list))}
-    given = ", ".join(f"{key}.{k}={v!r}" for k, v in own.items())
+    shared = {k: v for k, v in (mapped or {}).items() if v is not None}
+    given = ", ".join([f"{key}.{k}={v!r}" for k, v in own.items()]
+                      + [f"{k}={v!r} (a shared key)" for k, v in shared.items()])
     nested = any(isinstance(v, (dict, list)) for k, v in items.items() if k not in RESERVED_KEYS)
-    if not own and not nested and not isinstance(cause, TypeError):
+    if not own and not shared and not nested and not isinstance(cause, TypeError):
         # a ValueError with no key of the user's given (a TypeError is a signature mismatch, e.g. a missing
         # required keyword: the keys are the fix): the cause is the target's own (its environment, its code)
         return ConfigError(f"{key}: {items.get('_target_')} failed while being built ({type(cause).__name__}: "
                            f"{_first_line(cause)}); no {key}.* keys were given to it, so the cause is in the "
                            "target or its environment")
+    fix = f"fix the {key}.* keys" + (" or the shared keys it takes" if shared else "")
     return ConfigError(f"{key}: {items.get('_target_')} rejected its arguments ({type(cause).__name__}: "
-                       f"{_first_line(cause)}); fix the {key}.* keys" + (f" (given: {given})" if given else ""))
+                       f"{_first_line(cause)}); {fix}" + (f" (given: {given})" if given else ""))

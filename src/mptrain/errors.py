@@ -56,23 +56,28 @@ STORE_TIMEOUT_S = 2.0  # how long `_first_to_say` waits for the job's store befo
 
 
 def _first_to_say(line: str) -> bool:
-    """Whether this rank is the first of the job to report ``line`` (one print per distinct line: ranks that
-    hit the same error while building, e.g. a component rejecting its config, say it once). Counted in the
-    default process group's store (torchrun's agent or rank 0 host it); True without one, or when it does
-    not answer within `STORE_TIMEOUT_S` (a second copy of a line beats a lost one)."""
+    """Whether this rank is the first of the job's attempt to report ``line`` (one print per distinct line:
+    ranks that hit the same error while building, e.g. a component rejecting its config, say it once).
+
+    Counted in the default process group's store where torchrun's agent hosts it
+    (``TORCHELASTIC_USE_AGENT_STORE``): it outlives any worker, and the key names the attempt
+    (``TORCHELASTIC_RESTART_COUNT``), so a restarted job reports again. True without such a store (a store a
+    worker hosts may be gone with it), or when it does not answer within `STORE_TIMEOUT_S` (a second copy
+    of a line beats a lost one)."""
     try:
         import datetime
         import hashlib
 
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if not dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return True
         store = dist.distributed_c10d._get_default_store()
         previous = store.timeout  # restored: the process may go on (a sweep's next job, a test's next task)
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         try:
-            return store.add(f"mptrain/error_line/{hashlib.sha1(line.encode()).hexdigest()}", 1) == 1
+            return store.add(f"mptrain/error_line/{attempt}/{hashlib.sha1(line.encode()).hexdigest()}", 1) == 1
         finally:
             store.set_timeout(previous)
     except Exception:  # noqa: BLE001 - no store, or one that is gone: print

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.data.tokenizers import NullTokenizer
-from mptrain.errors import ConfigError, launch_rank_and_world
+from mptrain.errors import ConfigError, launch_rank_and_world, report_and_exit
 
 
 @dataclasses.dataclass
@@ -219,13 +219,14 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     except (ConfigError, OSError) as err:
         try:
-            rank = launch_rank_and_world()[0]
+            rank, world_size = launch_rank_and_world()
         except ValueError:
-            rank = 0
-        # before the process group the error comes from the arguments and the checkpoint's files: alike on
-        # every rank, rank 0 says it once; after it, each failing rank says its own
-        if rank == 0 or dist.is_initialized():
-            print(f"error: {err}", file=sys.stderr)
+            rank, world_size = 0, 1
+        if world_size > 1:
+            # before the process group the error comes from the arguments and the checkpoint's files: alike on
+            # every rank, rank 0 says it and the others wait for it (`report_and_exit`); after it, each its own
+            report_and_exit(f"error: {err}", rank=rank, world_size=world_size, symmetric=not dist.is_initialized())
+        print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
         if gen is not None:

@@ -126,5 +126,6 @@ def main(cfg) -> None:
 if __name__ == "__main__":
     from mptrain.config.cli import exit_on_compose_error
 
-    exit_on_compose_error(str(CONF_DIR), config_name="plan", program="python -m mptrain.plan")  # one line for an override Hydra cannot compose
+    # one line for an override Hydra cannot compose
+    exit_on_compose_error(str(CONF_DIR), config_name="plan", program="python -m mptrain.plan")
     main()

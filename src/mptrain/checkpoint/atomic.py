@@ -11,7 +11,8 @@ Publication order (a save killed at any moment leaves the previous checkpoint lo
 2. rank 0 fsyncs and renames it to ``iter_0000008/`` (an existing folder of that iteration is first
    renamed to ``iter_0000008.old`` and removed after);
 3. rank 0 writes ``latest.tmp``, fsyncs, and ``os.replace``s it onto ``latest`` (atomic on POSIX);
-4. rank 0 removes folders beyond ``checkpoint.keep_last_n`` (oldest first; never the newest).
+4. rank 0 removes folders beyond ``checkpoint.keep_last_n``, counting those up to the iteration just saved
+   (oldest first; never that one; later folders, left by a run a resume rewound, stay until passed).
 A reader trusts a folder only when it has DCP's ``.metadata`` and ``meta.json`` (written before
 the rename); if ``latest`` names a folder that is not complete it falls back to the newest
 complete one (`resolve_load_dir`).

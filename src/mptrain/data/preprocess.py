@@ -182,8 +182,9 @@ def preprocess(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.data.preprocess", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True, help="JSONL(.gz) files (one document per line, its --json-keys) or text files "
-                        "(each file one document: split a text into files, or into JSONL lines, for several)")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="JSONL(.gz) files (one document per line, its --json-keys) or text files (each file one "
+                             "document: split a text into files, or into JSONL lines, for several)")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH[:EOD_TOKEN] | tiktoken:NAME | null:N | class:module.Class")
     parser.add_argument("--output-prefix", required=True)

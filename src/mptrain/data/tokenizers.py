@@ -143,7 +143,7 @@ class HFTokenizer(Tokenizer):
             named = _eod_candidates(self._tok, path)
             raise ConfigError(
                 f"data.tokenizer.eod_token={eod_token!r} is not in the vocabulary of {path}; pass the tokenizer's "
-                f"end-of-document token as +data.tokenizer.eod_token=TOKEN (to mptrain.data.preprocess: --tokenizer "
+                f"end-of-document token as ++data.tokenizer.eod_token=TOKEN (to mptrain.data.preprocess: --tokenizer "
                 f"hf:{tokenizer_json}:TOKEN){named}"
             )
         self.eod = int(eod)

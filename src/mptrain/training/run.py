@@ -293,14 +293,14 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     from mptrain.checkpoint.atomic import load_refusal, save_refusal
 
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
-    refusal = save_refusal(save) if save else None
+    # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands
+    in_run_dir = bool(cfg.run.dir) and path_inside(save, Path(cfg.run.dir))
+    refusal = save_refusal(save) if save and not in_run_dir else None
     if refusal is not None:
         raise ConfigError(refusal)
     refusal = load_refusal(load, cfg.checkpoint.load_iteration, save) if load else None
     if refusal is not None:
         raise ConfigError(refusal)
-    # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands
-    in_run_dir = bool(cfg.run.dir) and path_inside(save, Path(cfg.run.dir))
     refusal = None if in_run_dir else checkpoint_save_refusal(save, load)
     if refusal is not None:
         raise ConfigError(refusal)

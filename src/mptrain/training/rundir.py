@@ -368,10 +368,13 @@ def resolve_run_dir(
         if refusal is None:
             # checkpoint.save where it will be (moved along with the folder): another run's checkpoints there
             # are refused before anything is written
+            from mptrain.checkpoint.atomic import save_refusal
+
             olds = (str(Path(moved_from)), str(Path(moved_from).resolve())) if moved_from is not None else ()
             save, load = (getattr(cfg.checkpoint, key, None) for key in ("save", "load"))
-            refusal = checkpoint_save_refusal(_moved_value(save, olds, str(path.resolve())) or save,
-                                              _moved_value(load, olds, str(path.resolve())) or load)
+            save = _moved_value(save, olds, str(path.resolve())) or save
+            refusal = save_refusal(save) if save and path_inside(save, path) else None  # outside: checked before
+            refusal = refusal or checkpoint_save_refusal(save, _moved_value(load, olds, str(path.resolve())) or load)
         if refusal is None:
             path.mkdir(parents=True, exist_ok=True)
         decision = (str(path.resolve()), refusal, moved_from)

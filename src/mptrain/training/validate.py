@@ -91,7 +91,8 @@ def check_parallel_sizes(cfg: Config, world_size: int, *,
     _positive("parallel.tensor_model_parallel_size", tp)
     _positive("parallel.pipeline_model_parallel_size", pp)
     _positive("parallel.virtual_pipeline_model_parallel_size", vpp, allow_none=True)
-    validate_layout(world_size, tp, pp, vpp, world_size_flag=world_size_flag)  # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
+    # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
+    validate_layout(world_size, tp, pp, vpp, world_size_flag=world_size_flag)
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
 
 
