@@ -89,8 +89,8 @@ def report_and_exit(line: str, *, rank: int, world_size: int, symmetric: bool,
     """Write ``line`` to stderr in one write and exit 1 (never returns).
 
     ``symmetric``: every rank hit the same error (the same config and world size), so rank 0 alone
-    prints it; otherwise every rank that calls this prints its own, a line that several ranks report once
-    (`_first_to_say`). Under torchrun
+    prints it; otherwise every rank that calls this prints its own (a line several ranks report, once:
+    `_first_to_say`). Under torchrun
     (``world_size > 1``) the agent stops every worker (SIGTERM) as soon as one exits, so a rank
     that might still have a line to print must not be stopped by a peer's early exit: every rank
     waits ``grace_s`` before exiting (a SIGTERM meanwhile is an exit 1 too), except rank 0 of a
