@@ -88,6 +88,25 @@ def test_sweep_job_folder_under_the_root(tmp_path):
     assert (run_dir / "config.yaml").exists()
 
 
+def test_a_sweep_job_resumes_from_the_checkpoints_in_its_own_folder(tmp_path):
+    """`-m ... checkpoint.load=${run.dir}/ck`: the path names the sweep root until it moves into the job's folder;
+    a job folder holding a run and its checkpoints is appended to (the second half of a sweep split in time)."""
+    from mptrain.config.schema import as_config
+
+    root, sub = tmp_path / "S", "train.seed=1"
+    _hold_run(root / sub)
+    (root / sub / "ck").mkdir()
+    (root / sub / "ck" / "latest").write_text("2\n")
+    job = SweepJob(root=str(root), subdir=sub, num=0, overrides=(sub,), swept=("train.seed",))
+    cfg = as_config(_cfg(run__dir=str(root), checkpoint__save=f"{root}/ck", checkpoint__load=f"{root}/ck"))
+    assert _single(cfg, sweep_job=job) == root / sub  # resuming as the trainer computes it: from the unmoved path
+    assert cfg.checkpoint.load == f"{root}/{sub}/ck"
+    other = SweepJob(root=str(root), subdir="train.seed=2", num=1, overrides=(), swept=("train.seed",))
+    _hold_run(root / "train.seed=2")  # a run without checkpoints: still refused, as before
+    with pytest.raises(ConfigError, match="already holds a run"):
+        _single(as_config(_cfg(run__dir=str(root), checkpoint__load=f"{root}/ck")), sweep_job=other)
+
+
 def test_sweep_job_takes_the_paths_inside_the_configured_folder_along(tmp_path):
     """A resolved `${run.dir}/checkpoints` follows each job into its own folder (jobs never share one)."""
     from mptrain.config.schema import as_config

@@ -347,6 +347,10 @@ def resolve_run_dir(
             # a job writes under its own folder: literal paths inside the configured run.dir (a resolved
             # `${run.dir}/checkpoints`) move with it, or the jobs would share (and overwrite) one folder
             moved_from = cfg.run.dir if cfg.run.dir and Path(cfg.run.dir).resolve() != path.resolve() else None
+            if moved_from is not None:  # `${run.dir}/ck` as checkpoint.load: the job resumes from its own folder's
+                olds = (str(Path(moved_from)), str(Path(moved_from).resolve()))
+                load = _moved_value(getattr(cfg.checkpoint, "load", None), olds, str(path.resolve()))
+                resuming = resuming or (load is not None and (Path(load) / "latest").exists())
         else:
             configured = cfg.run.dir if cfg.run.dir else default_run_dir(cfg)
             path = Path(configured)
