@@ -177,6 +177,10 @@ def test_split_as_list_or_string_and_corpus_rules(corpora):
         (f"data.valid_prefixes=[{corpora['b']}]",): r"^data.valid_prefixes is set but data.train_prefixes is empty",
         (f"data.train_prefixes=[0.5,{corpora['a']},{corpora['b']}]",): r"^data.train_prefixes=\[0.5, .*: give \[prefix",
         ("data.split=[1,-1]",): r"^data.split=\[1, -1\]: give train,valid,test weights",
+        (f"data.prefixes=[-0.5,{corpora['a']},1.5,{corpora['b']}]",):
+            r"^data.prefixes: blend weights \[-0.5, 1.5\] must be positive; drop the prefix instead$",
+        (f"data.train_prefixes=[0,{corpora['a']},1,{corpora['b']}]",):
+            r"^data.train_prefixes: blend weights \[0.0, 1.0\] must be positive",
         (f"data.prefixes=[{corpora['a']}]", "data.split=[0,100,0]"):
             r"^data.split=\[0, 100, 0\] gives the train split no share; give it one, e.g. 'data.split=\"90,5,5\"'$",
     }

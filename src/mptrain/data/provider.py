@@ -209,7 +209,7 @@ def parse_prefixes(prefixes: Any, *, key: str = "data.prefixes") -> list[tuple[f
     """`[p]`, `[p1, p2]` (equal weights) or `[w1, p1, w2, p2, ...]` → [(weight, prefix), ...].
 
     Raises:
-        ConfigError: empty, or a mix that is neither form (names `key`).
+        ConfigError: empty, a mix that is neither form, or a weight <= 0 (names `key`).
     """
     items = list(prefixes or [])
     if not items:
@@ -226,7 +226,10 @@ def parse_prefixes(prefixes: Any, *, key: str = "data.prefixes") -> list[tuple[f
         return [(1.0, str(p)) for p in items]
     if len(items) % 2 or not all(is_number(w) and not is_number(p) for w, p in zip(items[::2], items[1::2])):
         raise ConfigError(f"{key}={items}: give [prefix, ...] or [weight, prefix, weight, prefix, ...]")
-    return [(float(w), str(p)) for w, p in zip(items[::2], items[1::2])]
+    pairs = [(float(w), str(p)) for w, p in zip(items[::2], items[1::2])]
+    if any(w <= 0 for w, _ in pairs):  # at start-up: the blend itself (blended.py) is built after the run folder
+        raise ConfigError(f"{key}: blend weights {[w for w, _ in pairs]} must be positive; drop the prefix instead")
+    return pairs
 
 
 def build_provider(data_cfg: Any, **runtime: Any) -> DatasetProvider:
