@@ -40,6 +40,18 @@ class MyRow(RowParallelLinear):
     pass
 
 
+class MySkipBiasColumn(ColumnParallelLinear):
+    """Returns its bias for the parent to add (Megatron's skip_bias_add)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, skip_bias_add=True, **kwargs)
+
+
+class MySkipBiasRow(RowParallelLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, skip_bias_add=True, **kwargs)
+
+
 class MyGELU(torch.nn.Module):
     """A user's activation with no __init__ of its own (Module's takes **kwargs only to reject them)."""
 
@@ -56,6 +68,10 @@ def _outputs(rank, world, overrides):
     g = build_groups(1, 1)
     try:
         (chunk,) = build_model_chunks(cfg.model, cfg.parallel, g, vocab_size=64, seed=3)
+        with torch.no_grad():  # biases start at zero: a bias the model dropped would not show
+            for name, p in chunk.named_parameters():
+                if name.endswith("bias"):
+                    p.copy_(torch.linspace(-0.5, 0.5, p.numel()).view_as(p))
         ids = torch.arange(32).remainder(64).view(2, 16)
         with torch.no_grad():
             logits = chunk(ids)
@@ -77,6 +93,11 @@ def _outputs(rank, world, overrides):
     ([f"{SUBS}.mlp.submodules.activation._target_=torch.nn.GELU"], "decoder.layers.0.mlp.act", "GELU"),
     ([f"{SUBS}.mlp.submodules.activation._target_=test_model_components.MyGELU"], "decoder.layers.0.mlp.act",
      "MyGELU"),
+    ([f"{SUBS}.mlp.submodules.linear_fc1._target_=test_model_components.MySkipBiasColumn",
+      f"{SUBS}.mlp.submodules.linear_fc2._target_=test_model_components.MySkipBiasRow",
+      f"{SUBS}.self_attention.submodules.linear_qkv._target_=test_model_components.MySkipBiasColumn",
+      f"{SUBS}.self_attention.submodules.linear_proj._target_=test_model_components.MySkipBiasRow"],
+     "decoder.layers.0.mlp.linear_fc2", "MySkipBiasRow"),
     ([f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention"],
      "decoder.layers.0.self_attention.core_attention", "SlidingWindowAttention"),
 ])

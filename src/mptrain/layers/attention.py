@@ -47,7 +47,8 @@ from mptrain.layers.context import LayerContext
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
-from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
+from mptrain.layers.spec import (COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule,
+                                 with_returned_bias)
 
 KEY = "model.transformer_layer.submodules.self_attention"
 ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
@@ -269,7 +270,7 @@ class SelfAttention(torch.nn.Module):
         Raises:
             ValueError: both ``attention_mask`` and ``kv_cache`` given (the cache path is causal).
         """
-        qkv, _ = self.linear_qkv(x)  # [s, b, ng/tp · (np/ng + 2) · hn]
+        qkv = with_returned_bias(self.linear_qkv(x))  # [s, b, ng/tp · (np/ng + 2) · hn]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.ng_local, self.np // self.ng + 2, self.hn)  # per local group: q..q, k, v
         # one split (its backward is one cat) rather than three slices (three zero-filled full-size grads + adds)
@@ -290,8 +291,7 @@ class SelfAttention(torch.nn.Module):
             context = checkpoint(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:
             context = self.core_attention(q, k, v, attention_mask)  # [s, b, np/tp · hn]
-        out, _ = self.linear_proj(context)
-        return out
+        return with_returned_bias(self.linear_proj(context))
 
 
 SELF_ATTENTION = ComponentKind(

@@ -23,7 +23,8 @@ from mptrain.components import ComponentKind
 from mptrain.config.model import MLPSubmodules
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
-from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
+from mptrain.layers.spec import (COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule,
+                                 with_returned_bias)
 
 KEY = "model.transformer_layer.submodules.mlp"
 
@@ -100,9 +101,8 @@ class MLP(torch.nn.Module):
                                        name=f"{prefix}.linear_fc2", input_is_parallel=True, scaled_init=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, _ = self.linear_fc1(x)  # [s, b, parts · f/tp]
-        out, _ = self.linear_fc2(self.act(y))
-        return out
+        y = with_returned_bias(self.linear_fc1(x))  # [s, b, parts · f/tp]
+        return with_returned_bias(self.linear_fc2(self.act(y)))
 
 
 MLP_KIND = ComponentKind("MLP", methods=("forward",),

@@ -56,6 +56,13 @@ scaled_init)``, ``forward(x [s, b, in/tp]) -> (y [s(/tp), b, out], bias or None)
 `RowParallelLinear` (weight ``[out, in/tp]``, reduce over TP, or reduce-scatter under SP)."""
 
 
+def with_returned_bias(out: tuple) -> Any:
+    """A linear node's output ``(y, bias or None)`` as one tensor, ``y + bias``: a linear that returns its bias
+    instead of adding it (Megatron's ``skip_bias_add``) leaves the add to its parent, which does it here."""
+    y, bias = out
+    return y if bias is None else y + bias
+
+
 def submodule(node: Any, name: str) -> Any:
     """The child node ``node.submodules.<name>`` (schema dataclass or mapping)."""
     subs = node_items(node).get(SUBMODULES)
