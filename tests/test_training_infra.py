@@ -129,14 +129,16 @@ def test_peak_and_memory_on_cpu():
 
 # --- timers -------------------------------------------------------------------------------------
 def test_timers_levels_accumulate_and_reset():
+    assert Timers(log_level=0).empty  # level 0: no timer runs, the trainer prints no timer line
     timers = Timers(log_level=1)
+    assert timers.empty
     for _ in range(2):
         with timers("optimizer"):
             time.sleep(0.01)
     timers("interval-time", 2).start()  # level 2 > 1: a no-op
     timers("interval-time", 2).stop()
     elapsed = timers.elapsed_s(reset=False)
-    assert list(elapsed) == ["optimizer"]
+    assert list(elapsed) == ["optimizer"] and not timers.empty
     assert elapsed["optimizer"] >= 0.02  # lower bound from the sleeps (not a speed assertion)
     line = timers.report(normalizer=2)
     assert line.startswith("times (ms): optimizer ") and "interval-time" not in line

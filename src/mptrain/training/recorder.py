@@ -206,8 +206,9 @@ class Recorder:
         )
         self.writer.write_train(row)
         self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)
-        if trainer.timers is not None and iteration % self.cfg.train.log_interval == 0:
-            self.log(f"{self.writer.iteration_prefix(iteration)} | {trainer.timers.report(normalizer=self.cfg.train.log_interval, wait=False)}")
+        if trainer.timers is not None and not trainer.timers.empty and iteration % self.cfg.train.log_interval == 0:
+            times = trainer.timers.report(normalizer=self.cfg.train.log_interval, wait=False)
+            self.log(f"{self.writer.iteration_prefix(iteration)} | {times}")
 
     def finish(self, built, *, iteration: int, stopped: Optional[str]) -> dict:
         """Write layout.json (collective gather) and return the job summary (JobResult fields)."""

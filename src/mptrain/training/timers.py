@@ -134,6 +134,11 @@ class Timers:
             self._timers[name] = _Timer(name, self.device)
         return self._timers[name]
 
+    @property
+    def empty(self) -> bool:
+        """No timer has run (at ``log_level`` 0 none does: there is nothing to report)."""
+        return not self._timers
+
     def elapsed_s(self, names: Optional[Iterable[str]] = None, reset: bool = True,
                   wait: bool = True) -> dict[str, float]:
         """{name: seconds} for the given (or all) active timers; names never started are left out
