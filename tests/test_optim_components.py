@@ -198,8 +198,8 @@ BAD = [
     # trainer passes refused, a misspelt schema key answered with it
     (["precision=bf16", "+precision.fp8_recipee=rowwise"],
      r"^precision.fp8_recipee: mptrain.precision.optimizer.MixedPrecisionOptimizer takes no keyword 'fp8_recipee'; "
-     r"it accepts: fold_into_fused_step, log_num_zeros; did you mean precision.fp8_recipe\? remove the key or fix its "
-     r"name$"),
+     r"it accepts: fold_into_fused_step, log_num_zeros; did you mean precision.fp8_recipe\? remove the key "
+     r"\(~precision.fp8_recipee where a preset sets it\) or fix its name$"),
     (["precision=bf16", "+precision.clip_grad=0.5"],
      r"^precision.clip_grad: the trainer passes 'clip_grad' to the optimizer wrapper itself \(train.clip_grad\); "
      r"remove the key$"),

@@ -229,7 +229,8 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
                                    "inter_node_gb_per_s, intra_node_gb_per_s, peak_tflops"),
     ("+precision.fp8_recipee=rowwise", "precision.fp8_recipee: mptrain.precision.optimizer.FP32Optimizer takes no "
                                        "keyword 'fp8_recipee'; it accepts: fold_into_fused_step, log_num_zeros; did you mean "
-                                       "precision.fp8_recipe? remove the key or fix its name"),
+                                       "precision.fp8_recipe? remove the key (~precision.fp8_recipee where a preset "
+                                       "sets it) or fix its name"),
 ])
 def test_bad_plan_numbers_are_one_line(override, line):
     from mptrain.errors import ConfigError

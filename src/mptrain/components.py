@@ -205,7 +205,8 @@ def resolve(key: str, node: Any, kind: ComponentKind, *, mapped: Optional[Mappin
                 f"{key}.{unknown[0]}: {target_path} takes no keyword {unknown[0]!r}"
                 + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else "")
                 + f"; it accepts: {', '.join(offered) or '(none)'}; "
-                + (f"did you mean {key}.{close[0]}? " if close else "") + "remove the key or fix its name")
+                + (f"did you mean {key}.{close[0]}? " if close else "")
+                + f"remove the key (~{key}.{unknown[0]} where a preset sets it) or fix its name")
         mapped_kw = {k: v for k, v in mapped_kw.items() if k in accepted}
     return target, {**mapped_kw, **kwargs}
 
