@@ -779,8 +779,9 @@ def check_import_args(args) -> None:
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="checkpoint.save folder (uses `latest`) or an iter_N folder")
-    parser.add_argument("--iteration", type=int, default=None)
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--iteration", type=int, default=None, help="which iteration (default: latest)")
+    parser.add_argument("--output", required=True, help="the folder to write: the export (model.safetensors + config.json, or a Hugging "
+                             "Face folder), or with --import-hf the checkpoint")
     parser.add_argument("--format", choices=("safetensors", "hf", "hf-gpt2"), default=None,
                         help="safetensors (default); hf: a Hugging Face folder of the model's family (GPT-2, Llama, "
                              "Mistral, Qwen2)")

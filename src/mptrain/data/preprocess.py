@@ -185,11 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input", nargs="+", required=True,
                         help="JSONL(.gz) files (one document per line, its --json-keys) or text files (each file one "
                              "document: split a text into files, or into JSONL lines, for several)")
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="JSONL keys to tokenize, each into its own dataset PREFIX_KEY when several (default: text)")
     parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH[:EOD_TOKEN] | tiktoken:NAME | null:N | class:module.Class")
-    parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx (data.prefixes=[PREFIX])")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin / .idx")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:

@@ -75,11 +75,11 @@ def train_bpe(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.data.train_tokenizer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True)
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--input", nargs="+", required=True, help="JSONL(.gz) or text files (as preprocess reads them)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys to read (default: text)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
     parser.add_argument("--output", required=True, help="tokenizer.json path")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     args = parser.parse_args(argv)
     try:
         n = train_bpe(args.input, output=args.output, vocab_size=args.vocab_size, json_keys=args.json_keys, overwrite=args.overwrite)
