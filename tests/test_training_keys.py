@@ -13,6 +13,14 @@ from train_utils import compose
     (["checkpoint.keep_last_n=-2"], "checkpoint.keep_last_n=-2 must be >= 1, or 0 / null (keep every checkpoint)"),
     (["checkpoint.load=/x", "checkpoint.load_iteration=-1"], "checkpoint.load_iteration=-1 must be >= 0"),
     (["checkpoint.load_iteration=4"], "checkpoint.load_iteration=4 needs checkpoint.load=<folder>"),
+    # keys with no effect where nothing is saved / loaded: the user meant something else
+    (["checkpoint.keep_last_n=2"], "checkpoint.keep_last_n=2 has no effect without checkpoint.save=<folder>; set it, "
+                                   "or checkpoint.keep_last_n=null"),
+    (["checkpoint.async_save=true"], "checkpoint.async_save=true has no effect without checkpoint.save=<folder>; set "
+                                     "it, or checkpoint.async_save=false"),
+    (["checkpoint.load_optim=false"], "checkpoint.load_optim=false has no effect without checkpoint.load=<folder>; "
+                                      "set it, or checkpoint.load_optim=true"),
+    (["checkpoint.load_rng=false"], "checkpoint.load_rng=false has no effect without checkpoint.load=<folder>"),
 ])
 def test_out_of_range_training_keys_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -36,10 +36,14 @@ def check_load_keys(cfg: Any) -> None:
     """The load keys' rules (pure: config only), called by `validate_config`.
 
     Raises:
-        ConfigError: ``finetune`` without ``checkpoint.load``; ``finetune`` saving into the folder it
+        ConfigError: ``load_optim`` / ``load_rng`` false or ``finetune`` without ``checkpoint.load``; ``finetune`` saving into the folder it
             loads from (a restart would fine-tune again from the job's own checkpoint, at iteration 0).
     """
     ck = cfg.checkpoint
+    for key in ("load_optim", "load_rng"):  # what a load skips, set where nothing is loaded: no effect
+        if getattr(ck, key, True) is False and not ck.load:
+            raise ConfigError(f"checkpoint.{key}=false has no effect without checkpoint.load=<folder>; set it, or "
+                              f"checkpoint.{key}=true")
     if not getattr(ck, "finetune", False):
         return
     if not ck.load:

@@ -172,6 +172,12 @@ def check_training_keys(cfg: Config) -> None:
     for key, value in (("train.exit_interval", t.exit_interval), ("checkpoint.save_interval", ck.save_interval)):
         if value is not None and ck.save is None:
             raise ConfigError(f"{key}={value} needs checkpoint.save=<folder> to save into; set it, or {key}=null")
+    # keys that shape saves, set where nothing is saved: no effect, which the user did not mean
+    for key, value, off in (("checkpoint.keep_last_n", ck.keep_last_n, "null"),
+                            ("checkpoint.async_save", ck.async_save, "false")):
+        if value and ck.save is None:
+            value = str(value).lower() if isinstance(value, bool) else value  # as typed: true, not True
+            raise ConfigError(f"{key}={value} has no effect without checkpoint.save=<folder>; set it, or {key}={off}")
 
 
 def check_layout_free(cfg: Any) -> str:
