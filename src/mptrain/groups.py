@@ -187,16 +187,20 @@ def init_distributed(env: DistEnv, *, timeout_s: float = 600.0, device_type: Opt
     return device
 
 
+TORCHRUN_WORLD_SIZE_FLAG = "--nproc_per_node"
+"""What sets the world size in the fix of a layout it does not divide (`validate_layout`): the trainer's
+launch; `mptrain.plan` / `mptrain.check` pass ``world_size``."""
+
+
 def validate_layout(
     world_size: int,
     tensor_model_parallel_size: int,
     pipeline_model_parallel_size: int,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     *,
-    world_size_flag: str = "--nproc_per_node",
+    world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG,
 ) -> int:
-    """Check a layout and return the data-parallel size. ``world_size_flag``: what sets the world size where
-    the fix is given (torchrun's flag; ``world_size`` for `mptrain.plan` / `mptrain.check`).
+    """Check a layout and return the data-parallel size (``world_size_flag``: `TORCHRUN_WORLD_SIZE_FLAG`).
 
     Raises:
         ConfigError: sizes below 1, world size not divisible by tp x pp, or a virtual pipeline

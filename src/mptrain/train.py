@@ -16,7 +16,7 @@ from pathlib import Path
 
 import hydra
 
-from mptrain.config.cli import exit_on_compose_error
+from mptrain.config.cli import TRAIN_PROGRAM, exit_on_compose_error
 from mptrain.config.schema import register
 from mptrain.resources import conf_dir
 from mptrain.training.interrupt import exit_interrupted
@@ -39,7 +39,7 @@ def program() -> str:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name == "mptrain.train":
         return "python -m mptrain.train"
-    return "mptrain-train" if Path(sys.argv[0]).name == "mptrain-train" else "python train.py"
+    return "mptrain-train" if Path(sys.argv[0]).name == "mptrain-train" else TRAIN_PROGRAM
 
 
 def cli() -> None:

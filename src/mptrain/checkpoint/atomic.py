@@ -57,6 +57,11 @@ def list_iterations(root: str) -> list:
     return sorted(out)
 
 
+def checkpoint_exists(load_dir: Optional[str]) -> bool:
+    """Whether `checkpoint.load` points at a folder with a `latest` checkpoint (the run then resumes)."""
+    return bool(load_dir) and (Path(load_dir) / "latest").exists()
+
+
 def read_latest(root: str) -> Optional[int]:
     """The iteration in ``root/latest`` (None when missing or unreadable)."""
     try:

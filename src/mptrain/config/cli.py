@@ -24,13 +24,17 @@ from typing import Optional
 
 from mptrain.errors import CONFIG_ERROR_GRACE_S, launch_rank_and_world, report_and_exit
 
-FIX = "`python train.py --cfg job` lists every key and its value"
-"""The fix of the trainer's lines; `fix_for` names another program's ``--cfg job``."""
+TRAIN_PROGRAM = "python train.py"
+"""The command a fix names unless told another (`mptrain.train.program`: ``python -m mptrain.train``, ...)."""
 
 
 def fix_for(program: str) -> str:
-    """`FIX` for ``program`` (the command a user ran, e.g. ``python -m mptrain.plan``)."""
+    """The fix of a line for ``program`` (the command a user ran, e.g. ``python -m mptrain.plan``)."""
     return f"`{program} --cfg job` lists every key and its value"
+
+
+FIX = fix_for(TRAIN_PROGRAM)
+"""The fix of the trainer's lines."""
 
 GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
 
@@ -131,7 +135,7 @@ def _multirun_by_config(overrides: list, config_dir: str, config_name: str) -> b
 
 
 def _message(err: BaseException, overrides: list, config_dir: str, config_name: str,
-             program: str = "python train.py") -> str:
+             program: str = TRAIN_PROGRAM) -> str:
     """The one-line message for ``err``, starting with the override it is about (where one is found)."""
     for override in overrides:  # the grammar first: its own error names the character
         parse = _parse_error(override)
@@ -166,7 +170,7 @@ def _message(err: BaseException, overrides: list, config_dir: str, config_name: 
 
 
 def compose_error(argv: list, config_dir: str, config_name: str = "config",
-                  program: str = "python train.py") -> Optional[str]:
+                  program: str = TRAIN_PROGRAM) -> Optional[str]:
     """The one-line message for the overrides in ``argv`` that Hydra cannot compose, or None.
 
     Args:
@@ -192,7 +196,7 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config",
 
 def exit_on_compose_error(config_dir: str, argv: Optional[list] = None, *,
                           grace_s: float = CONFIG_ERROR_GRACE_S, config_name: str = "config",
-                          program: str = "python train.py") -> None:
+                          program: str = TRAIN_PROGRAM) -> None:
     """`compose_error` on ``sys.argv[1:]``: rank 0 prints ``error: ...`` and every rank exits 1
     (`report_and_exit`, the same command line on every rank); returns when the command line composes.
     ``config_name``: the top config (``config`` for training, ``plan`` for the planner); ``program``: the

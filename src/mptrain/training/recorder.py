@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from mptrain.checkpoint.atomic import checkpoint_exists
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.embedding import padded_vocab_size
@@ -28,11 +29,6 @@ from mptrain.training.sweep import JobResult, current_sweep_job, eval_summary
 from mptrain.training.throughput import memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 
 log = logging.getLogger("mptrain")
-
-
-def checkpoint_exists(load_dir: Optional[str]) -> bool:
-    """Whether `checkpoint.load` points at a folder with a `latest` checkpoint (the run then resumes)."""
-    return bool(load_dir) and (Path(load_dir) / "latest").exists()
 
 
 def kernels_line(built) -> str:

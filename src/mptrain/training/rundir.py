@@ -217,6 +217,11 @@ def run_dir_from_command_line() -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides)
 
 
+def _spellings(folder: str) -> tuple:
+    """A folder as the config may name it: as given and resolved (the `olds` of `_moved_value` / `_move_paths`)."""
+    return str(Path(folder)), str(Path(folder).resolve())
+
+
 def _moved_value(value: Any, olds: tuple, new: str) -> Any:
     """`value` pointed at `new` when it is one of the `olds` folders or lies under one; else None."""
     for old in olds:
@@ -341,6 +346,8 @@ def resolve_run_dir(
 
     decision: Optional[tuple] = None
     if rank == 0:
+        from mptrain.checkpoint.atomic import checkpoint_exists, save_refusal
+
         configured, moved_from = None, None
         if sweep_job is not None:
             path = Path(sweep_job.root) / sweep_job.subdir
@@ -348,9 +355,9 @@ def resolve_run_dir(
             # `${run.dir}/checkpoints`) move with it, or the jobs would share (and overwrite) one folder
             moved_from = cfg.run.dir if cfg.run.dir and Path(cfg.run.dir).resolve() != path.resolve() else None
             if moved_from is not None:  # `${run.dir}/ck` as checkpoint.load: the job resumes from its own folder's
-                olds = (str(Path(moved_from)), str(Path(moved_from).resolve()))
-                load = _moved_value(getattr(cfg.checkpoint, "load", None), olds, str(path.resolve()))
-                resuming = resuming or (load is not None and (Path(load) / "latest").exists())
+                load = getattr(cfg.checkpoint, "load", None)
+                load = _moved_value(load, _spellings(moved_from), str(path.resolve()))
+                resuming = resuming or checkpoint_exists(load)
         else:
             configured = cfg.run.dir if cfg.run.dir else default_run_dir(cfg)
             path = Path(configured)
@@ -372,9 +379,7 @@ def resolve_run_dir(
         if refusal is None:
             # checkpoint.save where it will be (moved along with the folder): another run's checkpoints there
             # are refused before anything is written
-            from mptrain.checkpoint.atomic import save_refusal
-
-            olds = (str(Path(moved_from)), str(Path(moved_from).resolve())) if moved_from is not None else ()
+            olds = _spellings(moved_from) if moved_from is not None else ()
             save, load = (getattr(cfg.checkpoint, key, None) for key in ("save", "load"))
             save = _moved_value(save, olds, str(path.resolve())) or save
             refusal = save_refusal(save) if save and path_inside(save, path) else None  # outside: checked before
@@ -389,7 +394,7 @@ def resolve_run_dir(
         raise err
     run_dir = Path(path_str)
     if moved_from is not None:  # the folder moved: so do the config's paths inside it, alike on every rank
-        _move_paths(cfg, (str(Path(moved_from)), str(Path(moved_from).resolve())), path_str)
+        _move_paths(cfg, _spellings(moved_from), path_str)
         cfg.run.dir = path_str
     if rank == 0:
         write_config(run_dir, cfg)

@@ -28,7 +28,7 @@ from mptrain.config.schema import Config, as_config
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
-from mptrain.groups import validate_layout
+from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
 from mptrain.layers.fp8 import check_fp8_config
 from mptrain.layers.gpt import check_model_components, check_model_config
@@ -79,7 +79,7 @@ def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> No
 
 
 def check_parallel_sizes(cfg: Config, world_size: int, *,
-                         world_size_flag: str = "--nproc_per_node") -> tuple[int, int, Optional[int], int]:
+                         world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> tuple[int, int, Optional[int], int]:
     """World size vs tp × pp, and the virtual pipeline size; returns (tp, pp, vpp or None, dp).
 
     Raises:
@@ -202,7 +202,7 @@ def check_layout_free(cfg: Any) -> str:
     return loss_scaler
 
 
-def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = "--nproc_per_node") -> DerivedLayout:
+def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> DerivedLayout:
     """Check every DESIGN.md §5 combination and derive the layout; pure (no collectives, no I/O).
 
     Args:
@@ -222,7 +222,7 @@ def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = "--npro
 
 
 def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
-                  world_size_flag: str = "--nproc_per_node") -> DerivedLayout:
+                  world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> DerivedLayout:
     """`validate_config` after `check_layout_free` (which returned ``loss_scaler``): layout sizes, model shape,
     layer split, batch, schedule. For a caller that tries many layouts of one config (`mptrain.planner`), which
     runs the layout-free checks once instead of once per candidate.
