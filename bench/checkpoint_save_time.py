@@ -2,8 +2,9 @@
 
 Runs `train.py`'s job in-process (world 1, or under torchrun) for each mode: `--iters` iterations
 with a save every `--interval`, and reads the "training blocked X s" of every save from the run's
-train.log (`mptrain.checkpoint.api.save_checkpoint` logs it: sync = the whole save; async = the
-wait for the previous save + the device-to-host copy). Prints one JSON row per mode and rank 0:
+train.log (sync: `mptrain.checkpoint.api.save_checkpoint` logs it, the whole save; async:
+`mptrain.training.checkpointing.Checkpointer` logs it, the wait for the previous save + the
+device-to-host copy). Prints one JSON row per mode and rank 0:
 
     {"model", "parallel", "precision", "async_save", "blocking_s": [per save], "blocking_s_median",
      "checkpoint_bytes", "save_dir"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +32,11 @@ def _full(key: str, shape: tuple) -> torch.Tensor:
 
 
 def _build(rank, world, overrides, tp, pp, vpp=None, vocab_size=VOCAB):
-    """(built, groups) with the real model chunks and optimizer wrapper of run.py."""
+    """(job, groups): ``job.state`` the `TrainState` of run.py's model chunks and optimizer wrapper, ``job.cfg``,
+    ``job.scaler`` (the wrapper's loss scaler, or None)."""
     from train_utils import compose
 
+    from mptrain.checkpoint import TrainState
     from mptrain.config.schema import as_config
     from mptrain.groups import build_groups
     from mptrain.training.run import build_model_and_optimizer
@@ -41,9 +44,8 @@ def _build(rank, world, overrides, tp, pp, vpp=None, vocab_size=VOCAB):
     cfg = as_config(compose(BASE + list(overrides)))
     groups = build_groups(tp, pp, vpp)
     chunks, optimizer, sched, tracker, scaler = build_model_and_optimizer(cfg, groups, None, vocab_size=vocab_size)
-    built = types.SimpleNamespace(cfg=cfg, groups=groups, chunks=chunks, rng_tracker=tracker, scaler=scaler,
-                                  trainer=types.SimpleNamespace(optimizer=optimizer, lr_scheduler=sched))
-    return built, groups
+    state = TrainState(chunks=chunks, optimizer=optimizer, lr_scheduler=sched, rng_tracker=tracker)
+    return types.SimpleNamespace(cfg=cfg, state=state, scaler=scaler), groups
 
 
 def _expected(record, kind: str, like: torch.Tensor) -> torch.Tensor:
@@ -66,14 +68,14 @@ def _stepped(piece) -> torch.Tensor:
     return piece.main if piece.main is not None else piece.param
 
 
-def _fill_synthetic(built) -> None:
+def _fill_synthetic(job) -> None:
     from mptrain.checkpoint.state import optimizer_pieces, param_records
 
-    records = param_records(built.chunks)
+    records = param_records(job.state.chunks)
     with torch.no_grad():
         for r in records:
             r.param.copy_(_expected(r, "main", r.param).to(r.param.dtype))
-        opt = built.trainer.optimizer
+        opt = job.state.optimizer
         for r, e in optimizer_pieces(opt.sharded_state_dict(), records):
             _stepped(e).copy_(_local_of(e, _expected(r, "main", r.param)))
             opt.optimizer.state[_stepped(e)] = {
@@ -81,22 +83,22 @@ def _fill_synthetic(built) -> None:
                 "exp_avg": _local_of(e, _expected(r, "exp_avg", r.param)).clone(),
                 "exp_avg_sq": _local_of(e, _expected(r, "exp_avg_sq", r.param)).abs().clone(),
             }
-    built.trainer.lr_scheduler.num_steps = 5
-    if built.scaler is not None:
-        built.scaler.load_state_dict({"scale": 1024.0, "growth_tracker": 7, "hysteresis_tracker": 1})
+    job.state.lr_scheduler.num_steps = 5
+    if job.scaler is not None:
+        job.scaler.load_state_dict({"scale": 1024.0, "growth_tracker": 7, "hysteresis_tracker": 1})
 
 
-def _check_synthetic(built, expect_scale) -> dict:
+def _check_synthetic(job, expect_scale) -> dict:
     """Compare everything loaded with the synthetic expectation; returns counts for the caller."""
     from mptrain.checkpoint.state import optimizer_pieces, param_records
 
-    records = param_records(built.chunks)
+    records = param_records(job.state.chunks)
     n = 0
     for r in records:
         want = _expected(r, "main", r.param).to(r.param.dtype)
         assert torch.equal(r.param.data, want), f"model param {r.name} (ckpt {r.ckpt_name})"
         n += 1
-    opt = built.trainer.optimizer
+    opt = job.state.optimizer
     listed = opt.sharded_state_dict()
     for r, e in optimizer_pieces(listed, records):
         assert torch.equal(_stepped(e).data, _local_of(e, _expected(r, "main", r.param))), f"main {r.name}"
@@ -104,19 +106,21 @@ def _check_synthetic(built, expect_scale) -> dict:
         assert float(st["step"]) == 3.0
         assert torch.equal(st["exp_avg"], _local_of(e, _expected(r, "exp_avg", r.param))), f"exp_avg {r.name}"
         assert torch.equal(st["exp_avg_sq"], _local_of(e, _expected(r, "exp_avg_sq", r.param)).abs()), r.name
-    assert built.trainer.lr_scheduler.num_steps == 5
-    if built.scaler is not None:  # the saved scale, or the initial one when the checkpoint had no scaler
-        assert float(built.scaler.scale.item()) == expect_scale
+    assert job.state.lr_scheduler.num_steps == 5
+    if job.scaler is not None:  # the saved scale, or the initial one when the checkpoint had no scaler
+        assert float(job.scaler.scale.item()) == expect_scale
     return {"params": n, "entries": len(list(optimizer_pieces(listed, records)))}
 
 
 def _save_task(rank, world, root, overrides, tp, pp, vpp=None):
     from mptrain.checkpoint import save_checkpoint
 
-    built, groups = _build(rank, world, overrides + [f"checkpoint.save={root}"], tp, pp, vpp)
+    job, groups = _build(rank, world, overrides + [f"checkpoint.save={root}"], tp, pp, vpp)
     try:
-        _fill_synthetic(built)
-        save_checkpoint(built, iteration=6, consumed_samples=48, recorder=None)
+        _fill_synthetic(job)
+        job.state.iteration, job.state.consumed_samples = 6, 48
+        folder = save_checkpoint(job.state, cfg=job.cfg, groups=groups)
+        assert folder == Path(root) / "iter_0000006"
     finally:
         groups.destroy()
 
@@ -132,11 +136,12 @@ class _Log:
 def _load_task(rank, world, root, overrides, tp, pp, vpp=None, *, expect_scale=1024.0):
     from mptrain.checkpoint import maybe_load_checkpoint
 
-    built, groups = _build(rank, world, overrides + [f"checkpoint.load={root}"], tp, pp, vpp)
+    job, groups = _build(rank, world, overrides + [f"checkpoint.load={root}"], tp, pp, vpp)
     try:
         log = _Log()
-        state = maybe_load_checkpoint(built, log)
-        counts = _check_synthetic(built, expect_scale)
+        maybe_load_checkpoint(job.state, cfg=job.cfg, groups=groups, log=log.log)
+        state = {"iteration": job.state.iteration, "consumed_samples": job.state.consumed_samples}
+        counts = _check_synthetic(job, expect_scale)
         return state, counts, log.lines
     finally:
         groups.destroy()
@@ -257,10 +262,10 @@ def _mismatch_task(rank, world, root, overrides=("model.num_layers=2", "model.hi
     from mptrain.checkpoint import maybe_load_checkpoint
     from mptrain.errors import ConfigError
 
-    built, groups = _build(rank, world, [f"checkpoint.load={root}", *overrides], 1, 1, vocab_size=vocab_size)
+    job, groups = _build(rank, world, [f"checkpoint.load={root}", *overrides], 1, 1, vocab_size=vocab_size)
     try:
         with pytest.raises(ConfigError) as info:
-            maybe_load_checkpoint(built, None)
+            maybe_load_checkpoint(job.state, cfg=job.cfg, groups=groups)
         assert info.value.symmetric  # the same line on every rank (gathered names): rank 0 alone prints it
         return str(info.value)
     finally:

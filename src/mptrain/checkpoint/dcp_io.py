@@ -118,7 +118,7 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         Raises:
             RuntimeError: the index hint does not name a chunk of this key and offsets (it is DCP's
                 ``MetadataIndex.index``, excluded from equality and hashing, so a planner change that
-                rebuilt read items could drop it: fail loudly instead of filling the wrong view).
+                recreated read items could drop it: fail loudly instead of filling the wrong view).
         """
         index = read_item.dest_index
         chunk = self._chunks[index.index] if index.index is not None and 0 <= index.index < len(self._chunks) else None

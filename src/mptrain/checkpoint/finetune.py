@@ -15,7 +15,7 @@ One difference from Megatron: with ``load_optim=false`` the LR schedule still co
 checkpoint's step count (it is a function of the iteration, which continues); ``finetune`` is the
 way to start a new schedule.
 
-The optimizer check (`optimizer_change`) compares the checkpoint with the optimizer the run built
+The optimizer check (`optimizer_change`) compares the checkpoint with the optimizer the run made
 (the torch optimizer inside the wrapper, whatever ``optim._target_`` made it): the class named by
 the saved config (``optim._target_``, or ``optim.name`` in checkpoints written before it), and the
 per-parameter state keys and shapes (a probe step of the current class on a dummy parameter lists
@@ -90,7 +90,7 @@ def probe_state_keys(inner: torch.optim.Optimizer) -> Optional[set]:
 
 def optimizer_change(inner: torch.optim.Optimizer, saved_cfg: dict, current_cfg: dict, tensor_keys: dict,
                      object_keys: set) -> Optional[str]:
-    """What differs between the checkpoint's optimizer state and the optimizer built now (None: nothing).
+    """What differs between the checkpoint's optimizer state and the run's optimizer (None: nothing).
 
     Args:
         inner: the torch optimizer inside the run's wrapper.

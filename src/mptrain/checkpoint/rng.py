@@ -5,7 +5,7 @@ the model-parallel `RNGStatesTracker` (Megatron ``checkpointing.py::get_rng_stat
 keys them by rank). They are restored only when the checkpoint's layout (tp, pp, dp, vpp) equals
 the current one: otherwise a coordinate names a different piece of the model and its stream
 would not be the one an uninterrupted run of this layout has. Then the streams are re-derived
-from (``train.seed``, the iteration, the rank's coordinates): the tracker is rebuilt by
+from (``train.seed``, the iteration, the rank's coordinates): the tracker is re-seeded by
 `mptrain.layers.random.init_rng_tracker` with ``stream_offset = ITERATION_STRIDE · iteration``
 (so a resumed run does not replay the masks of iteration 1), and python / numpy are seeded from
 the same numbers. With dropout 0 (the parity tests) nothing draws from these streams.

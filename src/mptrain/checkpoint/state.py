@@ -17,6 +17,9 @@ resolved config) and ``rng/tp<t>_pp<p>_dp<d>`` (one per rank, see `mptrain.check
 Not saved: padded vocabulary rows; the last stage's copy of a tied embedding (``is_shared_copy``:
 it loads from ``model/embedding.word_embeddings.weight``, as do its main param and moments,
 which equal the embedding's because their grads are all-reduced over the embedding group).
+
+`TrainState` is what the save reads these from and the load fills in place (the training side
+builds it: `mptrain.training.checkpointing`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,38 @@ from typing import Iterator
 import torch
 
 from mptrain.checkpoint.reshard import flat_piece_chunks, tensor_chunks
+from mptrain.layers.random import RNGStatesTracker
 from mptrain.layers.sharding import collect_shard_specs
+from mptrain.optim.lr_scheduler import LRScheduler
 from mptrain.precision.module import unwrap
+from mptrain.precision.optimizer import OptimizerWrapper
 
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+@dataclasses.dataclass
+class TrainState:
+    """This rank's training state: what `mptrain.checkpoint.api.save_checkpoint` saves and
+    `mptrain.checkpoint.api.maybe_load_checkpoint` restores in place.
+
+    Args:
+        chunks: this rank's model chunks, one per virtual stage (DDP / Float16Module wrappers or bare
+            GPT chunks: `unwrap` reaches the GPT chunk and its `ShardSpec`s).
+        optimizer: the optimizer wrapper; its ``sharded_state_dict()`` lists the fp32 main params, the
+            inner optimizer's state, the loss scaler and the skip counters (the scaler is saved from
+            there: it is not a field of its own).
+        lr_scheduler: ``state_dict()`` / ``load_state_dict()`` (`LRScheduler`).
+        rng_tracker: the model-parallel RNG streams (`mptrain.checkpoint.rng`).
+        iteration: completed iterations (saved as checkpoint N; a load sets it, 0 when nothing loads).
+        consumed_samples: samples consumed by those iterations (saved; a load sets it).
+    """
+
+    chunks: list
+    optimizer: OptimizerWrapper
+    lr_scheduler: LRScheduler
+    rng_tracker: RNGStatesTracker
+    iteration: int = 0
+    consumed_samples: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

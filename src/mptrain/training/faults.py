@@ -25,7 +25,8 @@ from mptrain.training.step import chunk_needs_data
 
 FAULT_SITES = ("forward", "data", "save", "save_write")
 """Where ``debug.fail_where`` can inject a failure: the `FaultInjector.maybe_fail` call sites (the forward
-step, the batch read, the checkpoint save of the loop, the checkpoint write in `mptrain.checkpoint.api`)."""
+step, the batch read, the checkpoint save of the loop, the checkpoint write: `mptrain.checkpoint.writer` calls
+the checkpointer's ``before_write``, `mptrain.training.checkpointing.Checkpointer`)."""
 
 
 FAULT_KINDS = ("raise", "sigkill")
@@ -139,8 +140,8 @@ class FaultHook:
 
 def install_fault_hooks(built: Any, *, attempt: int) -> list:
     """The loop hooks of ``built.cfg.debug`` for this rank, installed on ``built.trainer``: ``[FaultHook]``,
-    or ``[]`` when no fault concerns this rank. Sets ``built.faults`` (the injector the checkpoint write
-    consults) when ``debug.fail_rank`` is set.
+    or ``[]`` when no fault concerns this rank. Sets ``built.faults`` (the injector whose ``save_write`` site
+    the checkpointer hands to the checkpoint write) when ``debug.fail_rank`` is set.
 
     ``debug.nonfinite_grad_rank`` poisons every data-parallel replica of that rank's model-parallel
     position (where a NaN in one rank's local grads lands once the DP all-reduce has summed it in;
