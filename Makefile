@@ -9,12 +9,14 @@ setup:
 
 # The main job: a small GPT on the shipped Shakespeare corpus, tp 2 x pp 2 on 4 CPU processes (gloo),
 # through mptrain.launch (torchrun without its failure report: an error is the workers' one line).
+# ARGS come first: Hydra reads its flags (-m, --cfg job) only before the overrides, and an override in
+# ARGS (a key or a group such as parallel=tp1pp4) beats the experiment's wherever it stands.
 # Ctrl-C: the workers finish the step, save, print one line; the shell's trap keeps sh from dying of
 # the SIGINT itself and `|| [ $? -eq 130 ]` keeps make from adding its own line: make then ends by
 # the SIGINT it received, so the shell reports 130.
 train: setup
 	@trap : INT; OMP_NUM_THREADS=1 $(PY) -m mptrain.launch --standalone --nproc_per_node=$(NPROC) \
-		-m mptrain.train experiment=shakespeare_cpu $(ARGS) || [ $$? -eq 130 ]
+		-m mptrain.train $(ARGS) experiment=shakespeare_cpu || [ $$? -eq 130 ]
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

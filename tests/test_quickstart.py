@@ -1,6 +1,6 @@
 """The newcomer's path: the quick-start job saves a checkpoint that generate, export and transformers then
 use as written; Ctrl-C is one line and exit 130; consecutive runs never collide on a folder named by the
-config; a refusal under the launcher is one line.
+config; a refusal under the launcher is one line; `make train ARGS="-m ..."` sweeps.
 
 The quick start runs `make train`'s job (experiment=shakespeare_cpu, tp2 x pp2 on 4 ranks, defaults for
 every path) on the gloo pool in an empty folder, with fewer iterations; the follow-ups call the tools'
@@ -194,3 +194,29 @@ def test_launcher_fresh_run_moves_on_and_says_so_once(launcher_jobs):
         "(pick the folder with run.dir=, or resume with checkpoint.load=)"]
     assert [r["iteration"] for r in read_rows(tmp_path / "outputs" / "tiny-tp2pp1-fp32-2")] == [1, 2]
     assert (taken / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
+
+
+def test_make_train_sweeps_the_layouts_given_in_args(tmp_path):
+    """`make train ARGS="-m parallel=..."`: Hydra reads -m before the experiment's override; both layouts run to the
+    same losses, each job saves into its own folder, and the experiment's run folder, holding a run, gives way to
+    `-2` as a single run's would. (The Makefile's own recipe, run from an empty folder with this interpreter.)"""
+    taken = tmp_path / "outputs" / "shakespeare_cpu"
+    taken.mkdir(parents=True)
+    (taken / "config.yaml").write_text("x: 1\n")
+    (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+    args = "-m parallel=tp2pp1,tp1pp2 train.train_iters=2 train.eval_interval=null"
+    cmd = ["make", "-s", "-o", "setup", "-f", str(REPO / "Makefile"), "train", f"PY={sys.executable}", "NPROC=2",
+           f"ARGS={args}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("sweep: outputs/shakespeare_cpu holds a run; this sweep writes to outputs/shakespeare_cpu-2 (pick the "
+            "folder with run.dir=)") in proc.stderr.splitlines()
+    assert sorted(p.name for p in taken.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    root = tmp_path / "outputs" / "shakespeare_cpu-2"
+    jobs = ["parallel=tp2pp1", "parallel=tp1pp2"]
+    summary = json.loads((root / "summary.json").read_text())
+    assert [(j["dir"], j["status"]) for j in summary["jobs"]] == [(job, "completed") for job in jobs]
+    losses = [[r["lm_loss"] for r in read_rows(root / job)] for job in jobs]
+    assert len(losses[0]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-5)  # DESIGN.md §3: fp32, dropout 0
+    for job in jobs:  # `checkpoint.save: ${run.dir}/checkpoints` is each job's own folder
+        assert (root / job / "checkpoints" / "latest").read_text().strip() == "2"

@@ -1,4 +1,5 @@
-"""Run folder: default name, existing-folder policy, config agreement, rank-0 resolution broadcast (gloo)."""
+"""Run folder: default name, existing-folder policy planned before the config resolves, config agreement,
+rank 0's claim broadcast (gloo)."""
 
 import json
 from pathlib import Path
@@ -10,14 +11,9 @@ from omegaconf import OmegaConf
 from harness import run_distributed
 from mptrain.config.schema import Config
 from mptrain.errors import ConfigError
-from mptrain.training.rundir import (
-    check_config_agreement,
-    config_fingerprint,
-    default_run_dir,
-    resolve_run_dir,
-    run_dir_decision,
-)
-from mptrain.training.sweep import SweepJob
+from mptrain.runs.claim import check_config_agreement, claim_run_dir, config_fingerprint
+from mptrain.runs.folder import default_run_dir, planned_config, run_dir_decision
+from mptrain.runs.summary import SweepJob
 
 
 def _cfg(**dotted):
@@ -27,8 +23,21 @@ def _cfg(**dotted):
     return cfg
 
 
-def _single(cfg, resuming=False, **kw):
-    return resolve_run_dir(cfg, rank=0, world_size=1, resuming=resuming, **kw)
+def _planned(cfg, explicit=True, sweep_job=None):
+    """(resolved config, plan) as the trainer plans them; `explicit`: run.dir came from the command line."""
+    return planned_config(cfg, sweep_job=sweep_job, explicit=explicit)
+
+
+def _single(cfg, explicit=True, sweep_job=None):
+    """The claimed folder of a world of one."""
+    return claim_run_dir(*_planned(cfg, explicit, sweep_job), rank=0, world_size=1)
+
+
+def _checkpoint(folder: Path) -> str:
+    """A folder that `checkpoint.load` resumes from (its `latest`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "latest").write_text("2\n")
+    return str(folder)
 
 
 def test_default_run_dir_is_model_parallel_precision():
@@ -65,7 +74,7 @@ def test_existing_run_folder_refused_unless_resuming(tmp_path):
     with pytest.raises(ConfigError, match=r"run.dir=.*already holds a run \(config.yaml, metrics.jsonl\)") as err:
         _single(cfg)
     assert "\n" not in str(err.value)
-    assert _single(cfg, resuming=True) == d  # appended to when resuming
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=_checkpoint(tmp_path / "ck"))) == d  # appended to: resuming
     assert (d / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
 
 
@@ -73,10 +82,11 @@ def test_non_run_folder_and_file_refused_even_when_resuming(tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("x")
     (tmp_path / "afile").write_text("x")
+    ck = _checkpoint(tmp_path / "ck")
     for name, text in (("junk", "is not empty (notes.txt, ...) and is not a run folder"), ("afile", "is not a folder")):
-        for resuming in (False, True):
+        for load in (None, ck):  # fresh, resuming
             with pytest.raises(ConfigError, match=r"run.dir=") as err:
-                _single(_cfg(run__dir=str(tmp_path / name)), resuming=resuming)
+                _single(_cfg(run__dir=str(tmp_path / name), checkpoint__load=load))
             assert text in str(err.value)
     assert run_dir_decision(tmp_path / "missing", resuming=False) is None
 
@@ -89,34 +99,35 @@ def test_sweep_job_folder_under_the_root(tmp_path):
 
 
 def test_a_sweep_job_resumes_from_the_checkpoints_in_its_own_folder(tmp_path):
-    """`-m ... checkpoint.load=${run.dir}/ck`: the path names the sweep root until it moves into the job's folder;
-    a job folder holding a run and its checkpoints is appended to (the second half of a sweep split in time)."""
-    from mptrain.config.schema import as_config
-
+    """`-m ... checkpoint.load=${run.dir}/ck`: the path resolves into the job's folder; a job folder holding a run
+    and its checkpoints is appended to (the second half of a sweep split in time)."""
     root, sub = tmp_path / "S", "train.seed=1"
     _hold_run(root / sub)
-    (root / sub / "ck").mkdir()
-    (root / sub / "ck" / "latest").write_text("2\n")
+    _checkpoint(root / sub / "ck")
     job = SweepJob(root=str(root), subdir=sub, num=0, overrides=(sub,), swept=("train.seed",))
-    cfg = as_config(_cfg(run__dir=str(root), checkpoint__save=f"{root}/ck", checkpoint__load=f"{root}/ck"))
-    assert _single(cfg, sweep_job=job) == root / sub  # resuming as the trainer computes it: from the unmoved path
-    assert cfg.checkpoint.load == f"{root}/{sub}/ck"
+    cfg = _cfg(run__dir=str(root))
+    cfg.checkpoint.save = cfg.checkpoint.load = "${run.dir}/ck"
+    config, plan = _planned(cfg, sweep_job=job)
+    assert plan.resuming and config.checkpoint.load == f"{root}/{sub}/ck"
+    assert claim_run_dir(config, plan, rank=0, world_size=1) == root / sub
     other = SweepJob(root=str(root), subdir="train.seed=2", num=1, overrides=(), swept=("train.seed",))
     _hold_run(root / "train.seed=2")  # a run without checkpoints: still refused, as before
     with pytest.raises(ConfigError, match="already holds a run"):
-        _single(as_config(_cfg(run__dir=str(root), checkpoint__load=f"{root}/ck")), sweep_job=other)
+        _single(cfg, sweep_job=other)
 
 
-def test_sweep_job_takes_the_paths_inside_the_configured_folder_along(tmp_path):
-    """A resolved `${run.dir}/checkpoints` follows each job into its own folder (jobs never share one)."""
-    from mptrain.config.schema import as_config
-
+def test_sweep_job_paths_under_run_dir_are_the_jobs_own(tmp_path):
+    """`${run.dir}/checkpoints` resolves into each job's own folder (jobs never share one); other paths stay."""
     root = tmp_path / "S"
     for sub in ("parallel=tp2pp1", "parallel=tp1pp2"):
         job = SweepJob(root=str(root), subdir=sub, num=1, overrides=(sub,), swept=("parallel",))
-        cfg = as_config(_cfg(run__dir=str(root), checkpoint__save=f"{root}/checkpoints", checkpoint__load=f"{tmp_path}/x"))
-        assert _single(cfg, sweep_job=job) == root / sub
-        assert (cfg.checkpoint.save, cfg.checkpoint.load) == (f"{root}/{sub}/checkpoints", f"{tmp_path}/x")
+        cfg = _cfg(run__dir=str(root), checkpoint__load=f"{tmp_path}/x")
+        cfg.checkpoint.save = "${run.dir}/checkpoints"
+        config, plan = _planned(cfg, sweep_job=job)
+        assert claim_run_dir(config, plan, rank=0, world_size=1) == root / sub
+        assert (config.run.dir, config.checkpoint.save, config.checkpoint.load) == (
+            f"{root}/{sub}", f"{root}/{sub}/checkpoints", f"{tmp_path}/x")
+        assert cfg.run.dir == str(root)  # the caller's config is left alone
 
 
 def test_fingerprint_ignores_run_dir_only():
@@ -133,32 +144,37 @@ def test_config_mismatch_names_key_and_values():
     check_config_agreement(fps[:2])
 
 
-def _resolve_on_world(rank, world_size, root, seed_on_rank1, existing):
-    """Every rank resolves; returns the path or the ConfigError text (so the test sees every rank's outcome)."""
+def _claim_on_world(rank, world_size, root, seed_on_rank1, taken_after_plan):
+    """Every rank plans and claims; returns the path or the ConfigError text (so the test sees every rank's
+    outcome). `taken_after_plan`: rank 0 finds the folder holding a run once every rank has planned (another
+    run took it meanwhile); the others must learn the verdict from rank 0."""
+    import torch.distributed as dist
+
     seed = seed_on_rank1 if rank == 1 else 1234
-    cfg = _cfg(run__dir=str(Path(root) / "run"), train__seed=seed)
-    if existing and rank == 0:  # only rank 0 looks at the disk; the others must learn the verdict from it
+    config, plan = _planned(_cfg(run__dir=str(Path(root) / "run"), train__seed=seed))
+    dist.barrier()
+    if taken_after_plan and rank == 0:
         (Path(root) / "run").mkdir(exist_ok=True)
         (Path(root) / "run" / "train.log").write_text("old\n")
     try:
-        return str(resolve_run_dir(cfg, rank=rank, world_size=world_size, resuming=False))
+        return str(claim_run_dir(config, plan, rank=rank, world_size=world_size))
     except ConfigError as e:
         return "ConfigError: " + str(e)
 
 
-def test_world2_rank0_resolves_and_broadcasts(tmp_path):
-    out = run_distributed(_resolve_on_world, 2, str(tmp_path), 1234, False)
+def test_world2_rank0_claims_and_broadcasts(tmp_path):
+    out = run_distributed(_claim_on_world, 2, str(tmp_path), 1234, False)
     assert out == [str(tmp_path / "run")] * 2
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]  # written once, by rank 0
 
 
 def test_world2_refusal_raised_on_every_rank(tmp_path):
-    out = run_distributed(_resolve_on_world, 2, str(tmp_path), 1234, True)
+    out = run_distributed(_claim_on_world, 2, str(tmp_path), 1234, True)
     assert out[0] == out[1] and out[0].startswith("ConfigError: run.dir=") and "already holds a run (train.log)" in out[0]
 
 
 def test_world2_config_mismatch_raised_on_every_rank_before_the_folder(tmp_path):
-    out = run_distributed(_resolve_on_world, 2, str(tmp_path), 99, False)
+    out = run_distributed(_claim_on_world, 2, str(tmp_path), 99, False)
     assert out[0] == out[1]
     assert "rank 1's resolved config differs from rank 0's at train.seed (rank 0: 1234, rank 1: 99)" in out[0]
     assert not (tmp_path / "run").exists()
@@ -235,8 +251,11 @@ def test_configured_folder_holding_a_run_gives_way_to_the_first_free_suffix(tmp_
     _hold_run(d)
     cfg = _cfg(run__dir=str(d))
     cfg.checkpoint.save = "${run.dir}/checkpoints"
-    assert _single(cfg, from_command_line=False) == tmp_path / "r-2"
-    assert cfg.run.dir == str(tmp_path / "r-2") and cfg.checkpoint.save == f"{tmp_path}/r-2/checkpoints"
+    config, plan = _planned(cfg, explicit=False)
+    assert config.run.dir == str(tmp_path / "r-2") and config.checkpoint.save == f"{tmp_path}/r-2/checkpoints"
+    assert capsys.readouterr().err == ""  # planned: nothing said, nothing written until the run claims the folder
+    assert not (tmp_path / "r-2").exists()
+    assert claim_run_dir(config, plan, rank=0, world_size=1) == tmp_path / "r-2"
     assert capsys.readouterr().err == (f"run.dir: {d} already holds a run; this run writes to {tmp_path}/r-2 "
                                        "(pick the folder with run.dir=, or resume with checkpoint.load=)\n")
     assert (d / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
@@ -246,46 +265,50 @@ def test_configured_folder_holding_a_run_gives_way_to_the_first_free_suffix(tmp_
     (tmp_path / "r-2" / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
     (tmp_path / "r-3").mkdir()
     (tmp_path / "r-3" / "notes.txt").write_text("x")  # not a run folder: skipped, never written to
-    assert _single(_cfg(run__dir=str(d)), from_command_line=False) == tmp_path / "r-4"
+    assert _single(_cfg(run__dir=str(d)), explicit=False) == tmp_path / "r-4"
     assert sorted(p.name for p in (tmp_path / "r-3").iterdir()) == ["notes.txt"]
 
 
 def test_a_save_folder_inside_run_dir_is_judged_where_it_lands(tmp_path, capsys, monkeypatch):
-    """checkpoint.save under run.dir moves with it: the old run's unusable folder does not refuse the new run
-    (validation leaves it to the folder decision), and the moved folder is checked where it lands."""
+    """checkpoint.save under run.dir resolves into the planned folder: the old run's unusable folder does not
+    refuse the new run, and the save folder is checked where it lands (by the plan; the trainer's checkpoint
+    checks leave a save folder inside run.dir to it)."""
     from mptrain.checkpoint import atomic
     from mptrain.training.run import _check_checkpoint_paths
-    from mptrain.config.schema import as_config
 
     d = tmp_path / "r"
     _hold_run(d)
     (d / "checkpoints").write_text("not a folder")  # the old run's: no save could write under it
     cfg = _cfg(run__dir=str(d))
     cfg.checkpoint.save = "${run.dir}/checkpoints/sub"
-    _check_checkpoint_paths(as_config(cfg))  # no refusal before the folder is decided
-    assert _single(cfg, from_command_line=False) == tmp_path / "r-2"
-    capsys.readouterr()
+    config, _ = _planned(cfg, explicit=False)
+    _check_checkpoint_paths(config)  # inside run.dir: the plan's to judge
+    assert config.checkpoint.save == f"{tmp_path}/r-2/checkpoints/sub"
     assert atomic.save_refusal(str(d / "checkpoints" / "sub")) is not None  # where it was, it would be refused
     monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # where it lands, this user cannot write
     cfg = _cfg(run__dir=str(tmp_path / "new"))
     cfg.checkpoint.save = "${run.dir}/checkpoints"
     with pytest.raises(ConfigError) as err:
-        _single(cfg, from_command_line=False)
+        _single(cfg, explicit=False)
     assert str(err.value) == (f"checkpoint.save={tmp_path}/new/checkpoints: {tmp_path} is not writable by this user; "
                               "fix its permissions or point checkpoint.save= elsewhere")
     assert not (tmp_path / "new").exists()  # refused before the folder was created
 
 
-def test_configured_folder_moves_the_literal_paths_inside_it_of_a_config_object(tmp_path):
-    """A resolved `Config` (what the trainer passes): literal values under the configured folder move, others stay."""
-    from mptrain.config.schema import as_config
+def test_a_literal_path_under_the_configured_folder_stays_and_is_never_overwritten(tmp_path):
+    """Only `${run.dir}` follows the planned folder: a path typed out stays as given, so a save folder holding the
+    old run's checkpoints is refused (the trainer's checkpoint checks), not written over or silently moved."""
+    from mptrain.checkpoint.atomic import iter_dir_name
+    from mptrain.training.run import _check_checkpoint_paths
 
     d = tmp_path / "r"
     _hold_run(d)
-    cfg = as_config(_cfg(run__dir=str(d), checkpoint__save=f"{d}/ck", checkpoint__load=f"{tmp_path}/other"))
-    assert _single(cfg, from_command_line=False) == tmp_path / "r-2"
-    assert (cfg.run.dir, cfg.checkpoint.save, cfg.checkpoint.load) == (
-        str(tmp_path / "r-2"), f"{tmp_path}/r-2/ck", f"{tmp_path}/other")
+    (d / "ck" / iter_dir_name(8)).mkdir(parents=True)
+    (d / "ck" / "latest").write_text("8\n")
+    config, plan = _planned(_cfg(run__dir=str(d), checkpoint__save=f"{d}/ck"), explicit=False)
+    assert (plan.dir, config.checkpoint.save) == (str(tmp_path / "r-2"), f"{d}/ck")
+    with pytest.raises(ConfigError, match=rf"checkpoint.save={d}/ck already holds checkpoints \(latest = iteration 8\)"):
+        _check_checkpoint_paths(config)
 
 
 def test_configured_folder_is_resumed_only_from_its_own_checkpoints(tmp_path, capsys):
@@ -294,54 +317,74 @@ def test_configured_folder_is_resumed_only_from_its_own_checkpoints(tmp_path, ca
     says how to append to that run instead."""
     d = tmp_path / "r"
     _hold_run(d)
-    other = f"{tmp_path}/other/checkpoints"
-    assert _single(_cfg(run__dir=str(d), checkpoint__load=f"{d}/checkpoints"), resuming=True,
-                   from_command_line=False) == d
+    own, other = _checkpoint(d / "checkpoints"), _checkpoint(tmp_path / "other" / "checkpoints")
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=own), explicit=False) == d
     capsys.readouterr()
-    assert _single(_cfg(run__dir=str(d), checkpoint__load=other), resuming=True, from_command_line=False) == tmp_path / "r-2"
+    rows = (d / "metrics.jsonl").read_text()
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=other), explicit=False) == tmp_path / "r-2"
     assert capsys.readouterr().err == (f"run.dir: {d} already holds a run; this run writes to {tmp_path}/r-2 (its "
                                        "checkpoint.load lies outside it: add run.dir=<the folder of that run> to "
                                        "append there)\n")
-    assert sorted(p.name for p in d.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert sorted(p.name for p in d.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert (d / "metrics.jsonl").read_text() == rows
 
 
 def test_default_folder_holding_a_run_gives_way(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _hold_run(tmp_path / "outputs" / "tiny-tp1pp1-fp32")
-    assert _single(_cfg(), from_command_line=False) == tmp_path / "outputs" / "tiny-tp1pp1-fp32-2"
+    assert _single(_cfg(), explicit=True) == tmp_path / "outputs" / "tiny-tp1pp1-fp32-2"  # no run.dir: the config's
 
 
 def test_command_line_folder_holding_a_run_is_refused_and_resume_appends(tmp_path):
     d = tmp_path / "r"
     _hold_run(d)
     with pytest.raises(ConfigError, match=r"run.dir=.*already holds a run \(config.yaml, metrics.jsonl\)") as err:
-        _single(_cfg(run__dir=str(d)), from_command_line=True)
+        _single(_cfg(run__dir=str(d)), explicit=True)
     assert err.value.symmetric  # the same line on every rank: rank 0 alone prints it
-    # a resume from the folder's own checkpoints appends
-    assert _single(_cfg(run__dir=str(d), checkpoint__load=f"{d}/checkpoints"), resuming=True, from_command_line=False) == d
-    assert _single(_cfg(run__dir=str(d)), resuming=True, from_command_line=True) == d
+    # a resume from the folder's own checkpoints appends; from the command line's folder, any resume does
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=_checkpoint(d / "checkpoints")), explicit=False) == d
+    assert _single(_cfg(run__dir=str(d), checkpoint__load=_checkpoint(tmp_path / "other")), explicit=True) == d
     assert not (tmp_path / "r-2").exists()
 
 
 def test_composed_outside_a_hydra_app_counts_as_command_line():
-    from mptrain.training.rundir import run_dir_from_command_line
+    from mptrain.runs.folder import run_dir_from_command_line
 
     assert run_dir_from_command_line() is True
+    assert run_dir_from_command_line(["model=tiny", "run.dir=S"]) and not run_dir_from_command_line(["model=tiny"])
 
 
-def _resolve_configured_on_world(rank, world_size, root):
+def _claim_configured_on_world(rank, world_size, root, plan_on_rank1):
+    """Every rank plans the configured folder (it holds a run) and claims it; rank 1 may be handed another plan."""
+    from dataclasses import replace
+
     cfg = _cfg(run__dir=str(Path(root) / "run"))
     cfg.checkpoint.save = "${run.dir}/ck"
-    if rank == 0:
-        _hold_run(Path(root) / "run")
-    path = resolve_run_dir(cfg, rank=rank, world_size=world_size, resuming=False, from_command_line=False)
-    return str(path), cfg.run.dir, cfg.checkpoint.save
+    config, plan = _planned(cfg, explicit=False)
+    if rank == 1 and plan_on_rank1:  # as if another run had created folders between the ranks' plans
+        config.run.dir = plan_on_rank1
+        plan = replace(plan, dir=plan_on_rank1)
+    try:
+        return str(claim_run_dir(config, plan, rank=rank, world_size=world_size)), config.run.dir, config.checkpoint.save
+    except ConfigError as e:
+        return "ConfigError: " + str(e)
 
 
-def test_world2_moved_folder_broadcast_to_every_rank(tmp_path):
-    out = run_distributed(_resolve_configured_on_world, 2, str(tmp_path))
+def test_world2_every_rank_plans_the_same_moved_folder(tmp_path):
+    _hold_run(tmp_path / "run")
+    out = run_distributed(_claim_configured_on_world, 2, str(tmp_path), None)
     moved = str(tmp_path / "run-2")
     assert out == [(moved, moved, f"{moved}/ck")] * 2
+    assert sorted(p.name for p in (tmp_path / "run-2").iterdir()) == ["config.yaml"]
+
+
+def test_world2_ranks_that_planned_different_folders_stop_before_the_folder(tmp_path):
+    _hold_run(tmp_path / "run")
+    out = run_distributed(_claim_configured_on_world, 2, str(tmp_path), str(tmp_path / "run-3"))
+    assert out[0] == out[1] == (f"ConfigError: run.dir: rank 1 planned {tmp_path}/run-3, rank 0 {tmp_path}/run-2 "
+                                "(another run was creating folders as this one started); start again, or pick the "
+                                "folder with run.dir=")
+    assert not (tmp_path / "run-2").exists() and not (tmp_path / "run-3").exists()
 
 
 def test_run_dir_interpolation_is_the_default_run_folder_and_a_resume_appends_there(tmp_path, monkeypatch):
@@ -366,20 +409,17 @@ def test_run_dir_interpolation_is_the_default_run_folder_and_a_resume_appends_th
 
 
 def test_run_dir_interpolation_follows_the_default_folder_to_its_free_suffix(tmp_path, monkeypatch):
-    from mptrain.config.schema import as_config
-    from mptrain.training.rundir import with_planned_run_dir
-
     monkeypatch.chdir(tmp_path)
     _hold_run(tmp_path / "outputs" / "tiny-tp1pp1-fp32")
     composed = _cfg(checkpoint__save="${run.dir}/ck")
-    cfg = as_config(with_planned_run_dir(composed))
+    config, plan = _planned(composed)
     assert composed.run.dir is None  # the caller's config is left alone
-    assert _single(cfg, from_command_line=False) == tmp_path / "outputs" / "tiny-tp1pp1-fp32-2"
-    assert cfg.checkpoint.save == f"{tmp_path}/outputs/tiny-tp1pp1-fp32-2/ck"
+    assert claim_run_dir(config, plan, rank=0, world_size=1) == tmp_path / "outputs" / "tiny-tp1pp1-fp32-2"
+    assert config.checkpoint.save == "outputs/tiny-tp1pp1-fp32-2/ck"
     saved = yaml.safe_load((tmp_path / "outputs" / "tiny-tp1pp1-fp32-2" / "config.yaml").read_text())
-    assert saved["checkpoint"]["save"] == f"{tmp_path}/outputs/tiny-tp1pp1-fp32-2/ck"
+    assert saved["checkpoint"]["save"] == "outputs/tiny-tp1pp1-fp32-2/ck"
     sweep = SweepJob(root=str(tmp_path / "S"), subdir="precision=bf16", num=0, overrides=(), swept=("precision",))
-    assert as_config(with_planned_run_dir(composed, sweep)).checkpoint.save == f"{tmp_path}/S/precision=bf16/ck"
+    assert _planned(composed, sweep_job=sweep)[0].checkpoint.save == f"{tmp_path}/S/precision=bf16/ck"
 
 
 def _other_runs_checkpoints(path: Path) -> None:
@@ -392,7 +432,7 @@ def test_fresh_run_into_a_checkpoint_save_holding_checkpoints_is_refused_before_
     (no run folder, `latest` untouched); the same folder as checkpoint.load resumes (checked alone here)."""
     from train_utils import compose
 
-    from mptrain.training.rundir import checkpoint_save_refusal
+    from mptrain.runs.folder import checkpoint_save_refusal
     from mptrain.training.run import run
 
     ck = tmp_path / "ckcopy"
@@ -414,26 +454,31 @@ def test_checkpoint_save_inside_run_dir_holding_checkpoints_is_refused_by_the_ru
     d = tmp_path / "r"
     _hold_run(d)
     _other_runs_checkpoints(d / "ck")
-    cfg = _cfg(run__dir=str(d), checkpoint__save="${run.dir}/ck", checkpoint__load=f"{tmp_path}/other")
+    cfg = _cfg(run__dir=str(d), checkpoint__save="${run.dir}/ck", checkpoint__load=_checkpoint(tmp_path / "other"))
     with pytest.raises(ConfigError) as err:
-        _single(cfg, resuming=True, from_command_line=True)
+        _single(cfg, explicit=True)
     assert err.value.symmetric
     assert str(err.value).startswith(f"checkpoint.save={d}/ck already holds checkpoints (latest = iteration 8) and "
                                      f"this run does not resume from them; resume with checkpoint.load={d}/ck")
     assert (d / "config.yaml").read_text() == "x: 1\n"
     assert _single(_cfg(run__dir=str(d), checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"),
-                   resuming=True, from_command_line=True) == d
+                   explicit=True) == d
 
 
-def test_planned_default_folder_follows_the_checkpoints_model_name():
-    """`checkpoint.use_checkpoint_args` replaced model.name after `${run.dir}` resolved: the default folder
-    names the checkpoint's model; the save folder inside it moves along, checkpoint.load (already read) stays."""
+def test_planned_default_folder_follows_the_checkpoints_model_name(tmp_path, monkeypatch):
+    """`checkpoint.use_checkpoint_args` replaces model.name as the config resolves: the default folder names the
+    checkpoint's model and the save folder inside it goes along; checkpoint.load (already read) stays."""
     from mptrain.config.schema import as_config
-    from mptrain.training.rundir import follow_checkpoint_model_name, with_planned_run_dir
 
-    planned = with_planned_run_dir(_cfg(checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"))
-    cfg = as_config(planned)
-    cfg.model.name = "llama"
-    follow_checkpoint_model_name(cfg, planned.run.dir)
-    assert (cfg.run.dir, cfg.checkpoint.save, cfg.checkpoint.load) == (
-        "outputs/llama-tp1pp1-fp32", "outputs/llama-tp1pp1-fp32/ck", "outputs/tiny-tp1pp1-fp32/ck")
+    def resolve(composed):  # as the trainer's resolve does with a checkpoint that brings its model
+        config = as_config(composed)
+        config.model.name = "llama"
+        return config
+
+    monkeypatch.chdir(tmp_path)
+    _hold_run(tmp_path / "outputs" / "llama-tp1pp1-fp32")  # the checkpoint model's folder is planned like any other
+    config, plan = planned_config(_cfg(checkpoint__save="${run.dir}/ck", checkpoint__load="${run.dir}/ck"),
+                                  resolve=resolve)
+    assert (config.run.dir, config.checkpoint.save, config.checkpoint.load) == (
+        "outputs/llama-tp1pp1-fp32-2", "outputs/llama-tp1pp1-fp32-2/ck", "outputs/tiny-tp1pp1-fp32/ck")
+    assert plan.configured == "outputs/llama-tp1pp1-fp32"

@@ -12,7 +12,6 @@ import yaml
 from harness import run_distributed
 from procs import run_python
 from mptrain.config.model import ModelConfig
-from mptrain.config.schema import sweep_root
 from mptrain.errors import ConfigError
 from mptrain.groups import build_groups
 from mptrain.layers.params import flops_per_iteration, matmul_weights
@@ -22,17 +21,8 @@ from mptrain.training.layout import (
     gather_and_write_layout,
     optimizer_state_bytes,
 )
-from mptrain.training.sweep import (
-    SweepJob,
-    JobResult,
-    eval_summary,
-    start_sweep,
-    command_line_overrides,
-    job_subdir,
-    read_summary,
-    record_job,
-    swept_keys,
-)
+from mptrain.runs.summary import JobResult, SweepJob, eval_summary, read_summary, record_job, start_sweep
+from mptrain.runs.sweep import plan_sweep, sweep_job_of, sweep_root, swept_keys
 from mptrain.training.throughput import (
     StartupClock,
     peak_tflops_per_gpu,
@@ -151,19 +141,55 @@ def test_timers_levels_accumulate_and_reset():
 
 
 # --- sweeps -------------------------------------------------------------------------------------
-def test_swept_keys_from_the_command_line():
-    argv = ["-m", "--config-name", "config", "model=tiny", "parallel=tp1pp1,tp2pp1", "precision=choice(fp32,bf16)",
-            "train.train_iters=3", "run.dir=S"]
-    over = command_line_overrides(argv)
-    assert over == ["model=tiny", "parallel=tp1pp1,tp2pp1", "precision=choice(fp32,bf16)", "train.train_iters=3", "run.dir=S"]
-    assert swept_keys(over) == ["parallel", "precision"]
+def _job_hydra_config(overrides):
+    """The `hydra` node Hydra composes for one sweep job with `overrides` (the sweep plan's hydra overrides first;
+    the job number is the launcher's)."""
+    from hydra import compose, initialize_config_dir
+
+    from mptrain.config.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=["hydra.mode=MULTIRUN", "hydra.job.num=0", *overrides], return_hydra_config=True).hydra
+
+
+def test_the_sweep_plan_names_each_job_folder_through_hydra():
+    """The sweep's own overrides (Hydra's `hydra.overrides.task`, sweeps unexpanded) give the swept keys; the plan's
+    hydra overrides make Hydra name each job's folder by them (`hydra.job.override_dirname`) under the root."""
+    task = ["model=tiny", "parallel=tp1pp1,tp2pp1", "precision=choice(fp32,bf16)", "train.train_iters=3", "run.dir=S"]
+    assert swept_keys(task) == ["parallel", "precision"]
     assert swept_keys(["model=tiny"], {"optim.lr": "1e-3,3e-4"}) == ["optim.lr"]
     with pytest.raises(ConfigError, match="run.dir cannot be swept"):
         swept_keys(["run.dir=a,b"])
-    job = ["model=tiny", "precision=bf16", "parallel=tp2pp1", "train.train_iters=3", "run.dir=S"]
-    assert job_subdir(job, ["parallel", "precision"]) == "parallel=tp2pp1,precision=bf16"
-    assert job_subdir(["data.cache_dir=a/b"], ["data.cache_dir"]) == "data.cache_dir=a_b"
-    assert sweep_root(None) == "outputs/multirun" and sweep_root("S") == "S"
+    plan = plan_sweep(task, run_dir="S")
+    assert (plan.root, plan.unswept, plan.move_line) == ("S", ("model", "run.dir", "train.train_iters"), None)
+    job = sweep_job_of(_job_hydra_config([*plan.hydra_overrides, "model=tiny", "precision=bf16", "parallel=tp2pp1",
+                                          "train.train_iters=3", "run.dir=S"]))
+    assert (job.root, job.subdir, job.swept) == ("S", "parallel=tp2pp1,precision=bf16", ("parallel", "precision"))
+    assert job.dir == Path("S/parallel=tp2pp1,precision=bf16")
+    plan = plan_sweep(["checkpoint.save=a/b,c/d", "model=tiny"], run_dir="my sweeps/it's")
+    job = sweep_job_of(_job_hydra_config([*plan.hydra_overrides, "checkpoint.save=a/b", "model=tiny"]))
+    assert (job.root, job.subdir) == ("my sweeps/it's", "checkpoint.save=a_b")  # quoted root; `/` in a value: one folder
+
+
+def test_a_sweep_root_the_config_names_gives_way_when_it_holds_anything(tmp_path, monkeypatch):
+    """`run.dir` from the command line is the root as is (a second sweep appends); the config's root (or
+    outputs/multirun) gives way to `<root>-N` when it holds a run or an earlier sweep, not Hydra's own file."""
+    monkeypatch.chdir(tmp_path)
+    assert sweep_root(None, explicit=False) == "outputs/multirun"
+    (tmp_path / "outputs" / "multirun").mkdir(parents=True)
+    (tmp_path / "outputs" / "multirun" / "multirun.yaml").write_text("x: 1\n")  # another rank's sweeper, just now
+    assert sweep_root(None, explicit=False) == "outputs/multirun"
+    (tmp_path / "outputs" / "multirun" / "summary.json").write_text("{}")
+    assert plan_sweep(["train.seed=1,2"], run_dir=None).move_line == (
+        "sweep: outputs/multirun holds an earlier sweep; this sweep writes to outputs/multirun-2 (pick the folder with "
+        "run.dir=)")
+    (tmp_path / "R").mkdir()
+    (tmp_path / "R" / "config.yaml").write_text("x: 1\n")
+    assert sweep_root("R", explicit=False) == "R-2" and sweep_root("R", explicit=True) == "R"
+    assert plan_sweep(["train.seed=1,2"], run_dir="R").move_line == (
+        "sweep: R holds a run; this sweep writes to R-2 (pick the folder with run.dir=)")
+    assert plan_sweep(["train.seed=1,2", "run.dir=R"], run_dir="R").root == "R"
 
 
 def test_record_job_writes_summary_json_and_md(tmp_path):
@@ -238,13 +264,15 @@ APP = textwrap.dedent('''
         from mptrain.training.validate import validate_config
         from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout
         from mptrain.training.metrics import MetricsWriter, TrainRow
-        from mptrain.training.rundir import resolve_run_dir, with_planned_run_dir
-        from mptrain.training.sweep import JobResult, current_sweep_job
-        cfg = with_planned_run_dir(cfg, current_sweep_job())
+        from mptrain.runs.claim import claim_run_dir
+        from mptrain.runs.folder import planned_config
+        from mptrain.runs.summary import JobResult
+        from mptrain.runs.sweep import current_sweep_job
+        cfg, plan = planned_config(cfg, sweep_job=current_sweep_job())
         derived = validate_config(cfg, 2)
         if cfg.train.seed == 99:
             raise RuntimeError("injected runtime failure")
-        run_dir = resolve_run_dir(cfg, rank=0, world_size=1, resuming=False, sweep_job=current_sweep_job())
+        run_dir = claim_run_dir(cfg, plan, rank=0, world_size=1)
         with MetricsWriter(run_dir, 0, progress_bar=False) as w:
             w.write_train(TrainRow(1, 8, 5.0, 1e-3, 1.0, 1.0, False, 0, 0, derived.num_microbatches, 10.0, None, None, None))
         facts = RankFacts(0, 0, 0, 0, None, [0, 1, 2, 3], 10, "float32", None, 0, derived.schedule, 1, {{}}, 8)
@@ -320,6 +348,29 @@ def test_a_sweep_without_run_dir_gets_a_fresh_root_and_run_dir_is_the_job_folder
         assert saved["run"]["dir"] == str(work / "outputs" / root / "train.seed=2")
         assert saved["checkpoint"]["save"] == f"outputs/{root}/train.seed=2/ck"
     assert sorted(p.name for p in (work / "outputs").iterdir()) == ["multirun", "multirun-2"]
+
+
+@pytest.mark.parametrize("multirun", [["-m"], ["hydra.mode=MULTIRUN"]], ids=["-m", "hydra.mode"])
+def test_a_sweep_into_the_configs_run_folder_holding_a_run_moves_on(tmp_path, multirun):
+    """`make train ARGS="-m ..."` or `ARGS="hydra.mode=MULTIRUN ..."`: the experiment's run.dir holds a run, so the
+    sweep goes to `<dir>-2` as a single run would (one line says so); the run there is untouched."""
+    taken = tmp_path / "work" / "outputs" / "shakespeare_cpu"
+    taken.mkdir(parents=True)
+    (taken / "config.yaml").write_text("x: 1\n")
+    (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+    proc, work = _run_app(tmp_path, *multirun, "experiment=shakespeare_cpu", "parallel=tp2pp1", "train.seed=1,2",
+                          "train.train_iters=3")
+    assert proc.returncode == 0, proc.stderr
+    assert ("sweep: outputs/shakespeare_cpu holds a run; this sweep writes to outputs/shakespeare_cpu-2 (pick the "
+            "folder with run.dir=)") in proc.stderr.splitlines()
+    assert sorted(p.name for p in taken.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert (taken / "metrics.jsonl").read_text() == '{"split": "train", "iteration": 1}\n'
+    root = work / "outputs" / "shakespeare_cpu-2"
+    summary = json.loads((root / "summary.json").read_text())
+    assert [(j["dir"], j["status"]) for j in summary["jobs"]] == [("train.seed=1", "completed"),
+                                                                  ("train.seed=2", "completed")]
+    saved = yaml.safe_load((root / "train.seed=2" / "config.yaml").read_text())
+    assert saved["checkpoint"]["save"] == "outputs/shakespeare_cpu-2/train.seed=2/checkpoints"
 
 
 def test_sweep_runtime_failure_aborts(tmp_path):

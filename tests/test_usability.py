@@ -30,6 +30,26 @@ def test_data_from_another_tokenizer_is_one_error(tmp_path):
         run(compose(["data=indexed", f"data.prefixes=[{prefix}]", "data.split='80,10,10'", f"run.dir={tmp_path}/r"]))
 
 
+def test_a_missing_data_prefix_leaves_no_run_folder_and_no_move_line(tmp_path, monkeypatch, capsys):
+    """The run folder is claimed once the run has built (data included): a prefix that does not exist is the only
+    line; the default folder's `-2` is not created nor announced, a run.dir= from the command line not created."""
+    from mptrain.training.run import run
+
+    monkeypatch.chdir(tmp_path)
+    taken = tmp_path / "outputs" / "tiny-tp1pp1-fp32"
+    taken.mkdir(parents=True)
+    (taken / "config.yaml").write_text("x: 1\n")
+    (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
+    missing = ["data=indexed", f"data.prefixes=[{tmp_path}/nope]", "train.train_iters=1"]
+    for overrides in (missing, [*missing, f"run.dir={tmp_path}/r"]):
+        with pytest.raises(ConfigError, match=rf"^{tmp_path}/nope.idx: no such file"):
+            run(compose(overrides))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["tiny-tp1pp1-fp32"]
+    assert sorted(p.name for p in taken.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert "run.dir" not in capsys.readouterr().err
+
+
 def test_checkpoint_paths_checked_at_start(tmp_path):
     from mptrain.training.run import run
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -17,9 +15,7 @@ from mptrain.config.parallel import ParallelConfig
 from mptrain.config.precision import LossScalerConfig, PrecisionConfig
 from mptrain.config.schedule import ScheduleConfig
 from mptrain.config.train import CheckpointConfig, DebugConfig, LoggerConfig, RunConfig, TrainConfig
-from mptrain.errors import ConfigError, launch_rank_and_world
-
-DEFAULT_SWEEP_ROOT = "outputs/multirun"
+from mptrain.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -51,46 +47,13 @@ GROUP_SCHEMAS: dict[str, Any] = {
 
 
 def register() -> None:
-    """Register the schemas: `base_config` (primary) and `<group>/base_<group>` for option files.
-
-    Also registers the `mptrain_sweep_root` resolver used by conf/config.yaml's `hydra.sweep.dir`
-    (`fresh_sweep_root`: `run.dir`, or a fresh `outputs/multirun[-N]` when null; see `mptrain.training.sweep`).
-    """
+    """Register the schemas: `base_config` (primary) and `<group>/base_<group>` for option files."""
     from hydra.core.config_store import ConfigStore  # Hydra's import only where the entry points register
-
-    # use_cache: the first resolution of a sweep fixes its root; Hydra copies the cache into every
-    # job's config (`load_sweep_config`), so the jobs do not see their own sweep as an earlier one
-    OmegaConf.register_new_resolver("mptrain_sweep_root", fresh_sweep_root, replace=True, use_cache=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
-
-
-def sweep_root(run_dir: Optional[str]) -> str:
-    """The sweep root for a `run.dir` value (null → `outputs/multirun`). Also the `mptrain_sweep_root` resolver."""
-    return DEFAULT_SWEEP_ROOT if run_dir in (None, "", "None", "null") else str(run_dir)
-
-
-def fresh_sweep_root(run_dir: Optional[str]) -> str:
-    """The `mptrain_sweep_root` resolver: `run.dir` when set (a sweep into it appends to its summary),
-    else the first of `outputs/multirun`, `outputs/multirun-2`, ... that holds no earlier sweep.
-
-    A folder holding nothing but `multirun.yaml` counts as free: Hydra's sweeper writes that file on
-    every rank as the sweep starts, before any job folder or summary exists.
-    """
-    if sweep_root(run_dir) != DEFAULT_SWEEP_ROOT:
-        return sweep_root(run_dir)
-    base = Path(DEFAULT_SWEEP_ROOT)
-    candidate, n = base, 1
-    while candidate.exists() and (not candidate.is_dir() or any(e.name != "multirun.yaml" for e in candidate.iterdir())):
-        n += 1
-        candidate = base.with_name(f"{base.name}-{n}")
-    if n > 1 and launch_rank_and_world()[0] == 0:  # the launcher's rank: every rank resolves, rank 0 says it
-        print(f"sweep: {base} holds an earlier sweep; this sweep writes to {candidate} (pick the folder with run.dir=)",
-              file=sys.stderr, flush=True)
-    return str(candidate)
 
 
 def as_config(cfg: Any) -> Config:

@@ -27,7 +27,7 @@ class Stop:
     """How a stop signal ended the loop: the signal, the last finished iteration, the save folder
     (`checkpoint.save`, None when unset: a stop saves its iteration whenever the folder is set) and the
     run folder (named in the resume line: a resume without it would write a fresh run to the config's
-    folder, `mptrain.training.rundir`)."""
+    folder, `mptrain.runs.folder`)."""
 
     signum: int
     iteration: int

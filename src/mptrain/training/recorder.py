@@ -1,8 +1,9 @@
 """The run's record: run folder, metrics.jsonl rows, throughput, layout.json, the job summary.
 
-Glue between the loop (`mptrain.training.run`) and the writers that own each file
-(`rundir`, `metrics`, `layout`, `throughput`, `sweep`). Only rank 0 writes; every rank calls the
-same methods, and the collective ones (opening the run folder, gathering layout.json) are marked.
+Glue between the loop (`mptrain.training.run`) and the writers that own each file (`mptrain.runs`:
+the run folder and the sweep summary; `metrics`, `layout`, `throughput`). Only rank 0 writes; every
+rank calls the same methods, and the collective ones (claiming the run folder, gathering layout.json)
+are marked.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from typing import Any, Optional
 
 import torch
 
-from mptrain.checkpoint.atomic import checkpoint_exists
+from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.params import flops_per_iteration
 from mptrain.precision.module import unwrap
+from mptrain.runs.claim import claim_run_dir
+from mptrain.runs.summary import JobResult, eval_summary
 from mptrain.training.layout import IterationCounters, RankFacts, gather_and_write_layout, tensor_bytes
 from mptrain.training.loggers import LoggerGroup, build_loggers, logged_metrics
 from mptrain.training.metrics import EvalRow, MetricsWriter, TrainRow, read_metrics
-from mptrain.training.rundir import config_container, resolve_run_dir
-from mptrain.training.sweep import JobResult, current_sweep_job, eval_summary
 from mptrain.training.throughput import memory_allocated_gib, peak_memory_gib, peak_tflops_per_gpu, throughput
 
 log = logging.getLogger("mptrain")
@@ -71,15 +72,10 @@ class Recorder:
     tokens_per_s: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def open(cls, cfg, groups, derived, *, vocab_size: int, t_start: float) -> "Recorder":
-        """Resolve and create the run folder (collective), write config.yaml (rank 0)."""
-        run_dir = resolve_run_dir(
-            cfg,
-            rank=groups.rank,
-            world_size=groups.world_size,
-            resuming=checkpoint_exists(cfg.checkpoint.load),
-            sweep_job=current_sweep_job(),
-        )
+    def open(cls, cfg, groups, derived, *, plan, vocab_size: int, t_start: float) -> "Recorder":
+        """Claim the planned run folder (`plan`: `mptrain.runs.folder.RunDirPlan`; collective): rank 0
+        creates it and writes config.yaml."""
+        run_dir = claim_run_dir(cfg, plan, rank=groups.rank, world_size=groups.world_size)
         m = cfg.model
         flops = flops_per_iteration(
             m,
@@ -153,7 +149,7 @@ class Recorder:
         logger = LoggerGroup()
         try:
             logger = build_loggers(self.cfg.logger, rank=self.groups.rank, run_dir=self.run_dir,
-                                   run_config=config_container(self.cfg) if self.is_writer else None,
+                                   run_config=config_to_container(self.cfg) if self.is_writer else None,
                                    start_iteration=start_iteration)
         except Exception as err:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = err

@@ -48,9 +48,8 @@ from mptrain.training.batch import CheckedProvider
 from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
-from mptrain.training.rundir import (checkpoint_save_refusal, follow_checkpoint_model_name, path_inside,
-                                     with_planned_run_dir)
-from mptrain.training.sweep import current_sweep_job
+from mptrain.runs.folder import checkpoint_save_refusal, path_inside, planned_config
+from mptrain.runs.sweep import current_sweep_job
 from mptrain.training.timers import Timers
 from mptrain.training.interrupt import Interrupted, exit_interrupted
 from mptrain.training.step import Trainer, make_forward_step
@@ -195,7 +194,7 @@ def run(cfg: Any) -> dict:
 
     t_start = time.time()
     env = read_dist_env()
-    cfg, derived = _validated(cfg, env.world_size)
+    cfg, derived, plan = _validated(cfg, env.world_size)
     tokenizer = build_tokenizer(cfg.data)
     try:
         vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size,
@@ -210,8 +209,8 @@ def run(cfg: Any) -> dict:
     heartbeat = StepWatchdog(cfg.train.step_timeout_s, rank=groups.rank) if cfg.train.step_timeout_s is not None else None
     clean_exit = False
     try:
-        recorder = Recorder.open(cfg, groups, derived, vocab_size=vocab_size, t_start=t_start)
-        built = build(cfg, groups, derived, tokenizer, vocab_size)
+        built = build(cfg, groups, derived, tokenizer, vocab_size)  # data, optimizer: their errors come first
+        recorder = Recorder.open(cfg, groups, derived, plan=plan, vocab_size=vocab_size, t_start=t_start)
         result = train(built, recorder, stop=stop, heartbeat=heartbeat)
         clean_exit = True
         return result
@@ -234,18 +233,16 @@ def run(cfg: Any) -> dict:
 
 
 def _validated(cfg: Any, world_size: int) -> tuple:
-    """(`Config`, `DerivedLayout`) of a valid config, checked before any collective.
+    """(`Config`, `DerivedLayout`, `RunDirPlan`) of a valid config, checked before any collective; the run
+    folder is planned (`mptrain.runs.folder.planned_config`: `${run.dir}` resolves to it), not created.
 
     Raises:
         ConfigError: marked ``symmetric`` when it depends on the config and the world size only.
     """
     try:
-        job = current_sweep_job()
-        planned = with_planned_run_dir(cfg, job)  # `${run.dir}` resolves to the run folder, not to "None"
-        default = planned is not cfg and job is None
-        cfg = apply_checkpoint_args(as_config(planned))  # the model of checkpoint.load, when it carries one
-        if default:  # the default folder names the model the run builds (the checkpoint's, when it brings one)
-            follow_checkpoint_model_name(cfg, planned.run.dir)
+        # the model of checkpoint.load, when it carries one (the default folder then names that model)
+        cfg, plan = planned_config(cfg, sweep_job=current_sweep_job(),
+                                   resolve=lambda composed: apply_checkpoint_args(as_config(composed)))
         derived = validate_config(cfg, world_size)
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
@@ -257,7 +254,7 @@ def _validated(cfg: Any, world_size: int) -> tuple:
     except ConfigError as err:
         err.per_node = True  # this machine's: alike on its ranks, maybe not on another node's (`exit_on_config_error`)
         raise
-    return cfg, derived
+    return cfg, derived, plan
 
 
 def _init(cfg: Config, env, derived) -> ParallelGroups:
@@ -293,7 +290,7 @@ def _check_checkpoint_paths(cfg: Config) -> None:
     from mptrain.checkpoint.atomic import load_refusal, save_refusal
 
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
-    # a save folder inside run.dir may move with it (`<dir>-N`): `resolve_run_dir` checks it where it lands
+    # a save folder inside run.dir is the run folder's to judge (`mptrain.runs.folder.planned_config`)
     in_run_dir = bool(cfg.run.dir) and path_inside(save, Path(cfg.run.dir))
     refusal = save_refusal(save) if save and not in_run_dir else None
     if refusal is not None:
@@ -341,7 +338,7 @@ def hydra_main(cfg) -> Any:
     Single run: a `ConfigError` prints one line to stderr and exits 1 (no traceback); any other
     failure prints the traceback with the rank and exits 1 at once, without a collective teardown
     (torchrun then stops the other ranks; a hang is never the answer). In a multirun the
-    exception propagates to the sweep callback, which records it (`mptrain.training.sweep`).
+    exception propagates to the sweep callback, which records it (`mptrain.runs.sweep`).
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

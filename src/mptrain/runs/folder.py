@@ -1,0 +1,251 @@
+"""Which folder a run writes to, decided before its config resolves (the policy: DESIGN.md §2).
+
+`plan_run_dir` applies the existing-folder policy to the folder the config names (pure: nothing is
+created, nothing printed; a refusal raises). `planned_config` then resolves the config with `run.dir`
+set to the planned folder, so every `${run.dir}/...` path (the shipped experiment's
+`checkpoint.save: ${run.dir}/checkpoints`, a sweep job's `checkpoint.load=${run.dir}/ck`) names that
+folder as it resolves: nothing is rewritten afterwards. The folder is created only once the run has
+validated and built (`mptrain.runs.claim.claim_run_dir`, which also prints the plan's move line).
+
+Every rank plans alone, before the process group exists: they read the same folders (DESIGN.md §2
+asks for one filesystem), and no rank writes into a run folder before every rank has planned (rank 0
+claims it after the collectives of the start); `claim_run_dir` checks that the ranks agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from mptrain.checkpoint.atomic import checkpoint_exists, list_iterations, read_latest, save_refusal
+from mptrain.config.schema import Config, as_config
+from mptrain.errors import ConfigError
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
+"""The files that make a folder a run folder."""
+
+
+def default_run_dir(cfg: Any) -> str:
+    """`outputs/<model.name>-<parallel.name>-<precision.name>` (deterministic: same on every rank and rerun)."""
+    return f"outputs/{cfg.model.name}-{cfg.parallel.name}-{cfg.precision.name}"
+
+
+def holds_run(path: str | Path) -> bool:
+    """`path` is a folder holding a run (one of `RUN_FILES`)."""
+    p = Path(path)
+    return p.is_dir() and any((p / name).exists() for name in RUN_FILES)
+
+
+def is_failed_start(path: Path) -> bool:
+    """A folder whose only run is a start that failed before its first iteration was recorded.
+
+    config.yaml is written once the run validated and built, but the start can still fail after it
+    (a checkpoint of another model, the first step): such a folder has no layout.json and no metrics
+    row, holds nothing worth keeping, and the corrected start reuses it (its train.log is appended to).
+    """
+    names = {e.name for e in path.iterdir()}
+    if "config.yaml" not in names or "layout.json" in names or not names <= set(RUN_FILES) | {"config.yaml.tmp"}:
+        return False
+    metrics = path / "metrics.jsonl"
+    return not metrics.exists() or not metrics.read_text().strip()
+
+
+def run_dir_decision(path: str | Path, *, resuming: bool) -> Optional[str]:
+    """The existing-folder policy for `path` (no side effects): None when the run may use it, else the refusal."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        return f"run.dir={p} exists and is not a folder; pick another run.dir="
+    entries = sorted(e.name for e in p.iterdir())
+    if not entries:
+        return None
+    run_files = [f for f in RUN_FILES if f in entries]
+    if run_files and (resuming or is_failed_start(p)):
+        return None
+    if run_files:
+        return (
+            f"run.dir={p} already holds a run ({', '.join(run_files)}) and this run does not resume from a "
+            f"checkpoint; pick a new run.dir=, delete the folder, or resume with checkpoint.load="
+        )
+    return f"run.dir={p} exists, is not empty ({entries[0]}, ...) and is not a run folder; pick an empty or new run.dir="
+
+
+def free_run_dir(path: str | Path, *, resuming: bool) -> Path:
+    """The first of `path`, `<path>-2`, `<path>-3`, ... that `run_dir_decision` accepts (no side effects)."""
+    p = Path(path)
+    candidate, n = p, 1
+    while run_dir_decision(candidate, resuming=resuming) is not None:
+        n += 1
+        candidate = p.with_name(f"{p.name}-{n}")
+    return candidate
+
+
+def path_inside(path: Optional[str], folder: Path) -> bool:
+    """`path` (e.g. ``checkpoint.load``) is `folder` or lies under it."""
+    if not path:
+        return False
+    p, f = Path(path).resolve(), Path(folder).resolve()
+    return p == f or f in p.parents
+
+
+def checkpoint_save_refusal(save: Optional[str], load: Optional[str]) -> Optional[str]:
+    """The one-line refusal when `checkpoint.save` already holds checkpoints this run does not resume from.
+
+    A fresh run saving there would move `latest` back to its own iteration (pointing at another
+    model) and overwrite that run's `iter_N` folders. Resuming means `checkpoint.load` names the same
+    folder (the restart pattern `checkpoint.save=D checkpoint.load=D`). No side effects.
+
+    Args:
+        save, load: `checkpoint.save` and `checkpoint.load` (null: not set).
+    Returns:
+        None when `save` is unset, missing, holds no `latest` nor complete `iter_N`, or is the load folder.
+    """
+    if not save or (load and Path(load).resolve() == Path(save).resolve()):
+        return None
+    folder = str(Path(save).resolve())  # `${run.dir}/../ck` before run.dir exists: the folder it will be
+    latest, iterations = read_latest(folder), list_iterations(folder)
+    if latest is None and not iterations:
+        return None
+    held = f"latest = iteration {latest}" if latest is not None else f"iterations {iterations[0]} to {iterations[-1]}"
+    return (f"checkpoint.save={save} already holds checkpoints ({held}) and this run does not resume from them; "
+            f"resume with checkpoint.load={save}, or choose an empty checkpoint.save folder")
+
+
+def run_dir_from_command_line(overrides: Optional[list] = None) -> bool:
+    """`run.dir=` is one of `overrides` (Hydra's task overrides; None: the running app's). Outside a Hydra
+    app (a config composed by code) the folder counts as chosen by the caller: True."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return True
+        overrides = list(HydraConfig.get().overrides.task)
+    return any(str(o).split("=", 1)[0].lstrip("+~") == "run.dir" for o in overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirPlan:
+    """The folder a run will write to, decided by `plan_run_dir`.
+
+    Attributes:
+        dir: the folder, as the config will read it (a relative path stays relative).
+        configured: the folder the config named (`run.dir`, the default one, or the sweep job's).
+        resuming: the run resumes from a checkpoint of its own folder (an existing run folder is appended to).
+        hint: the move line's fix (empty when the run stays in `configured`).
+    """
+
+    dir: str
+    configured: str
+    resuming: bool
+    hint: str = ""
+
+    @property
+    def move_line(self) -> Optional[str]:
+        """The stderr line of a run that gave way to `<dir>-N`, or None."""
+        if self.dir == self.configured:
+            return None
+        return f"run.dir: {self.configured} already holds a run; this run writes to {self.dir} ({self.hint})"
+
+
+def _refuse(refusal: Optional[str]) -> None:
+    if refusal is not None:
+        err = ConfigError(refusal)
+        err.symmetric = True  # every rank reads the same folders: rank 0 alone prints the line
+        raise err
+
+
+def _with(cfg: Any, values: dict) -> Any:
+    """A copy of `cfg` (a `DictConfig` or a `Config`) with the dotted keys of `values` set (the caller's is left alone)."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        if isinstance(out, DictConfig):
+            with open_dict(out):
+                OmegaConf.update(out, key, value, force_add=True)
+        else:
+            *path, leaf = key.split(".")
+            node = out
+            for name in path:
+                node = getattr(node, name)
+            setattr(node, leaf, value)
+    return out
+
+
+def _select(cfg: Any, key: str) -> Any:
+    """`cfg`'s value at the dotted `key`, resolved (None where it is unset or does not resolve yet)."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+    node = cfg
+    for name in key.split("."):
+        node = getattr(node, name, None)
+    return node
+
+
+def plan_run_dir(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = None) -> RunDirPlan:
+    """The folder this run will write to, by DESIGN.md §2's policy (no side effects).
+
+    Args:
+        cfg: the composed config (`DictConfig`, interpolations unresolved) or a `Config`.
+        sweep_job: the `mptrain.runs.sweep.SweepJob` in a sweep (its folder is `<root>/<swept keys>`), else None.
+        explicit: `run.dir` was given on the command line (such a folder holding a run is refused; one
+            the config names gives way to `<dir>-N`); None = `run_dir_from_command_line()`.
+    Raises:
+        ConfigError (``symmetric``): the folder is refused (`run_dir_decision`).
+    """
+    if sweep_job is not None:
+        folder = str(sweep_job.dir)
+        # `checkpoint.load=${run.dir}/ck`: a job resumes from the checkpoints in its own folder
+        resuming = checkpoint_exists(_select(_with(cfg, {"run.dir": folder}), "checkpoint.load"))
+        _refuse(run_dir_decision(folder, resuming=resuming))
+        return RunDirPlan(dir=folder, configured=folder, resuming=resuming)
+    named = _select(cfg, "run.dir")
+    configured = str(named) if named else default_run_dir(cfg)
+    explicit = bool(named) and (run_dir_from_command_line() if explicit is None else explicit)
+    load = _select(_with(cfg, {"run.dir": configured}), "checkpoint.load")
+    # a folder the config named is appended to only by a resume from its own checkpoints; resuming from
+    # another run's checkpoints is a fresh run there
+    resuming = checkpoint_exists(load) and (explicit or path_inside(load, Path(configured)))
+    refusal = run_dir_decision(configured, resuming=resuming)
+    if refusal is None:
+        return RunDirPlan(dir=configured, configured=configured, resuming=resuming)
+    if explicit or not holds_run(configured):
+        _refuse(refusal)
+    # a resume from checkpoints outside the config's folder: the fix is the run folder, not checkpoint.load
+    hint = ("its checkpoint.load lies outside it: add run.dir=<the folder of that run> to append there" if load
+            else "pick the folder with run.dir=, or resume with checkpoint.load=")
+    return RunDirPlan(dir=str(free_run_dir(configured, resuming=resuming)), configured=configured,
+                      resuming=resuming, hint=hint)
+
+
+def planned_config(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = None,
+                   resolve: Callable[[Any], Config] = as_config) -> tuple[Config, RunDirPlan]:
+    """The resolved config whose `run.dir` is the planned folder, and the plan (no side effects).
+
+    The default folder names the model the run builds: when `resolve` replaced `model.name` (the
+    trainer's resolve applies `checkpoint.use_checkpoint_args`), the folder is planned again under
+    that name, with `checkpoint.load` kept where it was read from.
+
+    Args:
+        cfg: the composed config (`DictConfig` or `Config`); the caller's object is left alone.
+        sweep_job, explicit: as `plan_run_dir`.
+        resolve: composed config → `Config` (`as_config`, plus what the caller applies to it).
+    Raises:
+        ConfigError (``symmetric``): the folder is refused; a `checkpoint.save` inside it cannot be
+            written or holds checkpoints this run does not resume from (outside it: the trainer's
+            checkpoint checks).
+    """
+    plan = plan_run_dir(cfg, sweep_job=sweep_job, explicit=explicit)
+    config = resolve(_with(cfg, {"run.dir": plan.dir}))
+    is_default = sweep_job is None and not _select(cfg, "run.dir")
+    if is_default and default_run_dir(config) != plan.configured:
+        cfg = _with(cfg, {"model.name": config.model.name, "checkpoint.load": config.checkpoint.load})
+        plan = plan_run_dir(cfg, explicit=explicit)
+        config = resolve(_with(cfg, {"run.dir": plan.dir}))
+    save, load = config.checkpoint.save, config.checkpoint.load
+    if save and path_inside(save, Path(plan.dir)):
+        _refuse(save_refusal(save) or checkpoint_save_refusal(save, load))
+    return config, plan
