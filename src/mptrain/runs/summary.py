@@ -1,11 +1,7 @@
-"""A sweep root's summary.json and summary.md (DESIGN.md §2), rewritten by rank 0 after every job.
+"""A sweep root's summary.json and summary.md (what they hold: DESIGN.md §2), rewritten by rank 0 after every job.
 
-Per job: the swept keys, all overrides, the layout, tokens/s/GPU, MFU, peak memory, the last train
-loss, the final and the best validation loss and perplexity (an LR sweep is judged on those), the
-status (`STATUSES`) and the one-line message of a job that did not complete. A sweep run into a root
-that already holds one appends: its jobs are numbered after the ones summary.json already lists
-(`start_sweep` fixes the `job_offset` when the sweep starts), so no job number appears twice and
-earlier jobs' rows stay (a job folder run again gets a second row with the new number).
+A second sweep into the same root appends: `start_sweep` numbers its jobs after the ones summary.json
+already lists, so no job number appears twice and earlier rows stay.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """`run(cfg)`: the pretrain flow of the design document, as one importable function.
 
-validate (config + world size, checkpoint paths) → init (distributed, groups) → build (model chunks
-per stage → Float16Module / DDP wrappers → optimizer + LR scheduler → data provider → `Trainer`;
-loop hooks only when a fault-injection key is set: `mptrain.training.faults`) → train
+validate (config + world size, checkpoint paths; the run folder planned) → init (distributed, groups)
+→ build (model chunks per stage → Float16Module / DDP wrappers → optimizer + LR scheduler → data
+provider → `Trainer`; loop hooks only when a fault-injection key is set: `mptrain.training.faults`) →
+the run folder claimed (DESIGN.md §2: nothing is written before) → train
 (`mptrain.training.loop.train`: checkpoint load, validation at iteration 0, the loop, final
 evaluation, layout.json) → teardown in `finally`.
 
