@@ -225,7 +225,8 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
     ("hardware.gpu_memory_gib=-1", "hardware.gpu_memory_gib=-1.0 must be > 0"),
     ("hardware.assumed_mfu=1.5", "hardware.assumed_mfu=1.5 must be in (0, 1] and hardware.gpus_per_node=8 >= 1"),
     ("+hardware.gpu_memry_gib=80", "hardware.gpu_memry_gib: unknown config key (misspelt? `+` adds keys the schema does "
-                                   "not have); valid keys of hardware: assumed_mfu, gpu_memory_gib, gpus_per_node, "
+                                   "not have); did you mean hardware.gpu_memory_gib? valid keys of hardware: assumed_mfu, "
+                                   "gpu_memory_gib, gpus_per_node, "
                                    "inter_node_gb_per_s, intra_node_gb_per_s, peak_tflops"),
     ("+precision.fp8_recipee=rowwise", "precision.fp8_recipee: mptrain.precision.optimizer.FP32Optimizer takes no "
                                        "keyword 'fp8_recipee'; it accepts: fold_into_fused_step, log_num_zeros; did you mean "
