@@ -275,6 +275,8 @@ def test_check_report_says_what_it_measured_and_plans_the_rest():
     assert cuda_line == ("activations per transformer layer, one micro-batch (s=64, b=1, tp 1, measured on CUDA: peak "
                          "of forward + backward above the weights, 2 vs 4 layers): measured 1.050 / planned 1.000 GiB "
                          "(+5.0 %); kept after the forward 0.900 GiB")
+    failed = format_report(cfg, facts, {"error": "torch.OutOfMemoryError: CUDA out of memory."})[0].splitlines()[7]
+    assert failed == "activations: planned only (measuring them on CUDA failed: torch.OutOfMemoryError: CUDA out of memory.)"
 
 
 def test_planned_activations_of_the_measured_cut_are_the_planners_per_layer():

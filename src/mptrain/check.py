@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 import traceback
@@ -209,6 +210,8 @@ def measure_activations(cfg, *, vocab_size: int, timeout_s: float = 600.0) -> di
     proc.start()
     try:
         _, ok, value = results.get(timeout=timeout_s)
+    except queue.Empty:
+        raise RuntimeError(f"check: measuring the activations on CUDA took more than {timeout_s:g} s") from None
     finally:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -244,10 +247,13 @@ MEASURED_PARTS = ("measured: weights, grads, main params (the trainer's own obje
 
 
 def activation_line(activations: Optional[dict], cfg) -> str:
-    """The report's activation line: measured vs planned on CUDA (`measure_activations`), else planned only."""
+    """The report's activation line: measured vs planned on CUDA (`measure_activations`), else planned only
+    (``activations`` None: no CUDA device; ``{"error": line}``: the measurement failed)."""
     if activations is None:
         return ("activations: planned only (no CUDA device here); on a GPU machine `python -m mptrain.check` "
                 "measures one micro-batch's forward + backward")
+    if "error" in activations:
+        return f"activations: planned only (measuring them on CUDA failed: {activations['error']})"
     measured, planned = activations["measured"], activations["planned"]
     return (f"activations per transformer layer, one micro-batch (s={cfg.model.seq_length}, "
             f"b={cfg.train.micro_batch_size}, tp 1, measured on CUDA: peak of forward + backward above the weights, "
@@ -314,7 +320,10 @@ def main(cfg) -> None:
     activations = None
     if torch.cuda.is_available():  # the one part a meta build cannot show, measured where it can be
         vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
-        activations = measure_activations(c, vocab_size=vocab_size)
+        try:
+            activations = measure_activations(c, vocab_size=vocab_size)
+        except RuntimeError as err:  # e.g. out of memory at a long sequence: the report stands, its line says so
+            activations = {"error": str(err).strip().splitlines()[-1]}
     text, worst = format_report(c, facts, activations)
     print(text)
     if worst > TOLERANCE:

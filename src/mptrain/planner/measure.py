@@ -125,7 +125,7 @@ def cuda_activation_peak_bytes(cfg, groups, *, vocab_size: int, num_layers: int)
         loss.backward()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
-    del loss, model, chunk, fp8, tokens, position_ids
+    del loss, casts, model, chunk, fp8, tokens, position_ids
     gc.collect()
     torch.cuda.empty_cache()  # the next measurement starts from an empty cache
     return {"peak": peak, "saved": saved}
