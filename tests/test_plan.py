@@ -320,12 +320,13 @@ def _fake_cuda_measure(rank, world, cfg, vocab_size):
         real_backward(loss, *a, **k)
         grads_left.extend(p for p in params if p.grad is not None)
 
-    params = []
+    params, built_layers = [], []
     real_build = gpt.build_model_chunks  # `cuda_activation_peak_bytes` imports it when called: the patch holds
 
     def build(*a, **k):
         chunks = real_build(*a, **k)
         params.extend(chunks[0].parameters())
+        built_layers.append(len(chunks[0].decoder.layers))
         return chunks
 
     groups = build_groups(1, 1)
@@ -337,20 +338,19 @@ def _fake_cuda_measure(rank, world, cfg, vocab_size):
             out = measure.cuda_activation_peak_bytes(cfg, groups, vocab_size=vocab_size, num_layers=2)
     finally:
         groups.destroy()
-    return out, len(params), len(grads_left)
+    return out, built_layers, len(grads_left)
 
 
 def test_the_cuda_activation_measurement_runs_its_micro_batch():
     """The CUDA path's own code on CPU (the counters stubbed): it builds the cut model, runs one micro-batch forward
     and backward, frees every weight grad as it is made, and reports the counters above the baseline."""
-    from mptrain.check import one_gpu_layout
-    from mptrain.planner.layouts import layout_config
+    from mptrain.check import one_gpu_config
 
-    cfg = _cfg(["model=tiny", "precision=bf16", "world_size=1", "train.micro_batch_size=2"])
-    c = layout_config(cfg, one_gpu_layout(cfg))
-    (out, n_params, grads_left), = run_distributed(_fake_cuda_measure, 1, c, 128)
+    cfg = _cfg(["model=tiny", "precision=bf16", "world_size=4", "parallel=tp1pp2", "train.micro_batch_size=2",
+                "parallel.decoder_first_pipeline_num_layers=1"])  # the cut is one stage, whatever the layout
+    (out, built_layers, grads_left), = run_distributed(_fake_cuda_measure, 1, one_gpu_config(cfg), 128)
     assert out == {"peak": 4000, "saved": 600}
-    assert n_params > 0 and grads_left == 0
+    assert built_layers == [2] and grads_left == 0  # the cut: 2 layers on one stage; no weight grad kept
 
 
 def test_check_counts_the_fp8_weight_casts_as_the_planner():

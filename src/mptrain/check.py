@@ -164,6 +164,18 @@ def one_gpu_layout(cfg):
     return PlanLayout(1, 1, None, 1, False, cfg.model.recompute_granularity or "none", False, "no_pipelining", 1)
 
 
+def one_gpu_config(cfg, *, num_layers: Optional[int] = None):
+    """A copy of ``cfg`` in `one_gpu_layout` (one stage: no uneven pipeline split), cut to ``num_layers`` layers
+    when given."""
+    from mptrain.planner.layouts import layout_config
+
+    c = layout_config(cfg, one_gpu_layout(cfg))
+    c.parallel.decoder_first_pipeline_num_layers = c.parallel.decoder_last_pipeline_num_layers = None
+    if num_layers is not None:
+        c.model.num_layers = num_layers
+    return c
+
+
 def measured_layer_counts(cfg) -> tuple:
     """(k, 2k) transformer layers of the two measured cuts: k = 2, or twice a full-recompute group (whole groups)."""
     group = (cfg.model.recompute_num_layers or 1) if cfg.model.recompute_granularity == "full" else 1
@@ -174,13 +186,11 @@ def planned_activation_bytes(cfg, *, num_layers: int, vocab_size: int) -> float:
     """The planner's activations of one micro-batch through the model cut to ``num_layers`` layers on one GPU
     (`one_gpu_layout`): what `cuda_activation_peak_bytes` measures, less the logits (they cancel in the check's
     difference)."""
-    from mptrain.planner.layouts import layout_config
     from mptrain.planner.memory import stage_activation_bytes
     from mptrain.planner.params import rank_params
 
     layout = one_gpu_layout(cfg)
-    c = layout_config(cfg, layout)
-    c.model.num_layers = num_layers
+    c = one_gpu_config(cfg, num_layers=num_layers)
     rp = rank_params(c.model, c.parallel, vocab_size=vocab_size, pp_rank=0, tp_rank=0)
     return stage_activation_bytes(c, layout, rp, pp_rank=0)
 
@@ -199,14 +209,13 @@ def measure_activations(cfg, *, vocab_size: int, timeout_s: float = 600.0) -> di
         RuntimeError: the measuring process failed (its traceback) or timed out.
     """
     from mptrain.config.schema import as_config
-    from mptrain.planner.layouts import layout_config
 
     cfg = as_config(cfg)
     k, k2 = measured_layer_counts(cfg)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    c = layout_config(cfg, one_gpu_layout(cfg))
-    proc = ctx.Process(target=_cuda_worker, args=(_free_port(), c, vocab_size, (k, k2), results), daemon=True)
+    proc = ctx.Process(target=_cuda_worker, args=(_free_port(), one_gpu_config(cfg), vocab_size, (k, k2), results),
+                       daemon=True)
     proc.start()
     try:
         _, ok, value = results.get(timeout=timeout_s)

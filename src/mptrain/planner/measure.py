@@ -86,7 +86,7 @@ def cuda_activation_peak_bytes(cfg, groups, *, vocab_size: int, num_layers: int)
     buffers the check counts apart, not in the activations.
 
     Args:
-        cfg: a `Config` whose parallel keys say tp = pp = 1 (`mptrain.planner.layouts.layout_config`).
+        cfg: a `Config` whose parallel keys say one stage at tp 1 (`mptrain.check.one_gpu_config`).
         groups: the `ParallelGroups` of a world of one, with ``device`` a CUDA device.
         num_layers: transformer layers of the measured model (``model.num_layers`` is replaced).
     Returns:
@@ -102,7 +102,6 @@ def cuda_activation_peak_bytes(cfg, groups, *, vocab_size: int, num_layers: int)
     model_cfg.num_layers = num_layers
     # the fused weight-grad path writes into DDP's main_grad buffers, which this bare model has not
     parallel_cfg.gradient_accumulation_fusion = parallel_cfg.tp_comm_overlap = False
-    parallel_cfg.decoder_first_pipeline_num_layers = parallel_cfg.decoder_last_pipeline_num_layers = None  # one stage
     device = groups.device
     chunk = build_model_chunks(model_cfg, parallel_cfg, groups, vocab_size=vocab_size, seed=cfg.train.seed,
                                params_dtype=torch.float32, device=device)[0]
