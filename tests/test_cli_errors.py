@@ -49,11 +49,59 @@ def test_composition_errors_are_one_line_naming_the_key(argv, message):
     assert compose_error(argv, str(CONF)) == message
 
 
+@pytest.mark.parametrize("argv, pointer", [
+    (["train.train_iter=5"], "Could not override 'train.train_iter': Key 'train_iter' not in 'TrainConfig'; "
+                             "did you mean train.train_iters?"),
+    (["model.hiden_size=64"], "Could not override 'model.hiden_size': Key 'hiden_size' not in 'ModelConfig'; "
+                              "did you mean model.hidden_size?"),
+    (["trian.train_iters=5"], "Could not override 'trian.train_iters': Key 'trian' not in 'Config'; "
+                              "did you mean train.train_iters?"),  # the group misspelt: the rest of the key kept
+    # Megatron-LM's names: the same name in its group, or the closest spelling
+    (["num_layers=4"], "Could not override 'num_layers': Key 'num_layers' not in 'Config'; did you mean model.num_layers?"),
+    (["micro_batch_size=2"], "Could not override 'micro_batch_size': Key 'micro_batch_size' not in 'Config'; "
+                             "did you mean train.micro_batch_size?"),
+    (["optim.lr_warmup_fraction=0.01"], "Could not override 'optim.lr_warmup_fraction': Key 'lr_warmup_fraction' not "
+                                        "in 'OptimConfig'; did you mean optim.lr_warmup_iters?"),
+    (["model=tiny", "train.lr=3e-4"], "Could not override 'train.lr': Key 'lr' not in 'TrainConfig'; did you mean optim.lr?"),
+    (["optim.seed=3"], "Could not override 'optim.seed': Key 'seed' not in 'OptimConfig'; did you mean data.seed or train.seed?"),
+])
+def test_an_unknown_key_names_the_closest_known_key(argv, pointer):
+    assert compose_error(argv, str(CONF)) == f"{pointer} {FIX}"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--num-layers", "4"], "--num-layers 4: not an option of python train.py, which takes key=value overrides; "
+                            f"write model.num_layers=4; {FIX}"),
+    (["model=tiny", "--micro-batch-size=2", "--sequence-parallel", "train.seed=1"],
+     "--micro-batch-size=2 --sequence-parallel: not options of python train.py, which takes key=value overrides; "
+     f"write train.micro_batch_size=2 parallel.sequence_parallel=true; {FIX}"),
+    (["--lr-warmup-fraction", "0.01", "--no-such-thing"],
+     "--lr-warmup-fraction 0.01 --no-such-thing: not options of python train.py, which takes key=value overrides; "
+     f"the closest key to --lr-warmup-fraction is optim.lr_warmup_iters; no key is close to --no-such-thing; {FIX}"),
+    (["-m", "--cfg", "job", "--tensor-model-parallel-size", "2"],  # beside Hydra's own flags
+     "--tensor-model-parallel-size 2: not an option of python train.py, which takes key=value overrides; "
+     f"write parallel.tensor_model_parallel_size=2; {FIX}"),
+])
+def test_megatron_style_flags_name_the_overrides_they_mean(argv, line):
+    assert compose_error(argv, str(CONF)) == line
+
+
+def test_train_py_answers_a_megatron_flag_in_one_line(tmp_path):
+    proc = run_python([str(CONF.parent / "train.py"), "--num-layers", "4", "model=tiny"], cwd=tmp_path,
+                      env=dict(os.environ), timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: --num-layers 4: not an option of python train.py, which takes key=value overrides; "
+        f"write model.num_layers=4; {FIX}"]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv", [
     [], ["experiment=shakespeare_cpu", "train.train_iters=40", "train.eval_interval=null"],
     ["parallel=tp2pp4", "precision=fp16", "model=gpt_2.7b", "optim.lr=3e-4", "optim._target_=torch.optim.RMSprop"],
     ["-m", "optim.lr=abc"],  # a sweep: each job composes and fails on its own (the sweep summary)
     ["--cfg", "job", "optim.lr=abc"], ["hydra.run.dir=/tmp/x", "optim.lr=abc"],  # Hydra's own handling
+    ["--multi", "--config-name=config", "optim.lr=1e-3,3e-4"],  # Hydra's flags, one abbreviated (argparse takes it)
 ])
 def test_composable_or_hydras_own_command_lines_pass(argv):
     assert compose_error(argv, str(CONF)) is None

@@ -225,6 +225,20 @@ def test_key_added_with_plus_that_the_schema_lacks_fails(override, key):
         as_config(cfg)
 
 
+@pytest.mark.parametrize("override, pointer", [
+    ("+train.trian_iters=1", "train.trian_iters: unknown config key (misspelt? `+` adds keys the schema does not have); "
+                             "did you mean train.train_iters? valid keys of train: "),
+    ("+num_layers=4", "num_layers: unknown config key (misspelt? `+` adds keys the schema does not have); "
+                      "did you mean model.num_layers? valid keys of the top level: "),  # Megatron's flat name
+    ("+parallel.xyzzy=1", "parallel.xyzzy: unknown config key (misspelt? `+` adds keys the schema does not have); "
+                          "valid keys of parallel: "),  # nothing close: no guess
+])
+def test_a_key_added_with_plus_names_the_closest_key(override, pointer):
+    with pytest.raises(ConfigError) as info:
+        as_config(_compose([override]))
+    assert str(info.value).startswith(pointer), str(info.value)
+
+
 def test_typo_in_an_option_file_fails_at_compose_time(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)

@@ -46,7 +46,9 @@ def test_check_report_says_what_it_assumed():
     from mptrain.check import format_report
 
     zeros = {"weights": 0, "grads": 0, "main_params": 0, "optimizer_state": 0, "num_params": 0}
-    fact = {"rank": 0, "tp": 0, "pp": 0, "dp": 0, "layers": [0], "measured": zeros, "planned": zeros}
+    parts = {"weights": 0.0, "grads": 0.0, "main_params": 0.0, "optimizer_state": 0.0, "activations": 0.0,
+             "logits": 0.0, "optimizer_workspace": 0.0, "total": 0.0}
+    fact = {"rank": 0, "tp": 0, "pp": 0, "dp": 0, "layers": [0], "measured": zeros, "planned": zeros, "planned_gib": parts}
     for optim, assumed in ((["optim=adamw"], False), (["optim._target_=torch.optim.RMSprop"], True)):
         text, _ = format_report(OmegaConf.to_object(compose_plan(TINY + optim)), [fact])
         assert text.endswith("assumed: optimizer state: optim._target_=torch.optim.RMSprop is not Adam/AdamW/SGD; "

@@ -4,13 +4,13 @@ Plan before you launch: for every layout `train.py` would accept at `world_size`
 (tp, pp, vpp, dp, distributed optimizer, recomputation none/selective/full, sequence parallelism),
 the per-GPU memory of the busiest pipeline stage (weights, grads, fp32 main params, optimizer
 state, activations of the schedule's in-flight micro-batches, logits), whether it fits
-`hardware.gpu_memory_gib`, the bytes each rank sends per step by group, the pipeline bubble and an
+`hardware.gpu_memory_gib` leaving `hardware.memory_headroom_gib` free (tight: only within that headroom), the bytes each rank sends per step by group, the pipeline bubble and an
 assumed-hardware step time; fitting layouts first, then the fastest. Formulas and measured
 constants: `mptrain.planner.memory` / docs/PLANNER.md.
 
 `format=json` prints a JSON list (every layout, ranked) with the keys `tp`, `pp`, `vpp`, `dp`,
 `use_distributed_optimizer`, `recompute`, `memory_gib` (weights, grads, main_params,
-optimizer_state, activations, logits, optimizer_workspace, total), `fits`, `bubble_fraction`,
+optimizer_state, activations, logits, optimizer_workspace, total), `fits`, `tight`, `bubble_fraction`,
 `comm_bytes` (tp, pp, dp, embedding), and also `sequence_parallel`, `schedule`,
 `num_microbatches`, `peak_stage`, `stage_total_gib`, `step_time_s`, `assumptions` (lines saying
 what a user optimizer's state or a user schedule's in-flight micro-batches were assumed to be; the
@@ -40,7 +40,7 @@ def plan_from_config(cfg: Any) -> tuple:
 
     Raises:
         ConfigError: a key added with ``+`` that the schema (or, under ``precision``, its wrapper) does not take,
-            unknown format, world_size < 1, top < 1, a hardware number out of range, the
+            a hardware number out of range, world_size < 1 (`check_plan_keys`), unknown format, top < 1, the
             tokenizer's vocab larger than the model's, or no valid layout.
     """
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
@@ -51,12 +51,6 @@ def plan_from_config(cfg: Any) -> tuple:
         raise ConfigError(f"format={c.format!r} is not one of {list(FORMATS)}; use format=table or format=json")
     if c.top is not None and c.top < 1:
         raise ConfigError(f"top={c.top} must be >= 1 (rows of the table), or top=null for all of them")
-    for key in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_per_s", "inter_node_gb_per_s"):
-        if getattr(c.hardware, key) <= 0:
-            raise ConfigError(f"hardware.{key}={getattr(c.hardware, key)} must be > 0")
-    if not 0 < c.hardware.assumed_mfu <= 1 or c.hardware.gpus_per_node < 1:
-        raise ConfigError(f"hardware.assumed_mfu={c.hardware.assumed_mfu} must be in (0, 1] and "
-                          f"hardware.gpus_per_node={c.hardware.gpus_per_node} >= 1")
     vocab_size = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
     return c, plan(c, c.world_size, c.hardware, vocab_size=vocab_size)
 
@@ -82,12 +76,19 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def format_table(records: list, *, top=None, gpu_memory_gib: float) -> str:
-    """A fixed-width table of the ranked records (GiB; comm in GB sent per rank per step)."""
+def _fit(record: dict) -> str:
+    return "yes" if record["fits"] else "tight" if record["tight"] else "no"
+
+
+def format_table(records: list, *, top=None, gpu_memory_gib: float, memory_headroom_gib: float = 0.0) -> str:
+    """A fixed-width table of the ranked records (GiB; comm in GB sent per rank per step); ``fits`` is yes, tight
+    (within ``memory_headroom_gib`` of the GPU's memory) or no."""
     head = (f"{'#':>3} {'tp':>2} {'pp':>2} {'vpp':>3} {'dp':>3} {'zero1':>5} {'recomp':>9} {'sp':>3} {'sched':>16} "
             f"{'m':>4} | {'weights':>7} {'grads':>6} {'main':>6} {'optim':>6} {'acts':>7} {'logits':>6} "
-            f"{'total':>7} {'fits':>4} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} {'step s':>7}")
-    lines = [f"per-GPU memory of the busiest stage (GiB) vs {gpu_memory_gib:g} GiB; comm = GB sent per rank per step",
+            f"{'total':>7} {'fits':>5} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} {'step s':>7}")
+    lines = [f"per-GPU memory of the busiest stage (GiB) vs {gpu_memory_gib:g} GiB, of which a layout leaves "
+             f"hardware.memory_headroom_gib={memory_headroom_gib:g} free to fit (tight: it does not); "
+             "comm = GB sent per rank per step",
              head, "-" * len(head)]
     for i, r in enumerate(records[:top] if top else records, 1):
         mem, comm = r["memory_gib"], r["comm_bytes"]
@@ -95,11 +96,12 @@ def format_table(records: list, *, top=None, gpu_memory_gib: float) -> str:
             f"{i:>3} {r['tp']:>2} {r['pp']:>2} {r['vpp'] or '-':>3} {r['dp']:>3} {_yes(r['use_distributed_optimizer']):>5} "
             f"{r['recompute']:>9} {_yes(r['sequence_parallel'])[:3]:>3} {r['schedule']:>16} {r['num_microbatches']:>4} | "
             f"{mem['weights']:>7.2f} {mem['grads']:>6.2f} {mem['main_params']:>6.2f} {mem['optimizer_state']:>6.2f} "
-            f"{mem['activations']:>7.2f} {mem['logits']:>6.2f} {mem['total']:>7.2f} {_yes(r['fits']):>4} | "
+            f"{mem['activations']:>7.2f} {mem['logits']:>6.2f} {mem['total']:>7.2f} {_fit(r):>5} | "
             f"{r['bubble_fraction']:>6.3f} {comm['tp'] / 1e9:>7.2f} {comm['pp'] / 1e9:>6.2f} {comm['dp'] / 1e9:>6.2f} "
             f"{r['step_time_s']:>7.3f}")
     shown = min(len(records), top or len(records))
-    lines.append(f"{shown} of {len(records)} layouts shown ({sum(r['fits'] for r in records)} fit); "
+    lines.append(f"{shown} of {len(records)} layouts shown ({sum(r['fits'] for r in records)} fit, "
+                 f"{sum(r['tight'] for r in records)} tight); "
                  "weights/grads/main/optim: formulas; acts: Korthikanti et al. 2022 with measured constants; "
                  "step s: assumed hardware")
     notes = dict.fromkeys(n for r in records for n in r.get("assumptions", ()))  # unique, in order
@@ -118,7 +120,8 @@ def main(cfg) -> None:
         print(json.dumps(records, indent=1))
     else:
         print(plan_title(c))
-        print(format_table(records, top=c.top, gpu_memory_gib=c.hardware.gpu_memory_gib))
+        print(format_table(records, top=c.top, gpu_memory_gib=c.hardware.gpu_memory_gib,
+                           memory_headroom_gib=c.hardware.memory_headroom_gib))
     for warning in plan_warnings(c):
         print(warning, file=sys.stderr, flush=True)
 

@@ -9,6 +9,9 @@ that starts with the override, e.g.
     error: optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; `python train.py --cfg job` lists every key and its value
 
 Only rank 0 prints it; every rank exits 1 before any collective, without importing torch.
+A misspelt key, or Megatron-LM's name of one (``num_layers``), gets the closest key
+(``did you mean model.num_layers?``, `mptrain.config.suggest`); Megatron-style flags (``--num-layers 4``),
+which Hydra's parser rejects with its usage text, get the overrides they mean (``write model.num_layers=4``).
 Left to Hydra: command lines with Hydra flags (``-m``, ``--cfg``, ``--help``, ...) or ``hydra.*``
 overrides, sweeps (``-m``, or sweep overrides under a config that sets ``hydra.mode: MULTIRUN``;
 their jobs compose one by one and fail through the sweep summary), and any command line while
@@ -22,6 +25,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from mptrain.config.suggest import did_you_mean, flags_message, hydra_long_options, known_keys, megatron_flags
 from mptrain.errors import CONFIG_ERROR_GRACE_S, launch_rank_and_world, report_and_exit
 
 TRAIN_PROGRAM = "python train.py"
@@ -115,6 +119,21 @@ def _composes(overrides: list, config_dir: str, config_name: str, *, hydra_confi
     return cfg if hydra_config else None
 
 
+def _config_keys(overrides: list, config_dir: str, config_name: str) -> list:
+    """The keys of the config ``overrides`` compose (or, failing that, of the config alone), less Hydra's own:
+    what a misspelt key is matched against (`mptrain.config.suggest`)."""
+    cfg = _composes(overrides, config_dir, config_name, hydra_config=True)
+    if cfg is None:
+        cfg = _composes([], config_dir, config_name, hydra_config=True)
+    if cfg is None:
+        return []
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    tree.pop("hydra", None)
+    return known_keys(tree)
+
+
 def _multirun_by_config(overrides: list, config_dir: str, config_name: str) -> bool:
     """Whether the command line sweeps (a sweep override) under a config that sets ``hydra.mode:
     MULTIRUN`` itself (an experiment file may): `@hydra.main` then runs it as a sweep without -m,
@@ -142,6 +161,10 @@ def _message(err: BaseException, overrides: list, config_dir: str, config_name: 
         if parse is not None:
             return f"{override!r}: {parse}; quote a value with special characters (\"key='...'\"), see {GRAMMAR}"
     line = _one_line(err)
+    unknown = re.match(r"Could not override '([^']+)': Key '[^']+' (?:is )?not in", line)
+    if unknown:  # a misspelt key, or Megatron's flat name (num_layers): point at the key
+        others = [o for o in overrides if _key(o) != unknown.group(1)]
+        return f"{line}; {did_you_mean(unknown.group(1), _config_keys(others, config_dir, config_name))}{fix_for(program)}"
     ambiguous = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", line)
     if ambiguous:
         key, value = ambiguous.groups()
@@ -181,13 +204,16 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config",
         ``"<override>: <what is wrong>; <fix>"`` (no ``error:`` prefix), or None: it composes, or it
         is left to Hydra (see the module docstring).
     """
-    overrides = _overrides(argv)
-    if overrides is None:
-        return None
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
         return None  # inside someone's Hydra context (a test, a notebook): theirs to compose
+    flags = [] if os.environ.get("HYDRA_FULL_ERROR") == "1" else megatron_flags(argv, hydra_long_options())
+    if flags:  # Hydra's parser would reject them with its usage text and no pointer to the keys
+        return flags_message(flags, _config_keys([], config_dir, config_name), program, fix_for(program))
+    overrides = _overrides(argv)
+    if overrides is None:
+        return None
     if _multirun_by_config(overrides, config_dir, config_name):
         return None
     err = _composes(overrides, config_dir, config_name)

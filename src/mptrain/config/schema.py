@@ -14,6 +14,7 @@ from mptrain.config.optim import OptimConfig
 from mptrain.config.parallel import ParallelConfig
 from mptrain.config.precision import LossScalerConfig, PrecisionConfig
 from mptrain.config.schedule import ScheduleConfig
+from mptrain.config.suggest import did_you_mean, known_keys
 from mptrain.config.train import CheckpointConfig, DebugConfig, LoggerConfig, RunConfig, TrainConfig
 from mptrain.errors import ConfigError
 
@@ -109,19 +110,23 @@ def _to_container(obj: Any) -> Any:
     return obj
 
 
-def reject_unknown_keys(obj: Any, prefix: str) -> None:
+def reject_unknown_keys(obj: Any, prefix: str, *, root: Any = None) -> None:
     """Raise ConfigError for an attribute of a schema dataclass that is not one of its fields.
 
     A component node (a schema with a ``_target_`` field, `mptrain.components`) keeps such keys:
     they are its target's own keywords (``+optim.alpha=0.95`` for torch.optim.RMSprop), checked
-    against the target's signature at start-up instead (`mptrain.components.resolve`)."""
+    against the target's signature at start-up instead (`mptrain.components.resolve`).
+    ``root``: the whole config ``obj`` sits in at ``prefix`` (None: ``obj`` is it), whose keys the message's
+    "did you mean" is chosen from (`mptrain.config.suggest`: ``+num_layers=4`` -> ``model.num_layers``)."""
+    root = obj if root is None else root
     fields = {f.name for f in dataclasses.fields(obj)}
     for key in vars(obj):
         if key not in fields and "_target_" not in fields:
             where = prefix.rstrip(".") or "the top level"
             raise ConfigError(f"{prefix}{key}: unknown config key (misspelt? `+` adds keys the schema does not have); "
+                              f"{did_you_mean(prefix + key, known_keys(root))}"
                               f"valid keys of {where}: {', '.join(sorted(fields))}")
     for name in fields:
         value = getattr(obj, name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            reject_unknown_keys(value, f"{prefix}{name}.")
+            reject_unknown_keys(value, f"{prefix}{name}.", root=root)

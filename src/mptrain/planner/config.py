@@ -21,12 +21,18 @@ FORMATS = ("table", "json")
 
 @dataclasses.dataclass
 class HardwareConfig:
-    """ASSUMED accelerator numbers (only `gpu_memory_gib` decides `fits`; the rest rank layouts).
+    """ASSUMED accelerator numbers (`gpu_memory_gib` less `memory_headroom_gib` decides `fits`; the rest rank layouts).
 
     The planner's one hardware record: `plan_layout` / `plan` take it as ``hw``."""
 
     gpu_memory_gib: float = 80.0
     """Memory per GPU in GiB (2**30 bytes)."""
+    memory_headroom_gib: float = 4.0
+    """GiB of `gpu_memory_gib` a layout must leave free to fit; one whose planned total falls inside it is
+    `tight` (it may run out of memory). It covers what the planner does not model: the CUDA context (outside
+    torch's allocator, ~0.5 GiB a process), NCCL's communicator buffers (tens to hundreds of MiB per group),
+    cuBLAS workspaces and the caching allocator's fragmentation (a few % of the peak). 4 GiB is 5 % of an
+    80 GiB H100; 0 judges by the planned total alone. Must be >= 0 and < gpu_memory_gib."""
     peak_tflops: float = DEFAULT_PEAK_TFLOPS
     """Dense bf16 peak per GPU, TFLOP/s (default: H100/H200 SXM, `mptrain.layers.params.DENSE_BF16_PEAK_TFLOPS`)."""
     assumed_mfu: float = 0.45
@@ -72,7 +78,8 @@ def compose_plan(overrides: list) -> object:
 
 def check_plan_keys(c: PlanConfig) -> None:
     """What `plan` and `check` refuse alike before they run, as `train.py` does: a key added with ``+`` that the
-    schema (or, under ``precision``, its wrapper: `wrapper_target`) does not take, and ``world_size`` < 1.
+    schema (or, under ``precision``, its wrapper: `wrapper_target`) does not take, a ``hardware`` number out of
+    range, and ``world_size`` < 1.
 
     Raises:
         ConfigError: one line naming the key.
@@ -81,5 +88,15 @@ def check_plan_keys(c: PlanConfig) -> None:
 
     reject_unknown_keys(c, "")
     wrapper_target(c.precision, c.parallel.use_distributed_optimizer)
+    hw = c.hardware
+    for key in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_per_s", "inter_node_gb_per_s"):
+        if getattr(hw, key) <= 0:
+            raise ConfigError(f"hardware.{key}={getattr(hw, key)} must be > 0")
+    if not 0 <= hw.memory_headroom_gib < hw.gpu_memory_gib:
+        raise ConfigError(f"hardware.memory_headroom_gib={hw.memory_headroom_gib} must be >= 0 and less than "
+                          f"hardware.gpu_memory_gib={hw.gpu_memory_gib}")
+    if not 0 < hw.assumed_mfu <= 1 or hw.gpus_per_node < 1:
+        raise ConfigError(f"hardware.assumed_mfu={hw.assumed_mfu} must be in (0, 1] and "
+                          f"hardware.gpus_per_node={hw.gpus_per_node} >= 1")
     if c.world_size < 1:
         raise ConfigError(f"world_size={c.world_size} must be >= 1")

@@ -160,9 +160,23 @@ def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: HardwareConfig, *, voca
     return compute + tp_time + dp_time + pp_time
 
 
+FIT_ORDER = ("yes", "tight", "no")
+"""`fit_verdict`'s answers, in the ranking's order."""
+
+
+def fit_verdict(total_gib: float, hw: HardwareConfig) -> str:
+    """``yes``: the planned total leaves ``hardware.memory_headroom_gib`` free; ``tight``: it fits the GPU only by
+    eating into that headroom (the CUDA context, NCCL buffers and fragmentation the formulas leave out may not
+    fit); ``no``: above ``hardware.gpu_memory_gib``."""
+    if total_gib <= hw.gpu_memory_gib - hw.memory_headroom_gib:
+        return "yes"
+    return "tight" if total_gib <= hw.gpu_memory_gib else "no"
+
+
 def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int) -> dict:
-    """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits, bubble, comm, and
-    ``assumptions`` (lines: what the numbers assume for a user optimizer or schedule; empty for built-ins)."""
+    """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits (with the headroom kept),
+    tight (fits the GPU only within the headroom: `fit_verdict`), bubble, comm, and ``assumptions`` (lines:
+    what the numbers assume for a user optimizer or schedule; empty for built-ins)."""
     c = layout_config(cfg, layout)
     ranks = all_rank_params(c.model, c.parallel, vocab_size=vocab_size)
     stages = [stage_memory(c, layout, rp, pp_rank=r, vocab_size=vocab_size) for r, rp in enumerate(ranks)]
@@ -182,7 +196,8 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
         "memory_gib": stages[peak_stage].gib(),
         "peak_stage": peak_stage,
         "stage_total_gib": [st.total / GIB for st in stages],
-        "fits": total_gib <= hw.gpu_memory_gib,
+        "fits": fit_verdict(total_gib, hw) == "yes",
+        "tight": fit_verdict(total_gib, hw) == "tight",
         "bubble_fraction": bubble_fraction(layout),
         "comm_bytes": comm,
         "step_time_s": step_time_s(c, layout, comm, hw, vocab_size=vocab_size),
@@ -191,7 +206,8 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
 
 
 def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: Optional[list] = None) -> list:
-    """Records for every valid layout, ranked: fitting first, then estimated step time, then bubble.
+    """Records for every valid layout, ranked: fitting first, then tight ones (`fit_verdict`), then estimated step
+    time, then bubble.
 
     Raises:
         ConfigError: a key no layout changes is wrong (`check_layout_free`), or no layout of ``world_size``
@@ -210,4 +226,5 @@ def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: 
             f"change world_size or the batch sizes"
         )
     records = [plan_layout(cfg, lay, hw, vocab_size=vocab_size) for lay in layouts]
-    return sorted(records, key=lambda r: (not r["fits"], r["step_time_s"], r["bubble_fraction"], r["memory_gib"]["total"]))
+    return sorted(records, key=lambda r: (not r["fits"], not r["tight"], r["step_time_s"], r["bubble_fraction"],
+                                          r["memory_gib"]["total"]))
