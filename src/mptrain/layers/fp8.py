@@ -214,8 +214,9 @@ def fp8_gemm_decision(recipe: Fp8Recipe, *, global_shape: tuple, local_shape: tu
     """The size rule for a linear of weight shape ``[out, in]``: `IN_FP8`, `BELOW_SIZE_RULE` or `LOCAL_DIMS_NOT_16`.
 
     With ``gemm_filter=auto`` the thresholds of torchao's ``_auto_filter_for_recipe``
-    (``float8_linear_utils.py``: below them the casts cost more than the FP8 GEMM saves) apply to the
-    global shape, so every layout decides alike: tensorwise skips ``in <= 4096 and out <= 1024``; rowwise
+    (``float8_linear_utils.py``: below them the casts cost more than the FP8 GEMM saves; restated here, as
+    the planner decides without torchao, and checked against torchao's by tests/test_fp8_torchao.py) apply
+    to the global shape, so every layout decides alike: tensorwise skips ``in <= 4096 and out <= 1024``; rowwise
     skips ``out <= 2048``, ``in <= 1024`` and ``out <= 4096 and in <= 2048``. Then ``_scaled_mm`` needs both
     local dims (after tensor parallelism) to be multiples of 16; where a TP shard breaks that, this layout
     computes that GEMM in bf16 where tp = 1 would not (`Fp8Summary.warning` says so), also under emulation,
