@@ -33,7 +33,7 @@ def run_reference(iters: int, warmup: int) -> float:
 
 
 def mptrain_overrides(train_iters: int, run_dir: str) -> list:
-    """The Hydra overrides of this shape's mptrain run (also `cpu_paired.py`'s and `gc_in_loop.py`'s)."""
+    """The Hydra overrides of this shape's mptrain run."""
     s = SHAPE
     return ["model=tiny", f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
             f"model.num_attention_heads={s['heads']}", f"model.seq_length={s['seq']}",

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from train_utils import read_rows  # noqa: E402  (tests/ holds the metrics.jsonl reader, as bench/cpu_paired.py uses)
+from train_utils import read_rows  # noqa: E402  (tests/ holds the metrics.jsonl reader)
 RECIPE = ["model=gpt_125m", "model.vocab_size=null", "data=shakespeare", "model.seq_length=1024",
           "train.micro_batch_size=2", "train.global_batch_size=2", "train.train_iters=2000",
           "train.eval_interval=500", "train.eval_iters=50", "optim=adamw", "optim.lr=6e-4", "optim.min_lr=6e-5",

@@ -2,8 +2,7 @@
 
 A mixed-dtype ``torch._foreach_add_`` (fp32 views, bf16 grads) leaves torch's multi-tensor path for
 one kernel per tensor (one launch per bias and norm weight per micro-batch), several times the
-device time of what `StagedAdd` does (`bench/grad_accum_ops.py`;
-bench/reports/2026-12-01-micro-benchmarks.md): cast the grads into a persistent fp32 staging buffer with one
+device time of what `StagedAdd` does (bench/reports/2026-12-01-micro-benchmarks.md): cast the grads into a persistent fp32 staging buffer with one
 ``_foreach_copy_`` (it is
 multi-tensor across dtypes; bf16/fp16 -> fp32 is exact), then one same-dtype ``_foreach_add_``. The
 sums are bitwise those of the mixed-dtype add (``main_grad + float(grad)`` rounded once to fp32;

@@ -20,8 +20,9 @@ the activations' dtype (bf16). What is cast how is torchao's recipe (``Float8Lin
 * ``rowwise_with_gw_hp``: rowwise for the forward and grad-input GEMMs (the weight tensorwise in
   the latter), the grad-weight GEMM in bf16.
 
-The casts go through torchao's functions (``tensor_to_amax``, ``amax_to_scale``,
-``hp_tensor_and_scale_to_float8``, the ``Float8TrainingTensor`` matmul); the autograd Function,
+The casts go through torchao's (`mptrain.layers.fp8_torchao`, the one module that imports torchao: its
+public ``Float8LinearConfig`` and ``convert_to_float8_training``, and the few internals that casting with a
+TP-reduced amax needs, each named by a test); the autograd Function,
 the TP communications, sequence parallelism and gradient accumulation fusion stay mptrain's
 (`mptrain.layers.linear._LinearWithGradAccumulationAndAsyncCommunication` calls `Fp8Gemms`).
 
@@ -52,12 +53,13 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
-import logging
+import re
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
 from mptrain.errors import ConfigError, check_choice
+from mptrain.layers import fp8_torchao
 from mptrain.layers.mappings import _all_reduce
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -67,13 +69,7 @@ FP8_GEMM_FILTERS = ("auto", "none")
 FP8_MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (sm89) and Hopper (sm90) or newer."""
 TORCHAO_PIN = "torchao==0.18.0"
-
-
-def _torchao():
-    """The torchao float8 modules, imported on first use (torchao is the optional ``fp8`` extra)."""
-    with _quiet_torchao_import():
-        from torchao.float8 import config, float8_training_tensor, float8_utils
-    return config, float8_training_tensor, float8_utils
+"""The torchao release of the GPU numbers (BENCHMARKS.md); `fp8_torchao.TESTED_RELEASES` are the ones accepted."""
 
 
 def _torchao_installed() -> bool:
@@ -88,23 +84,6 @@ def _torchao_version() -> Optional[str]:
         return importlib.metadata.version("torchao")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-@contextlib.contextmanager
-def _quiet_torchao_import():
-    """Importing torchao logs two kinds of noise above a run's first lines, once per process and rank:
-    torch >= 2.11 calls its enum registration with pytree deprecated, and torchao warns for each compiled
-    extension its wheel has for another Python or GPU (MXFP8, CUTLASS kernels), which the float8 recipes
-    here do not use (they call ``torch._scaled_mm``). Both loggers are quiet below ERROR for the import."""
-    loggers = [logging.getLogger("torch.utils._pytree"), logging.getLogger("torchao")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
 
 
 def check_fp8_config(precision) -> None:
@@ -136,18 +115,26 @@ def check_fp8_installed(precision) -> None:
     """``precision=fp8`` needs torchao installed (what a dry run on any machine needs too, `mptrain.check`).
 
     Raises:
-        ConfigError: precision=fp8 and torchao missing, or of another minor release than `TORCHAO_PIN`.
+        ConfigError: precision=fp8 and torchao missing, or of a minor release outside
+            `fp8_torchao.TESTED_RELEASES`.
     """
     if precision.name != "fp8":
         return
+    (lo_major, lo_minor), (hi_major, hi_minor) = fp8_torchao.TESTED_RELEASES
+    tested = f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
     if not _torchao_installed():
-        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8], {TORCHAO_PIN}) "
+        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8]: torchao {tested}) "
                           "or pick precision=bf16")
-    found, pinned = _torchao_version(), TORCHAO_PIN.split("==")[1]
-    # the float8 modules used here (casts, its Inductor patch) are torchao internals that move between releases
-    if found is not None and found.split(".")[:2] != pinned.split(".")[:2]:
-        raise ConfigError(f"precision=fp8 needs torchao {pinned} (its float8 internals change between releases), "
-                          f"found {found}; install it (pip install -e .[fp8]) or pick precision=bf16")
+    found = _torchao_version()
+    if found is None:  # a source tree on the path: taken as it is
+        return
+    release = re.match(r"(\d+)\.(\d+)", found)
+    # the few torchao internals used (`fp8_torchao.PRIVATE_SYMBOLS`) may move in a release the tests have not seen
+    if release is None or not (fp8_torchao.TESTED_RELEASES[0] <= tuple(map(int, release.groups()))
+                               <= fp8_torchao.TESTED_RELEASES[1]):
+        raise ConfigError(f"precision=fp8 needs torchao {TORCHAO_PIN.split('==')[1]} or another release from {tested} "
+                          f"(those its float8 internals are tested with), found {found}; install it "
+                          "(pip install -e .[fp8]) or pick precision=bf16")
 
 
 def check_fp8_environment(precision, *, cuda: Optional[bool] = None) -> None:
@@ -216,20 +203,6 @@ def fp8_recipe_from(precision) -> Optional[Fp8Recipe]:
                      first_last_layers_bf16=int(precision.fp8_first_last_layers_bf16))
 
 
-@functools.lru_cache(maxsize=None)
-def _configs(recipe: str, emulate: bool):
-    """torchao's ``Float8LinearConfig`` of the recipe and the ``LinearMMConfig`` of its three GEMMs
-    (as ``Float8Linear.__init__`` builds it)."""
-    config_mod, tensor_mod, _ = _torchao()
-    config = dataclasses.replace(config_mod.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    gemm = tensor_mod.ScaledMMConfig
-    mm = tensor_mod.LinearMMConfig(
-        gemm(emulate, config.gemm_config_output.use_fast_accum, False, config.pad_inner_dim),
-        gemm(emulate, config.gemm_config_grad_input.use_fast_accum, False, config.pad_inner_dim),
-        gemm(emulate, config.gemm_config_grad_weight.use_fast_accum, False, config.pad_inner_dim))
-    return config, mm
-
-
 IN_FP8 = "fp8"
 BELOW_SIZE_RULE = "below_size_rule"
 LOCAL_DIMS_NOT_16 = "local_dims_not_multiple_of_16"
@@ -241,8 +214,9 @@ def fp8_gemm_decision(recipe: Fp8Recipe, *, global_shape: tuple, local_shape: tu
     """The size rule for a linear of weight shape ``[out, in]``: `IN_FP8`, `BELOW_SIZE_RULE` or `LOCAL_DIMS_NOT_16`.
 
     With ``gemm_filter=auto`` the thresholds of torchao's ``_auto_filter_for_recipe``
-    (``float8_linear_utils.py``: below them the casts cost more than the FP8 GEMM saves) apply to the
-    global shape, so every layout decides alike: tensorwise skips ``in <= 4096 and out <= 1024``; rowwise
+    (``float8_linear_utils.py``: below them the casts cost more than the FP8 GEMM saves; restated here, as
+    the planner decides without torchao, and checked against torchao's by tests/test_fp8_torchao.py) apply
+    to the global shape, so every layout decides alike: tensorwise skips ``in <= 4096 and out <= 1024``; rowwise
     skips ``out <= 2048``, ``in <= 1024`` and ``out <= 4096 and in <= 2048``. Then ``_scaled_mm`` needs both
     local dims (after tensor parallelism) to be multiples of 16; where a TP shard breaks that, this layout
     computes that GEMM in bf16 where tp = 1 would not (`Fp8Summary.warning` says so), also under emulation,
@@ -277,14 +251,11 @@ class Fp8Gemms:
 
     def __init__(self, recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool) -> None:
         self.recipe = recipe
-        self.config, self.mm_config = _configs(recipe.recipe, recipe.emulate)
+        # held, not looked up per cast: an import inside the compiled graph would break it
+        self._ao = fp8_torchao.load(recipe.recipe, recipe.emulate)
+        self.config = self._ao.config
         self.amax_group = amax_group
         self.input_sharded, self.output_sharded = input_sharded, output_sharded
-        # the modules are held, not looked up per cast: `_torchao`'s import guard would break the compiled graph
-        config_mod, self._tensor_mod, self._utils = _torchao()
-        self._roles = self._tensor_mod.GemmInputRole
-        self._tensorwise = config_mod.ScalingGranularity.TENSORWISE
-        self._disabled = config_mod.ScalingType.DISABLED
         c = self.config
         # an operand cast alike in forward and backward is cast once (tensorwise: one scale per tensor)
         self.reuse_input = self._same_cast(c.cast_config_input, c.cast_config_input_for_grad_weight)
@@ -292,7 +263,7 @@ class Fp8Gemms:
         self.reuse_grad_output = self._same_cast(c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight)
 
     def _same_cast(self, a, b) -> bool:
-        return a == b and a.scaling_type is not self._disabled and a.scaling_granularity is self._tensorwise
+        return a == b and not self._ao.disabled(a) and self._ao.tensorwise(a)
 
     def _cast(self, t: torch.Tensor, cast_config, role, axis: int, *, tensor_sharded: bool, k_sharded: bool,
               column_amax: bool = False):
@@ -302,20 +273,18 @@ class Fp8Gemms:
         ``tensor_sharded`` / ``k_sharded``: whether ``t`` / that dim is split over TP (the module docstring);
         ``column_amax``: a tensorwise amax of a 2-D ``t`` taken as the max of its column amaxes (`cast_grad_output`).
         """
-        if cast_config.scaling_type is self._disabled:
+        ao = self._ao
+        if ao.disabled(cast_config):
             return t
-        tensor_mod, utils = self._tensor_mod, self._utils
-        tensorwise = cast_config.scaling_granularity is self._tensorwise
+        tensorwise = ao.tensorwise(cast_config)
         axiswise_dim = None if tensorwise else axis
         if tensorwise and column_amax and t.dim() == 2:
             amax = torch.amax(torch.abs(t), dim=0).max().float()  # the same value: max is exact in any order
         else:
-            amax = utils.tensor_to_amax(t, False, None, cast_config.scaling_granularity, axiswise_dim).float()
+            amax = ao.amax(t, cast_config, axiswise_dim).float()
         if self.amax_group is not None and (tensor_sharded if tensorwise else k_sharded):
             amax = _all_reduce(amax, self.amax_group, "max")  # the amax of the whole logical tensor / row
-        scale = utils.amax_to_scale(amax, cast_config.target_dtype, self.config.round_scales_to_power_of_2)
-        return tensor_mod.hp_tensor_and_scale_to_float8(t, scale, cast_config.target_dtype, self.mm_config, role,
-                                                        axiswise_dim)
+        return ao.to_float8(t, ao.scale(amax, cast_config.target_dtype), cast_config.target_dtype, role, axiswise_dim)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_cast: Optional["Fp8WeightCast"] = None) -> tuple:
         """``y = x · Wᵀ``: x ``[T, in(/tp)]`` (bf16), weight ``[out(/tp), in(/tp)]`` -> (y ``[T, out(/tp)]``
@@ -323,27 +292,21 @@ class Fp8Gemms:
 
         ``weight_cast``: the weight's cast made once this optimizer step (`Fp8WeightCast`, tensorwise): used as
         it is, so neither GEMM casts the weight (the same bits as casting it here)."""
-        c, roles = self.config, self._roles
+        c, ao = self.config, self._ao
         sharded_w = self.amax_group is not None
-        x8 = self._cast(x, c.cast_config_input, roles.INPUT, -1, tensor_sharded=self.input_sharded,
+        x8 = self._cast(x, c.cast_config_input, ao.input_role, -1, tensor_sharded=self.input_sharded,
                         k_sharded=self.input_sharded)
         # saved as plain tensors: the fp8 input where backward reuses its cast (1 byte an element instead of 2)
-        x_saved = (x8._data, x8._scale) if self.reuse_input else (x, None)
+        x_saved = ao.parts(x8) if self.reuse_input else (x, None)
         if weight_cast is not None:
-            w8_t = self._rebuild(weight_cast.data.t(), weight_cast.scale, weight.dtype, roles.WEIGHT)  # [in, out]
+            w8_t = ao.from_parts(weight_cast.data.t(), weight_cast.scale, weight.dtype, ao.weight_role)  # [in, out]
             return torch.mm(x8, w8_t), (*x_saved, None, weight_cast.scale, weight_cast.grad_input_operand())
-        w8_t = self._cast(weight.t(), c.cast_config_weight, roles.WEIGHT, 0, tensor_sharded=sharded_w,
+        w8_t = self._cast(weight.t(), c.cast_config_weight, ao.weight_role, 0, tensor_sharded=sharded_w,
                           k_sharded=self.input_sharded)  # [in, out]
         y = torch.mm(x8, w8_t)
         # of the weight's cast only the scale (backward recasts with it: the same bits, no amax pass and no
         # reduction, and no fp8 copy of the weight held per micro-batch in flight)
-        return y, (*x_saved, weight, w8_t._scale if self.reuse_weight else None, None)
-
-    def _recast(self, hp: torch.Tensor, scale: torch.Tensor, cast_config, role):
-        return self._tensor_mod.hp_tensor_and_scale_to_float8(hp, scale, cast_config.target_dtype, self.mm_config, role, None)
-
-    def _rebuild(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, role):
-        return self._tensor_mod.Float8TrainingTensor(data, scale, dtype, self.mm_config, role, None)
+        return y, (*x_saved, weight, ao.parts(w8_t)[1] if self.reuse_weight else None, None)
 
     def cast_grad_output(self, grad_output: torch.Tensor, *, with_bias_grad: bool = False):
         """dy ``[T, out(/tp)]`` cast for the grad-input GEMM (its amax TP-reduced where ``out`` is sharded);
@@ -353,35 +316,37 @@ class Fp8Gemms:
         over tokens first (``[out]`` column amaxes, then their max: the same value), a reduction over the same
         dim as the bias grad's, so that Inductor computes both in one pass over dy (at the MLP's fc1 that pass
         also recomputes GeLU's backward) instead of two."""
-        return self._cast(grad_output, self.config.cast_config_grad_output, self._roles.GRAD_OUTPUT, -1,
+        return self._cast(grad_output, self.config.cast_config_grad_output, self._ao.grad_output_role, -1,
                           tensor_sharded=self.output_sharded, k_sharded=self.output_sharded,
                           column_amax=with_bias_grad)
 
     def grad_input(self, dy8, saved: tuple) -> torch.Tensor:
         """dx ``[T, in(/tp)]`` = dy · W from `cast_grad_output`'s dy and `forward`'s saved tensors; a
         partial sum over TP for a column-parallel layer (the caller reduces it)."""
-        _, _, weight, w_scale, w8_cached = saved
+        ao, (_, _, weight, w_scale, w8_cached) = self._ao, saved
         if w8_cached is not None:  # [out, in]: the cached cast (`Fp8WeightCast.grad_input_operand`)
-            return torch.mm(dy8, self._rebuild(w8_cached, w_scale, dy8._orig_dtype, self._roles.WEIGHT))
+            # dy8's dtype is its high-precision one (an fp8 tensor wraps its data as the dtype it was cast from)
+            return torch.mm(dy8, ao.from_parts(w8_cached, w_scale, dy8.dtype, ao.weight_role))
         if self.reuse_weight:
-            w8_t = self._recast(weight.t(), w_scale, self.config.cast_config_weight, self._roles.WEIGHT)
+            target = self.config.cast_config_weight.target_dtype
+            w8_t = ao.to_float8(weight.t(), w_scale, target, ao.weight_role)
         else:
-            w8_t = self._cast(weight.t(), self.config.cast_config_weight_for_grad_input, self._roles.WEIGHT, -1,
+            w8_t = self._cast(weight.t(), self.config.cast_config_weight_for_grad_input, ao.weight_role, -1,
                               tensor_sharded=self.amax_group is not None, k_sharded=self.output_sharded)
         return torch.mm(dy8, w8_t.t())
 
     def grad_weight(self, grad_output: torch.Tensor, dy8, saved: tuple) -> torch.Tensor:
         """dW ``[out(/tp), in(/tp)]`` = dyᵀ · x in the activations' dtype. Contracts over tokens, whole on
         every TP rank: rowwise scales need no reduction, and tensorwise reuses the forward's casts."""
-        c, roles = self.config, self._roles
+        c, ao = self.config, self._ao
         x_or_data, x_scale = saved[0], saved[1]
         dy_gw = dy8 if self.reuse_grad_output else self._cast(
-            grad_output, c.cast_config_grad_output_for_grad_weight, roles.GRAD_OUTPUT, 0,
+            grad_output, c.cast_config_grad_output_for_grad_weight, ao.grad_output_role, 0,
             tensor_sharded=self.output_sharded, k_sharded=False)
         if self.reuse_input:
-            x_gw = self._rebuild(x_or_data, x_scale, grad_output.dtype, roles.INPUT)
+            x_gw = ao.from_parts(x_or_data, x_scale, grad_output.dtype, ao.input_role)
         else:
-            x_gw = self._cast(x_or_data, c.cast_config_input_for_grad_weight, roles.INPUT, 0,
+            x_gw = self._cast(x_or_data, c.cast_config_input_for_grad_weight, ao.input_role, 0,
                               tensor_sharded=self.input_sharded, k_sharded=False)
         return torch.mm(dy_gw.t(), x_gw)
 
@@ -483,8 +448,7 @@ class Fp8WeightCasts:
         if self._group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self._group)
         first = self._linears[0].fp8
-        scales = first._utils.amax_to_scale(amax, first.config.cast_config_weight.target_dtype,
-                                            first.config.round_scales_to_power_of_2)  # [n] fp32
+        scales = first._ao.scale(amax, first.config.cast_config_weight.target_dtype)  # [n] fp32
         for i, m in enumerate(self._linears):
             cast = m.fp8_weight_cast
             cast.scale.copy_(scales[i])
@@ -594,13 +558,10 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
     """
     if recipe is None:
         return None
-    # what torchao's convert_to_float8_training applies before any float8 kernel is compiled: Inductor's
-    # min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
-    # transposed fp8 correctly (torchao/float8/_inductor_patch.py, triton-lang/triton#11111)
-    with _quiet_torchao_import():
-        from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
-
-    _patch_inductor_min_max_codegen()
+    # torchao's convert_to_float8_training (inside `load`) applies its workaround before any fp8 kernel is compiled:
+    # Inductor's min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
+    # transposed fp8 correctly (torchao 0.18's _inductor_patch.py, triton-lang/triton#11111)
+    fp8_torchao.load(recipe.recipe, recipe.emulate)
     summary = Fp8Summary(recipe, num_layers=num_layers)
     for model in models:
         layers = getattr(getattr(model, "decoder", None), "layers", None)

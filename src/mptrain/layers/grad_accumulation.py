@@ -25,7 +25,7 @@ K-major operands under TF32 (decided at run time by `tf32_kmajor_pays`): the wei
 tokens, the strided dim of both row-major ``dY [T, out]`` and ``X [T, in]``, so both operands are
 MN-major. Hopper's TF32 tensor-core MMA reads only K-major operands from shared memory (16-bit
 types read either), so cuBLAS's TF32 kernels for this layout are markedly slower than with ``X``
-K-major (``bench/gemm_layouts.py``; bench/reports/2026-12-01-micro-benchmarks.md). So for fp32 CUDA operands
+K-major (bench/reports/2026-12-01-micro-benchmarks.md). So for fp32 CUDA operands
 with TF32 on, `weight_grad` first copies ``Xᵀ``
 to a contiguous ``[in, T]``: a Triton kernel (`transpose.transpose_copy`) for the inputs that a
 column-parallel layer all-gathers itself under sequence parallelism (its async path, the default),

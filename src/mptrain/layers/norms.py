@@ -89,7 +89,8 @@ def _apex_norm_functions():
     except ImportError as err:
         raise ConfigError(
             f"model: normalization=ApexFused* needs NVIDIA apex built with its CUDA extension ({err}); build it "
-            "(bench/build_apex.sh) or use normalization=LayerNorm / RMSNorm") from None
+            "(APEX_CPP_EXT=1 APEX_CUDA_EXT=1 pip install --no-build-isolation ./apex) or use "
+            "normalization=LayerNorm / RMSNorm") from None
     return fln
 
 

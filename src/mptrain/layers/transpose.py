@@ -3,7 +3,7 @@
 Used for the K-major ``Xᵀ`` operand of the TF32 weight-grad GEMM (`grad_accumulation.weight_grad`).
 Inside the compiled transformer layers Inductor's own transposed copies of these ``[T, h]``
 activations, and torch's copy kernel, reach well under half the HBM bandwidth that a plain
-64 × 64-tile kernel does (``bench/gemm_layouts.py``; bench/reports/2026-12-01-micro-benchmarks.md). The
+64 × 64-tile kernel does (bench/reports/2026-12-01-micro-benchmarks.md). The
 kernel is a ``torch.library.triton_op``, so Inductor
 keeps it in the compiled graph. For CPU tensors, or without Triton (CPU builds of torch):
 ``x.t().contiguous()``.
