@@ -272,9 +272,9 @@ def test_check_report_says_what_it_measured_and_plans_the_rest():
         assert f["planned_gib"]["activations"] > 0 and f["planned_gib"]["total"] > f["planned_gib"]["activations"]
     measured = {"layers": 2, "measured": 1.05 * 2**30, "saved": 0.9 * 2**30, "planned": 2**30}
     cuda_line = format_report(cfg, facts, measured)[0].splitlines()[7]
-    assert cuda_line == ("activations per transformer layer, one micro-batch (s=64, b=1, tp 1, measured on CUDA: peak "
-                         "of forward + backward above the weights, 2 vs 4 layers): measured 1.050 / planned 1.000 GiB "
-                         "(+5.0 %); kept after the forward 0.900 GiB")
+    assert cuda_line == ("activations per transformer layer, one micro-batch (s=64, b=1, tp 1, 2 vs 4 layers, "
+                         "measured on CUDA): kept for the backward measured 0.900 / planned 1.000 GiB (-10.0 %); "
+                         "peak of forward + backward above the weights 1.050 GiB")
     failed = format_report(cfg, facts, {"error": "torch.OutOfMemoryError: CUDA out of memory."})[0].splitlines()[7]
     assert failed == "activations: planned only (measuring them on CUDA failed: torch.OutOfMemoryError: CUDA out of memory.)"
 

@@ -263,12 +263,14 @@ def activation_line(activations: Optional[dict], cfg) -> str:
                 "measures one micro-batch's forward + backward")
     if "error" in activations:
         return f"activations: planned only (measuring them on CUDA failed: {activations['error']})"
-    measured, planned = activations["measured"], activations["planned"]
+    saved, planned = activations["saved"], activations["planned"]
+    # the planner plans what the forward keeps for the backward (Korthikanti et al. 2022, sec. 4): that is the
+    # compared figure; the peak adds the backward's transient buffers
     return (f"activations per transformer layer, one micro-batch (s={cfg.model.seq_length}, "
-            f"b={cfg.train.micro_batch_size}, tp 1, measured on CUDA: peak of forward + backward above the weights, "
-            f"{activations['layers']} vs {2 * activations['layers']} layers): measured {_gib(measured).strip()} / "
-            f"planned {_gib(planned).strip()} GiB ({100 * (measured - planned) / max(planned, 1):+.1f} %); "
-            f"kept after the forward {_gib(activations['saved']).strip()} GiB")
+            f"b={cfg.train.micro_batch_size}, tp 1, {activations['layers']} vs {2 * activations['layers']} layers, "
+            f"measured on CUDA): kept for the backward measured {_gib(saved).strip()} / planned "
+            f"{_gib(planned).strip()} GiB ({100 * (saved - planned) / max(planned, 1):+.1f} %); peak of forward + "
+            f"backward above the weights {_gib(activations['measured']).strip()} GiB")
 
 
 def format_report(cfg, facts: list, activations: Optional[dict] = None) -> tuple:

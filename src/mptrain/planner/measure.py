@@ -82,7 +82,7 @@ def cuda_activation_peak_bytes(cfg, groups, *, vocab_size: int, num_layers: int)
 
     The model is built as the trainer builds it (`build_model_chunks` in fp32, `Float16Module` for bf16 / fp16 /
     fp8, `apply_fp8` under precision=fp8) and run on a ``[train.micro_batch_size, model.seq_length]`` batch of
-    random tokens. Weight grads are freed as soon as they are made (a hook per parameter): they live in the grad
+    random tokens, once to warm up and once measured. Weight grads are freed as soon as they are made (a hook per parameter): they live in the grad
     buffers the check counts apart, not in the activations.
 
     Args:
@@ -116,6 +116,9 @@ def cuda_activation_peak_bytes(cfg, groups, *, vocab_size: int, num_layers: int)
     position_ids = torch.arange(s, device=device).expand(b, s)
     casts = fp8.weight_casts.cached() if fp8 is not None and fp8.weight_casts else contextlib.nullcontext()
     with casts:
+        # warm-up: a compiled chunk compiles (and autotunes, allocating as it goes) at its first call; the
+        # measured pass below sees the steady state
+        model(tokens, position_ids, None, labels=tokens).mean().backward()
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
