@@ -115,7 +115,7 @@ def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: l
     from mptrain.checkpoint import atomic
     from mptrain.checkpoint.api import atomic_meta, load_model_weights
     from mptrain.config.parallel import ParallelConfig
-    from mptrain.export import model_config_from_dict
+    from mptrain.checkpoint.offline import model_config_from_dict
     from mptrain.generate import generate_ids, load_generator
     from mptrain.groups import build_groups
     from mptrain.inference import gather_vocab
@@ -160,7 +160,8 @@ def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: l
 def _tp1_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     """Logits of a tp1pp1 model built in this process from the checkpoint (no torch.distributed)."""
     from mptrain.config.parallel import ParallelConfig
-    from mptrain.export import _single_rank_groups, load_full_state, model_config_from_dict
+    from mptrain.checkpoint.offline import load_full_state, model_config_from_dict
+    from mptrain.checkpoint.offline import single_rank_groups as _single_rank_groups
     from mptrain.layers.gpt import build_model_chunks
 
     state, meta = load_full_state(str(ckpt))
@@ -203,7 +204,7 @@ def test_export_after_import_gives_back_the_same_tensors(imported, family, tmp_p
         assert len(list(hf_dir.glob("model-*.safetensors"))) > 1
         index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(original) and len(set(index["weight_map"].values())) > 1
-    from mptrain.export import atomic_meta, model_config_from_dict
+    from mptrain.checkpoint.offline import atomic_meta, model_config_from_dict
     from mptrain.layers.params import count_parameters
 
     model = atomic_meta(next(ckpt.glob("iter_*")))["config"]["model"]
@@ -453,7 +454,7 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     assert cfg.data.tokenizer["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
     assert cfg.model.num_query_groups == 2
     # generate and export read the same copy
-    from mptrain.export import atomic_meta
+    from mptrain.checkpoint.offline import atomic_meta
 
     saved = atomic_meta(meta_path.parent)["config"]["data"]["tokenizer"]
     assert saved["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
@@ -483,7 +484,7 @@ def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, cap
     assert "HFTokenizer" in lines[0] and "ByteTokenizer" in lines[0] and "using the command line's" in lines[0]
     # the imported bos/eos name tokens of the checkpoint's tokenizer: dropped, so an export writes the run's EOD
     assert cfg.checkpoint.hf_config == {"model_type": "llama", "bos_token_id": None, "eos_token_id": None}
-    from mptrain.export import special_ids
+    from mptrain.hf.convert import special_ids
 
     assert special_ids({"config": {"checkpoint": {"hf_config": cfg.checkpoint.hf_config}}}, 256) == (256, 256)
     # an architecture key on the command line: the checkpoint's wins, in one warning naming it

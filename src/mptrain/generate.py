@@ -53,7 +53,7 @@ class Generator:
 
 def _saved_model_config(saved: dict, tp: int):
     """ModelConfig from the checkpoint's saved ``model`` dict, with training-only switches off."""
-    from mptrain.export import model_config_from_dict
+    from mptrain.checkpoint.offline import model_config_from_dict
 
     model = model_config_from_dict(saved["model"])
     # torch.compile and recomputation change no math and would only slow a one-token step down
@@ -91,13 +91,13 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
     ``prompt`` (text) is encoded (`encode_prompt`) before any process group exists, into
     ``Generator.prompt_ids``. Collective on every rank. Raises:
         ConfigError: no checkpoint there, a file that does not match its manifest.json
-            (`mptrain.export.checkpoint_folder`), world size ≠ TP size, the model does not fit the layout,
+            (`mptrain.checkpoint.offline.checkpoint_folder`), world size ≠ TP size, the model does not fit the layout,
             the saved tokenizer cannot be built, or it cannot encode ``prompt``.
     """
     from mptrain.checkpoint.api import load_model_weights
     from mptrain.config.parallel import ParallelConfig
     from mptrain.data.tokenizers import build_tokenizer
-    from mptrain.export import atomic_meta, checkpoint_folder
+    from mptrain.checkpoint.offline import atomic_meta, checkpoint_folder
     from mptrain.groups import build_groups, init_distributed, read_dist_env
     from mptrain.layers.gpt import build_model_chunks, check_model_config
 
