@@ -1,12 +1,10 @@
 """Export a checkpoint as consolidated weights or a Hugging Face folder; import a Hugging Face folder.
 
-    python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf]
-        [--dtype float32|bfloat16|float16] [--hf-model-type TYPE] [--max-shard-size-mb MB]
-    python -m mptrain.export --import-hf HF_DIR --output CKPT
+    python -m mptrain.export --checkpoint DIR [--iteration N] --output OUT [--format safetensors|hf] [--dtype D]
+        [--hf-model-type TYPE] [--max-shard-size-mb MB]      (safetensors: mptrain.checkpoint.offline.export_consolidated)
+    python -m mptrain.export --import-hf HF_DIR --output CKPT     (--format hf and --import-hf: mptrain.hf.convert)
 
-The command line only: ``--format safetensors`` (default) is `mptrain.checkpoint.offline.export_consolidated`,
-``--format hf`` / ``--import-hf`` are `mptrain.hf.convert` (every family of `mptrain.hf.registry`). The old
-spellings ``--format hf-gpt2`` and ``--import-hf-gpt2`` still work and print the new one.
+The old spellings ``--format hf-gpt2`` and ``--import-hf-gpt2`` still work, printing the new one.
 """
 
 from __future__ import annotations
@@ -19,28 +17,26 @@ from typing import Optional
 from mptrain.checkpoint import offline
 from mptrain.errors import ConfigError
 from mptrain.hf import registry
+from mptrain.hf.io import DTYPES
 
-LEGACY_FORMATS = {"hf-gpt2": ("gpt2", "float32")}
-"""Old ``--format`` spellings: the ``--hf-model-type`` and ``--dtype`` (the one it always wrote) of ``--format hf``."""
-EXPORT_ONLY = ("checkpoint", "iteration", "format", "dtype", "hf_model_type")
+LEGACY_FORMATS = {"hf-gpt2": ("gpt2", "float32")}  # old --format: --format hf's --hf-model-type and --dtype
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mptrain.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", help="checkpoint.save folder (uses `latest`) or an iter_N folder")
-    parser.add_argument("--iteration", type=int, default=None, help="which iteration (default: latest)")
-    parser.add_argument("--output", required=True, help="the folder to write: the export, or with --import-hf the "
-                        "checkpoint (new or empty)")
-    parser.add_argument("--format", choices=("safetensors", "hf", *LEGACY_FORMATS), default=None,
-                        help="safetensors (default: model.safetensors + config.json); hf: a Hugging Face folder")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="--format hf: weight dtype (default: the checkpoint's)")
-    parser.add_argument("--hf-model-type", choices=tuple(registry()), default=None,
-                        help="--format hf: the family (default: the imported one, else the first that fits)")
-    parser.add_argument("--max-shard-size-mb", type=float, default=5000, help="--format hf: safetensors shards of "
-                        "at most this size in MB (> 0; a larger tensor gets its own; model.safetensors.index.json)")
-    parser.add_argument("--import-hf", metavar="HF_DIR", help="import a Hugging Face folder into a checkpoint")
-    parser.add_argument("--import-hf-gpt2", metavar="HF_DIR", help="the old spelling of --import-hf")
+    add = parser.add_argument
+    add("--checkpoint", help="checkpoint.save folder (uses `latest`) or an iter_N folder")
+    add("--iteration", type=int, default=None, help="which iteration (default: latest)")
+    add("--output", required=True, help="the folder to write (new or empty): the export, or the imported checkpoint")
+    add("--format", choices=("safetensors", "hf", *LEGACY_FORMATS), default=None,
+        help="safetensors (default: model.safetensors + config.json); hf: a Hugging Face folder")
+    add("--dtype", choices=tuple(DTYPES), default=None, help="--format hf: weight dtype (default: the checkpoint's)")
+    add("--hf-model-type", choices=tuple(registry()), default=None,
+        help="--format hf: the family (default: the imported one, else the first that expresses the model)")
+    add("--max-shard-size-mb", type=float, default=5000,
+        help="--format hf: safetensors shards of at most this size in MB (> 0; a larger tensor gets its own)")
+    add("--import-hf", metavar="HF_DIR", help="import a Hugging Face folder into a checkpoint at --output")
+    add("--import-hf-gpt2", metavar="HF_DIR", help="the old spelling of --import-hf")
     return parser
 
 
@@ -50,7 +46,8 @@ def _import(args) -> None:
 
     if args.import_hf and args.import_hf_gpt2:
         raise ConfigError("export: --import-hf and --import-hf-gpt2 each import one folder; pass one of them")
-    given = [f"--{k.replace('_', '-')}" for k in EXPORT_ONLY if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in ("checkpoint", "iteration", "format", "dtype", "hf_model_type")
+             if getattr(args, k) is not None]
     if given:
         raise ConfigError(f"export --import-hf: {', '.join(given)} apply to exports only (an import keeps the "
                           "folder's dtype and family); drop them, then export the trained checkpoint with them")
@@ -66,8 +63,7 @@ def _import(args) -> None:
 
 
 def _export(args) -> None:
-    """Raises ConfigError: ``--hf-model-type`` without ``--format hf``, ``--max-shard-size-mb`` not > 0 (NaN
-    included), an ``--output`` that holds files."""
+    """Raises ConfigError: ``--hf-model-type`` without ``--format hf``, a size not > 0 (or NaN), an ``--output`` in use."""
     from mptrain.hf.convert import export_hf
 
     fmt, model_type, dtype = args.format or "safetensors", args.hf_model_type, args.dtype
@@ -84,12 +80,9 @@ def _export(args) -> None:
         dtype = dtype or legacy_dtype
         print(f"note: --format {fmt} is spelled --format hf --hf-model-type {model_type} --dtype {dtype} now (the old "
               "spelling goes away)")
-    notes = []
-    if fmt == "safetensors":
-        out = offline.export_consolidated(args.checkpoint, args.output, args.iteration)
-    else:
-        out, notes = export_hf(args.checkpoint, args.output, args.iteration, dtype=dtype, model_type=model_type,
-                               max_shard_size_mb=args.max_shard_size_mb, flag=flag)
+    out, notes = (offline.export_consolidated(args.checkpoint, args.output, args.iteration), []) if fmt == "safetensors" \
+        else export_hf(args.checkpoint, args.output, args.iteration, dtype=dtype, model_type=model_type,
+                       max_shard_size_mb=args.max_shard_size_mb, flag=flag)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out} ({fmt})")
@@ -101,10 +94,7 @@ def main(argv: Optional[list] = None) -> int:
     if not (args.checkpoint or args.import_hf or args.import_hf_gpt2):
         parser.error("--checkpoint is required (or --import-hf)")
     try:
-        if args.import_hf or args.import_hf_gpt2:
-            _import(args)
-        else:
-            _export(args)
+        (_import if args.import_hf or args.import_hf_gpt2 else _export)(args)
         return 0
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

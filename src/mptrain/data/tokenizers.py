@@ -188,21 +188,22 @@ def token_content(value: Any) -> Optional[str]:
 
 
 def bos_token_id(tok: Any, config: dict) -> Optional[int]:
-    """The BOS id a Hugging Face tokenizer starts each text with (Llama, Mistral), None when it adds none (GPT-2, Qwen2).
+    """The BOS id a Hugging Face tokenizer starts each text with (Llama, Mistral); None when it adds none (GPT-2, Qwen2).
 
-    The rule, as `transformers` applies it: the tokenizer.json post-processor's special token before the text
-    (a TemplateProcessing ``<s> $A``, alone or in a Sequence: Llama 2 / 3, Mistral), else, when the file has no
-    such token, ``add_bos_token: true`` in ``config`` (tokenizer_config.json beside it) names ``bos_token`` (the
-    rule of transformers 4's Llama tokenizer class). A trailing special token (an EOS) is never added: preprocessing
-    appends the EOD itself.
+    The rule transformers applies: the special token the tokenizer.json post-processor puts before the text (a
+    TemplateProcessing ``<s> $A``, alone or in a Sequence: Llama 2 / 3, Mistral); else ``bos_token`` when
+    ``config`` (the tokenizer_config.json beside it) has ``add_bos_token: true`` and a ``tokenizer_class`` that
+    reads it (Llama's, Gemma's; transformers' generic fast tokenizer reads the post-processor alone). A trailing
+    special token (an EOS) is never added: preprocessing appends the EOD itself.
 
     Args:
         tok: a `tokenizers.Tokenizer`.
     """
     probe = tok.encode("a")  # the post-processor's own tokens are flagged in special_tokens_mask
-    if probe.special_tokens_mask[:1] == [1] and probe.special_tokens_mask[1:2] == [0]:
+    if probe.special_tokens_mask[:2] == [1, 0]:
         return int(probe.ids[0])
-    name = token_content(config.get("bos_token")) if config.get("add_bos_token") is True else None
+    generic = config.get("tokenizer_class") in (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+    name = None if generic or config.get("add_bos_token") is not True else token_content(config.get("bos_token"))
     return None if name is None else tok.token_to_id(name)
 
 

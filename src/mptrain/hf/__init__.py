@@ -1,10 +1,8 @@
 """Hugging Face checkpoints in and out: a registry of model families keyed by config.json's ``model_type``.
 
-``families/`` holds one module per family, each listing its `Family` objects in ``FAMILIES`` (found by
-`registry`: adding a family is adding a module). ``mapping.py``: the two-way tensor mappings they are made
-of; ``io.py``: safetensors folders and their index; ``tokenizer.py``: the tokenizer files; ``convert.py``:
-`import_hf` / `export_hf`, the one path of every family. An MoE family (Mixtral, Qwen3-MoE) fits the same
-interface: its config keys map to the expert settings, its per-expert weights are more rules.
+``families/``: one module per family, each listing its `Family` objects in ``FAMILIES`` (adding a family is adding
+a module); ``mapping.py``: the two-way tensor mappings they are made of; ``io.py``: safetensors folders;
+``tokenizer.py``: the tokenizer files; ``convert.py``: `import_hf` / `export_hf`, the one path of every family.
 """
 
 from __future__ import annotations
@@ -18,28 +16,17 @@ from mptrain.errors import ConfigError
 
 
 class Family:
-    """One Hugging Face ``model_type``: what a ``families/`` module supplies.
-
-    Attributes:
-        model_type, architecture, title: config.json's ``model_type`` (the registry key) and ``architectures``
-            entry (the transformers class), the name in messages.
-        ignored: a regex searched in Hugging Face tensor names: buffers, not weights (RoPE's inv_freq).
-        head: the output layer's Hugging Face name; a copy saved with tied embeddings is allowed.
-    Methods:
-        model_from_config(cfg, notes) -> our model-config dict (`ModelConfig` keys) for config.json ``cfg``; a
-            lossy step appends a line to ``notes``; ConfigError (one line) for what our model cannot express.
-        config_from_model(model) -> its config.json, less vocab_size, bos / eos ids and dtype (the export's).
-        problems(model) -> what of our model dict the family cannot express, ``model.KEY=value (Title: want)``
-            each; [] when the model exports as this family.
-        rules(model) -> the tensor mappings (`mptrain.hf.mapping.Rule`), one per parameter of ours.
-        stored_name(name) -> the name the rules use for a tensor as a folder stores it (default: as is).
+    """One Hugging Face ``model_type``, as a ``families/`` module supplies it: ``model_type`` (the key), ``architecture``
+    (config.json's ``architectures`` entry), ``title``, ``ignored`` (a regex matching buffers among tensor names),
+    ``head`` (the output layer's name: a copy saved with tied embeddings is allowed), and the methods
+    ``model_from_config(cfg, notes)`` (our model dict for config.json ``cfg``; a lossy step appends a line to ``notes``;
+    ConfigError, one line, for what our model cannot express), ``config_from_model(model)`` (its config.json less
+    vocab_size, bos / eos ids and dtype), ``problems(model)`` (what of our model it cannot express, ``model.KEY=value
+    (Title: want)`` each), ``rules(model)`` (the `mptrain.hf.mapping.Rule` of each parameter of ours; an MoE family's
+    experts are more rules) and ``stored_name(name)`` (the rules' name of a tensor as a folder stores it).
     """
 
-    model_type: str
-    architecture: str
-    title: str
-    ignored: str = r"(?!)"
-    head: str = "lm_head.weight"
+    ignored, head = r"(?!)", "lm_head.weight"  # no buffers; Hugging Face's name of the output layer
 
     def stored_name(self, name: str) -> str:
         return name
@@ -47,26 +34,20 @@ class Family:
 
 @functools.cache
 def registry() -> dict:
-    """{model_type: Family} of the modules of ``mptrain/hf/families`` (name order, each its ``FAMILIES`` order)."""
+    """{model_type: Family} of the modules of ``mptrain/hf/families`` (name order, each in its ``FAMILIES`` order)."""
     from mptrain.hf import families
 
-    out = {}
-    for info in sorted(pkgutil.iter_modules(families.__path__), key=lambda i: i.name):
-        for family in importlib.import_module(f"{families.__name__}.{info.name}").FAMILIES:
-            out[family.model_type] = family
-    return out
+    modules = sorted(info.name for info in pkgutil.iter_modules(families.__path__))
+    return {f.model_type: f for m in modules for f in importlib.import_module(f"{families.__name__}.{m}").FAMILIES}
 
 
 def family_of(cfg: dict, where: str) -> Family:
-    """The family of config.json ``cfg``: its ``model_type``, else its first known ``architectures`` entry.
-
-    Raises:
-        ConfigError: neither is in the registry (one line listing it).
-    """
+    """The family of config.json ``cfg``: its ``model_type``, else its first known ``architectures`` entry; else a
+    ConfigError (one line listing the registry)."""
     known = registry()
     by_arch = {f.architecture: f for f in known.values()}
-    found = known.get(cfg.get("model_type")) or next((by_arch[a] for a in cfg.get("architectures") or () if a in by_arch),
-                                                     None)
+    found = known.get(cfg.get("model_type")) or next((by_arch[a] for a in cfg.get("architectures") or ()
+                                                      if a in by_arch), None)
     if found is None:
         raise ConfigError(f"import-hf: {where} has model_type={cfg.get('model_type')!r} (architectures "
                           f"{cfg.get('architectures')}), which is not supported; supported model_type: {', '.join(known)}")
@@ -77,10 +58,7 @@ def export_family(model: dict, *, model_type: Optional[str] = None, recorded: Op
                   flag: str = "--format hf") -> Family:
     """The family our model dict exports as: ``model_type`` when given; else ``recorded`` (the imported one) or the
     one the model's name starts with (``mistral_7b``), if it expresses the model; else the first that does.
-
-    Raises:
-        ConfigError: ``model_type`` (chosen by ``flag``) cannot express the model, or no family can (one line).
-    """
+    ConfigError (one line naming ``flag``): ``model_type`` cannot express the model, or no family can."""
     known = registry()
     fits = [f for f in known.values() if not f.problems(model)]
     if model_type is not None and known[model_type] not in fits:

@@ -1,7 +1,6 @@
-"""Safetensors folders as transformers writes them: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
-and ``model.safetensors.index.json`` ({"metadata": {"total_parameters", "total_size" (bytes)}, "weight_map":
-{name: file}}, transformers' ``save_pretrained``), through the ``safetensors`` library, one tensor (reading)
-or one shard (writing) in memory at a time.
+"""Safetensors folders as transformers writes them, through the ``safetensors`` library: ``model.safetensors``, or
+shards ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` ({"metadata": {"total_parameters",
+"total_size" (bytes)}, "weight_map": {name: file}}, as ``save_pretrained``); one tensor or one shard in memory.
 """
 
 from __future__ import annotations
@@ -14,67 +13,56 @@ import torch
 
 from mptrain.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtype names of config.json's ``dtype`` and of ``--dtype``."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json's dtype names
 INDEX = "model.safetensors.index.json"
 
 
-class HFTensors:
-    """The tensors of a Hugging Face folder, by the names ``rename`` (stored name -> name) gives.
+def _safe_open(path: Path):
+    """Raises ConfigError: ``path`` is missing, truncated or not safetensors."""
+    from safetensors import safe_open
 
-    Raises:
-        ConfigError: neither ``model.safetensors`` nor the index; a file missing, truncated or not safetensors.
-    """
+    if not path.is_file():
+        raise ConfigError(f"import-hf: {path} is missing ({INDEX} lists it); copy the whole Hugging Face folder")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 - safetensors' error type is public only in recent releases
+        raise ConfigError(f"import-hf: {path} cannot be read as safetensors ({str(err).splitlines()[0]}); the file "
+                          "is truncated or damaged: copy it again") from None
+
+
+class HFTensors:
+    """The tensors of a Hugging Face folder, read one at a time, by the names ``rename`` gives the stored ones;
+    ConfigError: neither ``model.safetensors`` nor the index is there (and `_safe_open`'s)."""
 
     def __init__(self, folder: Path, rename: Callable[[str], str] = str) -> None:
         single, self._handles = folder / "model.safetensors", {}
         if (folder / INDEX).is_file():
             stored = {name: folder / f for name, f in json.loads((folder / INDEX).read_text())["weight_map"].items()}
         elif single.is_file():
-            self._handles[single] = self._open_file(single)
+            self._handles[single] = _safe_open(single)
             stored = dict.fromkeys(self._handles[single].keys(), single)
         else:
-            raise ConfigError(f"import-hf: {folder} has no model.safetensors or {INDEX} (save the model with "
-                              "safetensors)")
-        self.names = {rename(name): name for name in stored}
-        self._files = stored
-
-    @staticmethod
-    def _open_file(path: Path):
-        from safetensors import safe_open
-
-        if not path.is_file():
-            raise ConfigError(f"import-hf: {path} is missing ({INDEX} lists it); copy the whole Hugging Face folder")
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as err:  # noqa: BLE001 - safetensors' error type is public only in recent releases
-            raise ConfigError(f"import-hf: {path} cannot be read as safetensors ({str(err).splitlines()[0]}); the "
-                              "file is truncated or damaged: copy it again") from None
+            raise ConfigError(f"import-hf: {folder} has no model.safetensors or {INDEX} (save the model with safetensors)")
+        self.names, self._files = {rename(name): name for name in stored}, stored
 
     def _slice(self, name: str):
         path = self._files[self.names[name]]
         if path not in self._handles:
-            self._handles[path] = self._open_file(path)
+            self._handles[path] = _safe_open(path)
         return self._handles[path].get_slice(self.names[name])
 
-    def shape(self, name: str) -> tuple:
-        return tuple(self._slice(name).get_shape())
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._slice(name)[:0].dtype  # an empty read: no table of safetensors' dtype codes
+    def meta(self, name: str) -> torch.Tensor:
+        """A zero-memory stand-in of the tensor: its shape and dtype (an empty read: no table of safetensors' codes)."""
+        found = self._slice(name)
+        return torch.empty(found.get_shape(), dtype=found[:0].dtype, device="meta")
 
     def get(self, name: str) -> torch.Tensor:
         return self._slice(name)[:]
 
 
 def write_shards(out: Path, sizes: list, load: Callable[[str], dict], max_shard_size_mb: float) -> list:
-    """Shards filled in order up to ``max_shard_size_mb`` MB (a larger group alone in its own; ``model.safetensors``
-    when one holds all) and the index, as transformers cuts them. Returns the files written.
-
-    Args:
-        sizes: [(key, bytes)] in order; one key's tensors stay in one shard.
-        load: key -> {Hugging Face name: tensor}, called while the key's shard is written.
-    """
+    """Shards filled in order up to ``max_shard_size_mb`` MB, as transformers cuts them (``sizes``: [(key, bytes)], a key's
+    tensors, ``load(key)``: {name: tensor}, in one shard), and the index; returns the files written."""
     from safetensors.torch import save_file
 
     shards, limit = [[]], max_shard_size_mb * 1_000_000

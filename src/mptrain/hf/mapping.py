@@ -1,15 +1,11 @@
-"""Two-way tensor mappings between mptrain's tp1pp1 parameters and Hugging Face tensors.
-
-A `Rule` ties our tensor ``ours`` to the Hugging Face tensors ``hf`` it is made of: ``to_hf(t)`` gives them in
-order, ``from_hf(ts)`` inverts it (reshapes, transposes, splits, concatenations: a round trip is exact). A
-family lists its rules per model (`mptrain.hf.Family.rules`); an MoE model's experts are more rules of these
-kinds, one per expert and projection (a grouped ``[E, ...]`` weight of ours: one more kind, split on dim 0).
-
-Fused QKV (`mptrain.layers.attention`): our rows are grouped by query group g, ``[q_{g,0..np/ng-1}, k_g, v_g]``
-of ``hn`` rows each, viewed ``[ng, np/ng + 2, hn, ...]``; Hugging Face keeps q ``[np·hn]``, k and v ``[ng·hn]``
-head-major, as three tensors (Llama's ``{q,k,v}_proj``) or one ``[q; k; v]`` (GPT-2's ``c_attn``: ng = np).
-Sources: transformers ``models/llama/modeling_llama.py`` (``LlamaAttention``), ``models/gpt2/modeling_gpt2.py``
-(``Conv1D``); Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
+"""Two-way tensor mappings between our tp1pp1 parameters and Hugging Face tensors. A `Rule` ties our ``ours`` to the
+Hugging Face tensors ``hf`` it is made of: ``to_hf(t)`` gives them, ``from_hf(ts)`` inverts it (reshapes, transposes,
+splits, concatenations: exact). An MoE family's experts are more rules (one per expert and projection; a grouped
+``[E, ...]`` weight of ours: one more kind, split on dim 0). Fused QKV (`mptrain.layers.attention`): our rows, per
+query group g ``[q_{g,0..np/ng-1}, k_g, v_g]`` × hn, are viewed ``[ng, np/ng + 2, hn, ...]``; Hugging Face keeps q
+``[np·hn]``, k and v ``[ng·hn]`` head-major, as three tensors (Llama) or one ``[q; k; v]`` (GPT-2's ``c_attn``, ng = np).
+Sources: transformers ``modeling_llama.py`` (``LlamaAttention``), ``modeling_gpt2.py`` (``Conv1D``); Megatron-LM
+``tools/checkpoint/loader_llama_mistral.py``.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ class Transpose(Rule):
 
 @dataclasses.dataclass(frozen=True)
 class FusedQKV(Rule):
-    """Our QKV weight ``[ng·(np/ng + 2)·hn, h]`` or bias <-> q, k, v (three ``hf`` names) or ``[q; k; v]`` (one;
-    ``transpose``: a Conv1D weight)."""
+    """Our QKV weight ``[ng·(np/ng + 2)·hn, h]`` / bias <-> q, k, v (three names) or ``[q; k; v]`` (one; ``transpose``)."""
 
     heads: int = 1
     groups: int = 1
@@ -60,10 +55,8 @@ class FusedQKV(Rule):
         rest, rep = t.shape[1:], self.heads // self.groups
         grouped = t.reshape(self.groups, rep + 2, -1, *rest)  # [ng, np/ng + 2, hn(, h)]
         q, k, v = (p.reshape(-1, *rest) for p in torch.split(grouped, [rep, 1, 1], dim=1))
-        if len(self.hf) == 3:
-            return q, k, v
-        fused = torch.cat([q, k, v])
-        return (_t(fused) if self.transpose else fused,)
+        fused = torch.cat([q, k, v]) if len(self.hf) == 1 else None
+        return (q, k, v) if fused is None else (_t(fused) if self.transpose else fused,)
 
     def from_hf(self, ts: list) -> torch.Tensor:
         if len(ts) == 1:

@@ -1,11 +1,8 @@
-"""Llama (2 / 3 / 3.x) and its variants Mistral and Qwen2 (Qwen2.5): RMSNorm, SwiGLU, RoPE (``llama3`` scaling; ours
-rotates halves, as theirs: no permutation), GQA, tied or untied embeddings; the variants differ in biases (Llama:
-every linear or none; Mistral: none; Qwen2: q, k, v only) and window keys. Ours -> theirs (``L`` = ``model.layers.i``): ``embedding.word_embeddings`` -> ``model.embed_tokens``;
-``decoder.layers.i.input_layernorm`` / ``pre_mlp_layernorm`` -> ``L.input_layernorm`` / ``post_attention_layernorm``;
-``self_attention.linear_qkv`` -> ``L.self_attn.{q,k,v}_proj`` (FusedQKV); ``self_attention.linear_proj`` ->
-``L.self_attn.o_proj``; ``mlp.linear_fc1`` -> ``L.mlp.{gate,up}_proj`` (GatedMLP); ``mlp.linear_fc2`` ->
-``L.mlp.down_proj``; ``decoder.final_layernorm`` -> ``model.norm``; ``output_layer`` (untied) -> ``lm_head``.
-Source: transformers ``models/{llama,mistral,qwen2}/modeling_*.py``, Megatron-LM ``loader_llama_mistral.py``.
+"""Llama (2 / 3 / 3.x) and its variants Mistral and Qwen2 (Qwen2.5): RMSNorm, SwiGLU, RoPE with ``llama3`` scaling (no
+permutation: ours rotates halves, as theirs), grouped-query attention (FusedQKV), gate / up (GatedMLP), tied or untied
+embeddings (names: docs/CHECKPOINTS.md). The variants differ in biases (Llama: every linear or none; Mistral: none;
+Qwen2: q, k, v only) and sliding-window keys (a window shorter than the positions is refused). Source: transformers
+``models/{llama,mistral,qwen2}/modeling_*.py``, Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
 """
 
 from __future__ import annotations
@@ -41,21 +38,18 @@ class LlamaFamily(Family):
     architecture: str
     title: str
     biases: tuple = ("none",)  # the `_bias_kind`s it expresses
-    window: str = "key"  # config.json sliding_window: "key", "opt_in" (Qwen2: with use_sliding_window), "" (none)
+    window: str = "key"  # config.json's sliding_window: "key", "opt_in" (Qwen2: with use_sliding_window), "" (none)
     ignored = r"rotary_emb\.inv_freq$"
 
     def model_from_config(self, cfg: dict, notes: list) -> dict:
-        positions = int(cfg.get("max_position_embeddings", 2048))
+        positions, (theta, scaling) = int(cfg.get("max_position_embeddings", 2048)), _rope(cfg)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", self.window != "opt_in") else None
-        theta, scaling = _rope(cfg)
         wrong = [text for bad, text in (
-            (window is not None and int(window) < positions,
-             f"sliding_window={window} < max_position_embeddings={positions} (sliding-window attention)"),
+            (window is not None and int(window) < positions, f"sliding_window={window} < {positions} positions"),
             (cfg.get("hidden_act", "silu") != "silu", f"hidden_act={cfg.get('hidden_act')!r} (silu, as SwiGLU)"),
             (cfg.get("partial_rotary_factor", 1.0) != 1.0, f"partial_rotary_factor={cfg.get('partial_rotary_factor')}"),
             (theta != int(theta), f"rope_theta={theta} (model.rotary_base is an integer)"),
-            (bool(cfg.get("attention_bias")) != bool(cfg.get("mlp_bias")),
-             "attention_bias != mlp_bias (model.add_bias_linear sets both)")) if bad]
+            (bool(cfg.get("attention_bias")) != bool(cfg.get("mlp_bias")), "attention_bias != mlp_bias")) if bad]
         if wrong:
             raise ConfigError(f"import-hf: config.json {', '.join(wrong)} is not supported")
         h, heads, head_dim = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), cfg.get("head_dim")
@@ -63,22 +57,19 @@ class LlamaFamily(Family):
         model = {ours: cfg[key] for ours, key in _SAME.items() if key in cfg}
         model.update(name=self.model_type, num_query_groups=int(cfg.get("num_key_value_heads") or heads),
                      kv_channels=None if (head_dim or h // heads) * heads == h else int(head_dim), hidden_dropout=0.0,
-                     seq_length=positions, max_position_embeddings=positions, normalization="RMSNorm", activation="swiglu",
-                     untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False), rope_scaling=bool(scaling),
-                     position_embedding_type="rope", rotary_base=int(theta), add_bias_linear=bias == "all",
-                     add_qkv_bias=bias != "none")
-        if scaling:
-            model.update({f"rope_scaling_{k}": float(scaling[k]) for k in _SCALING[:3]},
-                         rope_scaling_original_max_position_embeddings=int(scaling[_SCALING[3]]))
-        return model
+                     seq_length=positions, max_position_embeddings=positions, normalization="RMSNorm",
+                     activation="swiglu", untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
+                     position_embedding_type="rope", rotary_base=int(theta), rope_scaling=bool(scaling),
+                     add_bias_linear=bias == "all", add_qkv_bias=bias != "none")
+        return {**model, **{f"rope_scaling_{k}": scaling[k] for k in _SCALING if scaling}}
 
     def config_from_model(self, model: dict) -> dict:
         h, heads, bias = model["hidden_size"], model["num_attention_heads"], model.get("add_bias_linear", False)
         rope = {"rope_type": "default", "rope_theta": float(model.get("rotary_base", 10000))}
         if model.get("rope_scaling"):
             rope.update(rope_type="llama3", **{k: model[f"rope_scaling_{k}"] for k in _SCALING})
-        cfg = {key: model[ours] for ours, key in _SAME.items() if model.get(ours) is not None}
-        return {"architectures": [self.architecture], "model_type": self.model_type, "intermediate_size": 4 * h, **cfg,
+        return {"architectures": [self.architecture], "model_type": self.model_type, "intermediate_size": 4 * h,
+                **{key: model[ours] for ours, key in _SAME.items() if model.get(ours) is not None},
                 "num_key_value_heads": model.get("num_query_groups") or heads, "hidden_act": "silu",
                 "head_dim": model.get("kv_channels") or h // heads, "use_cache": True,
                 "max_position_embeddings": model.get("max_position_embeddings") or model["seq_length"],
@@ -105,9 +96,9 @@ class LlamaFamily(Family):
         for i in range(model["num_layers"]):
             ours, hf = f"decoder.layers.{i}", f"model.layers.{i}"
             out += [Rule(f"{ours}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
-                    Rule(f"{ours}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",))]
-            out += [FusedQKV(f"{ours}.self_attention.linear_qkv.{k}", tuple(f"{hf}.self_attn.{p}_proj.{k}" for p in "qkv"),
-                             heads=heads, groups=ng) for k in qkv_kinds]
+                    Rule(f"{ours}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
+                    *(FusedQKV(f"{ours}.self_attention.linear_qkv.{k}", tuple(f"{hf}.self_attn.{p}_proj.{k}" for p in "qkv"),
+                               heads=heads, groups=ng) for k in qkv_kinds)]
             for k in kinds:
                 out += [Rule(f"{ours}.self_attention.linear_proj.{k}", (f"{hf}.self_attn.o_proj.{k}",)),
                         GatedMLP(f"{ours}.mlp.linear_fc1.{k}", (f"{hf}.mlp.gate_proj.{k}", f"{hf}.mlp.up_proj.{k}")),
