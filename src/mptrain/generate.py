@@ -7,7 +7,9 @@
 Greedy at ``--temperature 0`` (the default); the text goes to stdout (rank 0): the prompt followed
 by the completion, or with ``--json`` one object ``{"prompt_ids", "new_ids", "text",
 "completion"}``. Generation stops after ``--max-new-tokens`` tokens or at the tokenizer's EOD
-(not printed). An empty prompt starts from EOD (the document boundary the model was trained on).
+(not printed). The prompt is encoded as training data was: with the BOS first when the tokenizer's family
+adds one (Llama: `mptrain.data.tokenizers.bos_token_id`), as ``transformers``' ``tok(prompt)`` does; an
+empty prompt is that BOS alone, else EOD (the document boundary the model was trained on).
 A checkpoint trained on ``data=mock`` (NullTokenizer) reads the prompt as space-separated token ids.
 
 What is loaded, from the checkpoint alone: the model config and tokenizer from its saved config
