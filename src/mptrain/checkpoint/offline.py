@@ -231,7 +231,7 @@ def save_streamed(root: Path, tensors: dict, *, config: dict, extra: dict) -> Pa
 
     dtypes = {dtype for _, dtype, _ in tensors.values()}
     param_dtype = next((n for n, d in (("bfloat16", torch.bfloat16), ("float16", torch.float16)) if dtypes == {d}),
-                       "float32")
+                       "float32")  # mixed or another dtype: trained from float32 weights
     common = {"format": FORMAT, "iteration": 0, "consumed_samples": 0, "scaler": None,
               "lr_scheduler": {"num_steps": 0}, "counters": {}, "vocab_size": config["model"]["vocab_size"],
               "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": None}, "param_dtype": param_dtype,

@@ -9,11 +9,11 @@ Any importable class implementing the interface plugs in (docs/COMPONENTS.md "To
 |---|---|---|---|
 | `mptrain.data.tokenizers.ByteTokenizer` | none | 257 (UTF-8 bytes + EOD) | 256 |
 | `mptrain.data.tokenizers.HFTokenizer` | `tokenizer_json` | the file's, added tokens included | id of `eod_token` |
+| `mptrain.data.tokenizers.TiktokenTokenizer` | tiktoken's local cache | `n_vocab` | `<|endoftext|>` |
+| `mptrain.data.tokenizers.NullTokenizer` | none | `vocab_size` | `vocab_size - 1` |
 
 `HFTokenizer` keeps its family's BOS rule (`bos_token_id`): a Llama / Mistral tokenizer starts every text
 with its BOS token, as `transformers`' ``tok(text)`` does, so preprocessing, generation and an export agree.
-| `mptrain.data.tokenizers.TiktokenTokenizer` | tiktoken's local cache | `n_vocab` | `<|endoftext|>` |
-| `mptrain.data.tokenizers.NullTokenizer` | none | `vocab_size` | `vocab_size - 1` |
 
 Preprocessing records the tokenizer beside the index (`<prefix>.tokenizer.json`:
 `write_tokenizer_record`), and the indexed providers refuse data made with another one
@@ -199,7 +199,10 @@ def bos_token_id(tok: Any, config: dict) -> Optional[int]:
     Args:
         tok: a `tokenizers.Tokenizer`.
     """
-    probe = tok.encode("a")  # the post-processor's own tokens are flagged in special_tokens_mask
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    # a word of its own vocabulary: it encodes to a token or more (a made-up one may fail: WordLevel without unk)
+    word = next((w for w in tok.get_vocab() if w.isalnum() and w not in special), "a")
+    probe = tok.encode(word)  # the post-processor's own tokens are flagged in special_tokens_mask
     if probe.special_tokens_mask[:2] == [1, 0]:
         return int(probe.ids[0])
     generic = config.get("tokenizer_class") in (None, "PreTrainedTokenizerFast", "TokenizersBackend")
