@@ -41,7 +41,7 @@ def synthetic_ckpt(tmp_path_factory) -> Path:
 def test_consolidated_export_is_exact_and_loads_without_distributed(synthetic_ckpt, tmp_path):
     from safetensors.torch import load_file
 
-    from mptrain.export import load_consolidated
+    from mptrain.checkpoint.offline import load_consolidated
     from mptrain.layers.sharding import collect_shard_specs, take_shard
 
     out = tmp_path / "export"
@@ -68,7 +68,7 @@ def test_consolidated_export_is_exact_and_loads_without_distributed(synthetic_ck
 
 
 def test_hf_gpt2_export_import_round_trip(synthetic_ckpt, tmp_path):
-    from mptrain.export import load_full_state
+    from mptrain.checkpoint.offline import load_full_state
 
     hf_dir, back = tmp_path / "hf", tmp_path / "imported"
     proc = _cli("--checkpoint", str(synthetic_ckpt), "--output", str(hf_dir), "--format", "hf-gpt2")
@@ -78,7 +78,8 @@ def test_hf_gpt2_export_import_round_trip(synthetic_ckpt, tmp_path):
     # never imported (mock data, NullTokenizer: EOD = VOCAB - 1): bos = eos = the EOD that separated its documents
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (VOCAB - 1, VOCAB - 1)
     assert cfg["dtype"] == "float32" and "torch_dtype" not in cfg  # the key transformers 5 writes, as --format hf
-    from mptrain.export import atomic_meta, checkpoint_folder, export_hf
+    from mptrain.checkpoint.offline import atomic_meta, checkpoint_folder
+    from mptrain.hf.convert import export_hf
 
     assert "hf" not in atomic_meta(checkpoint_folder(str(synthetic_ckpt)))
     export_hf(str(synthetic_ckpt), str(tmp_path / "hf-any"))  # --format hf: the same family and ids
@@ -162,7 +163,7 @@ def test_imported_gpt2_is_a_training_starting_point(tmp_path):
 
 def test_transformers_loads_and_generates(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from mptrain.export import load_consolidated
+    from mptrain.checkpoint.offline import load_consolidated
 
     ckpt = tmp_path / "ckpt"
     run_distributed(run_job, 2, SMALL + ["parallel=tp2pp1", "train.train_iters=3", f"run.dir={tmp_path / 'run'}",
@@ -225,7 +226,7 @@ def test_hf_export_with_the_byte_tokenizer_loads_in_transformers_as_is(tmp_path)
 def test_hf_export_copies_an_hf_tokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
     from mptrain.data.tokenizers import HFTokenizer
-    from mptrain.export_tokenizer import write_tokenizer_files
+    from mptrain.hf.tokenizer import write_tokenizer_files
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"the quick brown fox {i} jumps over the lazy dog"}) + "\n"

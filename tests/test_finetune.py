@@ -26,10 +26,10 @@ def _reference_loss(rank: int, world: int, overrides: list, export_dir: str) -> 
     """Pool task: the exported weights' mean loss on the first global batch of ``overrides``' data."""
     import torch
 
+    from mptrain.checkpoint.offline import load_consolidated
     from mptrain.config.schema import as_config
     from mptrain.data.provider import build_provider
     from mptrain.data.tokenizers import build_tokenizer
-    from mptrain.export import load_consolidated
 
     cfg = as_config(compose(overrides))
     provider = build_provider(cfg.data, tokenizer=build_tokenizer(cfg.data), seq_length=cfg.model.seq_length,
@@ -65,7 +65,7 @@ def pretrained(tmp_path_factory):
 
 
 def test_finetune_starts_fresh_on_the_new_data(pretrained, tmp_path):
-    from mptrain.export import export_consolidated
+    from mptrain.checkpoint.offline import export_consolidated
 
     ckpt, ft_ckpt = pretrained / "ckpt", tmp_path / "ft_ckpt"
     assert _adam_steps(ckpt) == {3.0}

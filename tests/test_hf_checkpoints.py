@@ -115,7 +115,7 @@ def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: l
     from mptrain.checkpoint import atomic
     from mptrain.checkpoint.api import atomic_meta, load_model_weights
     from mptrain.config.parallel import ParallelConfig
-    from mptrain.export import model_config_from_dict
+    from mptrain.checkpoint.offline import model_config_from_dict
     from mptrain.generate import generate_ids, load_generator
     from mptrain.groups import build_groups
     from mptrain.inference import gather_vocab
@@ -160,7 +160,8 @@ def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: l
 def _tp1_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     """Logits of a tp1pp1 model built in this process from the checkpoint (no torch.distributed)."""
     from mptrain.config.parallel import ParallelConfig
-    from mptrain.export import _single_rank_groups, load_full_state, model_config_from_dict
+    from mptrain.checkpoint.offline import load_full_state, model_config_from_dict
+    from mptrain.checkpoint.offline import single_rank_groups as _single_rank_groups
     from mptrain.layers.gpt import build_model_chunks
 
     state, meta = load_full_state(str(ckpt))
@@ -203,7 +204,7 @@ def test_export_after_import_gives_back_the_same_tensors(imported, family, tmp_p
         assert len(list(hf_dir.glob("model-*.safetensors"))) > 1
         index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(original) and len(set(index["weight_map"].values())) > 1
-    from mptrain.export import atomic_meta, model_config_from_dict
+    from mptrain.checkpoint.offline import atomic_meta, model_config_from_dict
     from mptrain.layers.params import count_parameters
 
     model = atomic_meta(next(ckpt.glob("iter_*")))["config"]["model"]
@@ -453,7 +454,7 @@ def test_a_moved_import_finds_its_tokenizer(imported, tmp_path):
     assert cfg.data.tokenizer["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
     assert cfg.model.num_query_groups == 2
     # generate and export read the same copy
-    from mptrain.export import atomic_meta
+    from mptrain.checkpoint.offline import atomic_meta
 
     saved = atomic_meta(meta_path.parent)["config"]["data"]["tokenizer"]
     assert saved["tokenizer_json"] == str((moved / "tokenizer.json").resolve())
@@ -483,7 +484,7 @@ def test_a_tokenizer_on_the_command_line_wins_over_the_checkpoints(imported, cap
     assert "HFTokenizer" in lines[0] and "ByteTokenizer" in lines[0] and "using the command line's" in lines[0]
     # the imported bos/eos name tokens of the checkpoint's tokenizer: dropped, so an export writes the run's EOD
     assert cfg.checkpoint.hf_config == {"model_type": "llama", "bos_token_id": None, "eos_token_id": None}
-    from mptrain.export import special_ids
+    from mptrain.hf.convert import special_ids
 
     assert special_ids({"config": {"checkpoint": {"hf_config": cfg.checkpoint.hf_config}}}, 256) == (256, 256)
     # an architecture key on the command line: the checkpoint's wins, in one warning naming it
@@ -549,3 +550,58 @@ def test_generate_refuses_a_tp_that_splits_no_query_group(imported, monkeypatch)
     assert str(err.value) == ("--tensor-model-parallel-size=4: the checkpoint's model does not split over 4 ranks "
                               "(model.num_query_groups=2 is not divisible by parallel.tensor_model_parallel_size=4); "
                               "launch with a --nproc_per_node that divides it")
+
+
+BOS_ID = VOCAB - 2  # "<s>" in the tokenizer of `_bos_tokenizer`
+
+
+def _bos_tokenizer(path: Path, adds_bos: bool) -> None:
+    """A word-level tokenizer ``t0 .. t97``, ``<s>``, ``</s>``. ``adds_bos``: Llama 3's way, a post-processor
+    Sequence(ByteLevel, TemplateProcessing ``<s> $A``); else none (GPT-2's way: BOS named, never added)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(BOS_ID)} | {"<s>": BOS_ID, "</s>": EOS},
+                                     unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if adds_bos:
+        tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)])])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": adds_bos}))
+
+
+def _prompt_ids_task(rank: int, world: int, ckpt: str, prompt: str) -> list:
+    from mptrain.generate import load_generator
+
+    gen = load_generator(ckpt, prompt=prompt)
+    try:
+        return gen.prompt_ids
+    finally:
+        gen.groups.destroy()
+
+
+@pytest.mark.parametrize("family", ["llama_untied", "gpt2"])
+def test_prompt_and_documents_are_encoded_as_transformers_does(family, tmp_path):
+    """The family's BOS rule holds on both sides: an imported Llama-style tokenizer (BOS in its post-processor)
+    starts mptrain.generate's prompt with BOS, a GPT-2 one adds none; each equals transformers' ``tok(prompt)`` on
+    the Hugging Face folder and on the export, and preprocessing writes ``[BOS] text [EOD]`` alike."""
+    from mptrain.checkpoint.offline import atomic_meta, checkpoint_folder
+    from mptrain.data.indexed import IndexedDataset
+    from mptrain.data.preprocess import preprocess
+    from mptrain.data.tokenizers import build_tokenizer
+
+    hf_dir, ckpt, out, text = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "out", "t5 t6 t7"
+    FAMILIES[family]().save_pretrained(hf_dir)
+    _bos_tokenizer(hf_dir, adds_bos=family != "gpt2")
+    assert _cli("--import-hf", str(hf_dir), "--output", str(ckpt)) == 0
+    assert _cli("--checkpoint", str(ckpt), "--output", str(out), "--format", "hf") == 0
+    ours = run_distributed(_prompt_ids_task, 1, str(ckpt), text)[0]
+    assert ours == ([BOS_ID, 5, 6, 7] if family != "gpt2" else [5, 6, 7])
+    for folder in (hf_dir, out):
+        assert transformers.AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] == ours, folder.name
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"text": text}) + "\n")
+    tokenizer = build_tokenizer(atomic_meta(checkpoint_folder(str(ckpt)))["config"]["data"])
+    preprocess([str(corpus)], output_prefix=str(tmp_path / "d"), tokenizer=tokenizer, workers=1, progress=False)
+    assert IndexedDataset(str(tmp_path / "d"))[0].tolist() == ours + [EOS]

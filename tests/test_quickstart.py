@@ -57,7 +57,7 @@ def _generate_task(rank: int, world: int, cwd: str, argv: list) -> tuple:
 
 def test_quick_start_checkpoint_feeds_generate_export_and_transformers(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from mptrain.export import load_consolidated
+    from mptrain.checkpoint.offline import load_consolidated
     from mptrain.export import main as export
 
     run_distributed(_train_task, 4, str(tmp_path), QUICK_START, timeout_s=600)

@@ -16,7 +16,7 @@ import yaml
 from harness import run_distributed
 from mptrain.training.validate import validate_config
 from mptrain.errors import ConfigError
-from mptrain.export import load_full_state
+from mptrain.checkpoint.offline import load_full_state
 from procs import run_python
 from train_utils import compose, read_rows, run_job
 

@@ -7,7 +7,9 @@
 Greedy at ``--temperature 0`` (the default); the text goes to stdout (rank 0): the prompt followed
 by the completion, or with ``--json`` one object ``{"prompt_ids", "new_ids", "text",
 "completion"}``. Generation stops after ``--max-new-tokens`` tokens or at the tokenizer's EOD
-(not printed). An empty prompt starts from EOD (the document boundary the model was trained on).
+(not printed). The prompt is encoded as training data was: with the BOS first when the tokenizer's family
+adds one (Llama: `mptrain.data.tokenizers.bos_token_id`), as ``transformers``' ``tok(prompt)`` does; an
+empty prompt is that BOS alone, else EOD (the document boundary the model was trained on).
 A checkpoint trained on ``data=mock`` (NullTokenizer) reads the prompt as space-separated token ids.
 
 What is loaded, from the checkpoint alone: the model config and tokenizer from its saved config
@@ -53,7 +55,7 @@ class Generator:
 
 def _saved_model_config(saved: dict, tp: int):
     """ModelConfig from the checkpoint's saved ``model`` dict, with training-only switches off."""
-    from mptrain.export import model_config_from_dict
+    from mptrain.checkpoint.offline import model_config_from_dict
 
     model = model_config_from_dict(saved["model"])
     # torch.compile and recomputation change no math and would only slow a one-token step down
@@ -91,13 +93,13 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
     ``prompt`` (text) is encoded (`encode_prompt`) before any process group exists, into
     ``Generator.prompt_ids``. Collective on every rank. Raises:
         ConfigError: no checkpoint there, a file that does not match its manifest.json
-            (`mptrain.export.checkpoint_folder`), world size ≠ TP size, the model does not fit the layout,
+            (`mptrain.checkpoint.offline.checkpoint_folder`), world size ≠ TP size, the model does not fit the layout,
             the saved tokenizer cannot be built, or it cannot encode ``prompt``.
     """
     from mptrain.checkpoint.api import load_model_weights
     from mptrain.config.parallel import ParallelConfig
     from mptrain.data.tokenizers import build_tokenizer
-    from mptrain.export import atomic_meta, checkpoint_folder
+    from mptrain.checkpoint.offline import atomic_meta, checkpoint_folder
     from mptrain.groups import build_groups, init_distributed, read_dist_env
     from mptrain.layers.gpt import build_model_chunks, check_model_config
 

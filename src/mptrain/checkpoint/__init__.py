@@ -8,8 +8,8 @@ chunks, optimizer wrapper, LR scheduler, RNG tracker, iteration, consumed sample
         writer.write_and_publish: an async save, run on a thread of the caller's
 Module map: api (the entry points), state (`TrainState`; what is saved, by global key), writer (write,
 checksums, publication), reshard (local tensor → global boxes), dcp_io (DCP planners), atomic
-(folders, `latest`, pruning), rng (per-rank RNG). Export / import of consolidated weights:
-`mptrain.export`.
+(folders, `latest`, pruning), rng (per-rank RNG), offline (a checkpoint read or written in one process
+without torch.distributed: `mptrain.generate`, `mptrain.export`, `mptrain.hf`).
 """
 
 from mptrain.checkpoint.api import capture_save, maybe_load_checkpoint, save_checkpoint

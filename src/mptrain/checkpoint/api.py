@@ -383,7 +383,7 @@ def load_model_weights(folder: Path, chunks: list, groups, saved_cfg: dict) -> N
 def atomic_meta(folder: Path, *, required: bool = False) -> dict:
     """meta.json of a checkpoint folder, its saved ``data.tokenizer`` file found beside the checkpoint when
     the recorded path is gone (`mptrain.checkpoint.args.meta_with_tokenizer_beside`). The one reader of
-    meta.json: `mptrain.export.atomic_meta` is this with ``required=True``.
+    meta.json: `mptrain.checkpoint.offline.atomic_meta` is this with ``required=True``.
 
     Returns:
         the contents; {} when unreadable and not ``required`` (the loader reports what is wrong).

@@ -68,7 +68,7 @@ an import and by every save, so a checkpoint still decodes when the file it was 
 TOKENIZER_SIDECARS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 """The Hugging Face files that describe a ``tokenizer.json`` beside it in its folder (chat template, model_max_length,
 added special tokens, ...): kept with the copy (`keep_tokenizer_copy`, the import), and the base of an export's
-own files (`mptrain.export_tokenizer.write_tokenizer_files`)."""
+own files (`mptrain.hf.tokenizer.write_tokenizer_files`)."""
 
 
 def tokenizer_beside(tokenizer: Optional[dict], folder: Path) -> Optional[dict]:

@@ -12,6 +12,9 @@ Any importable class implementing the interface plugs in (docs/COMPONENTS.md "To
 | `mptrain.data.tokenizers.TiktokenTokenizer` | tiktoken's local cache | `n_vocab` | `<|endoftext|>` |
 | `mptrain.data.tokenizers.NullTokenizer` | none | `vocab_size` | `vocab_size - 1` |
 
+`HFTokenizer` keeps its family's BOS rule (`bos_token_id`): a Llama / Mistral tokenizer starts every text
+with its BOS token, as `transformers`' ``tok(text)`` does, so preprocessing, generation and an export agree.
+
 Preprocessing records the tokenizer beside the index (`<prefix>.tokenizer.json`:
 `write_tokenizer_record`), and the indexed providers refuse data made with another one
 (`check_tokenizer_record`).
@@ -43,7 +46,8 @@ class TokenizerProtocol(Protocol):
         fingerprint: str, short, changes whenever the text → id mapping changes; it names the
             preprocessed caches and is recorded beside each preprocessed index.
     Methods:
-        encode(text: str) -> list[int]: ids of `text`, no EOD added.
+        encode(text: str) -> list[int]: ids of `text`, no EOD added (a BOS first when the tokenizer's
+            family adds one: `HFTokenizer`).
         decode(ids: Sequence[int]) -> str: text of `ids` (EOD dropped or rendered, the class decides).
         encode_array(text) -> np.ndarray (optional): a fast path for preprocessing; without it
             `encode` is used.
@@ -148,10 +152,14 @@ class HFTokenizer(Tokenizer):
             )
         self.eod = int(eod)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self._fingerprint = "hf:" + hashlib.sha1(raw).hexdigest()[:16]
+        self.bos: Optional[int] = bos_token_id(self._tok, tokenizer_config(path))
+        """The id every encoded text starts with (`bos_token_id`); None when the family adds none (GPT-2, Qwen2)."""
+        # the BOS rule may come from tokenizer_config.json: data made under another rule is another mapping
+        self._fingerprint = "hf:" + hashlib.sha1(raw).hexdigest()[:16] + ("" if self.bos is None else f"+bos{self.bos}")
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        return ids if self.bos is None else [self.bos, *ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -165,17 +173,48 @@ class HFTokenizer(Tokenizer):
         return self._fingerprint
 
 
+def tokenizer_config(path: Path, name: str = "tokenizer_config.json") -> dict:
+    """The JSON object ``name`` beside tokenizer file ``path`` ({} when there is none or it is unreadable)."""
+    try:
+        config = json.loads((Path(path).parent / name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def token_content(value: Any) -> Optional[str]:
+    """A special token of tokenizer_config.json: a string, or (older files) an AddedToken's fields."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def bos_token_id(tok: Any, config: dict) -> Optional[int]:
+    """The BOS id a Hugging Face tokenizer starts each text with (Llama, Mistral); None when it adds none (GPT-2, Qwen2).
+
+    The rule transformers applies: the special token the tokenizer.json post-processor puts before the text (a
+    TemplateProcessing ``<s> $A``, alone or in a Sequence: Llama 2 / 3, Mistral); else ``bos_token`` when
+    ``config`` (the tokenizer_config.json beside it) has ``add_bos_token: true`` and a ``tokenizer_class`` that
+    reads it (Llama's, Gemma's; transformers' generic fast tokenizer reads the post-processor alone). A trailing
+    special token (an EOS) is never added: preprocessing appends the EOD itself.
+
+    Args:
+        tok: a `tokenizers.Tokenizer`.
+    """
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    # a word of its own vocabulary: it encodes to a token or more (a made-up one may fail: WordLevel without unk)
+    word = next((w for w in tok.get_vocab() if w.isalnum() and w not in special), "a")
+    probe = tok.encode(word)  # the post-processor's own tokens are flagged in special_tokens_mask
+    if probe.special_tokens_mask[:2] == [1, 0]:
+        return int(probe.ids[0])
+    generic = config.get("tokenizer_class") in (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+    name = None if generic or config.get("add_bos_token") is not True else token_content(config.get("bos_token"))
+    return None if name is None else tok.token_to_id(name)
+
+
 def _eod_candidates(tok: Any, path: Path) -> str:
     """``"; ..."``: the end-of-document tokens a tokenizer file offers (the ``eos_token`` of the
     tokenizer_config.json beside it, its special added tokens), for the error when ``eod_token`` is missing."""
-    import json
-
     notes = []
-    try:
-        eos = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        eos = None
-    eos = eos.get("content") if isinstance(eos, dict) else eos  # older files store an AddedToken's fields
+    eos = token_content(tokenizer_config(path).get("eos_token"))
     if isinstance(eos, str) and tok.token_to_id(eos) is not None:
         notes.append(f"tokenizer_config.json beside it names eos_token {eos!r}")
     special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]

@@ -1,0 +1,1 @@
+"""One module per Hugging Face model family, each listing its `mptrain.hf.Family` objects in ``FAMILIES``."""
