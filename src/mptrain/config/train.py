@@ -138,6 +138,10 @@ class LoggerConfig:
     """wandb: run group (e.g. one per sweep); null = none."""
     tags: List[str] = dataclasses.field(default_factory=list)
     """wandb: run tags."""
+    tensorboard_dir: Optional[str] = None
+    """Megatron's --tensorboard-dir: the folder TensorBoard event files go to (a relative path is under the
+    working directory, as Megatron's); null = `<run.dir>/tensorboard`. Needs a TensorBoard logger
+    (logger=tensorboard or logger=[wandb,tensorboard]): set without one it is an error."""
 
 
 @dataclasses.dataclass
