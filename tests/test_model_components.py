@@ -201,3 +201,37 @@ def test_wrong_typed_keyword_of_a_spec_node_is_one_config_error(tmp_path):
                                           rf"arguments \(TypeError: .*\(given: {core}.window='abc'\)$"):
         run(compose(base + [f"+{core}.window=abc"]))
     run(compose(base + [f"+{core}.window=16"]))
+
+
+def _recompute_flags(rank, world, overrides):
+    """(attention cores recomputed, full-layer recompute) of the rank's model built from the composed config."""
+    from mptrain.groups import build_groups
+    from mptrain.layers.gpt import build_model_chunks
+
+    cfg = as_config(compose(SMALL + overrides))
+    g = build_groups(1, 1)
+    try:
+        (chunk,) = build_model_chunks(cfg.model, cfg.parallel, g, vocab_size=64, seed=3)
+        cores = [m.recompute_core for n, m in chunk.named_modules() if n.endswith("self_attention")]
+        return cores, chunk.decoder.recompute
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], ([False, False], False)),
+    (["model.recompute_activations=true"], ([True, True], False)),  # Megatron's shorthand for selective
+    (["model.recompute_granularity=selective"], ([True, True], False)),
+    (["model.recompute_activations=true", "model.recompute_granularity=selective"], ([True, True], False)),
+])
+def test_recompute_activations_is_selective_recompute(overrides, expected):
+    assert run_distributed(_recompute_flags, 1, overrides)[0] == expected
+
+
+def test_recompute_activations_with_full_granularity_is_one_config_error():
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose(["model=tiny", "model.recompute_activations=true", "model.recompute_granularity=full",
+                                 "model.recompute_method=uniform", "model.recompute_num_layers=1"]), 1)
+    assert str(err.value) == ("model.recompute_activations=true means recompute_granularity=selective, but "
+                              "model.recompute_granularity=full; set model.recompute_activations=false or "
+                              "model.recompute_granularity=null")

@@ -93,6 +93,12 @@ class TransformerLayerSpec:
     submodules: TransformerLayerSubmodules = dataclasses.field(default_factory=TransformerLayerSubmodules)
 
 
+def recompute_granularity(model) -> Optional[str]:
+    """The recompute granularity that runs: ``selective`` when ``model.recompute_activations`` is set (Megatron's
+    ``--recompute-activations`` sets ``recompute_granularity = 'selective'``), else ``model.recompute_granularity``."""
+    return "selective" if getattr(model, "recompute_activations", False) else model.recompute_granularity
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """A GPT model. Sizes are counts (layers, heads) or elements (hidden sizes)."""
@@ -162,6 +168,9 @@ class ModelConfig:
     label_smoothing: float = 0.0
     recompute_granularity: Optional[str] = None
     """null | full | selective (selective recomputes the attention core only)."""
+    recompute_activations: bool = False
+    """Megatron's --recompute-activations: shorthand for recompute_granularity=selective (true with
+    recompute_granularity=full is an error; read through `recompute_granularity`)."""
     recompute_method: Optional[str] = None
     """uniform | block (with recompute_granularity=full)."""
     recompute_num_layers: Optional[int] = None

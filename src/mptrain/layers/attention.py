@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
-from mptrain.config.model import SelfAttentionSubmodules
+from mptrain.config.model import SelfAttentionSubmodules, recompute_granularity
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
 from mptrain.layers.dtypes import HALF_DTYPES
@@ -245,7 +245,7 @@ class SelfAttention(torch.nn.Module):
         self.rope = config.position_embedding_type == "rope"
         self.rotary_base = config.rotary_base
         self.rope_scaling = config if getattr(config, "rope_scaling", False) else None  # llama3 frequency scaling
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = recompute_granularity(config) == "selective"
         prefix = f"decoder.layers.{layer_number}.self_attention"
         common = dict(context=context, bias=config.add_bias_linear)
         self.linear_qkv = build_module(f"{KEY}.submodules.linear_qkv", submodule(node, "linear_qkv"),
