@@ -244,3 +244,24 @@ def test_hf_export_copies_an_hf_tokenizer(tmp_path):
     text = "the lazy fox jumps 42 times"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == ours.encode(text) and tok.decode(ids) == ours.decode(ids) and tok.eos_token_id == ours.eod
+
+
+@pytest.mark.parametrize("overrides, fmt, message", [
+    (["model.apply_layernorm_1p=true"], "hf-gpt2",
+     "export --format hf-gpt2: model.apply_layernorm_1p=true stores LayerNorm weights as gamma - 1, which this export "
+     "does not convert; use --format safetensors"),
+    (["model.position_embedding_type=rope", "model.rotary_percent=0.5"], "hf",
+     "export --format hf: model.rotary_percent=0.5 (partial RoPE) has no spelling in the Hugging Face families "
+     "written here; use --format safetensors"),
+])
+def test_hf_export_refuses_layernorm_1p_and_partial_rope(tmp_path, overrides, fmt, message):
+    from mptrain.errors import ConfigError
+    from mptrain.export import export_hf, export_hf_gpt2
+
+    run_distributed(run_job, 1, SMALL + overrides + ["train.train_iters=1", f"run.dir={tmp_path / 'run'}",
+                                                     f"checkpoint.save={tmp_path / 'ckpt'}"])
+    export = export_hf_gpt2 if fmt == "hf-gpt2" else export_hf
+    with pytest.raises(ConfigError) as err:
+        export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert str(err.value) == message
+    assert not (tmp_path / "hf").exists()

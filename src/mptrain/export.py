@@ -214,6 +214,21 @@ def load_consolidated(path: str, *, dtype: torch.dtype = torch.float32):
 
 
 # --- Hugging Face GPT-2 ---------------------------------------------------------------------------
+def check_hf_expressible(model: dict, fmt: str) -> None:
+    """Model keys the Hugging Face families written here cannot express, refused before anything is written.
+
+    Raises:
+        ConfigError: ``model.apply_layernorm_1p`` (weights stored as gamma - 1) or ``model.rotary_percent`` < 1
+            (partial RoPE), one line naming the key and the format that keeps them.
+    """
+    if model.get("apply_layernorm_1p", False):
+        raise ConfigError(f"export --format {fmt}: model.apply_layernorm_1p=true stores LayerNorm weights as gamma - 1, "
+                          "which this export does not convert; use --format safetensors")
+    if model.get("rotary_percent", 1.0) < 1.0:
+        raise ConfigError(f"export --format {fmt}: model.rotary_percent={model['rotary_percent']} (partial RoPE) has no "
+                          "spelling in the Hugging Face families written here; use --format safetensors")
+
+
 def check_gpt2_compatible(model: dict) -> None:
     """Raises ConfigError naming every model key that GPT-2's architecture cannot express."""
     h, heads = model["hidden_size"], model["num_attention_heads"]
@@ -327,6 +342,7 @@ def export_hf_gpt2(checkpoint: str, output: str, iteration: Optional[int] = None
 
     state, meta = load_full_state(checkpoint, iteration)
     model = meta["config"]["model"]
+    check_hf_expressible(model, "hf-gpt2")
     check_gpt2_compatible(model)
     hf = to_hf_gpt2({k: v.float() for k, v in state.items()}, model)
     out = Path(output)
@@ -673,6 +689,7 @@ def export_hf(checkpoint: str, output: str, iteration: Optional[int] = None, *, 
     folder = checkpoint_folder(checkpoint, iteration)
     meta = atomic_meta(folder)
     model = meta["config"]["model"]
+    check_hf_expressible(model, "hf")
     hf_meta = hf_record(meta)
     is_gpt2 = model.get("position_embedding_type", "learned_absolute") == "learned_absolute"
     if is_gpt2:
