@@ -245,3 +245,26 @@ def test_hf_export_copies_an_hf_tokenizer(tmp_path):
     text = "the lazy fox jumps 42 times"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == ours.encode(text) and tok.decode(ids) == ours.decode(ids) and tok.eos_token_id == ours.eod
+
+
+@pytest.mark.parametrize("overrides, fmt, message", [
+    (["model.apply_layernorm_1p=true"], "hf-gpt2",
+     "error: export --format hf-gpt2: the model is not a GPT-2: model.apply_layernorm_1p=True (GPT-2: False); use "
+     "--format hf (Llama / Mistral / Qwen2) or --format safetensors"),
+    (["model.normalization=RMSNorm", "model.activation=swiglu", "model.position_embedding_type=rope",
+      "model.rotary_percent=0.5", "model.add_bias_linear=false"], "hf",
+     "error: export --format hf: no Hugging Face family expresses the model (GPT-2: model.normalization='RMSNorm' "
+     "(GPT-2: 'LayerNorm'), model.activation='swiglu' (GPT-2: 'gelu'), model.position_embedding_type='rope' (GPT-2: "
+     "'learned_absolute'), model.add_bias_linear=False (GPT-2: True); Llama: model.rotary_percent=0.5 (Llama: 1.0); Mistral: model.rotary_percent=0.5 (Mistral: "
+     "1.0); Qwen2: model.rotary_percent=0.5 (Qwen2: 1.0), model.add_bias_linear=False, add_qkv_bias=False (Qwen2: "
+     "biases on qkv)); use --format safetensors"),
+])
+def test_hf_export_refuses_layernorm_1p_and_partial_rope(tmp_path, overrides, fmt, message):
+    """What no family's config.json can say is refused before anything is written: LayerNorm weights stored as
+    gamma - 1 (apply_layernorm_1p), RoPE on part of each head (rotary_percent < 1)."""
+    run_distributed(run_job, 1, SMALL + overrides + ["train.train_iters=1", f"run.dir={tmp_path / 'run'}",
+                                                     f"checkpoint.save={tmp_path / 'ckpt'}"])
+    proc = _cli("--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--format", fmt)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == message
+    assert not (tmp_path / "hf").exists()

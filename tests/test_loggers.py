@@ -113,6 +113,8 @@ class NoFinish:
      "logger.loggers.tensorboard.flush_sec: mptrain.training.loggers.TensorBoardLogger takes no keyword 'flush_sec'"),
     (["+logger.loggers.x=3"], "logger.loggers.x: expected a component node with _target_"),
     (["logger.mode=loud"], "logger.mode: unknown option 'loud'; valid: online, offline, disabled"),
+    (["logger=wandb", "logger.tensorboard_dir=tb"],
+     "logger.tensorboard_dir=tb has no effect without a TensorBoard logger; add logger=tensorboard"),
 ])
 def test_bad_logger_is_one_config_error_line_at_validation(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -266,6 +268,29 @@ def test_tensorboard_resume_hides_the_steps_redone_after_the_checkpoint(tmp_path
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/lm_loss")] == [
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0)]
+
+
+def test_tensorboard_dir_is_where_the_event_files_go(tmp_path, monkeypatch):
+    """`logger.tensorboard_dir` (Megatron's --tensorboard-dir): the events go there, a relative path under the working
+    directory; null keeps `<run_dir>/tensorboard`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for overrides, expected in ((["logger.tensorboard_dir=tb/events"], tmp_path / "tb" / "events"),
+                                ([f"logger.tensorboard_dir={tmp_path / 'abs'}"], tmp_path / "abs"),
+                                ([], run_dir / "tensorboard")):
+        cfg = as_config(compose(["logger=tensorboard", *overrides]))
+        check_logger_config(cfg)
+        group = build_loggers(cfg.logger, rank=0, run_dir=run_dir)
+        (lg,) = group.loggers
+        assert lg.log_dir == expected
+        lg.log_metrics({"train/lm_loss": 2.5}, 1)
+        group.finish()
+        acc = EventAccumulator(str(expected))
+        acc.Reload()
+        assert [(e.step, e.value) for e in acc.Scalars("train/lm_loss")] == [(1, 2.5)]
 
 
 def test_wandb_logger_keywords_from_the_shared_logger_keys(tmp_path, monkeypatch):

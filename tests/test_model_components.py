@@ -1,6 +1,8 @@
 """The model provider and the layer spec tree are components: each node is selected by `_target_`
 from the config, a user's class plugs in, and a bad target is one ConfigError naming its key."""
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -201,3 +203,116 @@ def test_wrong_typed_keyword_of_a_spec_node_is_one_config_error(tmp_path):
                                           rf"arguments \(TypeError: .*\(given: {core}.window='abc'\)$"):
         run(compose(base + [f"+{core}.window=abc"]))
     run(compose(base + [f"+{core}.window=16"]))
+
+
+def _recompute_flags(rank, world, overrides):
+    """(attention cores recomputed, full-layer recompute) of the rank's model built from the composed config."""
+    from mptrain.groups import build_groups
+    from mptrain.layers.gpt import build_model_chunks
+
+    cfg = as_config(compose(SMALL + overrides))
+    g = build_groups(1, 1)
+    try:
+        (chunk,) = build_model_chunks(cfg.model, cfg.parallel, g, vocab_size=64, seed=3)
+        cores = [m.recompute_core for n, m in chunk.named_modules() if n.endswith("self_attention")]
+        return cores, chunk.decoder.recompute
+    finally:
+        g.destroy()
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], ([False, False], False)),
+    (["model.recompute_activations=true"], ([True, True], False)),  # Megatron's shorthand for selective
+    (["model.recompute_granularity=selective"], ([True, True], False)),
+    (["model.recompute_activations=true", "model.recompute_granularity=selective"], ([True, True], False)),
+])
+def test_recompute_activations_is_selective_recompute(overrides, expected):
+    assert run_distributed(_recompute_flags, 1, overrides)[0] == expected
+
+
+def test_recompute_activations_with_full_granularity_is_one_config_error():
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose(["model=tiny", "model.recompute_activations=true", "model.recompute_granularity=full",
+                                 "model.recompute_method=uniform", "model.recompute_num_layers=1"]), 1)
+    assert str(err.value) == ("model.recompute_activations=true means recompute_granularity=selective, but "
+                              "model.recompute_granularity=full; set model.recompute_activations=false or "
+                              "model.recompute_granularity=null")
+
+
+def _ln_context():
+    import types
+
+    return types.SimpleNamespace(params_dtype=torch.float32, device=torch.device("cpu"), sequence_parallel=False)
+
+
+def test_layernorm_1p_is_layernorm_with_weight_one_plus_w():
+    """model.apply_layernorm_1p (Megatron's zero-centred gamma): w starts at zeros and the forward is a LayerNorm whose
+    weight is 1 + w, at init and after w moved."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.layers.norms import LayerNorm1P, Norm
+
+    norm = Norm(8, config=ModelConfig(apply_layernorm_1p=True), eps=1e-5, context=_ln_context())
+    assert isinstance(norm, LayerNorm1P) and torch.equal(norm.weight, torch.zeros(8))
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0))
+    ref = torch.nn.LayerNorm(8, eps=1e-5)
+    torch.testing.assert_close(norm(x), ref(x), rtol=0, atol=0)  # at init: 1 + 0 = 1, the same op
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+        norm.bias.copy_(torch.linspace(0.1, 0.8, 8))
+        ref.weight.copy_(1 + norm.weight)
+        ref.bias.copy_(norm.bias)
+    torch.testing.assert_close(norm(x), ref(x), rtol=0, atol=0)
+    assert not torch.allclose(norm(x), torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias, 1e-5))
+
+
+def test_layernorm_1p_model_starts_with_zero_norm_weights_and_rejects_rmsnorm():
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose(["model=tiny", "model.apply_layernorm_1p=true", "model.normalization=RMSNorm"]), 1)
+    assert str(err.value) == ("model.apply_layernorm_1p=true is a LayerNorm weight form, but model.normalization=RMSNorm; "
+                              "set model.normalization=LayerNorm or model.apply_layernorm_1p=false")
+    _, names, _, _ = run_distributed(_outputs, 1, ["model.apply_layernorm_1p=true"])[0]
+    assert names["decoder.layers.0.input_layernorm"] == "LayerNorm1P" and names["decoder.final_layernorm"] == "LayerNorm1P"
+
+
+def _partial_rope_reference(x, percent, base=10000.0):
+    """Megatron's partial RoPE written out per dim pair: the first rot = int(hn × percent) dims, frequencies
+    base^(-2i/rot), pairs (i, i + rot/2) rotated by position × frequency; the other dims unchanged."""
+    s, _, _, hn = x.shape
+    rot = int(hn * percent)
+    out = x.clone()
+    for pos in range(s):
+        for i in range(rot // 2):
+            angle = pos * base ** (-2 * i / rot)
+            a, b = x[pos, ..., i], x[pos, ..., i + rot // 2]
+            out[pos, ..., i] = a * math.cos(angle) - b * math.sin(angle)
+            out[pos, ..., i + rot // 2] = b * math.cos(angle) + a * math.sin(angle)
+    return out
+
+
+@pytest.mark.parametrize("percent", [0.5, 0.25, 1.0])
+def test_rotary_percent_rotates_the_first_dims_only(percent):
+    from mptrain.layers.attention import apply_rope, rope_cos_sin, rotary_dim
+
+    x = torch.randn(6, 2, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).float()
+    rot = rotary_dim(16, percent)
+    cos, sin = rope_cos_sin(6, rot, 10000.0, torch.device("cpu"))
+    got = apply_rope(x, cos, sin)
+    torch.testing.assert_close(got, _partial_rope_reference(x.double(), percent).float(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[..., rot:], x[..., rot:])  # passed through untouched
+    if percent < 1.0:
+        assert not torch.allclose(got[1:, ..., :rot], x[1:, ..., :rot])  # positions > 0 rotate
+
+
+def test_rotary_percent_in_the_model_and_its_errors():
+    rope = ["model.position_embedding_type=rope"]
+    full, _, _, _ = run_distributed(_outputs, 1, rope)[0]
+    half, _, _, _ = run_distributed(_outputs, 1, rope + ["model.rotary_percent=0.5"])[0]
+    assert not torch.allclose(full, half)  # the same weights, another rotation: the logits differ
+    for overrides, message in (
+            (["model.rotary_percent=0.5"], "model.rotary_percent=0.5 applies to RoPE only, but "
+                                           "model.position_embedding_type=learned_absolute"),
+            (rope + ["model.rotary_percent=0"], "model.rotary_percent=0.0 must be in (0, 1]"),
+            (rope + ["model.rotary_percent=0.1"], "model.rotary_percent=0.1 rotates int(0.1 × head dim 16) = 1 dims")):
+        with pytest.raises(ConfigError) as err:
+            validate_config(compose(["model=tiny", *overrides]), 1)
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)

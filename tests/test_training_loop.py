@@ -128,3 +128,47 @@ def test_fault_hook_poisons_the_grads_after_the_reduction_at_its_iteration(monke
     hook.before_step(3)
     assert built.trainer.finalize_model_grads() == 5.0 and bool(torch.isnan(chunk.grad).all())
     assert built.faults is None  # no fail_rank: the checkpoint write has no fault site
+
+
+def test_checkpointer_stops_once_the_exit_duration_has_passed_on_any_rank():
+    import time
+
+    cfg = _cfg(train__train_iters=9, train__exit_duration_in_mins=0.5)  # 30 s; no checkpoint.save
+    fresh, _, groups = _checkpointer(cfg)
+    assert [fresh.stop_reason(i) for i in (1, 2)] == [None, None]
+    assert groups.any_rank_calls == [False, False]  # a collective every iteration, even without checkpoint.save
+    late, _, groups = _checkpointer(cfg)
+    late.start_time = time.time() - 31.0  # 31 s > 30 s since the job started
+    assert late.stop_reason(1) == "exit_duration" and groups.any_rank_calls == [True]
+    interval_first, _, _ = _checkpointer(_cfg(train__train_iters=9, train__exit_interval=1,
+                                              train__exit_duration_in_mins=0.5))
+    interval_first.start_time = time.time() - 31.0
+    assert interval_first.stop_reason(1) == "exit_interval"
+
+
+def test_exit_duration_saves_and_exits_cleanly(tmp_path):
+    """A job past train.exit_duration_in_mins after its first iteration saves that iteration and returns (exit 0);
+    a resume from that checkpoint trains on to train.train_iters."""
+    from harness import run_distributed
+    from train_utils import read_rows, run_job
+
+    common = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16",
+              "train.eval_interval=null", "train.global_batch_size=4", "train.micro_batch_size=2",
+              "train.train_iters=5", f"run.dir={tmp_path / 'run'}", f"checkpoint.save={tmp_path / 'ckpt'}"]
+    run_distributed(run_job, 1, common + ["train.exit_duration_in_mins=1e-9"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "run")] == [1]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "1"
+    assert "stopped after iteration 1 (exit_duration); checkpoint saved" in (tmp_path / "run" / "train.log").read_text()
+    run_distributed(run_job, 1, common + [f"checkpoint.load={tmp_path / 'ckpt'}"])
+    assert [r["iteration"] for r in read_rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("minutes", [0, -1.0])
+def test_exit_duration_must_be_positive(minutes):
+    from mptrain.errors import ConfigError
+    from mptrain.training.validate import validate_config
+    from train_utils import compose
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose(["model=tiny", f"train.exit_duration_in_mins={minutes}"]), 1)
+    assert str(err.value).startswith(f"train.exit_duration_in_mins={float(minutes)} must be a number of minutes > 0")

@@ -35,6 +35,7 @@ from typing import Optional
 import hydra
 from omegaconf import OmegaConf
 
+from mptrain.config.model import recompute_granularity
 from mptrain.errors import ConfigError
 from mptrain.planner.config import CONF_DIR, check_plan_keys, register_plan
 
@@ -69,7 +70,7 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
         measured = measured_rank_bytes(chunks, optimizer)
         p = cfg.parallel
         layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
-                            p.use_distributed_optimizer, cfg.model.recompute_granularity or "none",
+                            p.use_distributed_optimizer, recompute_granularity(cfg.model) or "none",
                             derived.sequence_parallel, derived.schedule, derived.num_microbatches)
         c = layout_config(cfg, layout)
         rp = rank_params(cfg.model, c.parallel, vocab_size=vocab_size, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
@@ -161,7 +162,7 @@ def one_gpu_layout(cfg):
     config's recomputation."""
     from mptrain.planner.memory import PlanLayout
 
-    return PlanLayout(1, 1, None, 1, False, cfg.model.recompute_granularity or "none", False, "no_pipelining", 1)
+    return PlanLayout(1, 1, None, 1, False, recompute_granularity(cfg.model) or "none", False, "no_pipelining", 1)
 
 
 def one_gpu_config(cfg, *, num_layers: Optional[int] = None):
@@ -178,7 +179,7 @@ def one_gpu_config(cfg, *, num_layers: Optional[int] = None):
 
 def measured_layer_counts(cfg) -> tuple:
     """(k, 2k) transformer layers of the two measured cuts: k = 2, or twice a full-recompute group (whole groups)."""
-    group = (cfg.model.recompute_num_layers or 1) if cfg.model.recompute_granularity == "full" else 1
+    group = (cfg.model.recompute_num_layers or 1) if recompute_granularity(cfg.model) == "full" else 1
     return 2 * group, 4 * group
 
 

@@ -59,7 +59,7 @@ def _saved_model_config(saved: dict, tp: int):
 
     model = model_config_from_dict(saved["model"])
     # torch.compile and recomputation change no math and would only slow a one-token step down
-    return dataclasses.replace(model, compile_layers=False, recompute_granularity=None)
+    return dataclasses.replace(model, compile_layers=False, recompute_granularity=None, recompute_activations=False)
 
 
 def encode_prompt(tokenizer, text: str, saved: dict, vocab_size: int) -> list:

@@ -29,7 +29,7 @@ ARCHITECTURE_KEYS = (
     "max_position_embeddings", "vocab_size", "untie_embeddings_and_output_weights", "normalization",
     "layernorm_epsilon", "activation", "position_embedding_type", "rotary_base", "rope_scaling", "rope_scaling_factor",
     "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    "add_bias_linear", "add_qkv_bias",
+    "add_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "rotary_percent",
 )
 """``model.*`` keys taken from the checkpoint (Megatron's list, less its training choices)."""
 HF_CONFIG_KEYS = ("model_type", "bos_token_id", "eos_token_id")

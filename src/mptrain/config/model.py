@@ -93,6 +93,12 @@ class TransformerLayerSpec:
     submodules: TransformerLayerSubmodules = dataclasses.field(default_factory=TransformerLayerSubmodules)
 
 
+def recompute_granularity(model) -> Optional[str]:
+    """The recompute granularity that runs: ``selective`` when ``model.recompute_activations`` is set (Megatron's
+    ``--recompute-activations`` sets ``recompute_granularity = 'selective'``), else ``model.recompute_granularity``."""
+    return "selective" if getattr(model, "recompute_activations", False) else model.recompute_granularity
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """A GPT model. Sizes are counts (layers, heads) or elements (hidden sizes)."""
@@ -137,12 +143,20 @@ class ModelConfig:
     normalization: str = "LayerNorm"
     """LayerNorm | RMSNorm: read by the default norm nodes (`mptrain.layers.norms.Norm`) of transformer_layer."""
     layernorm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    """Megatron's --apply-layernorm-1p (zero-centred gamma): each LayerNorm stores w = gamma - 1, initialised to
+    zeros, and applies (1 + w) (`mptrain.layers.norms.LayerNorm1P`): the same math as LayerNorm at init, weight
+    decay pulls gamma towards 1 rather than 0. normalization=LayerNorm only; Hugging Face export refuses it."""
     activation: str = "gelu"
     """gelu | swiglu: read by the default activation node (`mptrain.layers.mlp.Activation`)."""
     position_embedding_type: str = "learned_absolute"
     """learned_absolute | rope."""
     rotary_base: int = 10000
     """RoPE base θ (frequencies θ^(-2i/hn)); Hugging Face's ``rope_theta``."""
+    rotary_percent: float = 1.0
+    """Megatron's --rotary-percent, in (0, 1]: RoPE rotates the first int(rotary_percent × head dim) dims of each
+    head (frequencies over that width, θ^(-2i/rot)) and passes the rest through unchanged; 1 = the whole head.
+    position_embedding_type=rope only; the rotated width must be even; Hugging Face export refuses < 1."""
     rope_scaling: bool = False
     """Llama 3.1's RoPE frequency scaling (Megatron's ``--use-rope-scaling``; Hugging Face ``rope_type: llama3``):
     wavelengths above original_max_position_embeddings / low_freq_factor are divided by rope_scaling_factor,
@@ -162,6 +176,9 @@ class ModelConfig:
     label_smoothing: float = 0.0
     recompute_granularity: Optional[str] = None
     """null | full | selective (selective recomputes the attention core only)."""
+    recompute_activations: bool = False
+    """Megatron's --recompute-activations: shorthand for recompute_granularity=selective (true with
+    recompute_granularity=full is an error; read through `recompute_granularity`)."""
     recompute_method: Optional[str] = None
     """uniform | block (with recompute_granularity=full)."""
     recompute_num_layers: Optional[int] = None

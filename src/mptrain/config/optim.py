@@ -51,6 +51,18 @@ class OptimConfig:
     """Passed as ``momentum``."""
     lr_warmup_iters: int = 0
     """Iterations of linear warmup from 0 (iteration 1 runs at lr 0 when > 0, as Megatron)."""
+    lr_warmup_fraction: Optional[float] = None
+    """Megatron's --lr-warmup-fraction, in [0, 1]: warmup = this × lr_decay_iters (× lr_decay_samples when
+    training by train.train_samples; the decay length being null: × train.train_iters / train.train_samples,
+    Megatron's default decay length). Not a whole number of iterations in general: the LR ramps by
+    n / (fraction × length). null = lr_warmup_iters / lr_warmup_samples; set together with either > 0 it is
+    an error."""
+    lr_warmup_samples: int = 0
+    """Megatron's --lr-warmup-samples: samples of linear warmup, with train.train_samples (the schedule then
+    counts samples: global_batch_size per applied step). 0 = none; without train.train_samples an error."""
+    lr_decay_samples: Optional[int] = None
+    """Megatron's --lr-decay-samples: the sample count at which the decay reaches min_lr, with
+    train.train_samples (as lr_decay_iters, in samples); null: no decay. Without train.train_samples an error."""
     lr_decay_iters: Optional[int] = None
     """Iteration at which the decay reaches min_lr (warmup included); null: no decay (constant, or
     inverse-square-root without the final cut to min_lr)."""

@@ -6,12 +6,30 @@ import dataclasses
 from typing import Any, Dict, List, Optional
 
 
+def train_iters_of(train) -> Optional[int]:
+    """The run's last iteration: ``train.train_iters``, or with ``train.train_samples`` set
+    train_samples // global_batch_size (Megatron's ``update_train_iters`` without batch-size ramp-up: a last
+    partial batch is not trained)."""
+    if train.train_samples is None:
+        return train.train_iters
+    return train.train_samples // train.global_batch_size
+
+
 @dataclasses.dataclass
 class TrainConfig:
-    train_iters: int = 20
-    """The last iteration (iterations count completed optimizer steps from 1, skipped ones included)."""
+    train_iters: Optional[int] = 20
+    """The last iteration (iterations count completed optimizer steps from 1, skipped ones included); null
+    with train_samples, which then sets it (`train_iters_of`; config.yaml records the derived value)."""
+    train_samples: Optional[int] = None
+    """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size,
+    and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
+    null = train by train_iters. Needs train.train_iters=null (both set is an error, as in Megatron)."""
     exit_interval: Optional[int] = None
     """Save a checkpoint and exit 0 after this iteration."""
+    exit_duration_in_mins: Optional[float] = None
+    """Megatron's --exit-duration-in-mins: after the first iteration that ends more than this many minutes
+    after the job started (on any rank: the ranks agree through a MAX all-reduce each iteration, as Megatron),
+    save a checkpoint (with checkpoint.save) and exit 0. > 0; null = no time limit."""
     micro_batch_size: int = 2
     """Samples per micro-batch per DP rank."""
     global_batch_size: int = 8
@@ -138,6 +156,10 @@ class LoggerConfig:
     """wandb: run group (e.g. one per sweep); null = none."""
     tags: List[str] = dataclasses.field(default_factory=list)
     """wandb: run tags."""
+    tensorboard_dir: Optional[str] = None
+    """Megatron's --tensorboard-dir: the folder TensorBoard event files go to (a relative path is under the
+    working directory, as Megatron's); null = `<run.dir>/tensorboard`. Needs a TensorBoard logger
+    (logger=tensorboard or logger=[wandb,tensorboard]): set without one it is an error."""
 
 
 @dataclasses.dataclass

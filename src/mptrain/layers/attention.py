@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind
-from mptrain.config.model import SelfAttentionSubmodules
+from mptrain.config.model import SelfAttentionSubmodules, recompute_granularity
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
 from mptrain.layers.dtypes import HALF_DTYPES
@@ -87,8 +87,18 @@ def llama3_inv_freq(inv_freq: torch.Tensor, model) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rotary_dim(head_dim: int, rotary_percent: float) -> int:
+    """The rotated width of each head: int(head_dim × rotary_percent) (Megatron's ``RotaryEmbedding``)."""
+    return int(head_dim * rotary_percent) if rotary_percent < 1.0 else head_dim
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[s, b, heads, hn]`` rotated: x·cos + rotate_half(x)·sin, computed in fp32."""
+    """x ``[s, b, heads, hn]`` rotated: x·cos + rotate_half(x)·sin, computed in fp32. With cos / sin narrower
+    than hn (``model.rotary_percent`` < 1: ``[.., rot]``) only the first rot dims rotate, the rest pass through
+    (Megatron's ``_apply_rotary_pos_emb_bshd``: t, t_pass = t[..., :rot], t[..., rot:])."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -244,8 +254,9 @@ class SelfAttention(torch.nn.Module):
         self.groups, self.sequence_parallel, self.rng_tracker = groups, sequence_parallel, rng_tracker
         self.rope = config.position_embedding_type == "rope"
         self.rotary_base = config.rotary_base
+        self.rotary_dim = rotary_dim(self.hn, getattr(config, "rotary_percent", 1.0))
         self.rope_scaling = config if getattr(config, "rope_scaling", False) else None  # llama3 frequency scaling
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = recompute_granularity(config) == "selective"
         prefix = f"decoder.layers.{layer_number}.self_attention"
         common = dict(context=context, bias=config.add_bias_linear)
         self.linear_qkv = build_module(f"{KEY}.submodules.linear_qkv", submodule(node, "linear_qkv"),
@@ -279,7 +290,7 @@ class SelfAttention(torch.nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, hn]
         start = 0 if kv_cache is None else kv_cache.length  # absolute position of x's first row
         if self.rope:
-            cos, sin = rope_cos_sin(start + s, self.hn, self.rotary_base, x.device, scaling=self.rope_scaling)
+            cos, sin = rope_cos_sin(start + s, self.rotary_dim, self.rotary_base, x.device, scaling=self.rope_scaling)
             if start:
                 cos, sin = cos[start:], sin[start:]  # the new positions' angles
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

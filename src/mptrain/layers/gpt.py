@@ -26,7 +26,7 @@ import torch.distributed as dist
 from mptrain.components import ComponentKind, build
 from mptrain.config.model import ModelConfig
 from mptrain.errors import ConfigError, check_choice
-from mptrain.layers.attention import check_attention_backend
+from mptrain.layers.attention import check_attention_backend, rotary_dim
 from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
 from mptrain.layers.context import LayerContext, layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
@@ -38,6 +38,25 @@ from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
 from mptrain.layers.transformer import TransformerBlock, check_recompute, check_spec_tree
+
+def check_rotary_percent(model, head_dim: int) -> None:
+    """``model.rotary_percent``: in (0, 1], with RoPE only, rotating an even number >= 2 of each head's dims.
+
+    Raises:
+        ConfigError: one line naming the key, the value and the fix.
+    """
+    p = model.rotary_percent
+    if not 0.0 < p <= 1.0:
+        raise ConfigError(f"model.rotary_percent={p} must be in (0, 1] (the share of each head's dims RoPE rotates)")
+    if p < 1.0 and model.position_embedding_type != "rope":
+        raise ConfigError(f"model.rotary_percent={p} applies to RoPE only, but model.position_embedding_type="
+                          f"{model.position_embedding_type}; set model.position_embedding_type=rope or "
+                          "model.rotary_percent=1.0")
+    rot = rotary_dim(head_dim, p)
+    if rot < 2 or rot % 2:
+        raise ConfigError(f"model.rotary_percent={p} rotates int({p} × head dim {head_dim}) = {rot} dims, which must be "
+                          "even and >= 2; pick a rotary_percent that gives an even width")
+
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 """``model.position_embedding_type``: learned absolute (the embedding) or rotary (`attention.apply_rope`)."""
@@ -95,6 +114,7 @@ def check_model_config(model, parallel) -> None:
     if model.position_embedding_type == "rope" and hn % 2:
         raise ConfigError(f"model.position_embedding_type=rope needs an even head dim (kv_channels={hn}); change "
                           "kv_channels or hidden_size / num_attention_heads")
+    check_rotary_percent(model, hn)
     if model.position_embedding_type == "learned_absolute" and model.max_position_embeddings is not None:
         if model.seq_length > model.max_position_embeddings:
             raise ConfigError(f"model.seq_length={model.seq_length} exceeds model.max_position_embeddings="

@@ -65,6 +65,22 @@ class LayerNorm(torch.nn.LayerNorm):
         return _norm_specs(self, self.sequence_parallel)
 
 
+class LayerNorm1P(LayerNorm):
+    """``model.apply_layernorm_1p`` (Megatron's zero-centred gamma): the weight w ``[h]`` holds gamma - 1, starts at
+    zeros and is applied as (1 + w): y = (x - mean) / sqrt(var + eps) · (1 + w) + b. Equal to `LayerNorm` with weight
+    1 + w; weight decay (norm params have none here) or a checkpoint of w would see gamma - 1."""
+
+    kernel = "torch.nn.functional.layer_norm (weight 1 + w)"
+
+    def __init__(self, hidden_size: int, *, eps: float, context: LayerContext) -> None:
+        super().__init__(hidden_size, eps=eps, context=context)
+        with torch.no_grad():
+            self.weight.zero_()  # gamma = 1 + 0 at init: the plain LayerNorm's start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm over the last dim h (Zhang & Sennrich 2019); weight ``[h]``, no bias."""
 
@@ -127,12 +143,19 @@ NORMALIZATIONS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm, "ApexFusedLayerNor
 
 
 def check_normalization(model) -> None:
-    """``model.normalization`` is a built-in name. Raises ConfigError naming the key and the options."""
+    """``model.normalization`` is a built-in name; ``model.apply_layernorm_1p`` only with LayerNorm. Raises ConfigError
+    naming the key and the fix."""
     check_choice("model.normalization", model.normalization, tuple(NORMALIZATIONS))
+    if model.apply_layernorm_1p and model.normalization != "LayerNorm":
+        raise ConfigError(f"model.apply_layernorm_1p=true is a LayerNorm weight form, but model.normalization="
+                          f"{model.normalization}; set model.normalization=LayerNorm or model.apply_layernorm_1p=false")
 
 
 def Norm(hidden_size: int, *, config, eps: float, context: LayerContext) -> torch.nn.Module:  # noqa: N802 - a class-like factory (Megatron's WrappedTorchNorm)
-    """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)``."""
+    """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)``;
+    `LayerNorm1P` with ``config.apply_layernorm_1p`` (LayerNorm only: `check_normalization`)."""
+    if getattr(config, "apply_layernorm_1p", False):
+        return LayerNorm1P(hidden_size, eps=eps, context=context)
     return NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mptrain.components import ComponentKind, node_items
-from mptrain.config.model import TransformerLayerSubmodules
+from mptrain.config.model import TransformerLayerSubmodules, recompute_granularity
 from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
 from mptrain.layers.context import LayerContext
@@ -65,9 +65,14 @@ def check_recompute(model) -> None:
 
     Raises:
         ConfigError: unknown granularity / method; full without a method; a method without full;
-            full with recompute_num_layers < 1.
+            full with recompute_num_layers < 1; recompute_activations with granularity full.
     """
     check_choice("model.recompute_granularity", model.recompute_granularity, RECOMPUTE_GRANULARITIES)
+    if model.recompute_activations and model.recompute_granularity not in (None, "selective"):
+        raise ConfigError(
+            f"model.recompute_activations=true means recompute_granularity=selective, but "
+            f"model.recompute_granularity={model.recompute_granularity}; set model.recompute_activations=false or "
+            "model.recompute_granularity=null")
     check_choice("model.recompute_method", model.recompute_method, RECOMPUTE_METHODS)
     if model.recompute_granularity == "full" and model.recompute_method is None:
         raise ConfigError(
@@ -184,7 +189,7 @@ class TransformerBlock(torch.nn.Module):
         self.sequence_parallel = context.sequence_parallel
         self.rng_fork = rng_fork and self.sequence_parallel
         self.rng_tracker = rng_tracker
-        self.recompute = config.recompute_granularity == "full"
+        self.recompute = recompute_granularity(config) == "full"
         self.recompute_method = config.recompute_method or "uniform"
         self.recompute_num_layers = config.recompute_num_layers or 1
         spec = config.transformer_layer

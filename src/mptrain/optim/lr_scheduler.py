@@ -3,13 +3,25 @@
 Interface (`LRScheduler`): built from ``optim.lr_scheduler._target_`` with ``optimizer=`` (anything
 with ``param_groups``) by `build_lr_scheduler`, the one place; the Megatron keys of `optim`
 (``lr``, ``min_lr``, ``lr_warmup_iters``, ``lr_decay_iters``, ``lr_decay_style``,
-``lr_wsd_decay_iters``, ``lr_wsd_decay_style``) and ``train_iters`` reach a target only where its
-signature takes them; keys added with ``+optim.lr_scheduler.<key>=`` go to it as they are.
+``lr_wsd_decay_iters``, ``lr_wsd_decay_style``, ``lr_warmup_fraction``, ``lr_warmup_samples``,
+``lr_decay_samples``) and ``train_iters``, ``train_samples``, ``global_batch_size`` reach a target only where
+its signature takes them; keys added with ``+optim.lr_scheduler.<key>=`` go to it as they are.
 
 Built-in schedule: Megatron `OptimizerParamScheduler` (megatron/core/optimizer_param_scheduler.py),
-counted in iterations (``step(increment=1)`` after every applied optimizer step). With ``n`` =
-steps taken so far, W = lr_warmup_iters, D = lr_decay_iters, the LR used for the next optimizer
-step is
+stepped once after every applied optimizer step (``step(increment=1)``). Its position ``n`` and its
+lengths W (warmup) and D (decay) share one unit, as Megatron's ``get_optimizer_param_scheduler``
+(megatron/training/training.py) sets them:
+
+    iteration-based (train.train_iters):  n = applied steps, W = lr_warmup_iters, D = lr_decay_iters
+    sample-based (train.train_samples):   n = applied steps × global_batch_size (Megatron's increment:
+                                          the samples of one iteration), W = lr_warmup_samples,
+                                          D = lr_decay_samples
+    lr_warmup_fraction f (either unit):   W = f × D, with D = train_iters / train_samples where
+                                          lr_decay_iters / lr_decay_samples is null (Megatron's
+                                          default for the decay length)
+
+(Megatron counts both in samples, n × global_batch_size against W × global_batch_size: the same
+ratios.) The LR used for the next optimizer step is
 
     n <= W and W > 0     :  lr * n / W                 (warmup; iteration 1 runs at lr 0, as Megatron)
     constant             :  lr
@@ -95,6 +107,53 @@ LR_WSD_DECAY_STYLES: dict[str, Callable[[float], float]] = {"exponential": _expo
 _DECAY = {"linear": _linear, "cosine": _cosine}
 
 
+def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_warmup_fraction: Optional[float] = None,
+                     train_iters: Optional[int] = None, lr_warmup_samples: int = 0,
+                     lr_decay_samples: Optional[int] = None, train_samples: Optional[int] = None,
+                     global_batch_size: Optional[int] = None) -> tuple[str, int, float, Optional[int]]:
+    """(unit, samples per applied step, W, D) of the schedule, per the module docstring; unit = "iters" or
+    "samples" (the suffix of the keys that set W and D, for messages).
+
+    Raises:
+        ConfigError: lr_warmup_fraction outside [0, 1], or with lr_warmup_iters / lr_warmup_samples > 0 (Megatron:
+            one of them); sample keys without train.train_samples; iteration keys with it; negative lengths.
+    """
+    if lr_warmup_fraction is not None and not 0.0 <= lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"optim.lr_warmup_fraction={lr_warmup_fraction} must be in [0, 1] (the share of the decay "
+                          "length spent warming up), or null")
+    if train_samples is None:
+        if lr_warmup_samples or lr_decay_samples is not None:
+            key, value = (("optim.lr_warmup_samples", lr_warmup_samples) if lr_warmup_samples
+                          else ("optim.lr_decay_samples", lr_decay_samples))
+            raise ConfigError(f"{key}={value} counts in samples, which needs sample-based training; set "
+                              f"train.train_samples (and train.train_iters=null), or {key.replace('samples', 'iters')} "
+                              f"instead")
+        unit, per_step, warmup, decay, horizon = "iters", 1, lr_warmup_iters, lr_decay_iters, train_iters
+    else:
+        for key, value, off in (("optim.lr_warmup_iters", lr_warmup_iters, 0), ("optim.lr_decay_iters", lr_decay_iters,
+                                                                                None)):
+            if value != off:
+                raise ConfigError(f"{key}={value} counts in iterations, but train.train_samples={train_samples} "
+                                  f"counts the schedule in samples; set {key.replace('iters', 'samples')} instead "
+                                  f"and {key}={'null' if off is None else off}")
+        if global_batch_size is None:
+            raise ConfigError("train.train_samples needs train.global_batch_size (the samples of one iteration)")
+        unit, per_step, warmup, decay, horizon = ("samples", int(global_batch_size), lr_warmup_samples,
+                                                  lr_decay_samples, train_samples)
+    if warmup < 0 or (decay is not None and decay < 0):
+        raise ConfigError(f"optim: lr_warmup_{unit}={warmup} and lr_decay_{unit}={decay} must be >= 0")
+    if lr_warmup_fraction is not None:
+        if warmup > 0:
+            raise ConfigError(f"optim.lr_warmup_fraction={lr_warmup_fraction} and optim.lr_warmup_{unit}={warmup} "
+                              f"both set the warmup; set optim.lr_warmup_{unit}=0 or optim.lr_warmup_fraction=null")
+        base = decay if decay is not None else horizon
+        if base is None:
+            raise ConfigError(f"optim.lr_warmup_fraction={lr_warmup_fraction} needs optim.lr_decay_{unit} or "
+                              f"train.train_{unit} (the length it is a fraction of); set one")
+        warmup = lr_warmup_fraction * base  # Megatron: lr_warmup_steps = lr_warmup_fraction * lr_decay_steps
+    return unit, per_step, warmup, decay
+
+
 class OptimizerParamScheduler:
     """Sets ``lr`` on every param group of ``optimizer`` (a torch optimizer or one of our wrappers).
 
@@ -108,9 +167,14 @@ class OptimizerParamScheduler:
         lr_decay_style: constant | linear | cosine | inverse-square-root | WSD.
         lr_wsd_decay_iters: WSD: length of the final decay (1 <= it <= lr_decay_iters - lr_warmup_iters).
         lr_wsd_decay_style: WSD: exponential | linear | cosine | minus_sqrt.
+        lr_warmup_fraction: warmup = this × the decay length (None = lr_warmup_iters / lr_warmup_samples).
+        train_iters: the run's iterations (the decay length lr_warmup_fraction uses when lr_decay_iters is None).
+        lr_warmup_samples, lr_decay_samples, train_samples: the sample-based counterparts (train_samples set:
+            the schedule counts samples, ``global_batch_size`` per applied step).
+        global_batch_size: samples per iteration.
     Raises:
-        ConfigError: unknown style; a decaying style without lr_decay_iters; lr_decay_iters <=
-            lr_warmup_iters while decaying; negative iterations; min_lr > lr; WSD lengths out of range.
+        ConfigError: unknown style; a decaying style without a decay length; decay length <= warmup
+            while decaying; negative lengths; min_lr > lr; WSD lengths out of range; `schedule_lengths`'s rules.
     """
 
     def __init__(
@@ -124,10 +188,20 @@ class OptimizerParamScheduler:
         lr_decay_style: str,
         lr_wsd_decay_iters: Optional[int] = None,
         lr_wsd_decay_style: str = "exponential",
+        lr_warmup_fraction: Optional[float] = None,
+        train_iters: Optional[int] = None,
+        lr_warmup_samples: int = 0,
+        lr_decay_samples: Optional[int] = None,
+        train_samples: Optional[int] = None,
+        global_batch_size: Optional[int] = None,
     ) -> None:
-        check_lr_schedule_values(lr=lr, min_lr=min_lr, lr_warmup_iters=lr_warmup_iters, lr_decay_iters=lr_decay_iters,
-                                 lr_decay_style=lr_decay_style, lr_wsd_decay_iters=lr_wsd_decay_iters,
-                                 lr_wsd_decay_style=lr_wsd_decay_style)
+        unit, self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps = schedule_lengths(
+            lr_warmup_iters=lr_warmup_iters, lr_decay_iters=lr_decay_iters, lr_warmup_fraction=lr_warmup_fraction,
+            train_iters=train_iters, lr_warmup_samples=lr_warmup_samples, lr_decay_samples=lr_decay_samples,
+            train_samples=train_samples, global_batch_size=global_batch_size)
+        check_lr_schedule_values(lr=lr, min_lr=min_lr, lr_warmup_iters=self.lr_warmup_steps,
+                                 lr_decay_iters=self.lr_decay_steps, lr_decay_style=lr_decay_style,
+                                 lr_wsd_decay_iters=lr_wsd_decay_iters, lr_wsd_decay_style=lr_wsd_decay_style, unit=unit)
         self.optimizer = optimizer
         self.max_lr = float(lr)
         self.min_lr = float(min_lr)
@@ -136,12 +210,15 @@ class OptimizerParamScheduler:
         self.lr_decay_style = lr_decay_style
         self.lr_wsd_decay_iters = None if lr_wsd_decay_iters is None else int(lr_wsd_decay_iters)
         self.lr_wsd_decay_style = lr_wsd_decay_style
+        self.lr_warmup_fraction = lr_warmup_fraction
+        self.lr_warmup_samples = int(lr_warmup_samples)
+        self.lr_decay_samples = None if lr_decay_samples is None else int(lr_decay_samples)
         self.num_steps = 0
         self.step(0)  # set the LR of the first iteration
 
     def get_lr(self) -> float:
         """The LR for the next optimizer step (after ``num_steps`` steps), per the module docstring."""
-        n, w, d = self.num_steps, self.lr_warmup_iters, self.lr_decay_iters
+        n, w, d = self.num_steps * self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps
         if w > 0 and n <= w:
             return self.max_lr * n / w
         if self.lr_decay_style == "constant":
@@ -167,7 +244,8 @@ class OptimizerParamScheduler:
         return new_lr
 
     _SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
-                      "lr_wsd_decay_style")
+                      "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples",
+                      "samples_per_step")
 
     def state_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self._SCHEDULE_KEYS}, "num_steps": self.num_steps}
@@ -187,8 +265,10 @@ class OptimizerParamScheduler:
 
 
 def check_lr_schedule_values(*, lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_decay_style, lr_wsd_decay_iters,
-                             lr_wsd_decay_style) -> None:
+                             lr_wsd_decay_style, unit: str = "iters") -> None:
     """The Megatron LR keys' rules, once (the built-in schedule calls it; so does the start-up check).
+    ``lr_warmup_iters`` / ``lr_decay_iters``: W and D in the schedule's unit (`schedule_lengths`); ``unit`` = "iters"
+    or "samples" names the keys that set them.
 
     Raises:
         ConfigError: see `OptimizerParamScheduler`.
@@ -198,21 +278,24 @@ def check_lr_schedule_values(*, lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_
             f"optim: unknown optim.lr_decay_style={lr_decay_style!r}; pick one of {', '.join(LR_DECAY_STYLES)}"
         )
     if lr_warmup_iters < 0 or (lr_decay_iters is not None and lr_decay_iters < 0):
-        raise ConfigError(f"optim: lr_warmup_iters={lr_warmup_iters} and lr_decay_iters={lr_decay_iters} must be >= 0")
+        raise ConfigError(f"optim: lr_warmup_{unit}={lr_warmup_iters} and lr_decay_{unit}={lr_decay_iters} must be >= 0")
     if min_lr > lr:
         raise ConfigError(f"optim: min_lr={min_lr} must be <= lr={lr}")
     if LR_DECAY_STYLES[lr_decay_style]:
         if lr_decay_iters is None:
             raise ConfigError(
-                f"optim: lr_decay_style={lr_decay_style} needs optim.lr_decay_iters (got null = no decay); "
-                "set optim.lr_decay_iters (e.g. to train.train_iters) or optim.lr_decay_style=constant"
+                f"optim: lr_decay_style={lr_decay_style} needs optim.lr_decay_{unit} (got null = no decay); "
+                f"set optim.lr_decay_{unit} (e.g. to train.train_{unit}) or optim.lr_decay_style=constant"
             )
         if lr_decay_iters <= lr_warmup_iters:
             raise ConfigError(
-                f"optim: lr_decay_iters={lr_decay_iters} must be > lr_warmup_iters={lr_warmup_iters} "
+                f"optim: lr_decay_{unit}={lr_decay_iters} must be > lr_warmup_{unit}={lr_warmup_iters} "
                 f"for lr_decay_style={lr_decay_style}"
             )
     if lr_decay_style == "WSD":
+        if unit == "samples":
+            raise ConfigError("optim.lr_decay_style=WSD counts its final decay in iterations (optim.lr_wsd_decay_iters); "
+                              "with train.train_samples pick another optim.lr_decay_style, or train by train.train_iters")
         if lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
             raise ConfigError(f"optim: unknown optim.lr_wsd_decay_style={lr_wsd_decay_style!r}; pick one of "
                               f"{', '.join(LR_WSD_DECAY_STYLES)}")
@@ -224,27 +307,34 @@ def check_lr_schedule_values(*, lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_
             )
 
 
-def scheduler_keywords(optim_cfg, train_iters: Optional[int]) -> dict:
+def scheduler_keywords(optim_cfg, train_iters: Optional[int], *, train_samples: Optional[int] = None,
+                       global_batch_size: Optional[int] = None) -> dict:
     """The Megatron-named keys a schedule target may take (each passed only if its signature takes it)."""
     keys = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
-            "lr_wsd_decay_style")
-    return {**{k: getattr(optim_cfg, k) for k in keys}, "train_iters": train_iters}
+            "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples")
+    return {**{k: getattr(optim_cfg, k) for k in keys}, "train_iters": train_iters, "train_samples": train_samples,
+            "global_batch_size": global_batch_size}
 
 
-def build_lr_scheduler(optim_cfg, optimizer, *, train_iters: Optional[int] = None):
+def build_lr_scheduler(optim_cfg, optimizer, *, train_iters: Optional[int] = None, train_samples: Optional[int] = None,
+                       global_batch_size: Optional[int] = None):
     """The LR schedule of ``optim.lr_scheduler`` for ``optimizer`` (the one place it is built).
 
     Raises:
         ConfigError: the component checks (`mptrain.components.build`) or the schedule's own rules.
     """
     return components.build("optim.lr_scheduler", optim_cfg.lr_scheduler, LR_SCHEDULER,
-                            runtime={"optimizer": optimizer}, mapped=scheduler_keywords(optim_cfg, train_iters),
+                            runtime={"optimizer": optimizer},
+                            mapped=scheduler_keywords(optim_cfg, train_iters, train_samples=train_samples,
+                                                      global_batch_size=global_batch_size),
                             partial=False)  # `_partial_: true` says the runtime passes the optimizer: it does, here
 
 
-def check_lr_scheduler(optim_cfg, train_iters: Optional[int] = None, optimizer=None) -> None:
+def check_lr_scheduler(optim_cfg, train_iters: Optional[int] = None, optimizer=None, *,
+                       train_samples: Optional[int] = None, global_batch_size: Optional[int] = None) -> None:
     """Start-up check (pure): build a throwaway schedule on ``optimizer`` (a stand-in with one param group
     when None), so a bad target or bad LR keys are one ConfigError line before any collective."""
     if optimizer is None:
         optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.0}])
-    build_lr_scheduler(optim_cfg, optimizer, train_iters=train_iters)
+    build_lr_scheduler(optim_cfg, optimizer, train_iters=train_iters, train_samples=train_samples,
+                       global_batch_size=global_batch_size)

@@ -57,6 +57,7 @@ def layout_config(cfg, layout: PlanLayout):
     p.name = f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp else "")
     m = c.model
     m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
+    m.recompute_activations = False  # the layout's granularity is the whole choice
     m.recompute_method = "uniform" if layout.recompute == "full" else None
     m.recompute_num_layers = (m.recompute_num_layers or 1) if layout.recompute == "full" else None
     # the configured schedule stays (auto by default): validate_config resolves it per layout, and a

@@ -1,6 +1,6 @@
 """The training loop's checkpoints and its early ends (DESIGN.md §4): where a job resumes
 (`Checkpointer.resume`), when it saves (`should_save`), when it stops before ``train.train_iters``
-(`stop_reason`: ``train.exit_interval`` or SIGTERM / SIGINT) and the save itself (`save`, blocking
+(`stop_reason`: ``train.exit_interval``, ``train.exit_duration_in_mins`` or SIGTERM / SIGINT) and the save itself (`save`, blocking
 or ``checkpoint.async_save``: `AsyncSaves`).
 
 Checkpoint N is saved after iteration N: every ``checkpoint.save_interval``-th iteration, the last
@@ -96,12 +96,15 @@ class Checkpointer:
         stop: the loop's `StopSignal` (installed by the loop).
         untimed: a context factory for a save's time (`mptrain.training.watchdog.LoopWatch.untimed`).
         hooks: loop hooks (``before_save(iteration)``; `mptrain.training.faults`), empty by default.
+        start_time: ``time.time()`` when the job started (``train.exit_duration_in_mins`` counts from it);
+            None = now.
     """
 
     def __init__(self, built: Any, recorder: Any, *, stop: StopSignal, untimed: Callable[[], ContextManager],
-                 hooks: list) -> None:
+                 hooks: list, start_time: Optional[float] = None) -> None:
         self.built, self.recorder, self.stop, self.untimed, self.hooks = built, recorder, stop, untimed, hooks
         self.cfg = built.cfg
+        self.start_time = time.time() if start_time is None else start_time
         self.async_saves: Optional[AsyncSaves] = None  # created at the first ``checkpoint.async_save``
 
     def train_state(self, progress: Optional[Progress] = None) -> TrainState:
@@ -126,13 +129,27 @@ class Checkpointer:
         return Progress(state.iteration, state.consumed_samples)
 
     def stop_reason(self, iteration: int) -> Optional[str]:
-        """Why the loop ends after `iteration` before ``train.train_iters``: "exit_interval", "signal", or
-        None. Called after every iteration on every rank (with ``checkpoint.save``: a collective)."""
+        """Why the loop ends after `iteration` before ``train.train_iters``: "exit_interval", "exit_duration",
+        "signal", or None. Called after every iteration on every rank (with ``checkpoint.save`` or
+        ``train.exit_duration_in_mins``: a collective)."""
         signalled = self._signal_received()
+        out_of_time = self._duration_exceeded()
         exit_interval = self.cfg.train.exit_interval
         if exit_interval is not None and iteration >= exit_interval:
             return "exit_interval"
+        if out_of_time:
+            return "exit_duration"
         return "signal" if signalled else None
+
+    def _duration_exceeded(self) -> bool:
+        """``train.exit_duration_in_mins``: the job's wall time since `start_time` exceeds it on any rank (Megatron
+        all-reduces it with MAX), so every rank stops after the same iteration: always a collective when set,
+        checkpoint.save or not (a rank leaving the loop alone would leave its peers waiting)."""
+        limit = self.cfg.train.exit_duration_in_mins
+        if limit is None:
+            return False
+        elapsed_min = (time.time() - self.start_time) / 60.0
+        return self.built.groups.any_rank(elapsed_min > limit)
 
     def _signal_received(self) -> bool:
         """SIGTERM / SIGINT (`StopSignal`): finish this iteration, save it, exit 0. With ``checkpoint.save``

@@ -8,8 +8,8 @@
 
 `logger.loggers` maps a key of the user's choosing to one component node; every node is built,
 so several loggers run side by side. The shared keys of the `logger` node (`project`, `entity`,
-`run_name`, `group`, `tags`, `mode`) reach each target whose constructor takes them (as `project`,
-`entity`, `name`, `group`, `tags`, `mode`); a node's own key wins over a shared one.
+`run_name`, `group`, `tags`, `mode`, `tensorboard_dir`) reach each target whose constructor takes them (as
+`project`, `entity`, `name`, `group`, `tags`, `mode`, `log_dir`); a node's own key wins over a shared one.
 
 What the trainer guarantees (the `MetricsLogger` interface):
 - built on rank 0 only, after the run folder exists and the checkpoint (if any) is loaded; the
@@ -52,7 +52,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 RUNTIME_KEYWORDS = ("run_dir", "run_config", "start_iteration")
 # The shared `logger.*` keys and the constructor keyword each one becomes (passed only when accepted).
 SHARED_KEYWORDS = {"project": "project", "entity": "entity", "run_name": "name", "group": "group", "tags": "tags",
-                   "mode": "mode"}
+                   "mode": "mode", "tensorboard_dir": "log_dir"}
 # metrics.jsonl keys that are not metrics: the split becomes the prefix, the iteration the step.
 NOT_LOGGED = ("split", "iteration", "skipped_iter")
 
@@ -104,7 +104,11 @@ def logged_metrics(row: Mapping[str, Any]) -> dict:
 
 
 def _shared_keywords(logger_cfg: Any) -> dict:
-    return {kw: getattr(logger_cfg, key) for key, kw in SHARED_KEYWORDS.items() if hasattr(logger_cfg, key)}
+    shared = {kw: getattr(logger_cfg, key) for key, kw in SHARED_KEYWORDS.items() if hasattr(logger_cfg, key)}
+    if shared.get("log_dir") is not None:
+        # Megatron's --tensorboard-dir: a relative path is under the working directory, not the run folder
+        shared["log_dir"] = str(Path(shared["log_dir"]).absolute())
+    return shared
 
 
 def _nodes(logger_cfg: Any) -> dict:
@@ -117,22 +121,28 @@ def check_logger_config(cfg: Any) -> None:
     Raises:
         ConfigError: `logger.mode` not online | offline | disabled; a `logger.loggers.<key>` node
             without `_target_`, whose target does not import, lacks `log_metrics` / `finish`, gets a
-            keyword it does not take, or needs a package that is not installed (e.g. wandb).
+            keyword it does not take, or needs a package that is not installed (e.g. wandb);
+            `logger.tensorboard_dir` set where no logger takes ``log_dir`` (no TensorBoard logger).
     """
     lg = cfg.logger
     if lg.mode not in WANDB_MODES:
         raise ConfigError(f"logger.mode: unknown option {lg.mode!r}; valid: {', '.join(WANDB_MODES)}; "
                           "set logger.mode to one of them")
+    takes_log_dir = False
     for key, node in _nodes(lg).items():
         where = f"logger.loggers.{key}"
         if not isinstance(node, Mapping) or "_target_" not in node:
             raise ConfigError(f"{where}: expected a component node with _target_ (e.g. "
                               f"+{where}._target_=mptrain.training.loggers.TensorBoardLogger), got {node!r}")
-        target, _ = resolve(where, node, LOGGER_KIND, mapped=_shared_keywords(lg))
+        target, kwargs = resolve(where, node, LOGGER_KIND, mapped=_shared_keywords(lg))
+        takes_log_dir = takes_log_dir or "log_dir" in kwargs
         for package in getattr(target, "required_packages", ()):
             if importlib.util.find_spec(package) is None:
                 raise ConfigError(f"{where}._target_={node['_target_']} needs the {package!r} package, which is not "
                                   f"installed; pip install {package} (or pip install -e .[dev]), or pick logger=none")
+    if lg.tensorboard_dir is not None and not takes_log_dir:
+        raise ConfigError(f"logger.tensorboard_dir={lg.tensorboard_dir} has no effect without a TensorBoard logger; "
+                          "add logger=tensorboard (or logger=[wandb,tensorboard]), or set logger.tensorboard_dir=null")
 
 
 class LoggerGroup:
@@ -185,11 +195,13 @@ def build_loggers(logger_cfg: Any, *, rank: int, run_dir: Path, run_config: Opti
 
 
 class TensorBoardLogger:
-    """`logger=tensorboard`: scalars under `<run_dir>/tensorboard` (torch.utils.tensorboard), tag = metric name.
+    """`logger=tensorboard`: scalars under `logger.tensorboard_dir`, by default `<run_dir>/tensorboard`
+    (torch.utils.tensorboard), tag = metric name.
 
     Args:
         run_dir, run_config, start_iteration: runtime (see `MetricsLogger`).
-        log_dir: the event folder; null = `<run_dir>/tensorboard` (a relative path is under run_dir).
+        log_dir: the event folder (``logger.tensorboard_dir``, made absolute against the working directory;
+            or the node's own ``log_dir``, a relative one under run_dir); null = `<run_dir>/tensorboard`.
         flush_secs: seconds between flushes of the event file.
     """
 

@@ -26,7 +26,8 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
     cfg = built.cfg
     watch = LoopWatch(built.groups, timeout_s=cfg.train.timeout_s, step_timeout_s=cfg.train.step_timeout_s,
                       stop=stop, heartbeat=heartbeat)
-    checkpointer = Checkpointer(built, recorder, stop=stop, untimed=watch.untimed, hooks=built.hooks)
+    checkpointer = Checkpointer(built, recorder, stop=stop, untimed=watch.untimed, hooks=built.hooks,
+                                start_time=recorder.t_start)
     at = _start(built, recorder, checkpointer)
     start_iteration = at.iteration
     data = data_iterators(built, lambda: built.provider.train_iterator(at.consumed_samples))
@@ -69,7 +70,7 @@ def _start(built: Any, recorder: Any, checkpointer: Checkpointer) -> Progress:
 def _loop(built: Any, data: list, at: Progress, *, rows: TrainRows, watch: LoopWatch, checkpointer: Checkpointer,
           evaluator: Evaluator, collector: ManualGC) -> Optional[str]:
     """Iterations from ``at`` to ``train.train_iters``; returns why it stopped early ("exit_interval",
-    "signal") or None."""
+    "exit_duration", "signal") or None."""
     cfg, trainer = built.cfg, built.trainer
     while at.iteration < cfg.train.train_iters:
         rows.begin()  # first: the previous iteration's row is written before anything below can stall

@@ -26,6 +26,7 @@ import torch
 from mptrain.config.schema import Config
 from mptrain.checkpoint.args import apply_checkpoint_args
 from mptrain.config.schema import as_config
+from mptrain.config.train import train_iters_of
 from mptrain.data.provider import build_provider, provider_target
 from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 from mptrain.training.validate import validate_config
@@ -123,7 +124,9 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
         cfg.precision, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         build_optimizer=build_optimizer_factory(cfg.optim), model_chunks=chunks, groups=groups, scaler=scaler,
         clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
-    lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters)
+    lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters,
+                                      train_samples=cfg.train.train_samples,
+                                      global_batch_size=cfg.train.global_batch_size)
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
@@ -245,6 +248,7 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         cfg, plan = planned_config(cfg, sweep_job=current_sweep_job(),
                                    resolve=lambda composed: apply_checkpoint_args(as_config(composed)))
         derived = validate_config(cfg, world_size)
+        cfg.train.train_iters = train_iters_of(cfg.train)  # train.train_samples: Megatron's update_train_iters
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
             err.symmetric = True  # (rank 0 prints it); an environment-dependent one says symmetric=False

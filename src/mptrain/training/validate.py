@@ -25,6 +25,7 @@ import torch
 
 from mptrain.checkpoint.finetune import check_load_keys
 from mptrain.config.schema import Config, as_config
+from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.errors import ConfigError
@@ -129,9 +130,25 @@ def resolve_loss_scaler(cfg: Config) -> str:
     check_fp8_config(cfg.precision)
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
     check_max_consecutive_skips(cfg.loss_scaler.max_consecutive_skips)
-    check_lr_scheduler(cfg.optim, cfg.train.train_iters, optimizer=check_optimizer(cfg.optim))
+    check_lr_scheduler(cfg.optim, train_iters_of(cfg.train), optimizer=check_optimizer(cfg.optim),
+                       train_samples=cfg.train.train_samples, global_batch_size=cfg.train.global_batch_size)
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
     return label
+
+
+def check_train_length(train) -> None:
+    """Exactly one of train.train_iters and train.train_samples (Megatron's iteration- or sample-based training).
+
+    Raises:
+        ConfigError: both set, neither set, or train_samples < 0.
+    """
+    if train.train_iters is not None and train.train_samples is not None:
+        raise ConfigError(f"train.train_iters={train.train_iters} and train.train_samples={train.train_samples} are "
+                          "both set; train by samples with train.train_iters=null, or set train.train_samples=null")
+    if train.train_iters is None and train.train_samples is None:
+        raise ConfigError("train.train_iters=null needs train.train_samples=<samples>; set one of them")
+    if train.train_samples is not None and train.train_samples < 0:
+        raise ConfigError(f"train.train_samples={train.train_samples} must be >= 0")
 
 
 def check_training_keys(cfg: Config) -> None:
@@ -143,13 +160,16 @@ def check_training_keys(cfg: Config) -> None:
             checkpoint.save; manual_gc_interval < 0.
     """
     t, ck = cfg.train, cfg.checkpoint
-    if t.train_iters < 0:
+    if t.train_iters is not None and t.train_iters < 0:
         raise ConfigError(f"train.train_iters={t.train_iters} must be >= 0")
     _positive("train.log_interval", t.log_interval)
     _positive("train.eval_interval", t.eval_interval, allow_none=True)
     if t.eval_interval is not None:
         _positive("train.eval_iters", t.eval_iters)
     _positive("train.exit_interval", t.exit_interval, allow_none=True)
+    if t.exit_duration_in_mins is not None and not 0 < t.exit_duration_in_mins < float("inf"):
+        raise ConfigError(f"train.exit_duration_in_mins={t.exit_duration_in_mins} must be a number of minutes > 0, "
+                          "or null (no time limit)")
     _positive("checkpoint.save_interval", ck.save_interval, allow_none=True)
     for key, seconds in (("train.timeout_s", t.timeout_s), ("train.step_timeout_s", t.step_timeout_s)):
         # the upper bound: gloo's timeout in int64 nanoseconds, the heartbeat's wait (threading.TIMEOUT_MAX)
@@ -194,6 +214,7 @@ def check_layout_free(cfg: Any) -> str:
     c = as_config(cfg)
     check_fault_config(c.debug)  # the debug.* rules live with the fault injector
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
+    check_train_length(c.train)  # before the LR schedule, whose length it sets
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
     check_load_keys(c)  # the load keys' rules live with the load
