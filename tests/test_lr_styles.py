@@ -118,6 +118,19 @@ def test_warmup_and_sample_keys_are_one_line_errors(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_run_config_with_the_derived_train_iters_validates():
+    """config.yaml of a sample-based run records train_iters = train_samples // global_batch_size beside
+    train_samples: read back, it validates (and one more iteration does not)."""
+    from mptrain.training.validate import check_train_length
+    from train_utils import compose
+
+    cfg = compose(["model=tiny", "train.train_samples=36", "train.global_batch_size=8", "train.train_iters=4"])
+    check_train_length(cfg.train)
+    with pytest.raises(ConfigError, match="train.train_iters=5 and train.train_samples=36 are both set"):
+        check_train_length(compose(["model=tiny", "train.train_samples=36", "train.global_batch_size=8",
+                                    "train.train_iters=5"]).train)
+
+
 # --- sample-based training (train.train_samples): the schedule counts samples, global_batch_size per step ----
 SAMPLES = dict(lr=1.0, min_lr=0.1, lr_warmup_iters=0, lr_decay_iters=None, lr_decay_style="cosine",
                lr_warmup_samples=8, lr_decay_samples=36, train_samples=40, global_batch_size=4)

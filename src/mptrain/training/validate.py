@@ -137,12 +137,14 @@ def resolve_loss_scaler(cfg: Config) -> str:
 
 
 def check_train_length(train) -> None:
-    """Exactly one of train.train_iters and train.train_samples (Megatron's iteration- or sample-based training).
+    """One of train.train_iters and train.train_samples (Megatron's iteration- or sample-based training); both
+    only where train_iters is the one train_samples derives (`train_iters_of`: a run's own config.yaml records it).
 
     Raises:
-        ConfigError: both set, neither set, or train_samples < 0.
+        ConfigError: both set and disagreeing, neither set, or train_samples < 0.
     """
-    if train.train_iters is not None and train.train_samples is not None:
+    both = train.train_iters is not None and train.train_samples is not None
+    if both and train.train_iters != train.train_samples // train.global_batch_size:
         raise ConfigError(f"train.train_iters={train.train_iters} and train.train_samples={train.train_samples} are "
                           "both set; train by samples with train.train_iters=null, or set train.train_samples=null")
     if train.train_iters is None and train.train_samples is None:
