@@ -23,7 +23,7 @@ class TrainConfig:
     train_samples: Optional[int] = None
     """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size,
     and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
-    null = train by train_iters. Needs train.train_iters=null (both set is an error, as in Megatron)."""
+    null = train by train_iters. Needs train.train_iters=null (both set is an error, as in Megatron, unless train_iters is the derived value)."""
     exit_interval: Optional[int] = None
     """Save a checkpoint and exit 0 after this iteration."""
     exit_duration_in_mins: Optional[float] = None
