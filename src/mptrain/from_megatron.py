@@ -1,0 +1,142 @@
+"""``python -m mptrain.from_megatron``: a Megatron-LM launch as the mptrain command that trains the same.
+
+    python -m mptrain.from_megatron examples/gpt3/train_gpt3_175b_distributed.sh CKPT TB VOCAB MERGES DATA
+    python -m mptrain.from_megatron --world-size 8 -- --num-layers 4 --hidden-size 128 ...
+    python -m mptrain.from_megatron --mock-data SCRIPT ...   # the script's data arguments -> data=mock
+    python -m mptrain.from_megatron --table                  # the mapping, as docs/MEGATRON.md's table
+
+A script is read, not run (`mptrain.megatron.shell`): its arguments after the script are its $1, $2, ...
+The command goes to stdout; the report (Megatron defaults written out, arguments carried with
+nothing to set, arguments not carried and why) to stderr. Ends 0, or 1 with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Optional, Sequence
+
+from mptrain.errors import ConfigError
+from mptrain.megatron.shell import Launch, read_script
+from mptrain.megatron.table import ROWS, UNSET, Row
+from mptrain.megatron.translate import Translation, translate
+
+USAGE = ("usage: python -m mptrain.from_megatron [--mock-data] SCRIPT [SCRIPT_ARGS ...] | "
+         "[--mock-data] [--world-size N] -- MEGATRON_ARGS ... | --table")
+
+
+def world_size_of(launcher: Sequence[str]) -> int:
+    """Processes of a torchrun launch: --nproc_per_node × --nnodes (1 each when absent; ``--nnodes 1:4``: 4)."""
+    def value(*names: str) -> int:
+        for i, word in enumerate(launcher):
+            flag, eq, text = word.partition("=")
+            if flag in names:
+                text = text if eq else (launcher[i + 1] if i + 1 < len(launcher) else "1")
+                return int(text.rpartition(":")[2])
+        return 1
+    return value("--nproc_per_node", "--nproc-per-node") * value("--nnodes")
+
+
+def command(launcher: Sequence[str], overrides: Sequence[str]) -> str:
+    """The shell command: the launcher (torchrun and its flags, or python), train.py, the overrides."""
+    head = " ".join(shlex.quote(w) for w in [*launcher, "train.py"])
+    return " \\\n    ".join([head, *(shlex.quote(o) for o in overrides)])
+
+
+def report(t: Translation, world_size: int) -> str:
+    lines = [f"# world size {world_size}"]
+    if t.defaults:
+        lines.append("# Megatron's defaults, written out because mptrain's differ:")
+        lines += [f"#   {override}  ({flag} unset)" for flag, override in t.defaults]
+    if t.by_name:
+        lines.append("# not in the table, written by name (check the meaning):")
+        lines += [f"#   {shown} -> {override}" for shown, override in t.by_name]
+    if t.replaced:
+        lines.append("# replaced by data=mock (--mock-data): " + "; ".join(t.replaced))
+    if t.nothing:
+        lines.append("# carried, nothing to set:")
+        lines += [f"#   {shown}: {why}" for shown, why in t.nothing]
+    lines.append(f"# not carried ({len(t.uncarried)}):" if t.uncarried else "# not carried: none")
+    lines += [f"#   {shown}: {status}: {why}" for _, shown, status, why in t.uncarried]
+    return "\n".join(lines)
+
+
+def _mptrain_cell(row: Row) -> str:
+    if row.key is not None and row.convert is None:
+        if row.takes_value:
+            return f"`{row.key}`"
+        value = "true" if row.set is True else "false" if row.set is False else row.set
+        return f"`{row.key}={value}`"
+    if row.convert is not None:
+        return row.why or (row.convert.__doc__ or "").strip()
+    return ""
+
+
+def _default_cell(row: Row) -> str:
+    if row.default is UNSET:
+        return ""
+    if callable(row.default):
+        doc = (row.default.__doc__ or "").strip()
+        return doc or "micro × dp"
+    return f"`{row.default}`" if row.default is not None else "unset"
+
+
+def table_markdown() -> str:
+    """docs/MEGATRON.md's table: one line per row of `mptrain.megatron.table.ROWS`."""
+    lines = ["| Megatron-LM | mptrain | Megatron's default, written when mptrain's differs | not carried / nothing to set: why |",
+             "|---|---|---|---|"]
+    for row in ROWS:
+        why = f"{row.status}: {row.why}" if row.status != "carried" else ""
+        lines.append(f"| `{row.flag}` | {_mptrain_cell(row)} | {_default_cell(row)} | {why} |")
+    return "\n".join(lines)
+
+
+def parse(argv: Sequence[str]) -> tuple:
+    """(launch, mock_data, world_size given or None) from the command line, or ("table", ...)."""
+    argv = list(argv)
+    mock_data, world = False, None
+    while argv and argv[0] in ("--mock-data", "--world-size", "--table", "-h", "--help"):
+        option = argv.pop(0)
+        if option == "--mock-data":
+            mock_data = True
+        elif option == "--world-size":
+            world = int(argv.pop(0)) if argv else 0
+        elif option == "--table":
+            return "table", mock_data, world
+        else:
+            return "help", mock_data, world
+    if not argv:
+        raise ConfigError(f"nothing to translate; {USAGE}")
+    if argv[0] == "--":
+        return Launch(launcher=[], script="pretrain_gpt.py", args=argv[1:]), mock_data, world
+    if not os.path.isfile(argv[0]):
+        raise ConfigError(f"{argv[0]}: no such script; put -- before Megatron's arguments ({USAGE})")
+    with open(argv[0]) as f:
+        return read_script(f.read(), argv[1:]), mock_data, world
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        launch, mock_data, world = parse(argv)
+        if launch in ("table", "help"):
+            print(table_markdown() if launch == "table" else __doc__)
+            return 0
+        launcher = list(launch.launcher)
+        if launcher and not (os.path.basename(launcher[0]).startswith("python") and len(launcher) == 1):
+            world = world or world_size_of(launcher)
+        else:  # python pretrain_gpt.py, or the arguments alone
+            world = world or 1
+            launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
+        t = translate(launch.args, world_size=world, mock_data=mock_data)
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(command(launcher, t.overrides))
+    print(report(t, world), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

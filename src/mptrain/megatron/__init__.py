@@ -1,0 +1,1 @@
+"""Megatron-LM launches as mptrain commands: `shell` reads a launch script, `table` maps each argument, `translate` applies it."""

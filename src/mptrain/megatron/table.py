@@ -1,0 +1,354 @@
+"""Megatron-LM's arguments and the mptrain keys they become: one row per argument (`ROWS`).
+
+A row is what `mptrain.megatron.translate` needs to carry one argument of ``pretrain_gpt.py``:
+
+- ``Row("--num-layers", "model.num_layers")``: the value as it is;
+- ``Row("--swiglu", "model.activation", set="swiglu")``: a switch (no value) writes ``set``;
+- ``Row("--fp16", "precision", set="fp16")``: a key without a dot is a config group's option;
+- ``Row("--data-path", convert=data_path)``: ``convert(values) -> ["key=value", ...]``, for the
+  arguments that become several keys or another unit; it raises `Uncarried` for a value that has
+  no equivalent (``--fp8-format e4m3``);
+- ``status=NOTHING``: carried, nothing to set (mptrain always does it: ``--use-flash-attn``);
+- ``status=NO_EQUIVALENT`` / ``GPU_ONLY`` / ``NOT_NEEDED``: not carried, ``why`` says why;
+- ``default``: Megatron's value when the script leaves the argument out, written when mptrain's own
+  default (as `conf/` composes it) differs; a callable ``default(args) -> value | None`` where
+  Megatron derives it (``--lr-decay-iters`` = ``--train-iters``; None: nothing to write).
+
+Adding an argument is one row. Megatron's defaults are those of Megatron-LM's
+``megatron/training/arguments.py`` and the config dataclasses it reads
+(``megatron/core/transformer/transformer_config.py``, ``megatron/core/optimizer/optimizer_config.py``,
+``megatron/training/config/training_config.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+CARRIED = "carried"
+NOTHING = "carried: nothing to set"
+NO_EQUIVALENT = "no equivalent yet"
+GPU_ONLY = "GPU-only"
+NOT_NEEDED = "not needed in mptrain"
+UNCARRIED = (NO_EQUIVALENT, GPU_ONLY, NOT_NEEDED)
+
+VALUE = object()
+"""`Row.set`'s default: the argument's own value (a switch without ``set`` writes true)."""
+UNSET = object()
+"""`Row.default`'s default: Megatron's default is mptrain's, or the argument has none."""
+
+
+class Uncarried(Exception):
+    """Raised by a row's ``convert`` for a value with no mptrain equivalent: ``(status, why)``."""
+
+    def __init__(self, status: str, why: str) -> None:
+        super().__init__(why)
+        self.status, self.why = status, why
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    flag: str
+    """Megatron's argument, ``--num-layers``."""
+    key: Optional[str] = None
+    """The mptrain key (``model.num_layers``) or config group (``precision``); None with ``convert`` or when not carried."""
+    set: Any = VALUE
+    """For a switch: the value it writes (default true)."""
+    convert: Optional[Callable] = None
+    """``convert(values: list[str]) -> list["key=value"]`` (values as the script gives them, quotes stripped)."""
+    default: Any = UNSET
+    """Megatron's default, or ``default(args: dict[flag, list[str]]) -> value | None``."""
+    status: str = CARRIED
+    why: str = ""
+    """For NOTHING and the uncarried statuses: the reason, one sentence."""
+    takes_value: bool = True
+    """False for a switch (``--fp16``); a switch given a value is reported."""
+
+
+def switch(flag: str, key: Optional[str] = None, set: Any = True, **kw) -> Row:
+    """A store_true / store_false argument (``--sequence-parallel``, ``--no-load-optim``)."""
+    return Row(flag, key, set=set, takes_value=False, **kw)
+
+
+def nothing(flag: str, why: str, takes_value: bool = False) -> Row:
+    return Row(flag, status=NOTHING, why=why, takes_value=takes_value)
+
+
+def uncarried(flag: str, status: str, why: str, takes_value: bool = True) -> Row:
+    return Row(flag, status=status, why=why, takes_value=takes_value)
+
+
+def hydra_value(text: str) -> str:
+    """``text`` as a Hydra override value: quoted where Hydra's grammar would read it otherwise."""
+    plain = all(c.isalnum() or c in "_-+./~" for c in text) and text != ""
+    return text if plain else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _prefix_list(values: list) -> str:
+    """``[A]``, or ``[0.3,A,0.7,B]`` for Megatron's weighted blend ``0.3 A 0.7 B``."""
+    return "[" + ",".join(hydra_value(v) for v in values) + "]"
+
+
+def data_path(values: list) -> list:
+    """data=indexed data.prefixes=[PREFIX] (a blend 0.3 A 0.7 B: [0.3,A,0.7,B])."""
+    return ["data=indexed", f"data.prefixes={_prefix_list(values)}"]
+
+
+def split(values: list) -> list:
+    """data.split="949,50,1"."""
+    return [f"data.split={hydra_value(''.join(values).replace(' ', ''))}"]
+
+
+def prefixes(key: str) -> Callable:
+    return lambda values: ["data=indexed", f"{key}={_prefix_list(values)}"]
+
+
+def optimizer(values: list) -> list:
+    """adam: optim=adamw (Megatron's adam decouples weight decay); sgd: optim=sgd."""
+    choice = values[0]
+    if choice == "adam":  # Megatron's adam is decoupled weight decay (optimizer_config.decoupled_weight_decay=True)
+        return ["optim=adamw"]
+    if choice == "sgd":
+        return ["optim=sgd"]
+    raise Uncarried(NO_EQUIVALENT, f"--optimizer {choice}: mptrain ships adam / adamw / sgd (any torch optimizer: optim._target_)")
+
+
+def fp8_format(values: list) -> list:
+    if values[0] == "hybrid":  # torchao's float8: e4m3 forward, e5m2 gradients
+        return ["precision=fp8"]
+    raise Uncarried(NO_EQUIVALENT, f"--fp8-format {values[0]}: mptrain's fp8 is hybrid (e4m3 forward, e5m2 gradients)")
+
+
+def attention_backend(values: list) -> list:
+    if values[0] in ("unfused", "local"):
+        return ["model.attention_backend=unfused"]
+    # auto / flash / fused: SDPA picks flash or cuDNN attention itself (mptrain's auto)
+    return []
+
+
+def only_one(flag: str, what: str) -> Callable:
+    """A size whose value 1 is mptrain's layout (nothing to set) and any other value has no equivalent."""
+    def convert(values: list) -> list:
+        if values[0] == "1":
+            return []
+        raise Uncarried(NO_EQUIVALENT, f"{flag} {values[0]}: {what}")
+    return convert
+
+
+def tensorboard(values: list) -> list:
+    """logger=tensorboard logger.tensorboard_dir=DIR."""
+    return ["logger=tensorboard", f"logger.tensorboard_dir={hydra_value(values[0])}"]
+
+
+def gpt2_bpe(values: list) -> list:
+    return ["data.tokenizer={_target_:mptrain.data.tokenizers.TiktokenTokenizer,encoding:gpt2}"]
+
+
+def hf_tokenizer(values: list) -> list:
+    """data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:MODEL/tokenizer.json}."""
+    path = hydra_value(values[0].rstrip("/") + "/tokenizer.json")
+    return [f"data.tokenizer={{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
+
+
+def minutes_to_s(key: str) -> Callable:
+    return lambda values: [f"{key}={float(values[0]) * 60:g}"]
+
+
+def loss_scale(values: list) -> list:
+    """loss_scaler=constant loss_scaler.scale=S."""
+    return ["loss_scaler=constant", f"loss_scaler.scale={values[0]}"]
+
+
+def _lr_decay_iters(args: dict) -> Optional[str]:
+    """Megatron: unset --lr-decay-iters decays over the whole run (--train-iters)."""
+    if "--lr-decay-samples" in args or "--train-iters" not in args:
+        return None
+    return args["--train-iters"][0]
+
+
+def _ffn_hidden_size(args: dict) -> Optional[int]:
+    """Megatron: 4h, or with --swiglu int(4h · 2/3 / 64) · 64 (mptrain's null is 4h either way)."""
+    if "--swiglu" not in args or "--hidden-size" not in args:
+        return None
+    return int((4 * int(args["--hidden-size"][0]) * 2 / 3) / 64) * 64
+
+
+def _grad_reduce_in_fp32(args: dict) -> Optional[bool]:
+    """Megatron accumulates and reduces bf16 runs' grads in fp32 unless --grad-reduce-in-bf16."""
+    return True if "--bf16" in args and "--grad-reduce-in-bf16" not in args else None
+
+
+def _sgd_momentum(args: dict) -> Optional[float]:
+    return 0.9 if args.get("--optimizer") == ["sgd"] else None
+
+
+SAMPLES_WHY = "counts samples where mptrain counts iterations"
+
+ROWS: tuple = (
+    # model
+    Row("--num-layers", "model.num_layers"),
+    Row("--hidden-size", "model.hidden_size"),
+    Row("--num-attention-heads", "model.num_attention_heads"),
+    Row("--num-query-groups", "model.num_query_groups"),
+    nothing("--group-query-attention", "model.num_query_groups sets grouped-query attention"),
+    Row("--ffn-hidden-size", "model.ffn_hidden_size", default=_ffn_hidden_size),
+    Row("--kv-channels", "model.kv_channels"),
+    Row("--seq-length", "model.seq_length"),
+    Row("--max-position-embeddings", "model.max_position_embeddings"),
+    Row("--vocab-size", "model.vocab_size"),
+    Row("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by"),
+    switch("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights"),
+    Row("--hidden-dropout", "model.hidden_dropout", default=0.1),
+    Row("--attention-dropout", "model.attention_dropout", default=0.1),
+    Row("--init-method-std", "model.init_method_std"),
+    Row("--normalization", "model.normalization"),
+    Row("--norm-epsilon", "model.layernorm_epsilon"),
+    switch("--swiglu", "model.activation", set="swiglu"),
+    Row("--position-embedding-type", "model.position_embedding_type"),
+    Row("--rotary-base", "model.rotary_base"),
+    switch("--use-rope-scaling", "model.rope_scaling"),
+    Row("--rope-scaling-factor", "model.rope_scaling_factor"),
+    switch("--disable-bias-linear", "model.add_bias_linear", set=False),
+    switch("--add-qkv-bias", "model.add_qkv_bias"),
+    switch("--attention-softmax-in-fp32", "model.attention_softmax_in_fp32"),
+    Row("--recompute-granularity", "model.recompute_granularity"),
+    Row("--recompute-method", "model.recompute_method"),
+    Row("--recompute-num-layers", "model.recompute_num_layers"),
+    Row("--attention-backend", convert=attention_backend,
+        why="auto / flash / fused: nothing to set (SDPA picks the flash or cuDNN kernel); unfused / local: model.attention_backend=unfused"),
+    nothing("--use-flash-attn", "SDPA picks the flash kernel where it applies"),
+    nothing("--use-mcore-models", "mptrain has one model implementation (Megatron-core's layer structure)"),
+    nothing("--cross-entropy-loss-fusion", "the vocab-parallel cross entropy is fused by torch.compile on CUDA (model.compile_layers)"),
+    # parallel
+    Row("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size"),
+    Row("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size"),
+    Row("--virtual-pipeline-model-parallel-size", "parallel.virtual_pipeline_model_parallel_size"),
+    Row("--decoder-first-pipeline-num-layers", "parallel.decoder_first_pipeline_num_layers"),
+    Row("--decoder-last-pipeline-num-layers", "parallel.decoder_last_pipeline_num_layers"),
+    switch("--sequence-parallel", "parallel.sequence_parallel"),
+    switch("--tp-comm-overlap", "parallel.tp_comm_overlap"),
+    switch("--no-gradient-accumulation-fusion", "parallel.gradient_accumulation_fusion", set=False),
+    switch("--use-distributed-optimizer", "parallel.use_distributed_optimizer"),
+    switch("--overlap-grad-reduce", "parallel.overlap_grad_reduce"),
+    switch("--accumulate-allreduce-grads-in-fp32", "parallel.grad_reduce_in_fp32", default=_grad_reduce_in_fp32),
+    switch("--grad-reduce-in-bf16", "parallel.grad_reduce_in_fp32", set=False),
+    Row("--ddp-bucket-size", "parallel.bucket_size"),
+    Row("--context-parallel-size", convert=only_one("--context-parallel-size", "mptrain has no context parallelism yet"),
+        why="1: nothing to set; larger: no context parallelism yet"),
+    Row("--expert-model-parallel-size", convert=only_one("--expert-model-parallel-size", "mptrain has no mixture of experts yet"),
+        why="1: nothing to set; larger: no mixture of experts yet"),
+    uncarried("--overlap-param-gather", NO_EQUIVALENT,
+              "the distributed optimizer's param all-gather runs after the step, not overlapped with the next forward", False),
+    # precision
+    switch("--fp16", "precision", set="fp16"),
+    switch("--bf16", "precision", set="bf16"),
+    Row("--fp8-format", convert=fp8_format, why="hybrid: precision=fp8 (torchao's float8, e4m3 forward, e5m2 gradients)"),
+    Row("--first-last-layers-bf16", "precision.fp8_first_last_layers_bf16", takes_value=False, set=1),
+    uncarried("--fp8-amax-history-len", GPU_ONLY,
+              "Transformer Engine's delayed scaling; mptrain's fp8 scales each tensor from its current amax (torchao)"),
+    uncarried("--fp8-amax-compute-algo", GPU_ONLY,
+              "Transformer Engine's delayed scaling; mptrain's fp8 scales each tensor from its current amax (torchao)"),
+    uncarried("--fp8-param-gather", GPU_ONLY,
+              "Transformer Engine's fp8 parameters; mptrain keeps bf16 params and casts them to fp8 once per iteration", False),
+    Row("--loss-scale", convert=loss_scale),
+    Row("--initial-loss-scale", "loss_scaler.initial_scale"),
+    Row("--min-loss-scale", "loss_scaler.min_scale"),
+    Row("--loss-scale-window", "loss_scaler.growth_interval"),
+    Row("--hysteresis", "loss_scaler.hysteresis"),
+    # optim
+    Row("--optimizer", convert=optimizer, default="adam"),
+    Row("--lr", "optim.lr"),
+    Row("--min-lr", "optim.min_lr"),
+    Row("--weight-decay", "optim.weight_decay", default=0.01),
+    Row("--adam-beta1", "optim.adam_beta1"),
+    Row("--adam-beta2", "optim.adam_beta2"),
+    Row("--adam-eps", "optim.adam_eps"),
+    Row("--sgd-momentum", "optim.sgd_momentum", default=_sgd_momentum),
+    Row("--lr-warmup-iters", "optim.lr_warmup_iters"),
+    Row("--lr-decay-iters", "optim.lr_decay_iters", default=_lr_decay_iters),
+    Row("--lr-decay-style", "optim.lr_decay_style", default="linear"),
+    Row("--lr-wsd-decay-iters", "optim.lr_wsd_decay_iters"),
+    Row("--lr-wsd-decay-style", "optim.lr_wsd_decay_style"),
+    Row("--clip-grad", "train.clip_grad"),
+    uncarried("--decoupled-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
+    uncarried("--decoupled-min-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
+    # train
+    Row("--micro-batch-size", "train.micro_batch_size"),
+    Row("--global-batch-size", "train.global_batch_size", default=lambda args: None),  # micro × dp: translate.py
+    Row("--train-iters", "train.train_iters"),
+    Row("--seed", "train.seed"),
+    Row("--log-interval", "train.log_interval", default=100),
+    Row("--eval-interval", "train.eval_interval", default=None),
+    Row("--eval-iters", "train.eval_iters", default=100),
+    Row("--exit-interval", "train.exit_interval"),
+    Row("--distributed-timeout-minutes", convert=minutes_to_s("train.timeout_s"), why="train.timeout_s (seconds: minutes × 60)"),
+    switch("--manual-gc", "train.manual_gc"),
+    Row("--manual-gc-interval", "train.manual_gc_interval"),
+    switch("--no-manual-gc-eval", "train.manual_gc_eval", set=False),
+    Row("--timing-log-level", "train.timing_log_level", default=0),
+    nothing("--calculate-per-token-loss", "the loss is always the mean over the global batch's loss-masked tokens"),
+    nothing("--log-throughput", "every metrics.jsonl row has tokens_per_s, tflops_per_gpu and mfu"),
+    uncarried("--step-batch-size-schedule", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
+    uncarried("--rampup-batch-size", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
+    uncarried("--empty-unused-memory-level", GPU_ONLY, "torch.cuda.empty_cache after steps; mptrain leaves the caching allocator alone"),
+    uncarried("--profile", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)", False),
+    uncarried("--profile-step-start", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
+    uncarried("--profile-step-end", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
+    # checkpoint
+    Row("--save", "checkpoint.save"),
+    Row("--load", "checkpoint.load"),
+    Row("--save-interval", "checkpoint.save_interval"),
+    switch("--finetune", "checkpoint.finetune"),
+    switch("--no-load-optim", "checkpoint.load_optim", set=False),
+    switch("--no-load-rng", "checkpoint.load_rng", set=False),
+    switch("--use-checkpoint-args", "checkpoint.use_checkpoint_args"),
+    switch("--async-save", "checkpoint.async_save"),
+    nothing("--ckpt-format", "mptrain has one checkpoint format, torch.distributed.checkpoint shards that reshard on load "
+            "(as torch_dist; Megatron's checkpoints are not read)", takes_value=True),
+    # data
+    Row("--data-path", convert=data_path),
+    Row("--train-data-path", convert=prefixes("data.train_prefixes"), why="data=indexed data.train_prefixes=[...]"),
+    Row("--valid-data-path", convert=prefixes("data.valid_prefixes"), why="data=indexed data.valid_prefixes=[...]"),
+    Row("--test-data-path", convert=prefixes("data.test_prefixes"), why="data=indexed data.test_prefixes=[...]"),
+    Row("--split", convert=split),
+    switch("--mock-data", "data", set="mock"),
+    Row("--vocab-file", convert=gpt2_bpe,
+        why="GPT-2's BPE, read as tiktoken's gpt2 encoding (the same vocab and merges as gpt2-vocab.json / gpt2-merges.txt)"),
+    nothing("--merge-file", "read with --vocab-file (tiktoken's gpt2 encoding)", takes_value=True),
+    nothing("--tokenizer-type", "the tokenizer follows from the data: mock data's NullTokenizer, --vocab-file's GPT-2 BPE, "
+            "--tokenizer-model's Hugging Face tokenizer", takes_value=True),
+    Row("--tokenizer-model", convert=hf_tokenizer),
+    Row("--data-cache-path", "data.cache_dir"),
+    switch("--reset-position-ids", "data.reset_position_ids"),
+    switch("--reset-attention-mask", "data.reset_attention_mask"),
+    switch("--eod-mask-loss", "data.eod_mask_loss"),
+    nothing("--no-create-attention-mask-in-dataloader",
+            "batches carry no attention mask for causal attention (one only with data.reset_attention_mask)"),
+    uncarried("--no-mmap-bin-files", NOT_NEEDED, "the .bin files are always memory-mapped; the tokens read are the same", False),
+    uncarried("--num-workers", NOT_NEEDED, "batches are read in the training process (a prefetch thread on CUDA), no worker processes"),
+    uncarried("--tiktoken-pattern", NOT_NEEDED, "it configures Megatron's TikTokenizer, which --tokenizer-type does not select here"),
+    # logger
+    Row("--wandb-project", convert=lambda v: ["logger=wandb", f"logger.project={hydra_value(v[0])}"],
+        why="logger=wandb logger.project=NAME"),
+    Row("--wandb-exp-name", "logger.run_name"),
+
+    # ---- keys added to mptrain's schema at the same time as this table: check them at merge ----
+    Row("--tensorboard-dir", convert=tensorboard),
+    Row("--lr-warmup-fraction", "optim.lr_warmup_fraction"),
+    Row("--train-samples", "train.train_samples"),
+    Row("--lr-warmup-samples", "optim.lr_warmup_samples"),
+    Row("--lr-decay-samples", "optim.lr_decay_samples"),
+    switch("--apply-layernorm-1p", "model.apply_layernorm_1p"),
+    Row("--rotary-percent", "model.rotary_percent"),
+    Row("--exit-duration-in-mins", "train.exit_duration_in_mins"),
+    switch("--recompute-activations", "model.recompute_activations"),
+    # ---- end of the keys added at the same time ----
+)
+
+PENDING_KEYS = ("logger.tensorboard_dir", "optim.lr_warmup_fraction", "train.train_samples", "optim.lr_warmup_samples",
+                "optim.lr_decay_samples", "model.apply_layernorm_1p", "model.rotary_percent",
+                "train.exit_duration_in_mins", "model.recompute_activations")
+"""The keys of the block above, which the schema gains beside this table."""
+
+BY_FLAG = {row.flag: row for row in ROWS}
+assert len(BY_FLAG) == len(ROWS), "a Megatron argument has two rows"
