@@ -19,7 +19,7 @@ from mptrain.config.schema import Config
 from mptrain.config.suggest import known_keys
 from mptrain.from_megatron import main, table_markdown, world_size_of
 from mptrain.megatron.shell import ScriptError, read_script
-from mptrain.megatron.table import PENDING_KEYS, ROWS
+from mptrain.megatron.table import ROWS
 from mptrain.megatron.translate import translate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def test_llama3_8b_fp8_translation(tmp_path, monkeypatch):
         "model.attention_dropout=0.0", "model.hidden_dropout=0.0", "model.activation=swiglu",
         "model.normalization=RMSNorm", "model.init_method_std=0.0134", "model.apply_layernorm_1p=true",
         "model.untie_embeddings_and_output_weights=true", "model.add_bias_linear=false",
-        "train.micro_batch_size=1", "train.global_batch_size=4", "train.train_samples=1953125000",
+        "train.micro_batch_size=1", "train.global_batch_size=4", "train.train_samples=1953125000", "train.train_iters=null",
         "optim.lr_decay_samples=1949218748", "optim.lr_warmup_samples=3906252", "optim.lr=0.00015",
         "optim.min_lr=0.00001", "optim.lr_decay_style=cosine", "train.clip_grad=1.0", "optim.weight_decay=0.1",
         "optim.adam_beta1=0.9", "optim.adam_beta2=0.95", "parallel.grad_reduce_in_fp32=false",
@@ -176,11 +176,11 @@ CUDA_DEVICE_MAX_CONNECTIONS=1 python -m torch.distributed.run --nproc-per-node=$
 
 
 def test_table_keys_are_mptrain_keys():
-    """Every key a row writes is in the schema, or in the block of keys added at the same time."""
+    """Every key a row writes is in the schema."""
     known = set(known_keys(Config())) | {g for g in dataclasses.asdict(Config())}
     keys = {row.key for row in ROWS if row.key} | {
         o.partition("=")[0] for row in ROWS if row.convert for o in _sample_overrides(row)}
-    assert sorted(keys - known - set(PENDING_KEYS)) == []
+    assert sorted(keys - known) == []
 
 
 def _sample_overrides(row) -> list:
@@ -218,13 +218,8 @@ def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):
 
     _, t = _translate(GPT3, [str(tmp_path / "ckpt"), str(tmp_path / "tb"), "VOCAB", "MERGES", "DATA"], mock_data=True)
     assert t.replaced == ["--data-path DATA", "--vocab-file VOCAB", "--split 949,50,1"]
-    # keys the schema gains beside the translation table: left out until they exist, so the rest runs now
-    known = set(known_keys(Config()))
-    overrides = [o for o in t.overrides if o.partition("=")[0] in known or "." not in o.partition("=")[0]]
-    missing = sorted({o.partition("=")[0] for o in t.overrides} - {o.partition("=")[0] for o in overrides})
-    assert set(missing) <= set(PENDING_KEYS)
     run_dir = tmp_path / "run"
-    run_distributed(run_job, 4, overrides + [f"run.dir={run_dir}"], timeout_s=300)
+    run_distributed(run_job, 4, t.overrides + [f"run.dir={run_dir}"], timeout_s=300)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]
     assert [r["iteration"] for r in train] == [1, 2]

@@ -332,23 +332,19 @@ ROWS: tuple = (
         why="logger=wandb logger.project=NAME"),
     Row("--wandb-exp-name", "logger.run_name"),
 
-    # ---- keys added to mptrain's schema at the same time as this table: check them at merge ----
+    # schedules by samples, the LR warm-up fraction, layer options, the wall-clock exit, TensorBoard's folder
     Row("--tensorboard-dir", convert=tensorboard),
     Row("--lr-warmup-fraction", "optim.lr_warmup_fraction"),
-    Row("--train-samples", "train.train_samples"),
+    Row("--train-samples", convert=lambda v: [f"train.train_samples={v[0]}", "train.train_iters=null"],
+        why="train.train_samples=N train.train_iters=null (mptrain's preset sets train_iters)"),
     Row("--lr-warmup-samples", "optim.lr_warmup_samples"),
     Row("--lr-decay-samples", "optim.lr_decay_samples"),
     switch("--apply-layernorm-1p", "model.apply_layernorm_1p"),
     Row("--rotary-percent", "model.rotary_percent"),
     Row("--exit-duration-in-mins", "train.exit_duration_in_mins"),
     switch("--recompute-activations", "model.recompute_activations"),
-    # ---- end of the keys added at the same time ----
 )
 
-PENDING_KEYS = ("logger.tensorboard_dir", "optim.lr_warmup_fraction", "train.train_samples", "optim.lr_warmup_samples",
-                "optim.lr_decay_samples", "model.apply_layernorm_1p", "model.rotary_percent",
-                "train.exit_duration_in_mins", "model.recompute_activations")
-"""The keys of the block above, which the schema gains beside this table."""
 
 BY_FLAG = {row.flag: row for row in ROWS}
 assert len(BY_FLAG) == len(ROWS), "a Megatron argument has two rows"

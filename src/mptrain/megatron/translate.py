@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from mptrain.config.suggest import closest_keys, known_keys
-from mptrain.megatron.table import BY_FLAG, NOTHING, NO_EQUIVALENT, PENDING_KEYS, UNSET, VALUE, Row, Uncarried, hydra_value
+from mptrain.megatron.table import BY_FLAG, NOTHING, NO_EQUIVALENT, UNSET, VALUE, Row, Uncarried, hydra_value
 
 GROUP_ORDER = ("precision", "loss_scaler", "optim", "data", "logger")
 """Config-group options come first in the command, in this order."""
@@ -98,7 +98,7 @@ def translate(argv: Sequence[str], *, world_size: int = 1, mock_data: bool = Fal
     given = {flag: values for flag, values in args}
     out = Translation(overrides=[])
     chosen: dict = {}  # key or group -> value, last one wins (argparse)
-    known = known_keys(_schema()) + list(PENDING_KEYS)
+    known = known_keys(_schema())
     for flag, values in args:
         row = BY_FLAG.get(flag)
         shown = _shown(flag, values)
