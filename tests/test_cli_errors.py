@@ -60,8 +60,8 @@ def test_composition_errors_are_one_line_naming_the_key(argv, message):
     (["num_layers=4"], "Could not override 'num_layers': Key 'num_layers' not in 'Config'; did you mean model.num_layers?"),
     (["micro_batch_size=2"], "Could not override 'micro_batch_size': Key 'micro_batch_size' not in 'Config'; "
                              "did you mean train.micro_batch_size?"),
-    (["optim.lr_warmup_fraction=0.01"], "Could not override 'optim.lr_warmup_fraction': Key 'lr_warmup_fraction' not "
-                                        "in 'OptimConfig'; did you mean optim.lr_warmup_iters?"),
+    (["optim.lr_warmup_sample=8"], "Could not override 'optim.lr_warmup_sample': Key 'lr_warmup_sample' not "
+                                   "in 'OptimConfig'; did you mean optim.lr_warmup_samples?"),
     (["model=tiny", "train.lr=3e-4"], "Could not override 'train.lr': Key 'lr' not in 'TrainConfig'; did you mean optim.lr?"),
     (["optim.seed=3"], "Could not override 'optim.seed': Key 'seed' not in 'OptimConfig'; did you mean data.seed or train.seed?"),
 ])
@@ -75,9 +75,9 @@ def test_an_unknown_key_names_the_closest_known_key(argv, pointer):
     (["model=tiny", "--micro-batch-size=2", "--sequence-parallel", "train.seed=1"],
      "--micro-batch-size=2 --sequence-parallel: not options of python train.py, which takes key=value overrides; "
      f"write train.micro_batch_size=2 parallel.sequence_parallel=true; {FIX}"),
-    (["--lr-warmup-fraction", "0.01", "--no-such-thing"],
-     "--lr-warmup-fraction 0.01 --no-such-thing: not options of python train.py, which takes key=value overrides; "
-     f"the closest key to --lr-warmup-fraction is optim.lr_warmup_iters; no key is close to --no-such-thing; {FIX}"),
+    (["--lr-warmup-init", "0.01", "--no-such-thing"],
+     "--lr-warmup-init 0.01 --no-such-thing: not options of python train.py, which takes key=value overrides; "
+     f"the closest key to --lr-warmup-init is optim.lr_warmup_iters; no key is close to --no-such-thing; {FIX}"),
     (["-m", "--cfg", "job", "--tensor-model-parallel-size", "2"],  # beside Hydra's own flags
      "--tensor-model-parallel-size 2: not an option of python train.py, which takes key=value overrides; "
      f"write parallel.tensor_model_parallel_size=2; {FIX}"),

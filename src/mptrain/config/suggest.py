@@ -6,7 +6,7 @@ mptrain keeps Megatron-LM's argument names but files them under groups (``model.
 
     train.train_iter            -> train.train_iters        (its own group, by spelling)
     num_layers                  -> model.num_layers         (the same name in another group)
-    optim.lr_warmup_fraction    -> optim.lr_warmup_iters    (its own group, by spelling)
+    optim.lr_warmup_sample      -> optim.lr_warmup_samples  (its own group, by spelling)
     trian.train_iters           -> train.train_iters        (the group misspelt, the rest kept)
 
 Spelling is `difflib.get_close_matches` (ratio >= 0.6, its default).
@@ -132,7 +132,7 @@ def flags_message(flags: Sequence[tuple], known: Sequence[str], program: str, fi
         keys = closest_keys(name, known)
         if keys and _last(keys[0]) == name:
             writes.append(f"{keys[0]}={'true' if value is None else value}")
-        elif keys:  # another name: its meaning or unit may differ (lr_warmup_fraction vs lr_warmup_iters)
+        elif keys:  # another name: its meaning or unit may differ (lr_warmup_init vs lr_warmup_iters)
             closest.append(f"the closest key to {flag} is {' or '.join(keys)}")
         else:
             unknown.append(flag)
