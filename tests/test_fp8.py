@@ -324,7 +324,7 @@ def test_fp8_error_lines(monkeypatch):
     lines.append(str(err.value))
 
     monkeypatch.setattr(fp8, "_torchao_installed", lambda: False)
-    with pytest.raises(ConfigError, match=r"^precision=fp8 needs torchao; install it \(pip install -e .\[fp8\]") as err:
+    with pytest.raises(ConfigError, match=r"^precision=fp8 needs torchao; install it \(pip install -e .\[fp8\].*PYTHONPATH=.venv/fp8-site\)") as err:
         _validated(cfg, 1)  # the trainer's start-up check, before any process group exists
     lines.append(str(err.value))
     monkeypatch.setattr(fp8, "_torchao_installed", lambda: True)

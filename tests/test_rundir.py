@@ -40,9 +40,15 @@ def _checkpoint(folder: Path) -> str:
     return str(folder)
 
 
-def test_default_run_dir_is_model_parallel_precision():
-    cfg = _cfg(model__name="gpt_1.3b", parallel__name="tp2pp4", precision__name="bf16")
+def test_default_run_dir_is_model_layout_precision():
+    """The layout part is the degrees the run uses: a preset overridden key by key names what runs."""
+    cfg = _cfg(model__name="gpt_1.3b", parallel__name="tp2pp4", parallel__tensor_model_parallel_size=2,
+               parallel__pipeline_model_parallel_size=4, precision__name="bf16")
     assert default_run_dir(cfg) == "outputs/gpt_1.3b-tp2pp4-bf16"
+    cfg = _cfg(model__name="tiny", parallel__name="tp1pp1", parallel__tensor_model_parallel_size=2,
+               parallel__pipeline_model_parallel_size=2, parallel__virtual_pipeline_model_parallel_size=2,
+               precision__name="fp16")
+    assert default_run_dir(cfg) == "outputs/tiny-tp2pp2vpp2-fp16"
 
 
 def test_default_run_dir_created_relative_to_cwd(tmp_path, monkeypatch):

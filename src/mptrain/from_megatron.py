@@ -77,8 +77,7 @@ def _default_cell(row: Row) -> str:
     if row.default is UNSET:
         return ""
     if callable(row.default):
-        doc = (row.default.__doc__ or "").strip()
-        return doc or "micro × dp"
+        return row.default.__doc__.strip()  # a derived default says what it is in its docstring
     return f"`{row.default}`" if row.default is not None else "unset"
 
 

@@ -123,8 +123,8 @@ def check_fp8_installed(precision) -> None:
     (lo_major, lo_minor), (hi_major, hi_minor) = fp8_torchao.TESTED_RELEASES
     tested = f"{lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
     if not _torchao_installed():
-        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8]: torchao {tested}) "
-                          "or pick precision=bf16")
+        raise ConfigError(f"precision=fp8 needs torchao; install it (pip install -e .[fp8]: torchao {tested}; in a "
+                          "checkout `make setup` keeps it beside the venv: PYTHONPATH=.venv/fp8-site) or pick precision=bf16")
     found = _torchao_version()
     if found is None:  # a source tree on the path: taken as it is
         return

@@ -178,7 +178,13 @@ def _grad_reduce_in_fp32(args: dict) -> Optional[bool]:
     return True if "--bf16" in args and "--grad-reduce-in-bf16" not in args else None
 
 
+def _global_batch_size(args: dict) -> None:
+    """micro × dp"""
+    return None  # written by translate.py, which knows the world size
+
+
 def _sgd_momentum(args: dict) -> Optional[float]:
+    """`0.9` (with --optimizer sgd)"""
     return 0.9 if args.get("--optimizer") == ["sgd"] else None
 
 
@@ -274,7 +280,7 @@ ROWS: tuple = (
     uncarried("--decoupled-min-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
     # train
     Row("--micro-batch-size", "train.micro_batch_size"),
-    Row("--global-batch-size", "train.global_batch_size", default=lambda args: None),  # micro × dp: translate.py
+    Row("--global-batch-size", "train.global_batch_size", default=_global_batch_size),
     Row("--train-iters", "train.train_iters"),
     Row("--seed", "train.seed"),
     Row("--log-interval", "train.log_interval", default=100),

@@ -30,8 +30,14 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
 
 
 def default_run_dir(cfg: Any) -> str:
-    """`outputs/<model.name>-<parallel.name>-<precision.name>` (deterministic: same on every rank and rerun)."""
-    return f"outputs/{cfg.model.name}-{cfg.parallel.name}-{cfg.precision.name}"
+    """`outputs/<model.name>-tp<T>pp<P>[vpp<V>]-<precision.name>` (deterministic: same on every rank and rerun).
+
+    The layout part is the degrees the run uses, not the ``parallel=`` option's name: a preset overridden key by
+    key (``parallel.tensor_model_parallel_size=2``) names the layout it runs. Unchanged presets spell the same."""
+    par = cfg.parallel
+    vpp = par.virtual_pipeline_model_parallel_size
+    layout = f"tp{par.tensor_model_parallel_size}pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
+    return f"outputs/{cfg.model.name}-{layout}-{cfg.precision.name}"
 
 
 def holds_run(path: str | Path) -> bool:
