@@ -69,6 +69,19 @@ def test_an_unknown_key_names_the_closest_known_key(argv, pointer):
     assert compose_error(argv, str(CONF)) == f"{pointer} {FIX}"
 
 
+def test_a_sweep_is_checked_as_its_first_job():
+    """-m: a misspelt key is one line before the sweep starts (each swept key at its first value); a sweep
+    that composes is left to Hydra."""
+    argv = ["-m", "parallel=tp2pp2,tp1pp4", "train.train_iter=5"]
+    assert compose_error(argv, str(CONF)) == (
+        "Could not override 'train.train_iter': Key 'train_iter' not in 'TrainConfig'; did you mean "
+        f"train.train_iters? {FIX}")
+    assert compose_error(["-m", "optim.lr=abc"], str(CONF)) == (
+        f"optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; {FIX}")  # every job would fail
+    assert compose_error(["-m", "parallel=tp2pp2,tp1pp4", "train.seed=range(1,3)"], str(CONF)) is None
+    assert compose_error(["--multirun", "parallel=tp2pp2,tp9pp9"], str(CONF)) is None  # the second job fails alone
+
+
 @pytest.mark.parametrize("argv, line", [
     (["--num-layers", "4"], "--num-layers 4: not an option of python train.py, which takes key=value overrides; "
                             f"write model.num_layers=4; {FIX}"),
@@ -99,7 +112,6 @@ def test_train_py_answers_a_megatron_flag_in_one_line(tmp_path):
 @pytest.mark.parametrize("argv", [
     [], ["experiment=shakespeare_cpu", "train.train_iters=40", "train.eval_interval=null"],
     ["parallel=tp2pp4", "precision=fp16", "model=gpt_2.7b", "optim.lr=3e-4", "optim._target_=torch.optim.RMSprop"],
-    ["-m", "optim.lr=abc"],  # a sweep: each job composes and fails on its own (the sweep summary)
     ["--cfg", "job", "optim.lr=abc"], ["hydra.run.dir=/tmp/x", "optim.lr=abc"],  # Hydra's own handling
     ["--multi", "--config-name=config", "optim.lr=1e-3,3e-4"],  # Hydra's flags, one abbreviated (argparse takes it)
 ])

@@ -12,9 +12,10 @@ Only rank 0 prints it; every rank exits 1 before any collective, without importi
 A misspelt key, or Megatron-LM's name of one (``num_layers``), gets the closest key
 (``did you mean model.num_layers?``, `mptrain.config.suggest`); Megatron-style flags (``--num-layers 4``),
 which Hydra's parser rejects with its usage text, get the overrides they mean (``write model.num_layers=4``).
-Left to Hydra: command lines with Hydra flags (``-m``, ``--cfg``, ``--help``, ...) or ``hydra.*``
-overrides, sweeps (``-m``, or sweep overrides under a config that sets ``hydra.mode: MULTIRUN``;
-their jobs compose one by one and fail through the sweep summary), and any command line while
+A sweep (``-m``) is checked as its first job (each swept key at its first value): a misspelt key is one
+line before the sweep starts; what only another job's values break fails in that job, through the sweep
+summary. Left to Hydra: command lines with other Hydra flags (``--cfg``, ``--help``, ...) or ``hydra.*``
+overrides, sweep overrides under a config that sets ``hydra.mode: MULTIRUN``, and any command line while
 ``HYDRA_FULL_ERROR=1`` (Hydra's full trace, as Hydra documents it).
 """
 
@@ -43,15 +44,35 @@ FIX = fix_for(TRAIN_PROGRAM)
 GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
 
 
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
 def _overrides(argv: list) -> Optional[list]:
     """The overrides of ``argv`` (program name excluded), or None where Hydra's own handling is needed."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own test of it
         return None
-    if any(a.startswith("-") for a in argv):
-        return None  # a Hydra flag: -m / --multirun, --cfg, --help, --config-name, ...
+    if any(a.startswith("-") and a not in MULTIRUN_FLAGS for a in argv):
+        return None  # a Hydra flag: --cfg, --help, --config-name, ...
     if any(_key(a).startswith(("hydra.", "hydra/")) for a in argv):
         return None
-    return list(argv)
+    return [a for a in argv if a not in MULTIRUN_FLAGS]
+
+
+def _first_job(overrides: list) -> list:
+    """A sweep's first job: each sweep override (``parallel=tp2pp2,tp1pp4``, ``range(...)``) at its first value,
+    so that a sweep's misspelt key is found (and named) before the sweep starts, as a single run's is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, out = OverridesParser.create(), []
+    for override in overrides:
+        try:
+            parsed = parser.parse_override(override)
+        except Exception:  # noqa: BLE001 - a grammar error: reported by the composition
+            out.append(override)
+            continue
+        sweep = parsed.is_sweep_override()
+        out.append(f"{parsed.get_key_element()}={next(iter(parsed.sweep_string_iterator()))}" if sweep else override)
+    return out
 
 
 def _key(override: str) -> str:
@@ -214,7 +235,9 @@ def compose_error(argv: list, config_dir: str, config_name: str = "config",
     overrides = _overrides(argv)
     if overrides is None:
         return None
-    if _multirun_by_config(overrides, config_dir, config_name):
+    if any(a in MULTIRUN_FLAGS for a in argv):
+        overrides = _first_job(overrides)
+    elif _multirun_by_config(overrides, config_dir, config_name):
         return None
     err = _composes(overrides, config_dir, config_name)
     return None if err is None else _message(err, overrides, config_dir, config_name, program)
