@@ -1,9 +1,10 @@
-# The README's two commands: `make train` (the main job on the real corpus) and `make test`.
+# The README's two commands: `make train` (the main job on the real corpus) and `make test` (every test;
+# `make test-unit`: the unit tier alone, no process launch and no training job, tests/conftest.py).
 PY := .venv/bin/python
 NPROC ?= 4
 ARGS ?=
 
-.PHONY: setup train test lint
+.PHONY: setup train test test-unit lint
 setup:
 	@./scripts/setup.sh
 
@@ -21,6 +22,9 @@ train: setup
 # .venv/fp8-site: torchao for precision=fp8's tests, kept out of the venv itself (scripts/setup.sh says why)
 test: setup
 	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+test-unit: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not integration" tests
 
 # ruff, configured in pyproject.toml
 lint: setup

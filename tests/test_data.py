@@ -114,7 +114,8 @@ def test_check_vocab_names_vocab_size():
 
 
 # --- preprocessing round trip ---------------------------------------------------------------------
-@pytest.mark.parametrize("workers", [1, 2])
+# workers=2: a spawned process pool (an integration test; tests/conftest.py cannot tell the two apart)
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.integration)])
 def test_preprocess_round_trip_byte(tmp_path, workers):
     texts = make_corpus(tmp_path / "c.jsonl")
     tok = ByteTokenizer()
