@@ -8,8 +8,6 @@ Sources: transformers ``modeling_llama.py`` (``LlamaAttention``), ``modeling_gpt
 ``tools/checkpoint/loader_llama_mistral.py``.
 """
 
-from __future__ import annotations
-
 import dataclasses
 
 import torch

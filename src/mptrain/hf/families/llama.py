@@ -81,9 +81,8 @@ class LlamaFamily(Family):
 
     def problems(self, model: dict) -> list:
         out = [f"model.{key}={model.get(key)!r} ({self.title}: {want!r})" for key, want in (("normalization", "RMSNorm"),
-               ("activation", "swiglu"), ("position_embedding_type", "rope")) if model.get(key) != want]
-        if model.get("rotary_percent", 1.0) != 1.0:  # partial RoPE: config.json has no spelling for it
-            out.append(f"model.rotary_percent={model['rotary_percent']} ({self.title}: 1.0)")
+               ("activation", "swiglu"), ("position_embedding_type", "rope"), ("rotary_percent", 1.0))
+               if model.get(key, want) != want]  # partial RoPE: Llama's attention rotates whole heads
         if _bias_kind(model) not in self.biases:
             out.append(f"model.add_bias_linear={model.get('add_bias_linear')}, add_qkv_bias={model.get('add_qkv_bias')} "
                        f"({self.title}: biases on {' or '.join(self.biases)})")
