@@ -24,7 +24,7 @@ test: setup
 	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 test-unit: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not integration" tests
+	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not integration" tests
 
 # ruff, configured in pyproject.toml
 lint: setup
