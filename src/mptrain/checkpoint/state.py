@@ -4,7 +4,8 @@ Tensor keys (global unpadded shapes; see `mptrain.checkpoint.reshard`), ``<name>
 parameter's global name in the GPT chunk (``decoder.layers.<global layer>.…``, so PP changes
 reshard too):
 
-    model/<name>          the model weights, in the run's param dtype (fp32 / fp16 / bf16)
+    model/<name>          the model weights, in the run's param dtype (fp32 / fp16 / bf16), and the model's
+                          persistent buffers (an MoE router's fp32 ``expert_bias``)
     main/<name>           fp32 main params; only when the params are fp16 / bf16 (for fp32 runs
                           the main params *are* ``model/<name>``)
     optim/<name>/<state>  per-element optimizer state (Adam ``exp_avg`` / ``exp_avg_sq``, SGD
@@ -31,7 +32,7 @@ import torch
 
 from mptrain.checkpoint.reshard import flat_piece_chunks, tensor_chunks
 from mptrain.layers.random import RNGStatesTracker
-from mptrain.layers.sharding import collect_shard_specs
+from mptrain.layers.sharding import collect_shard_specs, replicated_spec
 from mptrain.optim.lr_scheduler import LRScheduler
 from mptrain.precision.module import unwrap
 from mptrain.precision.optimizer import OptimizerWrapper
@@ -79,8 +80,20 @@ class ParamRecord:
         return not self.spec.is_shared_copy
 
 
+def persistent_buffers(model: torch.nn.Module) -> list:
+    """``[(name, buffer)]`` of ``model``'s persistent buffers (those its ``state_dict`` holds), e.g. an MoE
+    router's fp32 ``expert_bias``: model state that is not a parameter, replicated over TP."""
+    out = []
+    for mod_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append((f"{mod_name}.{name}" if mod_name else name, buf))
+    return out
+
+
 def param_records(chunks: list) -> list:
-    """Every parameter of this rank's model chunks (all virtual stages), in chunk order."""
+    """Every parameter of this rank's model chunks (all virtual stages), in chunk order, then their
+    persistent buffers (saved and loaded as ``model/<name>`` like a replicated parameter; no optimizer state)."""
     out = []
     for chunk in chunks:
         inner = unwrap(chunk)
@@ -88,6 +101,9 @@ def param_records(chunks: list) -> list:
         for name, param in inner.named_parameters():
             spec = specs[name]
             out.append(ParamRecord(name, EMBEDDING_KEY if spec.is_shared_copy else name, param, spec))
+    for chunk in chunks:
+        for name, buf in persistent_buffers(unwrap(chunk)):
+            out.append(ParamRecord(name, name, buf, replicated_spec(buf)))
     return out
 
 

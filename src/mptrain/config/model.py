@@ -16,7 +16,7 @@ target's own keywords, checked against the target's signature at start-up.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 
 def _node(target: str):
@@ -74,6 +74,36 @@ class MLPSpec:
 
 
 @dataclasses.dataclass
+class SharedExpertSpec:
+    _target_: str = "mptrain.layers.moe.shared_experts.SharedExpertMLP"
+    _partial_: bool = True
+    submodules: MLPSubmodules = dataclasses.field(default_factory=MLPSubmodules)
+
+
+@dataclasses.dataclass
+class MoESubmodules:
+    """Megatron's ``MoESubmodules`` (megatron/core/transformer/moe/moe_layer.py) plus the router."""
+
+    router: SpecNode = _node("mptrain.layers.moe.router.TopKRouter")
+    """Gate h -> E logits and top-k selection (interface: mptrain.layers.moe.router.TopKRouter): returns
+    ``(probs [T, E], routing_map [T, E] bool)``; reads the model.moe_router_* keys."""
+    experts: SpecNode = _node("mptrain.layers.moe.experts.GroupedMLP")
+    """The local experts' fc1 -> activation (× routing prob) -> fc2 over tokens grouped expert-major
+    (interface: mptrain.layers.moe.experts.GroupedMLP); the default reads model.activation and
+    model.moe_grouped_gemm."""
+    shared_experts: SharedExpertSpec = dataclasses.field(default_factory=SharedExpertSpec)
+    """The shared expert (Megatron's ``SharedExpertMLP``; interface: mptrain.layers.mlp.MLP), built only with
+    model.moe_shared_expert_intermediate_size: a dense MLP of that width on every token."""
+
+
+@dataclasses.dataclass
+class MoESpec:
+    _target_: str = "mptrain.layers.moe.layer.MoELayer"
+    _partial_: bool = True
+    submodules: MoESubmodules = dataclasses.field(default_factory=MoESubmodules)
+
+
+@dataclasses.dataclass
 class TransformerLayerSubmodules:
     """Megatron's ``TransformerLayerSubmodules`` (pre-LN GPT: norm -> attention, norm -> MLP)."""
 
@@ -84,6 +114,9 @@ class TransformerLayerSubmodules:
     pre_mlp_layernorm: SpecNode = _node("mptrain.layers.norms.Norm")
     """Norm before the MLP (same interface and default as input_layernorm)."""
     mlp: MLPSpec = dataclasses.field(default_factory=MLPSpec)
+    moe: MoESpec = dataclasses.field(default_factory=MoESpec)
+    """The Mixture-of-Experts layer in place of ``mlp`` on the layers model.moe_layer_freq marks (with
+    model.num_moe_experts set); its parameters are named ``decoder.layers.<n>.mlp.*`` like the MLP's."""
 
 
 @dataclasses.dataclass
@@ -211,5 +244,55 @@ class ModelConfig:
     one graph launch each) where the chunk is one graph on a CUDA GPU at tp = pp = 1 — there every
     graph's outputs are consumed before its next replay and no collective is inside the graph —
     and Inductor's default elsewhere (`mptrain.layers.compile.compile_mode_for`)."""
+    # --- Mixture of Experts (Megatron-core's keys, megatron/core/transformer/transformer_config.py) ---------
+    num_moe_experts: Optional[int] = None
+    """E, the routed experts of an MoE layer; null = a dense model (every layer has the MLP)."""
+    moe_layer_freq: Any = 1
+    """Which layers are MoE (with num_moe_experts): an int N = every N-th layer, layer l (0-based) iff
+    l % N == 0 (Megatron's --moe-layer-freq); or a list of 0/1, one per layer (1 = MoE)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Each routed expert's FFN width; null = ffn_hidden_size (4 × hidden_size when that is null too)."""
+    moe_router_topk: int = 2
+    """k: experts per token, 1 <= k <= num_moe_experts."""
+    moe_router_score_function: str = "softmax"
+    """softmax | sigmoid. softmax: post-softmax (softmax over the k chosen logits) unless
+    moe_router_pre_softmax; sigmoid: per-expert scores, normalised over the k chosen when k > 1."""
+    moe_router_pre_softmax: bool = False
+    """softmax over all E logits, then top-k (weights not renormalised; Qwen's norm_topk_prob=false)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the k routing weights (null = 1)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """aux_loss (Switch Transformer, per micro-batch) | seq_aux_loss (per sequence, DeepSeek-V2) | none."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss of each MoE layer (0 = none); ~1 per layer at perfect balance."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss mean(logsumexp(logits)²) (ST-MoE); null = none."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): an fp32 per-expert bias added to the scores for the top-k choice
+    only, moved by moe_router_bias_update_rate × sign(mean load − load) after each step; sigmoid scores only."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update per iteration."""
+    moe_router_dtype: Optional[str] = None
+    """null (the model's dtype) | fp32 | fp64: the dtype of the gating GEMM and the routing math."""
+    moe_input_jitter_eps: Optional[float] = None
+    """Multiplies the router's input by U(1 − eps, 1 + eps) in training (Switch Transformer); null = off."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """null = dropless (every token reaches its k experts); c > 0: each expert takes at most
+    ceil(T·k/E · c) of the T tokens of a rank's micro-batch, the rest of its tokens are dropped."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor: every expert computes exactly its capacity of rows (zero rows pad), static shapes."""
+    moe_token_drop_policy: str = "probs"
+    """With a capacity factor, which tokens an expert keeps: probs (the highest routing weights) | position
+    (the earliest tokens)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """alltoall | allgather: how tokens reach the ranks of their experts under expert parallelism (one rank:
+    permute only)."""
+    moe_grouped_gemm: bool = True
+    """The local experts as grouped GEMMs (``torch._grouped_mm``) where the build has them, else one GEMM per
+    expert; the startup kernels: line says which ran."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared expert (a dense MLP on every token, added to the routed output); null = none."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x·g), g ``[1, h]`` (Qwen2-MoE's shared_expert_gate)."""
     transformer_layer: TransformerLayerSpec = dataclasses.field(default_factory=TransformerLayerSpec)
     """The layer spec tree (a registered component: `_target_` + `_partial_` + `submodules`)."""

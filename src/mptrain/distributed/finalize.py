@@ -9,7 +9,9 @@ Order (Megatron-LM ``megatron/core/distributed/finalize_model_grads.py``):
 3. all-reduce SUM over ``groups.embedding_group`` the tied word-embedding grad (first stage's
    chunk 0 and last stage's last chunk, only when pp > 1) so both copies take the same step;
    correct under ZeRO-1 only because the tied param sits alone in its bucket (grad_buffer.py);
-4. loss normalisation (ARCHITECTURE.md "Loss normalisation", derived here once): the schedule
+4. MoE aux-loss-free balancing: the expert biases step on this iteration's routed-token counts, summed over
+   TP (under SP) and DP (`mptrain.layers.moe.update_expert_bias`; Megatron's ``_update_router_expert_bias``);
+5. loss normalisation (ARCHITECTURE.md "Loss normalisation", derived here once): the schedule
    backpropagated ``loss_sum / max_tokens`` per micro-batch, and DP reduced by SUM, so the grads
    are ``d(Σ_all-ranks loss_sum) / max_tokens``. The loss we want is the mean over all
    loss-masked tokens of the global batch, ``Σ loss_sum / N`` with ``N`` = global token count,
@@ -25,6 +27,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from mptrain.layers.moe import update_expert_bias
 
 
 def _allreduce_coalesced(tensors: list, group) -> None:
@@ -94,6 +98,8 @@ def finalize_model_grads(
     if groups.pp_size > 1 and groups.is_in_embedding_group:
         # Both members of the embedding group run this (pp > 1 => two distinct ranks).
         _allreduce_coalesced(_tied_embedding_grads(model_chunks, groups), groups.embedding_group)
+
+    update_expert_bias(model_chunks, groups)  # nothing without MoE routers that hold an expert bias
 
     if num_tokens is None and max_tokens is None:
         return None

@@ -8,8 +8,8 @@ null | torch.compile's modes).
   is one graph, so a micro-batch is one forward and one backward graph launch (torchtitan and a
   plain compiled GPT do the same). Dropout is drawn inside the graph (`mptrain.layers.random`, "Dropout in a
   compiled chunk") and activation recomputation is a recomputed region of it (`mptrain.layers.random.checkpoint`).
-  It would fall back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`: no built-in
-  option needs it now).
+  It falls back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`: MoE layers, which
+  run eagerly).
 * ``layer``: each layer of the block is compiled in place (its ``compile``; `TransformerLayer`
   compiles its body, so parameter names stay), and the cross entropy's passes one by one (`compile_pass`).
 
@@ -69,12 +69,15 @@ def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
     """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can); the layers are
     then compiled one by one, as ``compile_scope=layer``, and the ``kernels:`` line gives the reason.
 
-    No built-in option blocks it: dropout is drawn in the graph from the current generator, TP-region masks
+    Dense models: nothing blocks it. Dropout is drawn in the graph from the current generator, TP-region masks
     as slices of whole-tensor masks (`mptrain.layers.random.dropout_slice`), so no RNG fork is needed; and
     activation recomputation (full or selective) is torch's checkpoint inside the graph
     (`mptrain.layers.random.checkpoint`), not the eager checkpoint that swaps generator states on the host.
+    MoE layers run eagerly (`mptrain.layers.moe.MoELayer`: routed row counts), so a model with them is not one graph.
     ``config``, ``sequence_parallel`` (the effective one): what a rule would read.
     """
+    if config.num_moe_experts is not None:
+        return "MoE layers run eagerly between graphs"
     return None
 
 

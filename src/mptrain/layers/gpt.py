@@ -34,6 +34,7 @@ from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_rang
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.linear import column_parallel_linear
 from mptrain.layers.mlp import check_activation
+from mptrain.layers.moe.config import check_moe_config
 from mptrain.layers.norms import check_normalization
 from mptrain.layers.random import ParamInit, RNGStatesTracker, init_rng_tracker
 from mptrain.layers.sharding import take_shard
@@ -76,7 +77,8 @@ def check_model_config(model, parallel) -> None:
 
     Order: sizes, heads vs tp / hidden / query groups, ffn vs tp, the closed Megatron choices
     (normalization, activation, attention_backend, position_embedding_type, recompute_*), position
-    embeddings vs seq_length, dropout, sequence parallelism vs seq_length, the layer split over pp × vpp.
+    embeddings vs seq_length, dropout, sequence parallelism vs seq_length, the layer split over pp × vpp, the
+    Mixture-of-Experts keys (`mptrain.layers.moe.config.check_moe_config`).
 
     Raises:
         ConfigError: one line naming the keys, the values and the fix.
@@ -129,6 +131,7 @@ def check_model_config(model, parallel) -> None:
     check_layer_split(model.num_layers, parallel.pipeline_model_parallel_size,
                       parallel.virtual_pipeline_model_parallel_size, parallel.decoder_first_pipeline_num_layers,
                       parallel.decoder_last_pipeline_num_layers)
+    check_moe_config(model, parallel)
 
 
 def check_model_components(model) -> None:

@@ -14,7 +14,7 @@ table `ACTIVATIONS`); a node naming another class (``torch.nn.SiLU``) ignores th
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -80,23 +80,27 @@ class MLP(torch.nn.Module):
         layer_number: global 0-based layer index (names the parameters ``decoder.layers.<n>.mlp.*``).
         submodules: the spec node's ``submodules`` (linear_fc1, activation, linear_fc2); None = the default
             `mptrain.config.model.MLPSubmodules`.
+        ffn_hidden_size: f; None = ``model.ffn_hidden_size`` (4h when null). prefix: the parameters' global
+            name prefix; None = ``decoder.layers.<n>.mlp`` (a subclass such as the MoE shared expert sets both).
+        key: the spec node's config key, for messages.
     """
 
-    def __init__(self, config, context: LayerContext, *, layer_number: int, submodules=None) -> None:
+    def __init__(self, config, context: LayerContext, *, layer_number: int, submodules=None,
+                 ffn_hidden_size: Optional[int] = None, prefix: Optional[str] = None, key: str = KEY) -> None:
         super().__init__()
         if submodules is None:
             submodules = MLPSubmodules()
         node = {"submodules": submodules}
-        act = build_module(f"{KEY}.submodules.activation", submodule(node, "activation"), ACTIVATION, config=config)
+        act = build_module(f"{key}.submodules.activation", submodule(node, "activation"), ACTIVATION, config=config)
         parts = int(getattr(act, "fc1_parts", 1))  # optional attribute of the interface (1: not gated)
-        ffn = config.ffn_hidden_size or 4 * config.hidden_size
-        prefix = f"decoder.layers.{layer_number}.mlp"
+        ffn = ffn_hidden_size or config.ffn_hidden_size or 4 * config.hidden_size
+        prefix = prefix or f"decoder.layers.{layer_number}.mlp"
         common = dict(context=context, bias=config.add_bias_linear)
-        self.linear_fc1 = build_module(f"{KEY}.submodules.linear_fc1", submodule(node, "linear_fc1"),
+        self.linear_fc1 = build_module(f"{key}.submodules.linear_fc1", submodule(node, "linear_fc1"),
                                        COLUMN_PARALLEL_LINEAR, input_size=config.hidden_size, output_size=parts * ffn,
                                        name=f"{prefix}.linear_fc1", parts=parts, **common)
         self.act = act
-        self.linear_fc2 = build_module(f"{KEY}.submodules.linear_fc2", submodule(node, "linear_fc2"),
+        self.linear_fc2 = build_module(f"{key}.submodules.linear_fc2", submodule(node, "linear_fc2"),
                                        ROW_PARALLEL_LINEAR, input_size=ffn, output_size=config.hidden_size,
                                        name=f"{prefix}.linear_fc2", input_is_parallel=True, scaled_init=True, **common)
 

@@ -17,7 +17,8 @@ Recomputation (DESIGN.md §1 keys, Megatron ``transformer_block.py::_checkpointe
 of each chunk one by one; ``selective`` recomputes only the attention core (`SelfAttention`).
 
 Spec tree: ``model.transformer_layer`` (kind `TRANSFORMER_LAYER`) with ``submodules``
-input_layernorm, self_attention, pre_mlp_layernorm, mlp, each built by
+input_layernorm, self_attention, pre_mlp_layernorm, mlp (or, on the layers ``model.moe_layer_freq`` marks
+when ``model.num_moe_experts`` is set, moe: `mptrain.layers.moe.MoELayer`, as the ``mlp`` attribute), each built by
 `mptrain.layers.spec.build_module` with the chunk's `LayerContext`. The block's ``final_layernorm``
 is built from the ``input_layernorm`` node (one norm choice per model). The tree's kinds
 (`spec_kinds`) and its start-up check (`check_spec_tree`) live here, with the tree's root.
@@ -42,6 +43,8 @@ from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
 from mptrain.layers.context import LayerContext
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.mlp import ACTIVATION, MLP_KIND
+from mptrain.layers.moe.config import is_moe_layer
+from mptrain.layers.moe.layer import MOE_KIND, moe_spec_kinds
 from mptrain.layers.norms import NORM
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
 from mptrain.layers.spec import (
@@ -123,7 +126,10 @@ class TransformerLayer(torch.nn.Module):
         self.self_attention = build_module(f"{LAYER_KEY}.submodules.self_attention", submodule(node, "self_attention"),
                                            SELF_ATTENTION, rng_tracker=rng_tracker, **inner)
         self.pre_mlp_layernorm = build_norm_node(submodules, "pre_mlp_layernorm", config, context=context)
-        self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
+        if is_moe_layer(config, layer_number):  # the MoE layer takes the MLP's place (and its parameter names)
+            self.mlp = build_module(f"{LAYER_KEY}.submodules.moe", submodule(node, "moe"), MOE_KIND, **inner)
+        else:
+            self.mlp = build_module(f"{LAYER_KEY}.submodules.mlp", submodule(node, "mlp"), MLP_KIND, **inner)
         self._compiled_body: Optional[Callable] = None  # set by `compile`
 
     def compile(self, *args, **kwargs) -> None:
@@ -241,6 +247,7 @@ def spec_kinds() -> dict:
         "pre_mlp_layernorm": {"_kind": NORM},
         "mlp": {"_kind": MLP_KIND, "linear_fc1": {"_kind": COLUMN_PARALLEL_LINEAR}, "activation": {"_kind": ACTIVATION},
                 "linear_fc2": {"_kind": ROW_PARALLEL_LINEAR}},
+        "moe": moe_spec_kinds(),
     }
 
 

@@ -39,7 +39,9 @@ class TrainRow:
     """One training iteration (DESIGN.md §2). Units: samples, tokens/s, TFLOP/s per GPU, GiB.
 
     `iteration` counts completed optimizer steps from 1 (skipped ones included); `grad_norm` is
-    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU.
+    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU. `moe`: an MoE model's routing
+    statistics (`mptrain.layers.moe.stats.STAT_KEYS`), written after the DESIGN.md keys; None (no keys)
+    for a dense model.
     """
 
     iteration: int
@@ -56,12 +58,15 @@ class TrainRow:
     tflops_per_gpu: Optional[float]
     mfu: Optional[float]
     mem_allocated_gib: Optional[float]
+    moe: Optional[dict] = None
 
     def as_dict(self) -> dict:
-        return {"split": "train", **dataclasses.asdict(self)}
+        row = {"split": "train", **{k: getattr(self, k) for k in TRAIN_KEYS[1:]}}
+        return {**row, **(self.moe or {})}
 
 
-TRAIN_KEYS = ("split",) + tuple(f.name for f in dataclasses.fields(TrainRow))
+TRAIN_KEYS = ("split",) + tuple(f.name for f in dataclasses.fields(TrainRow) if f.name != "moe")
+"""The DESIGN.md §2 keys of every train row, in order (an MoE model's `TrainRow.moe` keys follow them)."""
 
 
 @dataclasses.dataclass
@@ -109,6 +114,22 @@ def format_train_line(row: TrainRow, train_iters: Optional[int] = None) -> str:
     ]
     if row.mem_allocated_gib is not None:
         parts.append(f"mem {row.mem_allocated_gib:.2f} GiB")
+    if row.moe is not None and format_moe(row.moe):
+        parts.append(format_moe(row.moe))
+    return " | ".join(parts)
+
+
+def format_moe(moe: dict) -> str:
+    """The console's MoE part: aux / z loss (when on), the fewest and most tokens an expert of any MoE layer
+    took in the iteration, dropped assignments (with a capacity)."""
+    most, least = moe["moe_tokens_per_expert_max"], moe["moe_tokens_per_expert_min"]
+    parts = [f"moe_aux {moe['moe_aux_loss']:.4f}"] if moe["moe_aux_loss"] is not None else []
+    if moe["moe_z_loss"] is not None:
+        parts.append(f"moe_z {moe['moe_z_loss']:.4f}")
+    if most:
+        parts.append(f"expert tokens min/max {min(least)}/{max(most)}")
+    if moe["moe_dropped_tokens"] is not None:
+        parts.append(f"dropped {moe['moe_dropped_tokens']}")
     return " | ".join(parts)
 
 

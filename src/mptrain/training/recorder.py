@@ -20,6 +20,7 @@ from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.embedding import padded_vocab_size
+from mptrain.layers.moe.experts import describe_experts
 from mptrain.layers.params import flops_per_iteration
 from mptrain.precision.module import unwrap
 from mptrain.runs.claim import claim_run_dir
@@ -36,7 +37,8 @@ def kernels_line(built) -> str:
     """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the
     inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
     apex's class) and the
-    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`)."""
+    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`), the MoE
+    experts' GEMMs (`mptrain.layers.moe.experts.describe_experts`: grouped_mm or the per-expert loop)."""
     from mptrain.layers.norms import describe_norm
     from mptrain.optim import optimizer_kernel
 
@@ -46,7 +48,7 @@ def kernels_line(built) -> str:
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
     fp8 = getattr(built, "fp8", None)  # precision=fp8: what runs in FP8 (`mptrain.layers.fp8.Fp8Summary`)
     return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
-            f"{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
+            f"{describe_experts(built.chunks)}{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
 
 
 def compile_note(chunks) -> str:
@@ -195,6 +197,7 @@ class Recorder:
             tflops_per_gpu=rates.tflops_per_gpu,
             mfu=rates.mfu,
             mem_allocated_gib=memory_allocated_gib(self.groups.device),
+            moe=metrics.get("moe"),
         )
         self.writer.write_train(row)
         self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)

@@ -37,6 +37,7 @@ from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_
 from mptrain.layers.fp8 import apply_fp8, check_fp8_environment, fp8_recipe_from
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
+from mptrain.layers.moe import RoutingStats
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.optim.builders import build_optimizer_factory
 from mptrain.optim.lr_scheduler import build_lr_scheduler
@@ -180,6 +181,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         defer_step_read=(groups.device.type == "cuda" if cfg.train.defer_step_read is None
                          else bool(cfg.train.defer_step_read)),
         fp8_weight_casts=fp8.weight_casts if fp8 is not None else None,
+        routing_stats=RoutingStats.for_model(cfg.model),
     )
     built = Built(cfg=cfg, groups=groups, trainer=trainer, provider=provider, chunks=chunks, rng_tracker=rng_tracker,
                   scaler=scaler, fp8=fp8)

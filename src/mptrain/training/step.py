@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
 from mptrain.groups import ParallelGroups
+from mptrain.layers.moe import set_aux_loss_scale
 from mptrain.precision.module import unwrap
 from mptrain.precision.optimizer import StepStats
 from mptrain.training.batch import get_batch
@@ -179,6 +180,7 @@ class Trainer:
     stats: Any = None
     defer_step_read: bool = False
     fp8_weight_casts: Any = None  # precision=fp8: `mptrain.layers.fp8.Fp8WeightCasts`, made current per schedule call
+    routing_stats: Any = None  # MoE models: `mptrain.layers.moe.RoutingStats` (read with the loss), else None
 
     def _weights_settled(self):
         """The context of a schedule call, in which the weights do not change: the FP8 weight casts are made
@@ -223,9 +225,12 @@ class Trainer:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        loss_scale = self.optimizer.get_loss_scale()
+        if self.routing_stats is not None:  # the MoE aux losses' backward scale (its derivation: layers/moe/aux_loss.py)
+            for chunk in self.chunks:
+                set_aux_loss_scale(chunk, float(loss_scale) / (self.num_microbatches * self.groups.dp_size))
         with self.timers("forward-backward"), self._weights_settled():
-            reports, num_tokens = self._schedule(data_iterators, forward_only=False,
-                                                 loss_scale=self.optimizer.get_loss_scale(),
+            reports, num_tokens = self._schedule(data_iterators, forward_only=False, loss_scale=loss_scale,
                                                  no_sync_func=self._no_sync_func())
         with self.timers("grads-all-reduce"):  # DP sync, SP / tied-embedding grads, token normalisation
             total = self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens,
@@ -234,6 +239,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         # the logged loss, read with the step's statistics (grad norm, skip) in one host read per iteration
         totals = loss_totals(reports, self.groups, self.device)
+        if self.routing_stats is not None:  # one all-reduce; read with the loss below
+            totals = torch.cat([totals, self.routing_stats.reduce(self.chunks, self.device).to(totals.dtype)])
         # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
         grad_scale = None if total is None else token_scale(total, self.max_tokens)
         with self.timers("optimizer"):
@@ -254,7 +261,9 @@ class Trainer:
         launched, self._launched = self._launched, None
         if launched is None:
             return
-        loss_sum, tokens, *step_values = launched.read.values()  # host sync: the iteration's one read
+        loss_sum, tokens, *values = launched.read.values()  # host sync: the iteration's one read
+        moe = self.routing_stats.size if self.routing_stats is not None else 0
+        routing, step_values = values[:moe], values[moe:]
         result = launched.stats.settle(step_values)
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
             self.lr_scheduler.step()
@@ -267,6 +276,9 @@ class Trainer:
             "skipped_iters_total": result.skipped_iters_total,
             "nan_iters_total": result.nan_iters_total,
         }
+        if self.routing_stats is not None:
+            launched.outcome._metrics["moe"] = self.routing_stats.summary(
+                routing, self.num_microbatches * self.groups.dp_size)
 
     def _no_sync_func(self):
         if len(self.chunks) == 1:

@@ -1,0 +1,111 @@
+"""`MoELayer`: the Mixture-of-Experts layer in place of a transformer layer's MLP (Megatron-core
+``megatron/core/transformer/moe/moe_layer.py``; Shazeer et al. 2017, Fedus et al. 2021).
+
+Legend: ``[s, b, h]`` in and out (``[s/tp, b, h]`` under sequence parallelism: each TP rank routes its
+own sequence shard), ``T = s·b`` tokens, ``E`` experts, top-``k``.
+
+    probs, routing_map = router(x)                                  [T, E], [T, E] bool
+    rows, tokens_per_expert, row_probs = dispatcher.dispatch(x, probs, routing_map)
+    y = dispatcher.combine(experts(rows, tokens_per_expert, row_probs))     [T, h]
+    y = y + shared_experts(x)                                       (with a shared expert)
+
+Spec tree (``model.transformer_layer.submodules.moe``, kind `MOE_KIND`; used on the layers
+``model.moe_layer_freq`` marks, `mptrain.layers.moe.config.is_moe_layer`): ``router`` (kind `ROUTER_KIND`,
+default `TopKRouter`), ``experts`` (kind `EXPERTS_KIND`, default `GroupedMLP`), ``shared_experts`` (kind
+`mptrain.layers.mlp.MLP_KIND`, default `SharedExpertMLP`, built with ``moe_shared_expert_intermediate_size``).
+The token dispatcher is built from ``model.moe_token_dispatcher_type`` and the groups
+(`mptrain.layers.moe.dispatcher.build_dispatcher`); any object with the `TokenDispatcher` methods can be
+handed in (``token_dispatcher=``). The layer is the transformer layer's ``mlp`` attribute, so its
+parameters are ``decoder.layers.<n>.mlp.router.weight``, ``...mlp.experts.linear_fc1.weight``,
+``...mlp.shared_experts.linear_fc1.weight``, as Megatron-core names them.
+
+The layer runs eagerly inside compiled chunks (``torch.compiler.disable``): its row counts depend on the
+routing, and the per-expert loop reads them on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mptrain.components import ComponentKind
+from mptrain.config.model import MoESubmodules
+from mptrain.layers.context import LayerContext
+from mptrain.layers.mlp import ACTIVATION, MLP_KIND
+from mptrain.layers.moe.dispatcher import TokenDispatcher, build_dispatcher
+from mptrain.layers.moe.experts import GroupedMLP
+from mptrain.layers.moe.router import TopKRouter
+from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
+
+KEY = "model.transformer_layer.submodules.moe"
+
+ROUTER_KIND = ComponentKind("MoE router", methods=("forward",), runtime_keywords=("config", "context", "layer_number"),
+                            interface=TopKRouter)
+"""``router``: ``forward(x [s, b, h]) -> (probs [T, E], routing_map [T, E] bool)`` (see `TopKRouter`)."""
+EXPERTS_KIND = ComponentKind(
+    "MoE experts", methods=("forward",),
+    runtime_keywords=("config", "context", "layer_number", "num_local_experts", "expert_offset", "etp_rank",
+                      "etp_size"),
+    interface=GroupedMLP)
+"""``experts``: ``forward(x [N, h], tokens_per_expert [E_local], probs [N]) -> [N, h]`` (see `GroupedMLP`)."""
+
+
+def expert_grid(groups) -> tuple:
+    """``(ep_rank, ep_size, etp_rank, etp_size)`` of this rank: the groups object's expert grid, or one rank
+    of each (EP = ETP = 1) on a groups object without one."""
+    return (getattr(groups, "ep_rank", 0), getattr(groups, "ep_size", 1), getattr(groups, "etp_rank", 0),
+            getattr(groups, "etp_size", 1))
+
+
+class MoELayer(torch.nn.Module):
+    """forward(x ``[s(/tp), b, h]``) -> ``[s(/tp), b, h]`` (module docstring).
+
+    Args:
+        config: ModelConfig (num_moe_experts, moe_*). context: `LayerContext`, handed to every child.
+        layer_number: global 0-based layer index.
+        submodules: the node's ``submodules`` (router, experts, shared_experts); None = the default
+            `mptrain.config.model.MoESubmodules`.
+        token_dispatcher: a `TokenDispatcher`; None = `build_dispatcher` from the config and the groups.
+    """
+
+    def __init__(self, config, context: LayerContext, *, layer_number: int, submodules=None,
+                 token_dispatcher: Optional[TokenDispatcher] = None) -> None:
+        super().__init__()
+        node = {"submodules": submodules if submodules is not None else MoESubmodules()}
+        ep_rank, ep_size, etp_rank, etp_size = expert_grid(context.groups)
+        num_local = config.num_moe_experts // ep_size
+        inner = dict(config=config, context=context, layer_number=layer_number)
+        self.router = build_module(f"{KEY}.submodules.router", submodule(node, "router"), ROUTER_KIND, **inner)
+        self.experts = build_module(f"{KEY}.submodules.experts", submodule(node, "experts"), EXPERTS_KIND,
+                                    num_local_experts=num_local, expert_offset=ep_rank * num_local, etp_rank=etp_rank,
+                                    etp_size=etp_size, **inner)
+        self.token_dispatcher = token_dispatcher or build_dispatcher(config, context.groups,
+                                                                     num_local_experts=num_local)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = build_module(f"{KEY}.submodules.shared_experts", submodule(node, "shared_experts"),
+                                               MLP_KIND, **inner)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        probs, routing_map = self.router(x)  # [T, E] each
+        rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
+        y = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert, row_probs)).view(s, b, h)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+MOE_KIND = ComponentKind("MoE layer", methods=("forward",),
+                         runtime_keywords=("config", "context", "layer_number", "submodules"), interface=MoELayer)
+"""``model.transformer_layer.submodules.moe``: ``forward(x [s(/tp), b, h]) -> [s(/tp), b, h]``, parameters
+named relative to ``decoder.layers.<n>.mlp``."""
+
+
+def moe_spec_kinds() -> dict:
+    """The kinds of the MoE node's tree (nested as the config, `mptrain.layers.transformer.spec_kinds`)."""
+    return {"_kind": MOE_KIND, "router": {"_kind": ROUTER_KIND}, "experts": {"_kind": EXPERTS_KIND},
+            "shared_experts": {"_kind": MLP_KIND, "linear_fc1": {"_kind": COLUMN_PARALLEL_LINEAR},
+                               "activation": {"_kind": ACTIVATION}, "linear_fc2": {"_kind": ROW_PARALLEL_LINEAR}}}
