@@ -71,17 +71,17 @@ def set_aux_loss_scale(model: torch.nn.Module, scale: float) -> None:
 
 
 def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, *, total_tokens: int,
-                               topk: int, coeff: float) -> torch.Tensor:
+                               topk: int, num_experts: int, coeff: float) -> torch.Tensor:
     """``coeff · E / (k · T_g²) · Σ_i (Σ_t scores[t, i]) · tokens_per_expert[i]`` (module docstring).
 
     Args:
-        scores: ``[T, E]`` fp32, the full score distribution of this rank's tokens.
-        tokens_per_expert: ``[E]`` counts over the T_g tokens (summed over TP under SP), no grad.
-        total_tokens: T_g.
+        scores: ``[T, C]`` fp32, the full score distribution of this rank's tokens (C = E columns, or b·E for the
+            per-sequence loss: one block of E per sequence).
+        tokens_per_expert: ``[C]`` counts over the T_g tokens (summed over TP under SP), no grad.
+        total_tokens: T_g. num_experts: E.
     Returns:
-        0-d fp32 tensor.
+        0-d fp32 tensor (the per-sequence loss: the sum over sequences).
     """
-    num_experts = scores.shape[-1]
     return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total_tokens * total_tokens))
 
 

@@ -85,7 +85,7 @@ class LocalDispatcher:
         self._tokens = 0
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> tuple:
-        t, e, k = routing_map.shape[0], self.num_experts, self.topk
+        t, k = routing_map.shape[0], self.topk
         # slot of (t, e): how many of t's routed experts precede e
         slot = routing_map.cumsum(dim=1) - 1  # [T, E]
         token_slot = torch.arange(t, device=routing_map.device).unsqueeze(1) * k + slot  # [T, E]

@@ -116,7 +116,8 @@ class TopKRouter(torch.nn.Module):
             routing_map, scores = routing_map.reshape(seq_length, -1), scores.reshape(seq_length, -1)
         counts = self._tp_sum(routing_map.sum(dim=0).float())
         total = routing_map.shape[0] * tp
-        loss = switch_load_balancing_loss(scores, counts, total_tokens=total, topk=self.topk, coeff=coeff) / batch
+        loss = switch_load_balancing_loss(scores, counts, total_tokens=total, topk=self.topk,
+                                          num_experts=self.num_experts, coeff=coeff) / batch
         self.routing_stats[-2] += loss.detach() / coeff
         return MoEAuxLossAutoScaler.apply(probs, loss, self.aux_loss_scale)
 
