@@ -80,7 +80,7 @@ def _capacity_keep(cfg, routes, num_tokens):
     cap = math.ceil(num_tokens * cfg.moe_router_topk / E * cfg.moe_expert_capacity_factor)
     keep = set()
     for e in range(E):
-        mine = [(t, float(w[sel.index(e)])) for t, (sel, w) in enumerate(routes) if e in sel]
+        mine = [(t, float(w[sel.index(e)].detach())) for t, (sel, w) in enumerate(routes) if e in sel]
         if cfg.moe_token_drop_policy == "probs":
             mine.sort(key=lambda tw: (-tw[1], tw[0]))
         keep |= {(t, e) for t, _ in mine[:cap]}

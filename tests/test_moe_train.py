@@ -1,0 +1,112 @@
+"""Mixture of Experts end to end through `mptrain.training.run.run` (gloo pool, CPU, fp32):
+
+- the tiny MoE model trains, metrics.jsonl holds its routing statistics, the kernels: line names the
+  experts' GEMMs, and a step reads the host once (the statistics ride in the loss's read);
+- pp2 and dp2 compute the tp1pp1 math per step (DESIGN.md §3 tolerances), aux and z losses, expert-bias
+  update, shared expert and its gate included;
+- full recomputation replays the same routing (input jitter included): every row equals the plain run's;
+- resume is bitwise, the expert bias crossing the checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_distributed
+from train_utils import read_rows, run_job, without_timing
+
+SMALL = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16",
+         "model.moe_ffn_hidden_size=32", "train.eval_interval=null", "train.global_batch_size=8",
+         "train.micro_batch_size=2"]
+# everything a step of the MoE layer does: sigmoid routing with the expert bias, aux and z losses, a gated shared expert
+FULL = ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+        "model.moe_router_bias_update_rate=0.01", "model.moe_z_loss_coeff=0.001",
+        "model.moe_shared_expert_intermediate_size=32", "model.moe_shared_expert_gate=true", "optim.lr=0.01"]
+STEPS = 5
+MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max",
+            "moe_dropped_tokens")
+
+
+def _run(tmp_path, name: str, world: int, overrides: list) -> list:
+    run_dir = tmp_path / name
+    run_distributed(run_job, world, SMALL + overrides + [f"run.dir={run_dir}"], timeout_s=300)
+    return read_rows(run_dir)
+
+
+def test_moe_trains_and_logs_its_routing(tmp_path):
+    rows = _run(tmp_path, "tp1pp1", 1, [f"train.train_iters={STEPS}", "optim.lr=0.01",
+                                        "model.moe_z_loss_coeff=0.001", "model.moe_expert_capacity_factor=1.0"])
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.05
+    tokens = 8 * 16 * 2  # global batch × seq × top-k, per layer and iteration
+    for r in rows:
+        assert list(r)[-len(MOE_KEYS):] == list(MOE_KEYS)  # after the DESIGN.md keys
+        assert 1.0 <= r["moe_aux_loss"] < 1.5  # 1 at perfect balance (coeff-free), larger otherwise
+        assert r["moe_z_loss"] > 0
+        assert len(r["moe_tokens_per_expert_max"]) == 2  # one entry per MoE layer
+        for lo, hi in zip(r["moe_tokens_per_expert_min"], r["moe_tokens_per_expert_max"]):
+            assert lo <= tokens / 4 <= hi and lo < hi
+        assert 0 <= r["moe_dropped_tokens"] < tokens
+    log = (tmp_path / "tp1pp1" / "train.log").read_text()
+    assert "experts=grouped_mm" in log and "| moe_aux " in log
+
+
+def _same(rows, ref, *, loss_rel=1e-5, norm_rel=1e-4):
+    assert [r["iteration"] for r in rows] == list(range(1, STEPS + 1))
+    for r, q in zip(rows, ref):
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=loss_rel), r["iteration"]
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=norm_rel), r["iteration"]
+        assert r["moe_aux_loss"] == pytest.approx(q["moe_aux_loss"], rel=loss_rel), r["iteration"]
+        assert r["moe_z_loss"] == pytest.approx(q["moe_z_loss"], rel=loss_rel), r["iteration"]
+        # the same tokens chose the same experts (the expert bias moved alike)
+        assert r["moe_tokens_per_expert_max"] == q["moe_tokens_per_expert_max"], r["iteration"]
+        assert r["moe_tokens_per_expert_min"] == q["moe_tokens_per_expert_min"], r["iteration"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + [f"train.train_iters={STEPS}"])
+
+
+@pytest.mark.parametrize("parallel", ["tp1pp2", "tp1pp1"])
+def test_pp2_and_dp2_match_tp1pp1(tmp_path, reference, parallel):
+    rows = _run(tmp_path, parallel, 2, FULL + [f"parallel={parallel}", f"train.train_iters={STEPS}"])
+    _same(rows, reference)
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+
+
+def test_full_recompute_replays_the_same_routing(tmp_path):
+    jitter = FULL + ["model.moe_input_jitter_eps=0.05", "train.train_iters=3"]
+    plain = _run(tmp_path, "plain", 1, jitter)
+    recomputed = _run(tmp_path, "recompute", 1, jitter + ["model.recompute_granularity=full",
+                                                          "model.recompute_method=uniform",
+                                                          "model.recompute_num_layers=1"])
+    assert without_timing(recomputed) == without_timing(plain)  # bitwise, statistics counted once
+
+
+def test_resume_is_bitwise_with_the_expert_bias(tmp_path):
+    common = FULL + ["train.train_iters=4"]
+    straight = _run(tmp_path, "straight", 1, common)
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "split", 1, common + [f"checkpoint.save={ckpt}", "train.exit_interval=2"])
+    resumed = _run(tmp_path, "split", 1, common + [f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"])
+    assert without_timing(resumed) == without_timing(straight)
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    assert "model/decoder.layers.1.mlp.router.expert_bias" in keys
+
+
+def test_a_dropless_step_reads_the_host_as_a_dense_one(tmp_path, monkeypatch):
+    from mptrain.training.run import run
+    from train_utils import compose, count_host_reads
+
+    def reads(name: str, model: list) -> int:
+        before = sum(calls.values())
+        run(compose(model + ["model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.train_iters=2",
+                             "train.eval_interval=null", "train.defer_step_read=true", f"run.dir={tmp_path / name}"]))
+        return sum(calls.values()) - before
+
+    calls = count_host_reads(monkeypatch)
+    dense = reads("dense", ["model=tiny", "model.activation=swiglu", "model.add_bias_linear=false"])
+    moe = reads("moe", ["model=moe_tiny", "model.moe_ffn_hidden_size=32"])
+    assert moe == dense  # the routing statistics ride in the step's one read; grouped GEMMs need no split sizes
