@@ -26,6 +26,11 @@ MODELS = {
     "swiglu_gqa": SWIGLU_GQA,
     # untied output layer, and an attention width np·hn = 48 other than h = 32
     "untied_kv_channels": dict(untie_embeddings_and_output_weights=True, kv_channels=12),
+    # an MoE layer then a dense one: the router, k = 2 of 4 experts and the gated shared expert per token
+    # (the per-expert loop: torch's FLOP counter does not count torch._grouped_mm)
+    "moe": dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=[1, 0],
+                moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True, moe_grouped_gemm=False,
+                activation="swiglu", add_bias_linear=False),
 }
 
 
@@ -118,3 +123,21 @@ def test_planner_and_bench_use_the_same_function():
     expected = flops_per_iteration(cfg.model, padded_vocab_size=50304, tokens_per_iteration=16 * 2048)
     assert step_flops(cfg, layout, vocab_size=50257) == bc.flops_per_iteration(b) == expected
     assert bc.PEAK_TFLOPS_BF16_DENSE == cfg.hardware.peak_tflops == 989.0
+
+
+def test_moe_counts_every_expert_and_flops_the_active_ones():
+    import yaml
+
+    from mptrain.layers.params import active_parameters, count_parameters
+
+    preset = yaml.safe_load((ROOT / "conf" / "model" / "moe_mixtral_small.yaml").read_text())
+    m = ModelConfig(**{k: v for k, v in preset.items() if k != "defaults"})
+    h, f = 1024, 3584
+    attention = h * (16 + 2 * 8) * 64 + h * h  # QKV (GQA, 8 groups of head dim 64) + proj
+    expert = 3 * h * f  # SwiGLU fc1 [2f, h] + fc2 [h, f]
+    layer = attention + 8 * h + 2 * h  # + router [8, h] + two RMSNorms
+    embeddings = 2 * 32000 * h + h  # untied input and output, final norm
+    assert count_parameters(m, vocab_size=32000) == 12 * (layer + 8 * expert) + embeddings == 1_160_373_248
+    assert active_parameters(m, vocab_size=32000) == 12 * (layer + 2 * expert) + embeddings == 367_649_792
+    per_token = 6 * (12 * (attention + 8 * h + 2 * expert) + 32000 * h) + 12 * 12 * h * 2048
+    assert flops_per_token(m, padded_vocab_size=32000) == per_token

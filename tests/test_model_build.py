@@ -97,6 +97,8 @@ def _real_count(rank, world, tp, pp, over):
     (1, 1, {}), (2, 1, {}), (2, 2, {}), (1, 4, dict(untie_embeddings_and_output_weights=True)),
     (2, 2, dict(num_query_groups=2, activation="swiglu", normalization="RMSNorm", position_embedding_type="rope",
                 add_bias_linear=False)),
+    (1, 2, dict(num_moe_experts=3, moe_layer_freq=2, moe_shared_expert_intermediate_size=8, moe_shared_expert_gate=True,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, add_bias_linear=False)),
 ])
 def test_real_count_equals_built_model(tp, pp, over):
     total = sum(run_distributed(_real_count, tp * pp, tp, pp, over))

@@ -19,6 +19,16 @@ al. 2019 §3; megatron/core/transformer/attention.py and mlp.py):
     fc2 weight f·h, bias h (replicated over TP)                (row-parallel)
     two norms, replicated: 2h each (LayerNorm) or h (RMSNorm)
 
+Mixture-of-Experts layers (the layers ``moe_layer_freq`` marks when ``num_moe_experts`` is set;
+`mptrain.layers.moe`) replace fc1 / fc2 by, with E experts, top-k, f_e the expert width
+(``moe_ffn_hidden_size``), f_s the shared expert's width:
+    router weight E·h                                          (replicated over TP)
+    experts E·(h·k'·f_e + f_e·h), k' = 2 for SwiGLU else 1     (split over ETP = TP)
+    shared expert h·k'·f_s + f_s·h (split over TP), its gate h  (replicated)
+A token multiplies the router, k of the E experts and the shared expert: the *active* weights
+(`layer_matmul_weights`, `active_parameters`); every expert is a parameter (`layer_params`,
+`count_parameters`). MoE layers have no linear biases (`mptrain.layers.moe.config`).
+
 Two whole-model conventions (`count_parameters`):
 
 ``"real"``: what `build_model_chunks` creates, summed over all ranks, vocab padding excluded and
@@ -36,7 +46,8 @@ FLOPs per iteration (`flops_per_iteration`; DESIGN.md §2):
     F = 6·N_mm·T + 12·L·a·s·T
 
 N_mm = L·(h·(np + 2·ng)·hn + np·hn·h + h·k·f + f·h) + V_pad·h, the matmul weights of the model as
-configured (the output layer counted once whether tied or not: the input embedding is a lookup),
+configured (an MoE layer's active ones: router, k experts, shared expert, in place of fc1 and fc2; as
+Megatron's ``moe_layer_flops`` plus the router's E·h) (the output layer counted once whether tied or not: the input embedding is a lookup),
 and a = np·hn the attention width (= h unless ``kv_channels`` says otherwise). A multiply-add is
 2 FLOPs, so the forward pass costs 2·N_mm per token in the linears plus 4·a·s per layer and token
 in attention (QKᵀ and P·V, each 2·a·s; counted in full, no causal halving); the backward pass
@@ -57,6 +68,7 @@ from typing import Optional
 
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
+from mptrain.layers.moe.config import is_moe_layer, moe_ffn_hidden_size
 
 CONVENTIONS = ("real", "design_doc")
 RECOMPUTE = (None, "none", "selective", "full")
@@ -94,9 +106,40 @@ def layer_linear_shapes(m) -> list:
     return [(((np_ + 2 * ng) * hn, h), 0), ((h, np_ * hn), 1), ((k * f, h), 0), ((h, f), 1)]
 
 
-def layer_matmul_weights(m) -> int:
-    """Weights of one transformer layer's four linears (QKV, proj, fc1, fc2), whole (not per TP rank)."""
-    return sum(out * inp for (out, inp), _ in layer_linear_shapes(m))
+def _is_moe_layer(m, layer_number: Optional[int]) -> bool:
+    # a config object of another kind (bench, planner) may predate the MoE keys: dense
+    if layer_number is None or getattr(m, "num_moe_experts", None) is None:
+        return False
+    return is_moe_layer(m, layer_number)
+
+
+def _moe_widths(m) -> tuple:
+    """(E, top-k, f_e, f_s) of an MoE config (f_s = 0 without a shared expert)."""
+    return (m.num_moe_experts, m.moe_router_topk, moe_ffn_hidden_size(m), m.moe_shared_expert_intermediate_size or 0)
+
+
+def moe_mlp_weights(m, *, active: bool) -> tuple:
+    """(replicated, TP-split) weights of one MoE layer's router, experts and shared expert (module docstring):
+    all E experts, or with ``active`` the k a token uses."""
+    h, k2 = m.hidden_size, 2 if m.activation == "swiglu" else 1
+    e, k, f_e, f_s = _moe_widths(m)
+    experts = (k if active else e) * (h * k2 * f_e + f_e * h)
+    gate = h if f_s and m.moe_shared_expert_gate else 0
+    return e * h + gate, experts + h * k2 * f_s + f_s * h
+
+
+def layer_matmul_weights(m, layer_number: Optional[int] = None) -> int:
+    """Weights of one transformer layer's four linears (QKV, proj, fc1, fc2), whole (not per TP rank); for an
+    MoE layer (global index ``layer_number``) QKV, proj and the active MoE weights (`moe_mlp_weights`)."""
+    shapes = layer_linear_shapes(m)
+    if not _is_moe_layer(m, layer_number):
+        return sum(out * inp for (out, inp), _ in shapes)
+    return sum(out * inp for (out, inp), _ in shapes[:2]) + sum(moe_mlp_weights(m, active=True))
+
+
+def model_matmul_weights(m) -> int:
+    """Σ over the layers of `layer_matmul_weights` (dense and MoE layers alike)."""
+    return sum(layer_matmul_weights(m, n) for n in range(m.num_layers))
 
 
 def norm_params(m) -> int:
@@ -104,13 +147,18 @@ def norm_params(m) -> int:
     return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
-def layer_params(m, *, tp: int = 1) -> int:
+def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None) -> int:
     """Elements of one transformer layer on one TP rank of ``tp`` (module docstring's table).
 
     Column-parallel weights and biases are split over TP; the row-parallel biases and the norms
-    are replicated. At ``tp=1`` this is the layer's whole parameter count.
+    are replicated. At ``tp=1`` this is the layer's whole parameter count. ``layer_number`` (global,
+    0-based): an MoE layer counts its router, all its experts and its shared expert instead of fc1 / fc2.
     """
     h, np_, ng, hn, f, k = _widths(m)
+    if _is_moe_layer(m, layer_number):
+        attention = sum(out * inp for (out, inp), _ in layer_linear_shapes(m)[:2]) // tp
+        replicated, split = moe_mlp_weights(m, active=False)
+        return attention + replicated + split // tp + 2 * norm_params(m)
     weights = layer_matmul_weights(m) // tp
     biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else 0
     if not m.add_bias_linear and getattr(m, "add_qkv_bias", False):
@@ -136,7 +184,8 @@ def count_parameters(model_cfg, *, vocab_size: int, convention: str = "real", tp
     if convention == "design_doc":
         return L * (layer_matmul_weights(model_cfg) + 2 * 2 * h) + 2 * vocab_size * h
     v = padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by, tp) if include_padding else vocab_size
-    total = L * layer_params(model_cfg) + norm_params(model_cfg) + v * h  # layers, final norm, word embedding
+    layers = sum(layer_params(model_cfg, layer_number=n) for n in range(L))
+    total = layers + norm_params(model_cfg) + v * h  # layers, final norm, word embedding
     if model_cfg.position_embedding_type == "learned_absolute":
         total += (model_cfg.max_position_embeddings or model_cfg.seq_length) * h
     if model_cfg.untie_embeddings_and_output_weights:
@@ -144,9 +193,19 @@ def count_parameters(model_cfg, *, vocab_size: int, convention: str = "real", tp
     return total
 
 
+def active_parameters(model_cfg, *, vocab_size: int) -> int:
+    """`count_parameters` (``"real"``) less the experts a token does not use: E − k of each MoE layer's
+    experts (the parameters of one token's forward; equal to the total for a dense model)."""
+    total = count_parameters(model_cfg, vocab_size=vocab_size)
+    unused = sum(moe_mlp_weights(model_cfg, active=False)[1] - moe_mlp_weights(model_cfg, active=True)[1]
+                 for n in range(model_cfg.num_layers) if _is_moe_layer(model_cfg, n))
+    return total - unused
+
+
 def matmul_weights(m, *, padded_vocab_size: int) -> int:
-    """N_mm = L·(QKV + proj + fc1 + fc2 weights) + V_pad·h: the weights every token multiplies."""
-    return m.num_layers * layer_matmul_weights(m) + padded_vocab_size * m.hidden_size
+    """N_mm = L·(QKV + proj + fc1 + fc2 weights) + V_pad·h: the weights every token multiplies (MoE layers:
+    their active weights, `layer_matmul_weights`)."""
+    return model_matmul_weights(m) + padded_vocab_size * m.hidden_size
 
 
 def flops_per_token(m, *, padded_vocab_size: int, recompute: Optional[str] = None) -> int:
@@ -167,7 +226,7 @@ def flops_per_token(m, *, padded_vocab_size: int, recompute: Optional[str] = Non
     forward = 2 * matmul_weights(m, padded_vocab_size=padded_vocab_size) + attention_fwd
     flops = 3 * forward  # backward = 2 × forward
     if recompute == "full":
-        flops += 2 * L * layer_matmul_weights(m) + attention_fwd
+        flops += 2 * model_matmul_weights(m) + attention_fwd
     elif recompute == "selective":
         flops += attention_fwd
     return flops

@@ -223,9 +223,15 @@ def inflight_microbatches(schedule: str, *, pp: int, vpp: Optional[int], m: int,
     return INFLIGHT.get(schedule, INFLIGHT["gpipe"])(pp, vpp, m, pp_rank)
 
 
+MOE_ASSUMPTION = ("MoE: parameters count every expert; activations of an MoE layer are planned as a dense MLP of "
+                  "width ffn_hidden_size (the k routed copies of each token and the routing buffers are not counted)")
+"""The plan's note on an MoE model (``model.num_moe_experts``): what its memory formulas do not model yet."""
+
+
 def planner_assumptions(cfg, layout: PlanLayout) -> list[str]:
-    """The assumptions behind this layout's numbers (user optimizer / schedule), for the plan output."""
-    notes = [optimizer_states_per_element(cfg)[1], schedule_assumption(layout.schedule)]
+    """The assumptions behind this layout's numbers (user optimizer / schedule, an MoE model), for the plan output."""
+    moe = MOE_ASSUMPTION if getattr(cfg.model, "num_moe_experts", None) is not None else None
+    notes = [optimizer_states_per_element(cfg)[1], schedule_assumption(layout.schedule), moe]
     return [n for n in notes if n is not None]
 
 
