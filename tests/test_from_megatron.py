@@ -226,3 +226,13 @@ def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):
     assert all(r["lm_loss"] > 0 for r in train)
     config = (run_dir / "config.yaml").read_text()
     assert re.search(r"hidden_dropout: 0\.1", config) and re.search(r"name: fp16", config)
+
+
+def test_moe_layer_freq_takes_megatrons_list_expressions_without_eval():
+    from mptrain.megatron.table import Uncarried, moe_layer_freq
+
+    assert moe_layer_freq(["2"]) == ["model.moe_layer_freq=2"]
+    assert moe_layer_freq(["[1,0,1]"]) == ["model.moe_layer_freq=[1,0,1]"]
+    assert moe_layer_freq(["([0]+[1]*3)*2"]) == ["model.moe_layer_freq=[0,1,1,1,0,1,1,1]"]
+    with pytest.raises(Uncarried, match="give an integer or a list of 0/1"):
+        moe_layer_freq(["__import__('os').getcwd()"])

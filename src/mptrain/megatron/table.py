@@ -135,6 +135,54 @@ def only_one(flag: str, what: str) -> Callable:
     return convert
 
 
+def moe_layer_freq(values: list) -> list:
+    """model.moe_layer_freq=N, or a list of 0/1 (Megatron's Python expression, e.g. ``([0]+[1]*3)*2``)."""
+    import ast
+
+    text = values[0]
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = _list_expression(text)
+    if isinstance(value, int):
+        return [f"model.moe_layer_freq={value}"]
+    return [f"model.moe_layer_freq=[{','.join(str(int(v)) for v in value)}]"]
+
+
+def _list_expression(text: str) -> list:
+    """Megatron's ``--moe-layer-freq`` list expressions: list literals joined by ``+`` and repeated by ``*``
+    with integers, as ``([0]+[1]*3)*2``; evaluated on the syntax tree (no eval)."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts):
+            return [e.value for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise Uncarried(NO_EQUIVALENT, f"--moe-layer-freq {text}: give an integer or a list of 0/1 ([1,0,1,0] or "
+                                       "([0]+[1]*3)*2)")
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, TypeError):
+        result = None
+    if not isinstance(result, list):
+        raise Uncarried(NO_EQUIVALENT, f"--moe-layer-freq {text}: give an integer or a list of 0/1")
+    return result
+
+
+def one_value(flag: str, key: str) -> Callable:
+    """An argument Megatron takes as a list (``nargs='+'``, one value per aux-loss type): one value carried."""
+    def convert(values: list) -> list:
+        if len(values) != 1:
+            raise Uncarried(NO_EQUIVALENT, f"{flag} {' '.join(values)}: mptrain takes one load-balancing type")
+        return [f"{key}={values[0]}"]
+    return convert
+
+
 def tensorboard(values: list) -> list:
     """logger=tensorboard logger.tensorboard_dir=DIR."""
     return ["logger=tensorboard", f"logger.tensorboard_dir={hydra_value(values[0])}"]
@@ -225,6 +273,31 @@ ROWS: tuple = (
     nothing("--use-flash-attn", "SDPA picks the flash kernel where it applies"),
     nothing("--use-mcore-models", "mptrain has one model implementation (Megatron-core's layer structure)"),
     nothing("--cross-entropy-loss-fusion", "the vocab-parallel cross entropy is fused by torch.compile on CUDA (model.compile_layers)"),
+    # mixture of experts
+    Row("--num-experts", "model.num_moe_experts"),
+    Row("--moe-layer-freq", convert=moe_layer_freq, why="model.moe_layer_freq=N or [0/1 per layer]"),
+    Row("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size"),
+    Row("--moe-router-topk", "model.moe_router_topk"),
+    Row("--moe-router-score-function", "model.moe_router_score_function"),
+    switch("--moe-router-pre-softmax", "model.moe_router_pre_softmax"),
+    Row("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor"),
+    Row("--moe-router-load-balancing-type", convert=one_value("--moe-router-load-balancing-type",
+                                                             "model.moe_router_load_balancing_type"),
+        why="model.moe_router_load_balancing_type (one type)"),
+    Row("--moe-aux-loss-coeff", convert=one_value("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff"),
+        why="model.moe_aux_loss_coeff (one coefficient)"),
+    Row("--moe-z-loss-coeff", "model.moe_z_loss_coeff"),
+    switch("--moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias"),
+    Row("--moe-router-bias-update-rate", "model.moe_router_bias_update_rate"),
+    Row("--moe-router-dtype", "model.moe_router_dtype"),
+    Row("--moe-input-jitter-eps", "model.moe_input_jitter_eps"),
+    Row("--moe-expert-capacity-factor", "model.moe_expert_capacity_factor"),
+    switch("--moe-pad-expert-input-to-capacity", "model.moe_pad_expert_input_to_capacity"),
+    Row("--moe-token-drop-policy", "model.moe_token_drop_policy"),
+    Row("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type"),
+    switch("--moe-grouped-gemm", "model.moe_grouped_gemm"),
+    Row("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_intermediate_size"),
+    switch("--moe-shared-expert-gate", "model.moe_shared_expert_gate"),
     # parallel
     Row("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size"),
     Row("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size"),
