@@ -27,16 +27,21 @@ MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_toke
             "moe_dropped_tokens")
 
 
-def _run(tmp_path, name: str, world: int, overrides: list) -> list:
+def _run(tmp_path, name: str, world: int, overrides: list, split: str = "train") -> list:
     run_dir = tmp_path / name
-    run_distributed(run_job, world, SMALL + overrides + [f"run.dir={run_dir}"], timeout_s=300)
-    return read_rows(run_dir)
+    given = {o.split("=")[0] for o in overrides}
+    base = [o for o in SMALL if o.split("=")[0] not in given]
+    run_distributed(run_job, world, base + overrides + [f"run.dir={run_dir}"], timeout_s=300)
+    return read_rows(run_dir, split)
 
 
 def test_moe_trains_and_logs_its_routing(tmp_path):
-    rows = _run(tmp_path, "tp1pp1", 1, [f"train.train_iters={STEPS}", "optim.lr=0.01",
-                                        "model.moe_z_loss_coeff=0.001", "model.moe_expert_capacity_factor=1.0"])
+    rows = _run(tmp_path, "tp1pp1", 1, [f"train.train_iters={STEPS}", "optim.lr=0.01", "train.eval_interval=5",
+                                        "train.eval_iters=1", "model.moe_z_loss_coeff=0.001",
+                                        "model.moe_expert_capacity_factor=1.0"])
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.05
+    valid = read_rows(tmp_path / "tp1pp1", "valid")  # evaluation routes too (no aux losses, nothing counted)
+    assert [r["iteration"] for r in valid] == [0, 5] and valid[1]["lm_loss"] < valid[0]["lm_loss"]
     tokens = 8 * 16 * 2  # global batch × seq × top-k, per layer and iteration
     for r in rows:
         assert list(r)[-len(MOE_KEYS):] == list(MOE_KEYS)  # after the DESIGN.md keys

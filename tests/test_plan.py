@@ -70,6 +70,9 @@ CASES = [  # (model overrides, world, layout overrides)
     (["model=gpt_125m"], 2, ["parallel=tp1pp2", "precision=fp32"]),
     (["model=gpt_125m"], 2, ["parallel=tp1pp1", "precision=bf16", "parallel.use_distributed_optimizer=true",
                              "parallel.bucket_size=10000000"]),
+    # MoE layers on the odd layers only: the stages hold different parameter counts
+    (["model=moe_tiny", "model.moe_layer_freq=[0,1,0,1]", "model.moe_shared_expert_intermediate_size=32"], 2,
+     ["parallel=tp1pp2", "precision=bf16"]),
 ]
 
 
@@ -193,6 +196,15 @@ def test_plan_warns_as_the_trainer_would(overrides, expected):
     from mptrain.plan import plan_warnings
 
     assert plan_warnings(_cfg(["model=tiny", "world_size=1", *overrides])) == expected
+
+
+def test_an_moe_plan_says_what_its_formulas_leave_out():
+    from mptrain.planner.memory import MOE_ASSUMPTION
+
+    records = _plan(["model=moe_tiny", "world_size=2"])
+    assert records and all(MOE_ASSUMPTION in r["assumptions"] for r in records)
+    assert all(r["tp"] == 1 for r in records)  # MoE with tensor parallelism is refused by the trainer: not planned
+    assert not any(MOE_ASSUMPTION in r["assumptions"] for r in _plan(["model=tiny", "world_size=2"]))
 
 
 def test_check_dry_run_on_meta_matches_planner():
