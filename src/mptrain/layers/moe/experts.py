@@ -137,14 +137,18 @@ class GroupedMLP(torch.nn.Module):
         self.linear_fc2 = ExpertWeight(torch.stack(fc2).contiguous().to(**as_param), fc2_spec)
         self.grouped_gemm = bool(config.moe_grouped_gemm)
         self.num_local_experts = num_local_experts
+        self._kernels: dict = {}  # (dtype, device type) -> `kernel`'s answer: the weights' shapes never change
 
     def kernel(self, dtype: Optional[torch.dtype] = None) -> tuple:
         """``(grouped_mm | loop, why)`` for inputs of ``dtype`` (default: the weights'): what forward runs."""
         if not self.grouped_gemm:
             return LOOP, "model.moe_grouped_gemm=false"
         weights = [self.linear_fc1.weight, self.linear_fc2.weight]
-        why = grouped_mm_reason(weights, dtype or weights[0].dtype)
-        return (LOOP, why) if why else (GROUPED_MM, "")
+        key = (dtype or weights[0].dtype, weights[0].device.type)
+        if key not in self._kernels:
+            why = grouped_mm_reason(weights, key[0])
+            self._kernels[key] = (LOOP, why) if why else (GROUPED_MM, "")
+        return self._kernels[key]
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
