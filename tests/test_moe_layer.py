@@ -286,12 +286,15 @@ def test_moe_rules_are_one_line_naming_the_key(over, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-def test_tensor_parallelism_needs_sequence_parallelism_then_is_refused():
+def test_tensor_parallelism_needs_sequence_parallelism_and_a_divisible_expert_width():
     cfg = ModelConfig(**BASE)
     with pytest.raises(ConfigError, match="needs parallel.sequence_parallel=true"):
         check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="expert tensor parallelism needs the all-gather token dispatcher"):
-        check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    with pytest.raises(ConfigError, match=r"model.moe_ffn_hidden_size=9 \(the expert width\) is not divisible by "
+                                          "parallel.tensor_model_parallel_size=2"):
+        check_model_config(dataclasses.replace(cfg, moe_ffn_hidden_size=9),
+                           ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
 
 
 def test_moe_layer_freq_selects_the_layers():

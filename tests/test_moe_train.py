@@ -2,8 +2,8 @@
 
 - the tiny MoE model trains, metrics.jsonl holds its routing statistics, the kernels: line names the
   experts' GEMMs, and a step reads the host once (the statistics ride in the loss's read);
-- pp2 and dp2 compute the tp1pp1 math per step (DESIGN.md §3 tolerances), aux and z losses, expert-bias
-  update, shared expert and its gate included;
+- pp2, dp2 and tp2 with sequence parallelism (experts sharded over the TP ranks) compute the tp1pp1 math per
+  step (DESIGN.md §3 tolerances), aux and z losses, expert-bias update, shared expert and its gate included;
 - full recomputation replays the same routing (input jitter included): every row equals the plain run's;
 - resume is bitwise, the expert bias crossing the checkpoint.
 """
@@ -72,9 +72,11 @@ def reference(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + [f"train.train_iters={STEPS}"])
 
 
-@pytest.mark.parametrize("parallel", ["tp1pp2", "tp1pp1"])
-def test_pp2_and_dp2_match_tp1pp1(tmp_path, reference, parallel):
-    rows = _run(tmp_path, parallel, 2, FULL + [f"parallel={parallel}", f"train.train_iters={STEPS}"])
+@pytest.mark.parametrize("parallel", ["tp1pp2", "tp1pp1", "tp2pp1"])
+def test_pp2_dp2_and_tp2_sp_match_tp1pp1(tmp_path, reference, parallel):
+    """tp2: sequence parallelism, each rank routing its sequence shard, the experts sharded over both ranks."""
+    sp = ["parallel.sequence_parallel=true"] if parallel.startswith("tp2") else []
+    rows = _run(tmp_path, parallel, 2, FULL + sp + [f"parallel={parallel}", f"train.train_iters={STEPS}"])
     _same(rows, reference)
     assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
 

@@ -73,6 +73,9 @@ CASES = [  # (model overrides, world, layout overrides)
     # MoE layers on the odd layers only: the stages hold different parameter counts
     (["model=moe_tiny", "model.moe_layer_freq=[0,1,0,1]", "model.moe_shared_expert_intermediate_size=32"], 2,
      ["parallel=tp1pp2", "precision=bf16"]),
+    # the experts sharded over the TP ranks, the router replicated
+    (["model=moe_tiny", "model.moe_shared_expert_intermediate_size=32", "model.moe_shared_expert_gate=true"], 2,
+     ["parallel=tp2pp1", "parallel.sequence_parallel=true", "precision=bf16"]),
 ]
 
 
@@ -203,7 +206,7 @@ def test_an_moe_plan_says_what_its_formulas_leave_out():
 
     records = _plan(["model=moe_tiny", "world_size=2"])
     assert records and all(MOE_ASSUMPTION in r["assumptions"] for r in records)
-    assert all(r["tp"] == 1 for r in records)  # MoE with tensor parallelism is refused by the trainer: not planned
+    assert {r["sequence_parallel"] for r in records if r["tp"] == 2} == {True}  # the trainer's rule: tp needs SP
     assert not any(MOE_ASSUMPTION in r["assumptions"] for r in _plan(["model=tiny", "world_size=2"]))
 
 

@@ -148,9 +148,10 @@ def _check_layout(model, parallel) -> None:
         # Megatron's MoELayer: the router and the dispatcher work on this rank's sequence shard
         raise ConfigError(f"model.num_moe_experts with parallel.tensor_model_parallel_size={tp} needs "
                           "parallel.sequence_parallel=true (each TP rank routes its own sequence shard)")
-    raise ConfigError(f"model.num_moe_experts with parallel.tensor_model_parallel_size={tp}: expert tensor "
-                      "parallelism needs the all-gather token dispatcher, not in this build; run with "
-                      "tensor_model_parallel_size=1 (pipeline and data parallelism work)")
+    f = moe_ffn_hidden_size(model)
+    if f % tp:  # the experts are sharded over the TP ranks (expert tensor parallelism = tp)
+        raise ConfigError(f"model.moe_ffn_hidden_size={f} (the expert width) is not divisible by "
+                          f"parallel.tensor_model_parallel_size={tp}; change one of them")
 
 
 def check_moe_config(model, parallel) -> None:

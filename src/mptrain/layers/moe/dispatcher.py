@@ -5,8 +5,9 @@ Legend: ``T`` tokens on this rank (``s/tp · b`` with sequence parallelism), ``E
 ``E_local = E / ep`` experts on this rank (global experts ``[ep_rank·E_local, (ep_rank+1)·E_local)``),
 ``k`` = moe_router_topk, ``N`` rows handed to the experts.
 
-`TokenDispatcher` is the interface every dispatcher follows (`LocalDispatcher` here; the expert-parallel
-all-to-all / all-gather dispatchers follow it too). `MoELayer` calls ``dispatch`` then ``combine`` once
+`TokenDispatcher` is the interface every dispatcher follows (`LocalDispatcher` and, with the experts sharded
+over the TP ranks, `ExpertTensorParallelDispatcher` here; the expert-parallel all-to-all / all-gather
+dispatchers follow it too). `MoELayer` calls ``dispatch`` then ``combine`` once
 per forward; a dispatcher may keep what ``combine`` needs between the two calls.
 
 `LocalDispatcher` (EP = ETP = 1) only permutes. Rows are expert-major, each expert's tokens in token
@@ -27,6 +28,11 @@ from typing import Optional, Protocol
 
 import torch
 
+from mptrain.layers.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_sequence_parallel_region_raw,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from mptrain.layers.moe.config import expert_capacity
 
 
@@ -127,16 +133,48 @@ class LocalDispatcher:
         return slots[: t * k].view(t, k, -1).sum(dim=1)
 
 
-def build_dispatcher(config, groups, *, num_local_experts: int) -> TokenDispatcher:
-    """The token dispatcher of an MoE layer: `LocalDispatcher` on one expert-parallel rank.
+class ExpertTensorParallelDispatcher:
+    """EP = 1 with the experts sharded over ETP = tp ranks under sequence parallelism: Megatron's all-gather
+    dispatcher (``MoEAllGatherTokenDispatcher``) over the ETP group alone.
+
+    dispatch: all-gather the ranks' ``[T/etp, h]`` tokens, probs and routing maps on the token dim (rank
+    order = the sequence order: rank r holds sequence chunk r), then permute them all (`LocalDispatcher`): every
+    ETP rank computes its f/etp slice of every expert for every token. combine: unpermute to ``[T, h]`` partial
+    sums and reduce-scatter them back to ``[T/etp, h]``. Backward: the all-gathers reduce-scatter the grads (each
+    rank's are partial over its slice), the reduce-scatter all-gathers them.
+
+    Args:
+        local: the permutation over the gathered tokens. group: the ETP process group.
+    """
+
+    def __init__(self, local: LocalDispatcher, group) -> None:
+        self.local, self.group = local, group
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> tuple:
+        hidden = gather_from_sequence_parallel_region(hidden, self.group)  # [T, h]
+        probs = gather_from_sequence_parallel_region(probs, self.group)  # [T, E]
+        routing_map = gather_from_sequence_parallel_region_raw(routing_map.to(torch.uint8), self.group).bool()
+        return self.local.dispatch(hidden, probs, routing_map)
+
+    def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_to_sequence_parallel_region(self.local.combine(expert_output), self.group)  # [T/etp, h]
+
+
+def build_dispatcher(config, groups, *, num_local_experts: int, etp_size: int = 1) -> TokenDispatcher:
+    """The token dispatcher of an MoE layer: `LocalDispatcher` on one expert-parallel rank with whole experts;
+    `ExpertTensorParallelDispatcher` over the TP group when the experts are sharded over it (etp = tp > 1).
 
     Args:
         config: ModelConfig (num_moe_experts, moe_router_topk, moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity, moe_token_dispatcher_type).
         groups: `mptrain.groups.ParallelGroups`.
-        num_local_experts: E_local.
+        num_local_experts: E_local. etp_size: the experts' tensor-parallel size.
     """
     assert num_local_experts == config.num_moe_experts, "expert parallelism needs its dispatcher"
-    return LocalDispatcher(config.num_moe_experts, config.moe_router_topk,
-                           capacity_factor=config.moe_expert_capacity_factor,
-                           pad_to_capacity=config.moe_pad_expert_input_to_capacity)
+    local = LocalDispatcher(config.num_moe_experts, config.moe_router_topk,
+                            capacity_factor=config.moe_expert_capacity_factor,
+                            pad_to_capacity=config.moe_pad_expert_input_to_capacity)
+    if etp_size == 1:
+        return local
+    assert etp_size == groups.tp_size, "expert tensor parallelism other than tp needs its own group"
+    return ExpertTensorParallelDispatcher(local, groups.tp_group)

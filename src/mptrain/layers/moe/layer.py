@@ -2,7 +2,9 @@
 ``megatron/core/transformer/moe/moe_layer.py``; Shazeer et al. 2017, Fedus et al. 2021).
 
 Legend: ``[s, b, h]`` in and out (``[s/tp, b, h]`` under sequence parallelism: each TP rank routes its
-own sequence shard), ``T = s·b`` tokens, ``E`` experts, top-``k``.
+own sequence shard), ``T = s·b`` tokens, ``E`` experts, top-``k``. With tp > 1 (sequence parallelism required,
+as Megatron) the experts are sharded over the TP ranks (ETP = TP) and the dispatcher gathers every rank's
+tokens (`mptrain.layers.moe.dispatcher.ExpertTensorParallelDispatcher`).
 
     probs, routing_map = router(x)                                  [T, E], [T, E] bool
     rows, tokens_per_expert, row_probs = dispatcher.dispatch(x, probs, routing_map)
@@ -52,10 +54,10 @@ EXPERTS_KIND = ComponentKind(
 
 
 def expert_grid(groups) -> tuple:
-    """``(ep_rank, ep_size, etp_rank, etp_size)`` of this rank: the groups object's expert grid, or one rank
-    of each (EP = ETP = 1) on a groups object without one."""
-    return (getattr(groups, "ep_rank", 0), getattr(groups, "ep_size", 1), getattr(groups, "etp_rank", 0),
-            getattr(groups, "etp_size", 1))
+    """``(ep_rank, ep_size, etp_rank, etp_size)`` of this rank: the groups object's expert grid, or, on a groups
+    object without one, EP = 1 and ETP = TP (Megatron's default expert_tensor_parallel_size)."""
+    return (getattr(groups, "ep_rank", 0), getattr(groups, "ep_size", 1),
+            getattr(groups, "etp_rank", groups.tp_rank), getattr(groups, "etp_size", groups.tp_size))
 
 
 class MoELayer(torch.nn.Module):
@@ -81,7 +83,7 @@ class MoELayer(torch.nn.Module):
                                     num_local_experts=num_local, expert_offset=ep_rank * num_local, etp_rank=etp_rank,
                                     etp_size=etp_size, **inner)
         self.token_dispatcher = token_dispatcher or build_dispatcher(config, context.groups,
-                                                                     num_local_experts=num_local)
+                                                                     num_local_experts=num_local, etp_size=etp_size)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = build_module(f"{KEY}.submodules.shared_experts", submodule(node, "shared_experts"),
