@@ -156,11 +156,19 @@ def test_user_core_attention_trains_like_builtin_at_tp2_sp(tmp_path):
     (["model._target_=mptrain.layers.gpt.pipeline_layer_ranges", "+model.foo=1"], "model.foo: mptrain.layers.gpt.pipeline_layer_ranges takes no keyword 'foo'"),
     (["model.normalization=BatchNorm"], "model.normalization: unknown option 'BatchNorm'; valid: LayerNorm, RMSNorm"),
     (["model.attention_backend=flash"], "model.attention_backend: unknown option 'flash'; valid: auto, sdpa, unfused"),
+    (["model=moe_tiny", f"{SUBS}.moe.submodules.router._target_=mptrain.layers.nope.Router"],
+     f"{SUBS}.moe.submodules.router._target_"),
+    (["model=moe_tiny", f"{SUBS}.moe.submodules.experts._target_=collections.OrderedDict"],
+     f"{SUBS}.moe.submodules.experts._target_=collections.OrderedDict is not a valid MoE experts: it lacks forward"),
 ])
 def test_bad_target_is_one_config_error_naming_the_key(overrides, expected):
     with pytest.raises(ConfigError) as info:
         validate_config(compose(overrides), 1)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_dense_model_does_not_build_or_check_the_moe_node():
+    validate_config(compose([f"{SUBS}.moe.submodules.router._target_=mptrain.layers.nope.Router"]), 1)
 
 
 def test_cfg_job_shows_the_spec_tree_targets():

@@ -43,7 +43,7 @@ from mptrain.layers.attention import CORE_ATTENTION, SELF_ATTENTION
 from mptrain.layers.context import LayerContext
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.mlp import ACTIVATION, MLP_KIND
-from mptrain.layers.moe.config import is_moe_layer
+from mptrain.layers.moe.config import is_moe, is_moe_layer
 from mptrain.layers.moe.layer import MOE_KIND, moe_spec_kinds
 from mptrain.layers.norms import NORM
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
@@ -254,12 +254,15 @@ def spec_kinds() -> dict:
 def check_spec_tree(model) -> None:
     """Start-up check of ``model.transformer_layer`` and every node under it (pure: imports and signatures).
 
-    A user's layer target without submodules is checked alone (its tree is its own business).
+    A user's layer target without submodules is checked alone (its tree is its own business); the ``moe``
+    node only for an MoE model.
     Raises:
         ConfigError: the first bad node (no import, missing method, unknown keyword), naming its key.
     """
     node = model.transformer_layer
     kinds = spec_kinds()
+    if not is_moe(model):  # a dense model never builds the moe node (a user's tree need not have one)
+        kinds.pop("moe")
     if node_items(node).get(SUBMODULES) is None:
         kinds = {"_kind": kinds["_kind"]}
     check_spec_node(LAYER_KEY, node, kinds)
