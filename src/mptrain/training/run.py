@@ -33,7 +33,8 @@ from mptrain.training.validate import validate_config
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
-from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
+from mptrain.groups import (TORCHRUN_WORLD_SIZE_FLAG, ParallelGroups, build_groups, init_distributed,
+                            read_dist_env)
 from mptrain.layers.fp8 import apply_fp8, check_fp8_environment, fp8_recipe_from
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
@@ -247,7 +248,10 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         # the model of checkpoint.load, when it carries one (the default folder then names that model)
         cfg, plan = planned_config(cfg, sweep_job=current_sweep_job(),
                                    resolve=lambda composed: apply_checkpoint_args(as_config(composed)))
-        derived = validate_config(cfg, world_size)
+        # the launcher's own flag in the fix of a world size the layout does not divide (`make train` sets
+        # MPTRAIN_WORLD_SIZE_FLAG=NPROC: its users set the world size with NPROC=, not torchrun's flag)
+        derived = validate_config(cfg, world_size,
+                                  world_size_flag=os.environ.get("MPTRAIN_WORLD_SIZE_FLAG", TORCHRUN_WORLD_SIZE_FLAG))
         cfg.train.train_iters = train_iters_of(cfg.train)  # train.train_samples: Megatron's update_train_iters
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
