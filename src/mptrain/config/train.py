@@ -39,7 +39,10 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Global grad-norm clip (0 = off)."""
     log_interval: int = 1
-    """Console pacing only; metrics.jsonl gets every iteration."""
+    """A console (and train.log) step line every N iterations and on the last, reporting its interval as
+    Megatron's --log-interval: the mean lm_loss and grad norm over the non-skipped iterations since the
+    previous line, the mean time per iteration and the tokens/s, TFLOP/s/GPU and MFU from it, the skipped
+    and nan iterations. metrics.jsonl gets every iteration's own row either way."""
     eval_interval: Optional[int] = 10
     """Validate every N iterations (and at iteration 0); null = no evaluation."""
     eval_iters: int = 2
