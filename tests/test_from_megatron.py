@@ -47,7 +47,7 @@ GPT3_UNCARRIED = ["--step-batch-size-schedule"]
 
 LLAMA_UNCARRIED = ["--decoupled-lr", "--decoupled-min-lr", "--empty-unused-memory-level", "--overlap-param-gather",
                    "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather", "--tiktoken-pattern",
-                   "--no-mmap-bin-files", "--num-workers", "--profile", "--profile-step-start", "--profile-step-end"]
+                   "--no-mmap-bin-files", "--num-workers"]
 LLAMA_NOTHING = ["--use-mcore-models", "--group-query-attention", "--attention-backend fused",
                  "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--context-parallel-size 1",
                  "--tokenizer-type NullTokenizer", "--no-create-attention-mask-in-dataloader", "--log-throughput",
@@ -90,7 +90,7 @@ def test_llama3_8b_fp8_translation(tmp_path, monkeypatch):
         "parallel.overlap_grad_reduce=true", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
         "model.vocab_size=1024", f"data.cache_dir={tmp_path}/benchmark_cache_llama3_8b_fp8", 'data.split="99,1,0"',
         "train.log_interval=1", "train.eval_iters=32", "train.eval_interval=100", "checkpoint.save_interval=1000",
-        "train.timeout_s=3600", "checkpoint.save=checkpoints/llama3_8b_fp8", "checkpoint.load=checkpoints/llama3_8b_fp8",
+        "train.profile=true", "train.profile_step_start=4", "train.profile_step_end=6", "train.timeout_s=3600", "checkpoint.save=checkpoints/llama3_8b_fp8", "checkpoint.load=checkpoints/llama3_8b_fp8",
         "logger.tensorboard_dir=tensorboard_logs/llama3_8b_fp8",
         "train.timing_log_level=0",  # Megatron's default
     ]
@@ -226,3 +226,17 @@ def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):
     assert all(r["lm_loss"] > 0 for r in train)
     config = (run_dir / "config.yaml").read_text()
     assert re.search(r"hidden_dropout: 0\.1", config) and re.search(r"name: fp16", config)
+
+
+def test_profiler_window_arguments_become_the_train_profile_keys():
+    from train_utils import compose
+
+    t = translate(["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "5",
+                   "--profile-ranks", "0", "2"])
+    assert t.uncarried == [] and t.nothing == []
+    profile = [o for o in t.overrides if o.startswith("train.profile") or o.startswith("train.use_pytorch")]
+    assert profile == ["train.profile=true", "train.use_pytorch_profiler=true", "train.profile_step_start=3",
+                       "train.profile_step_end=5", "train.profile_ranks=[0,2]"]
+    train = compose(profile).train  # Hydra reads the list as Megatron's nargs='+'
+    assert (train.profile, train.use_pytorch_profiler, train.profile_step_start, train.profile_step_end,
+            list(train.profile_ranks)) == (True, True, 3, 5, [0, 2])

@@ -9,6 +9,7 @@ import pytest
 
 from mptrain.training.console import Console
 from mptrain.training.metrics import TRAIN_KEYS, EvalRow, MetricsWriter, TrainRow, read_metrics
+from mptrain.training.throughput import throughput
 
 DESIGN_TRAIN_ROW = (
     '{"split": "train", "iteration": 7, "consumed_samples": 56, "lm_loss": 6.93, "lr": 3e-4, '
@@ -124,3 +125,36 @@ def test_writer_with_a_bar_prints_paced_step_lines_above_it(tmp_path):
     steps = [line.split(" | ")[0] for line in screen if line.startswith("iter ")]
     assert steps == ["iter 2/4", "iter 4/4"]  # the lines themselves, not the bar's postfix
     assert [line for line in screen if line.startswith("train:")][-1].startswith("train: 100%")
+
+
+def test_step_line_reports_its_interval_as_megatron(tmp_path):
+    """Every log_interval-th row closes an interval: mean lm_loss and grad norm over its non-skipped iterations,
+    time per iteration = its wall time / its iterations (skipped included) and the rates from that time, its
+    skipped and nan iterations; metrics.jsonl keeps each iteration's own row."""
+    out = io.StringIO()
+
+    def rates(elapsed_s):  # 1000 tokens and 2 TFLOP an iteration on 2 processes
+        return throughput(flops=2e12, tokens=1000, elapsed_s=elapsed_s, num_gpus=2, peak_tflops=None)
+
+    rows = [_row(1, lm_loss=4.0, grad_norm=1.0),
+            _row(2, lm_loss=9.0, grad_norm=None, skipped_iter=True, skipped_iters_total=1, nan_iters_total=3),
+            _row(3, lm_loss=2.0, grad_norm=2.0, skipped_iters_total=1, nan_iters_total=3),
+            _row(4, lm_loss=8.0, grad_norm=None, skipped_iter=True, skipped_iters_total=2, nan_iters_total=3),
+            _row(5, lm_loss=7.0, grad_norm=None, skipped_iter=True, skipped_iters_total=3, nan_iters_total=3)]
+    times = [0.5, 0.25, 0.75, 0.5, 1.0]
+    # a resumed run: the checkpoint's optimizer had counted 2 nan iterations, so iteration 2 is the interval's one
+    with MetricsWriter(tmp_path, rank=0, log_interval=3, train_iters=5, progress_bar=False, stream=out, rates=rates,
+                       nan_iters_total=2) as w:
+        means = [w.write_train(row, step_time_s=t) for row, t in zip(rows, times)]
+    assert means[0] is None and means[1] is None and means[3] is None
+    assert (means[2].iterations, means[2].skipped, means[2].nan) == (3, 1, 1)
+    assert means[2].lm_loss == 3.0 and means[2].grad_norm == 1.5 and means[2].time_per_iteration_s == 0.5
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("iter ")]
+    assert lines == [
+        "iter 3/5 | samples 24 | ms/iter 500.0 | lm_loss 3.000000 | lr 1.000e-03 | grad_norm 1.5000 | loss_scale 1 | "
+        "skipped 1 | nan 1 | mb 4 | tokens/s 2000.0 | TFLOP/s/GPU 2.00 | MFU -",
+        # the last iteration closes a shorter interval; all of it skipped: no mean loss or grad norm
+        "iter 5/5 | samples 40 | ms/iter 750.0 | lm_loss - | lr 1.000e-03 | grad_norm - | loss_scale 1 | "
+        "skipped 2 | nan 0 | mb 4 | tokens/s 1333.3 | TFLOP/s/GPU 1.33 | MFU -",
+    ]
+    assert [r["lm_loss"] for r in read_metrics(tmp_path)] == [4.0, 9.0, 2.0, 8.0, 7.0]

@@ -39,7 +39,10 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Global grad-norm clip (0 = off)."""
     log_interval: int = 1
-    """Console pacing only; metrics.jsonl gets every iteration."""
+    """A console (and train.log) step line every N iterations and on the last, reporting its interval as
+    Megatron's --log-interval: the mean lm_loss and grad norm over the non-skipped iterations since the
+    previous line, the mean time per iteration and the tokens/s, TFLOP/s/GPU and MFU from it, the skipped
+    and nan iterations. metrics.jsonl gets every iteration's own row either way."""
     eval_interval: Optional[int] = 10
     """Validate every N iterations (and at iteration 0); null = no evaluation."""
     eval_iters: int = 2
@@ -71,6 +74,22 @@ class TrainConfig:
     """With manual_gc: a full collection every N iterations (0 = only at the start of the loop)."""
     manual_gc_eval: bool = True
     """With manual_gc: a collection before and after each evaluation (Megatron's ``--no-manual-gc-eval`` = false)."""
+    profile: bool = False
+    """Megatron's --profile: profile the iterations after profile_step_start up to and including
+    profile_step_end (the profiler starts once profile_step_start iterations are done and stops once
+    profile_step_end are), on the ranks in profile_ranks (`mptrain.training.profiler`)."""
+    profile_step_start: int = 10
+    """Megatron's --profile-step-start: completed iterations before the profiler starts (>= 0)."""
+    profile_step_end: int = 12
+    """Megatron's --profile-step-end: completed iterations when it stops (> profile_step_start)."""
+    profile_ranks: List[int] = dataclasses.field(default_factory=lambda: [0])
+    """Megatron's --profile-ranks: the global ranks that profile (each in [0, world size))."""
+    use_pytorch_profiler: bool = False
+    """Megatron's --use-pytorch-profiler: with profile, record with torch.profiler and write a Chrome
+    trace (``rank<R>.iter<A>-<B>.pt.trace.json``, TensorBoard's profiler reads it) into logger.tensorboard_dir,
+    or run.dir when that is null. false: on CUDA, mark the window for an outer ``nsys profile
+    --capture-range=cudaProfilerApi`` (cudaProfilerStart / Stop, with NVTX ranges per op); on CPU
+    torch.profiler records either way. Needs profile=true."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
     optimizer, batch-generator, pipeline-p2p; 2 = fine-grained (none yet). Timers above this level cost

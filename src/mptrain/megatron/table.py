@@ -140,6 +140,11 @@ def tensorboard(values: list) -> list:
     return ["logger=tensorboard", f"logger.tensorboard_dir={hydra_value(values[0])}"]
 
 
+def profile_ranks(values: list) -> list:
+    """train.profile_ranks=[0,1] (Megatron's nargs='+')."""
+    return [f"train.profile_ranks=[{','.join(values)}]"]
+
+
 def gpt2_bpe(values: list) -> list:
     return ["data.tokenizer={_target_:mptrain.data.tokenizers.TiktokenTokenizer,encoding:gpt2}"]
 
@@ -297,9 +302,11 @@ ROWS: tuple = (
     uncarried("--step-batch-size-schedule", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
     uncarried("--rampup-batch-size", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
     uncarried("--empty-unused-memory-level", GPU_ONLY, "torch.cuda.empty_cache after steps; mptrain leaves the caching allocator alone"),
-    uncarried("--profile", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)", False),
-    uncarried("--profile-step-start", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
-    uncarried("--profile-step-end", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
+    switch("--profile", "train.profile"),
+    Row("--profile-step-start", "train.profile_step_start"),
+    Row("--profile-step-end", "train.profile_step_end"),
+    Row("--profile-ranks", convert=profile_ranks, why="train.profile_ranks=[R,...]"),
+    switch("--use-pytorch-profiler", "train.use_pytorch_profiler"),
     # checkpoint
     Row("--save", "checkpoint.save"),
     Row("--load", "checkpoint.load"),

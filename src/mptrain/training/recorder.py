@@ -115,6 +115,9 @@ class Recorder:
             train_iters=self.cfg.train.train_iters,
             start_iteration=start_iteration,
             progress_bar=self.cfg.run.progress_bar,
+            rates=self.rates,
+            # the first interval's nan iterations count from the loaded checkpoint's total
+            nan_iters_total=getattr(built.trainer.optimizer, "nan_iters_total", 0) if built is not None else 0,
         )
         for text in self.pending:
             self.writer.message(text)
@@ -196,7 +199,7 @@ class Recorder:
             mfu=rates.mfu,
             mem_allocated_gib=memory_allocated_gib(self.groups.device),
         )
-        self.writer.write_train(row)
+        self.writer.write_train(row, step_time_s=step_time_s)  # the console line: its interval's means
         self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)
         if trainer.timers is not None and not trainer.timers.empty and iteration % self.cfg.train.log_interval == 0:
             times = trainer.timers.report(normalizer=self.cfg.train.log_interval, wait=False)

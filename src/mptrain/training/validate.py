@@ -41,6 +41,7 @@ from mptrain.precision.optimizer import check_max_consecutive_skips
 from mptrain.schedules import PipelineLayout, resolve_schedule
 from mptrain.training.loggers import check_logger_config
 from mptrain.training.faults import check_fault_config
+from mptrain.training.profiler import check_profile_config
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
 
@@ -237,8 +238,8 @@ def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = TORCHRU
         the `DerivedLayout` (dp size, num_microbatches, resolved schedule and loss scaler).
     Raises:
         ConfigError: the first problem found, one line naming the key(s), the values and the fix.
-            Order: the checks no layout changes (`check_layout_free`), then layout sizes, model shape,
-            layer split, batch, schedule.
+            Order: the checks no layout changes (`check_layout_free`), then layout sizes, the profiler's
+            ranks, model shape, layer split, batch, schedule.
     """
     c = as_config(cfg)
     return derive_layout(c, world_size, loss_scaler=check_layout_free(c), world_size_flag=world_size_flag)
@@ -247,7 +248,7 @@ def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = TORCHRU
 def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
                   world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> DerivedLayout:
     """`validate_config` after `check_layout_free` (which returned ``loss_scaler``): layout sizes, model shape,
-    layer split, batch, schedule. For a caller that tries many layouts of one config (`mptrain.planner`), which
+    layer split, batch, schedule, the profiler's ranks. For a caller that tries many layouts of one config (`mptrain.planner`), which
     runs the layout-free checks once instead of once per candidate.
 
     Raises:
@@ -255,6 +256,7 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
     """
     c = as_config(cfg)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size, world_size_flag=world_size_flag)
+    check_profile_config(c.train, world_size)  # train.profile_ranks name ranks of this world
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     num_microbatches = check_batch(c, dp)
     schedule = resolve_schedule(c.schedule, PipelineLayout(
