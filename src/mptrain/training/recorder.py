@@ -33,19 +33,21 @@ log = logging.getLogger("mptrain")
 
 
 def kernels_line(built) -> str:
-    """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the
-    inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
-    apex's class) and the
+    """``kernels: optimizer=<class> (<kernel>)[ weight_decay=W coupled (...) | decoupled (...)] norm=<class> (<kernel>)``:
+    the inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
+    apex's class), how it applies weight decay when it decays (`mptrain.optim.weight_decay_note`: torch's Adam
+    is L2, Megatron's adam is AdamW) and the
     norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`)."""
     from mptrain.layers.norms import describe_norm
-    from mptrain.optim import optimizer_kernel
+    from mptrain.optim import optimizer_kernel, weight_decay_note
 
     wrapper = built.trainer.optimizer
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
     fp8 = getattr(built, "fp8", None)  # precision=fp8: what runs in FP8 (`mptrain.layers.fp8.Fp8Summary`)
-    return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+    return (f"kernels: optimizer={optimizer_kernel(inner)}{weight_decay_note(inner)} "
+            f"norm={', '.join(norms) or 'none on this rank'}"
             f"{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
 
 
