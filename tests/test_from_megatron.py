@@ -20,7 +20,7 @@ from mptrain.config.suggest import known_keys
 from mptrain.from_megatron import main, table_markdown, world_size_of
 from mptrain.megatron.shell import ScriptError, read_script
 from mptrain.megatron.table import ROWS
-from mptrain.megatron.translate import translate
+from mptrain.megatron.translate import MissingValues, translate
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron"
@@ -209,6 +209,47 @@ def test_cli(capsys):
     assert capsys.readouterr().out.startswith("torchrun --nproc_per_node=2 train.py \\\n    optim=adamw \\\n    model.num_layers=2 \\\n")
     assert main(["no_such_script.sh"]) == 1
     assert "no such script; put -- before Megatron's arguments" in capsys.readouterr().err
+
+
+GPT3_USAGE = (f"pass them: python -m mptrain.from_megatron {GPT3} CHECKPOINT_PATH TENSORBOARD_LOGS_PATH VOCAB_FILE "
+              "MERGE_FILE DATA_PATH")
+
+
+def test_an_argument_without_its_value_is_one_line_and_exit_2(capsys):
+    """The script run without its own arguments: every argument its unset $N leaves without a value is named in
+    one line with the script's usage (its variables' names), exit 2, nothing on stdout, no traceback."""
+    assert main([str(GPT3)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"error: --data-path, --vocab-file, --merge-file, --save, --load, --tensorboard-dir got no value: "
+                   f"{GPT3} reads 5 arguments of its own and was given 0; {GPT3_USAGE}\n")
+    assert main(["--mock-data", str(GPT3), "CKPT", "TB"]) == 2
+    assert capsys.readouterr().err == (f"error: --data-path, --vocab-file, --merge-file got no value: {GPT3} reads 5 "
+                                       f"arguments of its own and was given 2; {GPT3_USAGE}\n")
+    assert main(["--", "--num-layers", "2", "--save", "--lr", "1e-4"]) == 2
+    assert capsys.readouterr().err == "error: --save got no value; give each its value after it (--save VALUE)\n"
+    launch = read_script('CK=$1\npython pretrain_gpt.py --load "$CK" --save "$UNSET"\n', ["ck"])
+    assert (launch.arguments, launch.given) == (("CK",), 1)
+    with pytest.raises(MissingValues) as err:  # a quoted unset variable is an empty word: no value either
+        translate(launch.args)
+    assert err.value.flags == ["--save"]
+
+
+def test_table_into_a_closed_pipe_prints_no_traceback(tmp_path):
+    """`--table | head -3`: the reader is gone before the table is written; no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader left: the first write fails with EPIPE, as once head has read its lines
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mptrain.from_megatron", "--table"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (1, "")
 
 
 def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):

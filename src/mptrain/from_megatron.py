@@ -7,7 +7,9 @@
 
 A script is read, not run (`mptrain.megatron.shell`): its arguments after the script are its $1, $2, ...
 The command goes to stdout; the report (Megatron defaults written out, arguments carried with
-nothing to set, arguments not carried and why) to stderr. Ends 0, or 1 with one line on stderr.
+nothing to set, arguments not carried and why) to stderr. Ends 0; 2 with one line on stderr when an
+argument that takes a value got none (the script's own arguments not given: the line shows them); 1 with
+one line on stderr for any other error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional, Sequence
 from mptrain.errors import ConfigError
 from mptrain.megatron.shell import Launch, read_script
 from mptrain.megatron.table import ROWS, UNSET, Row
-from mptrain.megatron.translate import Translation, translate
+from mptrain.megatron.translate import MissingValues, Translation, translate
 
 USAGE = ("usage: python -m mptrain.from_megatron [--mock-data] SCRIPT [SCRIPT_ARGS ...] | "
          "[--mock-data] [--world-size N] -- MEGATRON_ARGS ... | --table")
@@ -115,13 +117,25 @@ def parse(argv: Sequence[str]) -> tuple:
         return read_script(f.read(), argv[1:]), mock_data, world
 
 
+def missing_values_line(err: MissingValues, launch: Launch, script: Optional[str]) -> str:
+    """The one line for arguments that got no value: which, and the fix (the script's usage, when its own
+    arguments are missing; `script`: the script's path as given, None for arguments given after --)."""
+    if script is None:
+        return f"{err}; give each its value after it ({err.flags[0]} VALUE)"
+    if launch.given < len(launch.arguments):
+        return (f"{err}: {script} reads {len(launch.arguments)} arguments of its own and was given {launch.given}; "
+                f"pass them: python -m mptrain.from_megatron {script} {' '.join(launch.arguments)}")
+    return (f"{err}: {script} leaves the variables they read unset; set them in the script, or pass Megatron's "
+            "arguments: python -m mptrain.from_megatron -- --num-layers ...")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    launch = None
     try:
         launch, mock_data, world = parse(argv)
         if launch in ("table", "help"):
-            print(table_markdown() if launch == "table" else __doc__)
-            return 0
+            return _print(table_markdown() if launch == "table" else __doc__)
         launcher = list(launch.launcher)
         if launcher and not (os.path.basename(launcher[0]).startswith("python") and len(launcher) == 1):
             world = world or world_size_of(launcher)
@@ -129,11 +143,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             world = world or 1
             launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
         t = translate(launch.args, world_size=world, mock_data=mock_data)
+    except MissingValues as err:  # a usage error, as argparse's: exit 2
+        print(f"error: {missing_values_line(err, launch, _script_of(argv))}", file=sys.stderr)
+        return 2
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(command(launcher, t.overrides))
+    code = _print(command(launcher, t.overrides))
     print(report(t, world), file=sys.stderr)
+    return code
+
+
+def _script_of(argv: Sequence[str]) -> Optional[str]:
+    """The script path of a command line `parse` accepted (None: Megatron's arguments after --)."""
+    rest = list(argv)
+    while rest and rest[0] in ("--mock-data", "--world-size"):
+        rest = rest[2:] if rest[0] == "--world-size" else rest[1:]
+    return None if not rest or rest[0] == "--" else rest[0]
+
+
+def _print(text: str) -> int:
+    """Print `text` to stdout; 0, or 1 when the reader closed the pipe (`--table | head -3`): no traceback.
+    (Python's advice for SIGPIPE: point stdout at devnull, so the flush at exit does not raise again.)"""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

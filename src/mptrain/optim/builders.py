@@ -209,6 +209,44 @@ def optimizer_kernel(optimizer) -> str:
     return f"{path} ({kernel})" if kernel else path
 
 
+def weight_decay_coupling(optimizer) -> Optional[str]:
+    """How ``optimizer`` applies weight decay: "decoupled" (AdamW, Loshchilov & Hutter 2019: p -= lr·wd·p, apart
+    from the adaptive step), "coupled" (L2: wd·p added to the gradient, then scaled by the adaptive step like it),
+    or None when the class does not say (a user's optimizer).
+
+    torch's Adam / NAdam / RAdam carry ``decoupled_weight_decay`` in their defaults (AdamW sets it); apex's
+    FusedAdam its ``adam_w_mode``; torch's other optimizers and apex's FusedSGD add the decay to the gradient.
+    """
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    if isinstance(optimizer, torch.optim.AdamW):  # torch < 2.5: AdamW did not share Adam's flag
+        return "decoupled"
+    if "decoupled_weight_decay" in defaults:
+        return "decoupled" if defaults["decoupled_weight_decay"] else "coupled"
+    if hasattr(optimizer, "adam_w_mode"):  # apex FusedAdam (and FusedLAMB)
+        return "decoupled" if optimizer.adam_w_mode else "coupled"
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim") or cls.__name__ == "FusedSGD":
+        return "coupled"
+    return None
+
+
+def weight_decay_note(optimizer) -> str:
+    """`` weight_decay=W coupled (L2 ...)`` / `` ... decoupled (AdamW)`` for the start-up log's ``kernels:`` line
+    (`weight_decay_coupling`); W = the largest of the param groups' (biases and norms have none). Empty when no
+    group decays. torch's Adam adds the note that Megatron's ``--optimizer adam`` is decoupled (optim=adamw)."""
+    decay = max((group.get("weight_decay") or 0.0 for group in getattr(optimizer, "param_groups", [])), default=0.0)
+    if not decay:
+        return ""
+    coupling = weight_decay_coupling(optimizer)
+    if coupling == "decoupled":
+        return f" weight_decay={decay:g} decoupled (AdamW: p -= lr*wd*p)"
+    if coupling is None:
+        return f" weight_decay={decay:g} (coupled or decoupled: {type(optimizer).__name__} does not say)"
+    megatron = ("; Megatron's --optimizer adam decouples it: optim=adamw"
+                if type(optimizer) is torch.optim.Adam else "")
+    return f" weight_decay={decay:g} coupled (L2: wd*p added to the gradient{megatron})"
+
+
 def check_optimizer(cfg):
     """Start-up check of ``optim`` (pure: config only, no collectives, no files): values, the
     component checks and a throwaway instance on a 1-element tensor, which it returns (the LR

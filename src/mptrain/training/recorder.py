@@ -33,25 +33,37 @@ log = logging.getLogger("mptrain")
 
 
 def kernels_line(built) -> str:
-    """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the
-    inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
-    apex's class) and the
+    """``kernels: optimizer=<class> (<kernel>)[ weight_decay=W coupled (...) | decoupled (...)] norm=<class> (<kernel>)``:
+    the inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
+    apex's class), how it applies weight decay when it decays (`mptrain.optim.weight_decay_note`: torch's Adam
+    is L2, Megatron's adam is AdamW) and the
     norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`)."""
     from mptrain.layers.norms import describe_norm
-    from mptrain.optim import optimizer_kernel
+    from mptrain.optim import optimizer_kernel, weight_decay_note
 
     wrapper = built.trainer.optimizer
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
     fp8 = getattr(built, "fp8", None)  # precision=fp8: what runs in FP8 (`mptrain.layers.fp8.Fp8Summary`)
-    return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+    return (f"kernels: optimizer={optimizer_kernel(inner)}{weight_decay_note(inner)} "
+            f"norm={', '.join(norms) or 'none on this rank'}"
             f"{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
 
 
 def compile_note(chunks) -> str:
     """What ``model.compile_layers`` compiled in these (wrapped) chunks: `mptrain.layers.compile.compile_reason`."""
     return compile_reason([unwrap(chunk) for chunk in chunks])
+
+
+def finished_summary(run_dir: str | Path, derived) -> dict:
+    """The job summary (JobResult fields) of a finished run relaunched: what its metrics.jsonl recorded (the
+    last train row's loss, the validation numbers); nothing is measured, nothing written."""
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r.get("split") == "train"]
+    result = JobResult(layout=dataclasses.asdict(derived), final_loss=train[-1]["lm_loss"] if train else None,
+                       run_dir=str(Path(run_dir).resolve()), **eval_summary(rows))
+    return dataclasses.asdict(result)
 
 
 @dataclasses.dataclass
@@ -74,7 +86,7 @@ class Recorder:
     @classmethod
     def open(cls, cfg, groups, derived, *, plan, vocab_size: int, t_start: float) -> "Recorder":
         """Claim the planned run folder (`plan`: `mptrain.runs.folder.RunDirPlan`; collective): rank 0
-        creates it and writes config.yaml."""
+        creates it and writes config.yaml. A relaunch's resume line is the log's first."""
         run_dir = claim_run_dir(cfg, plan, rank=groups.rank, world_size=groups.world_size)
         m = cfg.model
         flops = flops_per_iteration(
@@ -82,8 +94,11 @@ class Recorder:
             padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, derived.tensor_model_parallel_size),
             tokens_per_iteration=cfg.train.global_batch_size * m.seq_length,
         )
-        return cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, flops_per_iteration=flops,
-                   peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start)
+        recorder = cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, flops_per_iteration=flops,
+                       peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start)
+        if plan.relaunch is not None:
+            recorder.log(plan.relaunch.resume_line)
+        return recorder
 
     def rates(self, elapsed_s: float):
         """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula)."""

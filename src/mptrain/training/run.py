@@ -195,11 +195,17 @@ def run(cfg: Any) -> dict:
     Raises:
         ConfigError: invalid config (on every rank, before any collective).
     """
-    from mptrain.training.recorder import Recorder
+    from mptrain.training.recorder import Recorder, finished_summary
 
     t_start = time.time()
     env = read_dist_env()
     cfg, derived, plan = _validated(cfg, env.world_size)
+    if plan.finished(cfg.train.train_iters):
+        # the finished run relaunched: Megatron loads it and exits as done; here nothing needs loading (the
+        # plan read the checkpoint's iteration): one line, exit 0, nothing written
+        if env.rank == 0:
+            print(plan.relaunch.finished_line(cfg.train.train_iters), flush=True)
+        return finished_summary(plan.dir, derived)
     tokenizer = build_tokenizer(cfg.data)
     try:
         vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size,
