@@ -36,7 +36,8 @@ GPT3_OVERRIDES = [
     "model.init_method_std=0.006", "train.clip_grad=1.0", "optim.lr=6.0e-5", "optim.lr_decay_style=cosine",
     "optim.min_lr=6.0e-6", "optim.lr_warmup_fraction=.001", "optim.lr_decay_iters=2",
     "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-    "data.prefixes=[DATA]", "data.tokenizer={_target_:mptrain.data.tokenizers.TiktokenTokenizer,encoding:gpt2}",
+    "data.prefixes=[DATA]",
+    "++data.tokenizer={_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:VOCAB,merge_file:MERGES}",
     'data.split="949,50,1"', "train.log_interval=100", "checkpoint.save_interval=10000",
     "train.eval_interval=1000", "checkpoint.save=CKPT", "checkpoint.load=CKPT", "train.eval_iters=1",
     "logger.tensorboard_dir=TB",
@@ -105,7 +106,7 @@ def test_real_data_branch_of_the_llama_script(tmp_path, monkeypatch):
     _, t = _translate(LLAMA, ["ck", "tb", "/tok", "/data/corpus_text_document"])
     assert "data=indexed" in t.overrides and "data=mock" not in t.overrides
     assert "data.prefixes=[/data/corpus_text_document]" in t.overrides
-    assert "data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:/tok/tokenizer.json}" in t.overrides
+    assert "++data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:/tok/tokenizer.json}" in t.overrides
     assert "checkpoint.save=ck" in t.overrides
 
 
@@ -179,17 +180,54 @@ def test_table_keys_are_mptrain_keys():
     """Every key a row writes is in the schema."""
     known = set(known_keys(Config())) | {g for g in dataclasses.asdict(Config())}
     keys = {row.key for row in ROWS if row.key} | {
-        o.partition("=")[0] for row in ROWS if row.convert for o in _sample_overrides(row)}
+        o.partition("=")[0].lstrip("+") for row in ROWS if row.convert for o in _sample_overrides(row)}  # ++: Hydra's add
     assert sorted(keys - known) == []
 
 
 def _sample_overrides(row) -> list:
     for sample in (["1"], ["hybrid"], ["adam"], ["unfused"], ["/p"]):
         try:
-            return row.convert(sample)
+            return row.convert(sample, **row.read_from({"--merge-file": ["/m"]}))
         except Exception:  # noqa: BLE001 - a value the row does not take
             continue
     return []
+
+
+def _tokenizer_translation(argv):
+    return translate(argv, defaults_of=lambda groups: {})  # the data keys alone are read: no defaults composed
+
+
+def test_vocab_and_merge_files_are_the_gpt2_bpe_tokenizer():
+    """--vocab-file V --merge-file M (GPT2BPETokenizer, or no type: Megatron's GPT-2 examples give none) is
+    mptrain's GPT2BPETokenizer on the same files; the override composes and builds the tokenizer."""
+    from mptrain.data import build_tokenizer
+    from mptrain.data.tokenizers import GPT2BPETokenizer
+    from train_utils import compose
+
+    fixture = ROOT / "tests" / "fixtures" / "gpt2_bpe"
+    vocab, merges = str(fixture / "vocab.json"), str(fixture / "merges.txt")
+    expected = f"++data.tokenizer={{_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:{vocab},merge_file:{merges}}}"
+    for kind in ([], ["--tokenizer-type", "GPT2BPETokenizer"]):
+        t = _tokenizer_translation(["--data-path", "D", *kind, "--merge-file", merges, "--vocab-file", vocab])
+        assert [o for o in t.overrides if "data" in o] == ["data=indexed", "data.prefixes=[D]", expected]
+        assert not t.uncarried
+    tok = build_tokenizer(compose(["data=indexed", expected]).data)
+    assert isinstance(tok, GPT2BPETokenizer) and (tok.vocab_size, tok.eod) == (385, 384)
+    # --tokenizer-model's node composes alike (its keys replace the option's ByteTokenizer node)
+    (hf_override,) = [o for o in _tokenizer_translation(["--tokenizer-model", "/tok"]).overrides if "data.tokenizer" in o]
+    assert compose(["data=indexed", hf_override]).data.tokenizer == {
+        "_target_": "mptrain.data.tokenizers.HFTokenizer", "tokenizer_json": "/tok/tokenizer.json"}
+    cases = {"BertWordPieceLowerCase": ("no equivalent yet", "BERT's WordPiece vocabulary"),
+             "HuggingFaceTokenizer": ("not needed in mptrain", "--tokenizer-type HuggingFaceTokenizer does not read --vocab-file")}
+    for kind, (status, why) in cases.items():
+        t = _tokenizer_translation(["--tokenizer-type", kind, "--vocab-file", "V", "--merge-file", "M"])
+        assert [u[0] for u in t.uncarried] == ["--vocab-file"] and t.uncarried[0][2] == status and why in t.uncarried[0][3]
+        assert not any("data.tokenizer" in o for o in t.overrides)
+    t = _tokenizer_translation(["--vocab-file", "V"])
+    assert t.uncarried == [("--vocab-file", "--vocab-file V", "no equivalent yet",
+                            "GPT2BPETokenizer needs --merge-file beside --vocab-file (gpt2-merges.txt)")]
+    t = _tokenizer_translation(["--mock-data", "--vocab-file", "V", "--merge-file", "M"])
+    assert "data=mock" in t.overrides and [u[2] for u in t.uncarried] == ["not needed in mptrain"]
 
 
 def test_doc_table_is_the_mapping():

@@ -7,7 +7,8 @@ A row is what `mptrain.megatron.translate` needs to carry one argument of ``pret
 - ``Row("--fp16", "precision", set="fp16")``: a key without a dot is a config group's option;
 - ``Row("--data-path", convert=data_path)``: ``convert(values) -> ["key=value", ...]``, for the
   arguments that become several keys or another unit; it raises `Uncarried` for a value that has
-  no equivalent (``--fp8-format e4m3``);
+  no equivalent (``--fp8-format e4m3``); ``reads`` names the other arguments it needs
+  (``--vocab-file`` reads ``--merge-file``, ``--tokenizer-type``), passed as keywords;
 - ``status=NOTHING``: carried, nothing to set (mptrain always does it: ``--use-flash-attn``);
 - ``status=NO_EQUIVALENT`` / ``GPU_ONLY`` / ``NOT_NEEDED``: not carried, ``why`` says why;
 - ``default``: Megatron's value when the script leaves the argument out, written when mptrain's own
@@ -63,6 +64,12 @@ class Row:
     """For NOTHING and the uncarried statuses: the reason, one sentence."""
     takes_value: bool = True
     """False for a switch (``--fp16``); a switch given a value is reported."""
+    reads: tuple = ()
+    """Other arguments ``convert`` needs: ``convert(values, **self.read_from(given))``."""
+
+    def read_from(self, given: dict) -> dict:
+        """``{"merge_file": values or None, ...}``: the values of ``reads`` in ``given`` ({flag: values})."""
+        return {flag[2:].replace("-", "_"): given.get(flag) for flag in self.reads}
 
 
 def switch(flag: str, key: Optional[str] = None, set: Any = True, **kw) -> Row:
@@ -145,14 +152,32 @@ def profile_ranks(values: list) -> list:
     return [f"train.profile_ranks=[{','.join(values)}]"]
 
 
-def gpt2_bpe(values: list) -> list:
-    return ["data.tokenizer={_target_:mptrain.data.tokenizers.TiktokenTokenizer,encoding:gpt2}"]
+TOKENIZER_NODE = "++data.tokenizer="
+"""A tokenizer node replaces data.tokenizer's keys (``++``: Hydra adds the keys the option's node lacks, as
+vocab_file to data=indexed's ByteTokenizer, which a plain ``data.tokenizer={...}`` refuses)."""
+
+
+def gpt2_bpe(values: list, *, merge_file: Optional[list] = None, tokenizer_type: Optional[list] = None,
+             mock_data: Optional[list] = None) -> list:
+    """++data.tokenizer={_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:V,merge_file:M} (Megatron's
+    GPT2BPETokenizer: --merge-file M, --tokenizer-type GPT2BPETokenizer or none)."""
+    kind = tokenizer_type[0] if tokenizer_type else "GPT2BPETokenizer"
+    if mock_data is not None:  # given (a switch: no values)
+        raise Uncarried(NOT_NEEDED, "with --mock-data: data=mock's ids come from its NullTokenizer (data.vocab_size)")
+    if kind.startswith("BertWordPiece"):
+        raise Uncarried(NO_EQUIVALENT, f"--tokenizer-type {kind}: BERT's WordPiece vocabulary; mptrain trains GPT models")
+    if kind != "GPT2BPETokenizer":  # HuggingFaceTokenizer, TikTokenizer, ...: Megatron reads --tokenizer-model
+        raise Uncarried(NOT_NEEDED, f"--tokenizer-type {kind} does not read --vocab-file")
+    if not merge_file:
+        raise Uncarried(NO_EQUIVALENT, "GPT2BPETokenizer needs --merge-file beside --vocab-file (gpt2-merges.txt)")
+    vocab, merges = hydra_value(values[0]), hydra_value(merge_file[0])
+    return [f"{TOKENIZER_NODE}{{_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:{vocab},merge_file:{merges}}}"]
 
 
 def hf_tokenizer(values: list) -> list:
-    """data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:MODEL/tokenizer.json}."""
+    """++data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:MODEL/tokenizer.json}."""
     path = hydra_value(values[0].rstrip("/") + "/tokenizer.json")
-    return [f"data.tokenizer={{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
+    return [f"{TOKENIZER_NODE}{{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
 
 
 def minutes_to_s(key: str) -> Callable:
@@ -325,11 +350,12 @@ ROWS: tuple = (
     Row("--test-data-path", convert=prefixes("data.test_prefixes"), why="data=indexed data.test_prefixes=[...]"),
     Row("--split", convert=split),
     switch("--mock-data", "data", set="mock"),
-    Row("--vocab-file", convert=gpt2_bpe,
-        why="GPT-2's BPE, read as tiktoken's gpt2 encoding (the same vocab and merges as gpt2-vocab.json / gpt2-merges.txt)"),
-    nothing("--merge-file", "read with --vocab-file (tiktoken's gpt2 encoding)", takes_value=True),
-    nothing("--tokenizer-type", "the tokenizer follows from the data: mock data's NullTokenizer, --vocab-file's GPT-2 BPE, "
-            "--tokenizer-model's Hugging Face tokenizer", takes_value=True),
+    Row("--vocab-file", convert=gpt2_bpe, reads=("--merge-file", "--tokenizer-type", "--mock-data"),
+        why="++data.tokenizer={_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:V,merge_file:M} "
+            "(with --merge-file M; --tokenizer-type GPT2BPETokenizer or none)"),
+    nothing("--merge-file", "read with --vocab-file (GPT2BPETokenizer's merge_file)", takes_value=True),
+    nothing("--tokenizer-type", "the tokenizer follows from its files: --vocab-file / --merge-file's GPT2BPETokenizer, "
+            "--tokenizer-model's Hugging Face tokenizer, mock data's NullTokenizer", takes_value=True),
     Row("--tokenizer-model", convert=hf_tokenizer),
     Row("--data-cache-path", "data.cache_dir"),
     switch("--reset-position-ids", "data.reset_position_ids"),

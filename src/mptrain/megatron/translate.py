@@ -81,10 +81,10 @@ def _shown(flag: str, values: list) -> str:
     return " ".join([flag, *values])
 
 
-def _carry(row: Row, values: list) -> list:
-    """The overrides of one carried argument (raises Uncarried)."""
+def _carry(row: Row, values: list, given: dict) -> list:
+    """The overrides of one carried argument (raises Uncarried); ``given``: {flag: values} of the whole command."""
     if row.convert is not None:
-        return row.convert(values)
+        return row.convert(values, **row.read_from(given))
     if not row.takes_value:
         return [f"{row.key}={_as_text(True if row.set is VALUE else row.set)}"]
     return [f"{row.key}={_as_text(' '.join(values))}"]
@@ -129,13 +129,13 @@ def translate(argv: Sequence[str], *, world_size: int = 1, mock_data: bool = Fal
             out.uncarried.append((flag, shown, NO_EQUIVALENT, f"{flag} is a switch; the words after it are not Megatron's"))
             continue
         try:
-            overrides = _carry(row, values)
+            overrides = _carry(row, values, given)
         except Uncarried as err:
             out.uncarried.append((flag, shown, err.status, err.why))
             continue
         if not overrides:
             out.nothing.append((shown, row.why))
-        if mock_data and overrides and all(o.startswith("data") for o in overrides):
+        if mock_data and overrides and all(o.lstrip("+").startswith("data") for o in overrides):
             out.replaced.append(shown)
             continue
         for o in overrides:
