@@ -226,3 +226,15 @@ def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):
     assert all(r["lm_loss"] > 0 for r in train)
     config = (run_dir / "config.yaml").read_text()
     assert re.search(r"hidden_dropout: 0\.1", config) and re.search(r"name: fp16", config)
+
+
+def test_rampup_batch_size_is_carried():
+    """Megatron's GPT-3 ramp (its 175B example before --step-batch-size-schedule) becomes train.rampup_batch_size."""
+    t = translate(["--rampup-batch-size", "16", "16", "5859375", "--global-batch-size", "1536",
+                   "--train-samples", "146484375"])
+    assert {"train.global_batch_size=1536", "train.rampup_batch_size=[16,16,5859375]", "train.train_samples=146484375",
+            "train.train_iters=null"} <= set(t.overrides)
+    assert t.uncarried == []
+    from train_utils import compose  # the override is one Hydra can compose: a list of three ints
+
+    assert list(compose(["train.rampup_batch_size=[16,16,5859375]"]).train.rampup_batch_size) == [16, 16, 5859375]

@@ -13,7 +13,7 @@ from mptrain.training.metrics import TRAIN_KEYS, EvalRow, MetricsWriter, TrainRo
 DESIGN_TRAIN_ROW = (
     '{"split": "train", "iteration": 7, "consumed_samples": 56, "lm_loss": 6.93, "lr": 3e-4, '
     '"grad_norm": 1.2, "loss_scale": 65536.0, "skipped_iter": false, "skipped_iters_total": 3, '
-    '"nan_iters_total": 0, "num_microbatches": 4, "tokens_per_s": 1234.5, '
+    '"nan_iters_total": 0, "global_batch_size": 8, "num_microbatches": 4, "tokens_per_s": 1234.5, '
     '"tflops_per_gpu": 1.2, "mfu": null, "mem_allocated_gib": null}'
 )
 
@@ -21,7 +21,7 @@ DESIGN_TRAIN_ROW = (
 def _row(iteration, **kw):
     base = dict(iteration=iteration, consumed_samples=8 * iteration, lm_loss=7.0 - 0.1 * iteration, lr=1e-3,
                 grad_norm=1.5, loss_scale=1.0, skipped_iter=False, skipped_iters_total=0, nan_iters_total=0,
-                num_microbatches=4, tokens_per_s=100.0, tflops_per_gpu=0.01, mfu=None, mem_allocated_gib=None)
+                global_batch_size=8, num_microbatches=4, tokens_per_s=100.0, tflops_per_gpu=0.01, mfu=None, mem_allocated_gib=None)
     base.update(kw)
     return TrainRow(**base)
 
