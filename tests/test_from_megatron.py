@@ -319,3 +319,15 @@ def test_profiler_window_arguments_become_the_train_profile_keys():
     train = compose(profile).train  # Hydra reads the list as Megatron's nargs='+'
     assert (train.profile, train.use_pytorch_profiler, train.profile_step_start, train.profile_step_end,
             list(train.profile_ranks)) == (True, True, 3, 5, [0, 2])
+
+
+def test_rampup_batch_size_is_carried():
+    """Megatron's GPT-3 ramp (its 175B example before --step-batch-size-schedule) becomes train.rampup_batch_size."""
+    t = translate(["--rampup-batch-size", "16", "16", "5859375", "--global-batch-size", "1536",
+                   "--train-samples", "146484375"])
+    assert {"train.global_batch_size=1536", "train.rampup_batch_size=[16,16,5859375]", "train.train_samples=146484375",
+            "train.train_iters=null"} <= set(t.overrides)
+    assert t.uncarried == []
+    from train_utils import compose  # the override is one Hydra can compose: a list of three ints
+
+    assert list(compose(["train.rampup_batch_size=[16,16,5859375]"]).train.rampup_batch_size) == [16, 16, 5859375]

@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional
 
+from mptrain.config.batch_size import BatchSizeSchedule
+
 
 def train_iters_of(train) -> Optional[int]:
-    """The run's last iteration: ``train.train_iters``, or with ``train.train_samples`` set
-    train_samples // global_batch_size (Megatron's ``update_train_iters`` without batch-size ramp-up: a last
-    partial batch is not trained)."""
+    """The run's last iteration: ``train.train_iters``, or with ``train.train_samples`` set Megatron's
+    ``update_train_iters``: train_samples // global_batch_size (a last partial batch is not trained), or with
+    ``train.rampup_batch_size`` the ramp's iterations then the full batch's (`BatchSizeSchedule.train_iters`)."""
     if train.train_samples is None:
         return train.train_iters
-    return train.train_samples // train.global_batch_size
+    return BatchSizeSchedule.of(train).train_iters(train.train_samples)
 
 
 @dataclasses.dataclass
@@ -21,8 +23,8 @@ class TrainConfig:
     """The last iteration (iterations count completed optimizer steps from 1, skipped ones included); null
     with train_samples, which then sets it (`train_iters_of`; config.yaml records the derived value)."""
     train_samples: Optional[int] = None
-    """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size,
-    and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
+    """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size
+    (with rampup_batch_size: Megatron's count over the ramp, `train_iters_of`), and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
     null = train by train_iters. Needs train.train_iters=null (both set is an error, as in Megatron, unless train_iters is the derived value)."""
     exit_interval: Optional[int] = None
     """Save a checkpoint and exit 0 after this iteration."""
@@ -33,7 +35,14 @@ class TrainConfig:
     micro_batch_size: int = 2
     """Samples per micro-batch per DP rank."""
     global_batch_size: int = 8
-    """Samples per iteration over all DP ranks; must be divisible by micro_batch_size × dp."""
+    """Samples per iteration over all DP ranks; must be divisible by micro_batch_size × dp. With
+    rampup_batch_size: the batch the ramp ends at."""
+    rampup_batch_size: Optional[List[int]] = None
+    """Megatron's --rampup-batch-size: [start, increment, ramp_samples]: the global batch starts at start
+    and grows by increment every ramp_samples / ((global_batch_size - start) / increment) consumed samples
+    until it reaches global_batch_size (`mptrain.config.batch_size`); each reached batch must be a multiple
+    of micro_batch_size × dp. Needs train.train_samples (iterations: Megatron's update_train_iters); the LR
+    schedule then counts the samples of each applied step. null = a constant global batch."""
     seed: int = 1234
     """Init and dropout seed."""
     clip_grad: float = 1.0

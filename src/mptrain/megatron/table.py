@@ -180,6 +180,11 @@ def hf_tokenizer(values: list) -> list:
     return [f"{TOKENIZER_NODE}{{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
 
 
+def rampup_batch_size(values: list) -> list:
+    """train.rampup_batch_size=[start,increment,ramp_samples] (the three values as given; the run checks them)."""
+    return [f"train.rampup_batch_size=[{','.join(v.strip() for v in values)}]"]
+
+
 def minutes_to_s(key: str) -> Callable:
     return lambda values: [f"{key}={float(values[0]) * 60:g}"]
 
@@ -324,8 +329,10 @@ ROWS: tuple = (
     Row("--timing-log-level", "train.timing_log_level", default=0),
     nothing("--calculate-per-token-loss", "the loss is always the mean over the global batch's loss-masked tokens"),
     nothing("--log-throughput", "every metrics.jsonl row has tokens_per_s, tflops_per_gpu and mfu"),
-    uncarried("--step-batch-size-schedule", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
-    uncarried("--rampup-batch-size", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
+    uncarried("--step-batch-size-schedule", NO_EQUIVALENT,
+              "no step schedule of batch sizes; the linear ramp of --rampup-batch-size is train.rampup_batch_size"),
+    Row("--rampup-batch-size", convert=rampup_batch_size,
+        why="train.rampup_batch_size=[start,increment,ramp_samples] (needs --train-samples, as in Megatron)"),
     uncarried("--empty-unused-memory-level", GPU_ONLY, "torch.cuda.empty_cache after steps; mptrain leaves the caching allocator alone"),
     switch("--profile", "train.profile"),
     Row("--profile-step-start", "train.profile_step_start"),

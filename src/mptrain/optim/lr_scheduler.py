@@ -4,8 +4,9 @@ Interface (`LRScheduler`): built from ``optim.lr_scheduler._target_`` with ``opt
 with ``param_groups``) by `build_lr_scheduler`, the one place; the Megatron keys of `optim`
 (``lr``, ``min_lr``, ``lr_warmup_iters``, ``lr_decay_iters``, ``lr_decay_style``,
 ``lr_wsd_decay_iters``, ``lr_wsd_decay_style``, ``lr_warmup_fraction``, ``lr_warmup_samples``,
-``lr_decay_samples``) and ``train_iters``, ``train_samples``, ``global_batch_size`` reach a target only where
-its signature takes them; keys added with ``+optim.lr_scheduler.<key>=`` go to it as they are.
+``lr_decay_samples``) and ``train_iters``, ``train_samples``, ``global_batch_size``, ``rampup_batch_size`` reach a
+target only where its signature takes them (with ``train.rampup_batch_size`` set, a target must take it:
+`build_lr_scheduler`); keys added with ``+optim.lr_scheduler.<key>=`` go to it as they are.
 
 Built-in schedule: Megatron `OptimizerParamScheduler` (megatron/core/optimizer_param_scheduler.py),
 stepped once after every applied optimizer step (``step(increment=1)``). Its position ``n`` and its
@@ -16,6 +17,10 @@ lengths W (warmup) and D (decay) share one unit, as Megatron's ``get_optimizer_p
     sample-based (train.train_samples):   n = applied steps × global_batch_size (Megatron's increment:
                                           the samples of one iteration), W = lr_warmup_samples,
                                           D = lr_decay_samples
+    batch-size ramp-up (train.rampup_batch_size, sample-based):
+                                          n = the samples of the applied steps, each step's own global
+                                          batch (the trainer calls ``step(increment=<its global batch>)``,
+                                          as Megatron's ``opt_param_scheduler.step(increment=...)``)
     lr_warmup_fraction f (either unit):   W = f × D, with D = train_iters / train_samples where
                                           lr_decay_iters / lr_decay_samples is null (Megatron's
                                           default for the decay length)
@@ -62,7 +67,9 @@ class LRScheduler(Protocol):
       already in the constructor;
     - ``step(increment=1) -> lr``: advance by ``increment`` applied optimizer steps and set the new LR
       on every group. Called once after each *applied* update: skipped steps (overflow, non-finite
-      grads) do not advance it;
+      grads) do not advance it. A schedule built with ``rampup_batch_size=[start, increment, ramp_samples]``
+      (``train.rampup_batch_size``; the constructor must take the keyword then) is given the samples of the
+      applied step instead: its global batch, which the ramp changes (Megatron's increment);
     - ``get_lr() -> float``: the LR of the next step (what ``metrics.jsonl``'s ``lr`` shows);
     - ``state_dict() -> dict`` (picklable, saved in every checkpoint) / ``load_state_dict(sd)``
       (restore the position; called after construction on resume).
@@ -110,18 +117,24 @@ _DECAY = {"linear": _linear, "cosine": _cosine}
 def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_warmup_fraction: Optional[float] = None,
                      train_iters: Optional[int] = None, lr_warmup_samples: int = 0,
                      lr_decay_samples: Optional[int] = None, train_samples: Optional[int] = None,
-                     global_batch_size: Optional[int] = None) -> tuple[str, int, float, Optional[int]]:
-    """(unit, samples per applied step, W, D) of the schedule, per the module docstring; unit = "iters" or
-    "samples" (the suffix of the keys that set W and D, for messages).
+                     global_batch_size: Optional[int] = None,
+                     rampup_batch_size: Optional[list] = None) -> tuple[str, int, float, Optional[int]]:
+    """(unit, samples per ``step`` increment, W, D) of the schedule, per the module docstring; unit = "iters" or
+    "samples" (the suffix of the keys that set W and D, for messages). With ``rampup_batch_size`` the increment
+    is already in samples (1 sample per unit).
 
     Raises:
         ConfigError: lr_warmup_fraction outside [0, 1], or with lr_warmup_iters / lr_warmup_samples > 0 (Megatron:
-            one of them); sample keys without train.train_samples; iteration keys with it; negative lengths.
+            one of them); sample keys without train.train_samples; iteration keys with it; negative lengths;
+            rampup_batch_size without train.train_samples.
     """
     if lr_warmup_fraction is not None and not 0.0 <= lr_warmup_fraction <= 1.0:
         raise ConfigError(f"optim.lr_warmup_fraction={lr_warmup_fraction} must be in [0, 1] (the share of the decay "
                           "length spent warming up), or null")
     if train_samples is None:
+        if rampup_batch_size is not None:  # the ramp's rule (mptrain.config.batch_size), for a direct caller
+            raise ConfigError(f"train.rampup_batch_size={list(rampup_batch_size)} needs training by samples; set "
+                              "train.train_samples=<samples> and train.train_iters=null")
         if lr_warmup_samples or lr_decay_samples is not None:
             key, value = (("optim.lr_warmup_samples", lr_warmup_samples) if lr_warmup_samples
                           else ("optim.lr_decay_samples", lr_decay_samples))
@@ -138,8 +151,9 @@ def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_
                                   f"and {key}={'null' if off is None else off}")
         if global_batch_size is None:
             raise ConfigError("train.train_samples needs train.global_batch_size (the samples of one iteration)")
-        unit, per_step, warmup, decay, horizon = ("samples", int(global_batch_size), lr_warmup_samples,
-                                                  lr_decay_samples, train_samples)
+        # with a ramp the trainer passes each step's samples (its global batch varies); else one step = one batch
+        per_step = 1 if rampup_batch_size is not None else int(global_batch_size)
+        unit, warmup, decay, horizon = "samples", lr_warmup_samples, lr_decay_samples, train_samples
     if warmup < 0 or (decay is not None and decay < 0):
         raise ConfigError(f"optim: lr_warmup_{unit}={warmup} and lr_decay_{unit}={decay} must be >= 0")
     if lr_warmup_fraction is not None:
@@ -172,6 +186,8 @@ class OptimizerParamScheduler:
         lr_warmup_samples, lr_decay_samples, train_samples: the sample-based counterparts (train_samples set:
             the schedule counts samples, ``global_batch_size`` per applied step).
         global_batch_size: samples per iteration.
+        rampup_batch_size: ``train.rampup_batch_size`` ([start, increment, ramp_samples]) or None; set, ``step``'s
+            increment is the applied step's samples (its global batch), as Megatron's.
     Raises:
         ConfigError: unknown style; a decaying style without a decay length; decay length <= warmup
             while decaying; negative lengths; min_lr > lr; WSD lengths out of range; `schedule_lengths`'s rules.
@@ -194,11 +210,12 @@ class OptimizerParamScheduler:
         lr_decay_samples: Optional[int] = None,
         train_samples: Optional[int] = None,
         global_batch_size: Optional[int] = None,
+        rampup_batch_size: Optional[list] = None,
     ) -> None:
         unit, self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps = schedule_lengths(
             lr_warmup_iters=lr_warmup_iters, lr_decay_iters=lr_decay_iters, lr_warmup_fraction=lr_warmup_fraction,
             train_iters=train_iters, lr_warmup_samples=lr_warmup_samples, lr_decay_samples=lr_decay_samples,
-            train_samples=train_samples, global_batch_size=global_batch_size)
+            train_samples=train_samples, global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)
         check_lr_schedule_values(lr=lr, min_lr=min_lr, lr_warmup_iters=self.lr_warmup_steps,
                                  lr_decay_iters=self.lr_decay_steps, lr_decay_style=lr_decay_style,
                                  lr_wsd_decay_iters=lr_wsd_decay_iters, lr_wsd_decay_style=lr_wsd_decay_style, unit=unit)
@@ -236,7 +253,7 @@ class OptimizerParamScheduler:
         return self.min_lr + coefficient * (self.max_lr - self.min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advance by ``increment`` applied optimizer steps and set the new LR; returns it."""
+        """Advance by ``increment`` applied optimizer steps (with a ramp: samples) and set the new LR; returns it."""
         self.num_steps += increment
         new_lr = self.get_lr()
         for group in self.optimizer.param_groups:
@@ -308,33 +325,43 @@ def check_lr_schedule_values(*, lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_
 
 
 def scheduler_keywords(optim_cfg, train_iters: Optional[int], *, train_samples: Optional[int] = None,
-                       global_batch_size: Optional[int] = None) -> dict:
+                       global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None) -> dict:
     """The Megatron-named keys a schedule target may take (each passed only if its signature takes it)."""
     keys = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
             "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples")
     return {**{k: getattr(optim_cfg, k) for k in keys}, "train_iters": train_iters, "train_samples": train_samples,
-            "global_batch_size": global_batch_size}
+            "global_batch_size": global_batch_size,
+            "rampup_batch_size": None if rampup_batch_size is None else [int(v) for v in rampup_batch_size]}
 
 
 def build_lr_scheduler(optim_cfg, optimizer, *, train_iters: Optional[int] = None, train_samples: Optional[int] = None,
-                       global_batch_size: Optional[int] = None):
+                       global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None):
     """The LR schedule of ``optim.lr_scheduler`` for ``optimizer`` (the one place it is built).
 
     Raises:
-        ConfigError: the component checks (`mptrain.components.build`) or the schedule's own rules.
+        ConfigError: the component checks (`mptrain.components.build`) or the schedule's own rules; with
+            ``rampup_batch_size`` a target whose constructor does not take it (its ``step`` would read the
+            samples the trainer passes as optimizer steps).
     """
-    return components.build("optim.lr_scheduler", optim_cfg.lr_scheduler, LR_SCHEDULER,
-                            runtime={"optimizer": optimizer},
-                            mapped=scheduler_keywords(optim_cfg, train_iters, train_samples=train_samples,
-                                                      global_batch_size=global_batch_size),
+    key, node = "optim.lr_scheduler", optim_cfg.lr_scheduler
+    mapped = scheduler_keywords(optim_cfg, train_iters, train_samples=train_samples,
+                                global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)
+    if rampup_batch_size is not None and "rampup_batch_size" not in components.resolve(key, node, LR_SCHEDULER,
+                                                                                         mapped=mapped)[1]:
+        target = components.node_items(node).get("_target_")
+        raise ConfigError(f"{key}._target_={target} does not take rampup_batch_size, which train.rampup_batch_size "
+                          "needs (the trainer then steps the schedule by each step's samples); add the keyword to "
+                          "its constructor, or set train.rampup_batch_size=null")
+    return components.build(key, node, LR_SCHEDULER, runtime={"optimizer": optimizer}, mapped=mapped,
                             partial=False)  # `_partial_: true` says the runtime passes the optimizer: it does, here
 
 
 def check_lr_scheduler(optim_cfg, train_iters: Optional[int] = None, optimizer=None, *,
-                       train_samples: Optional[int] = None, global_batch_size: Optional[int] = None) -> None:
+                       train_samples: Optional[int] = None, global_batch_size: Optional[int] = None,
+                       rampup_batch_size: Optional[list] = None) -> None:
     """Start-up check (pure): build a throwaway schedule on ``optimizer`` (a stand-in with one param group
     when None), so a bad target or bad LR keys are one ConfigError line before any collective."""
     if optimizer is None:
         optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.0}])
     build_lr_scheduler(optim_cfg, optimizer, train_iters=train_iters, train_samples=train_samples,
-                       global_batch_size=global_batch_size)
+                       global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)

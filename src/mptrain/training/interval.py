@@ -52,7 +52,8 @@ class Interval:
     Args:
         nan_iters_total: the optimizer's ``nan_iters_total`` before the first row (a resumed run's count),
             against which the first interval's nan iterations are counted.
-        rates: ``rates(elapsed_s) -> Throughput`` of one iteration taking ``elapsed_s`` seconds
+        rates: ``rates(elapsed_s, global_batch_size) -> Throughput`` of one iteration of that many samples
+            (None: train.global_batch_size) taking ``elapsed_s`` seconds
             (`mptrain.training.throughput.throughput` with the run's FLOPs and tokens); None = no rates.
     """
 
@@ -64,6 +65,7 @@ class Interval:
     def _start(self) -> None:
         self.iterations = self.skipped = self.advanced = self.grad_norms = 0
         self.loss_sum = self.grad_norm_sum = self.time_s = 0.0
+        self.batch_sum, self.batches_known = 0, True  # the rows' global batch (train.rampup_batch_size varies it)
         self.timed = True
 
     def add(self, row: Any, step_time_s: Optional[float]) -> None:
@@ -77,6 +79,11 @@ class Interval:
             if row.grad_norm is not None:
                 self.grad_norms += 1
                 self.grad_norm_sum += row.grad_norm
+        batch = getattr(row, "global_batch_size", None)
+        if batch is None:
+            self.batches_known = False
+        else:
+            self.batch_sum += batch
         if step_time_s is None:
             self.timed = False
         else:
@@ -92,7 +99,9 @@ class Interval:
         if self.iterations == 0:
             raise ValueError("Interval.close: no iteration since the last line")
         per_iteration_s = self.time_s / self.iterations if self.timed else None
-        rates = self.rates(per_iteration_s) if self.rates is not None and per_iteration_s else None
+        # the interval's mean batch: a ramp's iterations process fewer samples than train.global_batch_size
+        mean_batch = self.batch_sum / self.iterations if self.batches_known else None
+        rates = self.rates(per_iteration_s, mean_batch) if self.rates is not None and per_iteration_s else None
         means = IntervalMeans(
             iterations=self.iterations,
             skipped=self.skipped,

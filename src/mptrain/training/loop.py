@@ -90,10 +90,11 @@ def _loop(built: Any, data: list, at: Progress, *, rows: TrainRows, watch: LoopW
             hook.before_step(iteration)
         profiler.before_step(iteration)
         with watch.first_step_untimed(iteration), rows.written_on_failure():
-            outcome = trainer.train_step(data)  # settles the previous iteration
+            # the iteration's global batch follows the samples consumed before it (train.rampup_batch_size)
+            outcome = trainer.train_step(data, consumed_samples=at.consumed_samples)  # settles the previous one
         watch.step_done(iteration)
         profiler.after_step(iteration)  # the window ends with its last step, before an evaluation or a save
-        at.advance(cfg.train.global_batch_size)
+        at.advance(outcome.global_batch_size)
         rows.add(at.iteration, at.consumed_samples, outcome)
         collector.after_iteration(at.iteration)  # train.manual_gc: every rank at the same iteration
         stopped = checkpointer.stop_reason(at.iteration)

@@ -44,7 +44,9 @@ class TrainRow:
     """One training iteration (DESIGN.md §2). Units: samples, tokens/s, TFLOP/s per GPU, GiB.
 
     `iteration` counts completed optimizer steps from 1 (skipped ones included); `grad_norm` is
-    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU.
+    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU. `global_batch_size` is the
+    iteration's (samples over all DP ranks; with ``train.rampup_batch_size`` the ramp's), run as
+    `num_microbatches` micro-batches per DP rank; `consumed_samples` counts it in.
     """
 
     iteration: int
@@ -56,6 +58,7 @@ class TrainRow:
     skipped_iter: bool
     skipped_iters_total: int
     nan_iters_total: int
+    global_batch_size: int
     num_microbatches: int
     tokens_per_s: float
     tflops_per_gpu: Optional[float]
@@ -110,6 +113,7 @@ def format_train_line(row: TrainRow, interval: IntervalMeans, train_iters: Optio
         f"loss_scale {_fmt(row.loss_scale, 'g')}",
         f"skipped {interval.skipped}",
         f"nan {interval.nan}",
+        f"batch {row.global_batch_size}",
         f"mb {row.num_microbatches}",
         f"tokens/s {_fmt(interval.tokens_per_s, '.1f')}",
         f"TFLOP/s/GPU {_fmt(interval.tflops_per_gpu, '.2f')}",

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
@@ -49,6 +50,25 @@ def kernels_line(built) -> str:
     return (f"kernels: optimizer={optimizer_kernel(inner)}{weight_decay_note(inner)} "
             f"norm={', '.join(norms) or 'none on this rank'}"
             f"{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
+
+
+def rampup_line(train, data_parallel_size: int, *, shown: int = 6) -> str:
+    """``batch-size ramp-up: ...``: the ramp (`mptrain.config.batch_size`) and the iterations at each global batch
+    with their micro-batches per DP rank (the first and last runs when there are more than ``shown``)."""
+    schedule = BatchSizeSchedule.of(train)
+    start, increment, ramp_samples = schedule.rampup_batch_size
+    per_step = train.micro_batch_size * data_parallel_size
+    runs = [(p.first_iteration, p.last_iteration, p.global_batch_size) for p in schedule.phases(train.train_samples)]
+    after = runs[-1][1] + 1 if runs else 1
+    if train.train_iters >= after:
+        runs.append((after, train.train_iters, schedule.global_batch_size))
+    parts = [f"{a if a == b else f'{a}-{b}'}: {g} ({g // per_step} mb)" for a, b, g in runs]
+    if len(parts) > shown:
+        parts = parts[:shown // 2] + [f"... {len(parts) - shown} more"] + parts[-(shown - shown // 2):]
+    steps = (schedule.global_batch_size - start) // increment
+    return (f"batch-size ramp-up (train.rampup_batch_size=[{start}, {increment}, {ramp_samples}]): global batch {start} "
+            f"-> {schedule.global_batch_size} by {increment} every {ramp_samples / steps:g} samples; iterations "
+            + ", ".join(parts))
 
 
 def compile_note(chunks) -> str:
@@ -100,9 +120,13 @@ class Recorder:
             recorder.log(plan.relaunch.resume_line)
         return recorder
 
-    def rates(self, elapsed_s: float):
-        """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula)."""
-        return throughput(flops=self.flops_per_iteration, tokens=self.cfg.train.global_batch_size * self.cfg.model.seq_length,
+    def rates(self, elapsed_s: float, global_batch_size: Optional[int] = None):
+        """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula) of
+        ``global_batch_size`` samples (default train.global_batch_size; the ramp's iterations are smaller)."""
+        full = self.cfg.train.global_batch_size
+        batch = full if global_batch_size is None else global_batch_size
+        # F is linear in the tokens T of the iteration: F(batch) = F(full) × batch / full
+        return throughput(flops=self.flops_per_iteration * batch / full, tokens=batch * self.cfg.model.seq_length,
                           elapsed_s=elapsed_s, num_gpus=self.groups.world_size, peak_tflops=self.peak_tflops)
 
     @property
@@ -148,6 +172,8 @@ class Recorder:
             f"precision={self.cfg.precision.name} micro-batches={d.num_microbatches} sequence-parallel={sp} "
             f"run.dir={self.run_dir}"
         )
+        if self.cfg.train.rampup_batch_size is not None:
+            self.log(rampup_line(self.cfg.train, d.data_parallel_size))
         if built is not None:
             self.log(kernels_line(built))
             fp8 = getattr(built, "fp8", None)
@@ -193,8 +219,8 @@ class Recorder:
             compiled_s = compile_seconds()  # Dynamo + Inductor, forward and backward graphs (and evaluation's)
             compiled = f", of which compile {compiled_s:.1f} s" if compiled_s > 0 else ""
             self.log(f"startup: {self.t_first_step - self.t_start:.1f} s to the end of the first step{compiled}")
-        rates = self.rates(step_time_s)
-        self.counters.end_iteration()
+        rates = self.rates(step_time_s, metrics["global_batch_size"])
+        self.counters.end_iteration(metrics["num_microbatches"])
         if iteration > 1:  # the first step carries warm-up costs
             self.tokens_per_s.append(rates.tokens_per_s)
         self.last_loss = metrics["lm_loss"]
@@ -208,7 +234,8 @@ class Recorder:
             skipped_iter=metrics["skipped_iter"],
             skipped_iters_total=metrics["skipped_iters_total"],
             nan_iters_total=metrics["nan_iters_total"],
-            num_microbatches=trainer.num_microbatches,
+            global_batch_size=metrics["global_batch_size"],
+            num_microbatches=metrics["num_microbatches"],
             tokens_per_s=rates.tokens_per_s,
             tflops_per_gpu=rates.tflops_per_gpu,
             mfu=rates.mfu,
@@ -259,8 +286,8 @@ class Recorder:
         counters.note_inflight(stats.max_inflight_microbatches)
         if stats.calls:
             counters.bytes_sent["pp"] = stats.bytes_sent.get("pp", 0) * counters.iterations // stats.calls
-        for kind, nbytes in _collective_bytes_per_iteration(built).items():
-            counters.bytes_sent[kind] = nbytes * counters.iterations
+        for kind, nbytes in _collective_bytes(built, counters).items():
+            counters.bytes_sent[kind] = nbytes
         counters.samples_read = built.provider.samples_read
         pieces = built.trainer.optimizer.sharded_state_dict().params  # the wrapper's own listing of its state
         copies = [p.main for p in pieces if p.main is not None]
@@ -299,8 +326,9 @@ def _ring_bytes(nbytes: int, group_size: int) -> int:
     return 0 if group_size <= 1 else 2 * (group_size - 1) * nbytes // group_size
 
 
-def _collective_bytes_per_iteration(built) -> dict:
-    """Bytes this rank sends per iteration over TP, DP and the embedding group.
+def _collective_bytes(built, counters: IterationCounters) -> dict:
+    """Bytes this rank sent over TP, DP and the embedding group in the ``counters.iterations`` iterations
+    (``counters.microbatches`` micro-batches: with a batch-size ramp, fewer per iteration at first).
 
     Derived from the sizes of the collectives an iteration issues (ring algorithm, as NCCL's), not
     counted on the wire: DP = the grad buffers (all-reduce, or reduce-scatter + all-gather with
@@ -309,17 +337,17 @@ def _collective_bytes_per_iteration(built) -> dict:
     parallelism all-gather + reduce-scatter, the same volume), plus the embedding's forward one.
     """
     g, cfg = built.groups, built.cfg
-    out = {"tp": 0, "dp": 0, "embedding": 0}
+    per_iteration = {"dp": 0, "embedding": 0}
     for chunk in built.chunks:
         for buf in chunk.grad_buffers:
-            out["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
+            per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:
                 param = dict(chunk.module.named_parameters())[name]
-                out["embedding"] += _ring_bytes(param.numel() * 4, 2)
+                per_iteration["embedding"] += _ring_bytes(param.numel() * 4, 2)
     act_bytes = cfg.model.seq_length * cfg.train.micro_batch_size * cfg.model.hidden_size * built.trainer.dtype.itemsize
     layers = sum(len(unwrap(c).layer_numbers) for c in built.chunks)
     per_mb = 4 * layers + (1 if g.is_first_stage else 0)
-    out["tp"] = _ring_bytes(act_bytes, g.tp_size) * per_mb * built.trainer.num_microbatches
-    return out
+    return {"tp": _ring_bytes(act_bytes, g.tp_size) * per_mb * counters.microbatches,
+            **{kind: nbytes * counters.iterations for kind, nbytes in per_iteration.items()}}
 

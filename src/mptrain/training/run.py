@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import Config
 from mptrain.checkpoint.args import apply_checkpoint_args
 from mptrain.config.schema import as_config
@@ -127,7 +128,8 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
         clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
     lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters,
                                       train_samples=cfg.train.train_samples,
-                                      global_batch_size=cfg.train.global_batch_size)
+                                      global_batch_size=cfg.train.global_batch_size,
+                                      rampup_batch_size=cfg.train.rampup_batch_size)
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
@@ -177,6 +179,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         device=groups.device,
         stats=ScheduleStats(timers=timers),
         timers=timers,
+        batch_sizes=BatchSizeSchedule.of(cfg.train),  # each iteration's global batch (train.rampup_batch_size)
         # null: deferred where the device runs ahead of the host (CUDA); the CPU's work is synchronous
         defer_step_read=(groups.device.type == "cuda" if cfg.train.defer_step_read is None
                          else bool(cfg.train.defer_step_read)),

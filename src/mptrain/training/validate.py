@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from mptrain.checkpoint.finetune import check_load_keys
+from mptrain.config.batch_size import check_ramp_layout, check_rampup_batch_size
 from mptrain.config.schema import Config, as_config
 from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
@@ -55,7 +56,8 @@ class DerivedLayout:
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank; None when 1 / unset.
         data_parallel_size: world_size / (tp × pp).
         num_microbatches: global_batch_size / (micro_batch_size × dp), micro-batches per DP rank
-            per iteration.
+            per iteration (at the full batch: with train.rampup_batch_size the ramp's iterations run fewer,
+            `mptrain.config.batch_size.BatchSizeSchedule`).
         schedule: the schedule that runs: no_pipelining | gpipe | 1f1b | interleaved_1f1b (`auto` and
             the pp = 1 degenerations resolved), or a user schedule's dotted path (`mptrain.schedules.schedule_name`).
         sequence_parallel: True only when asked for and tp > 1.
@@ -118,6 +120,35 @@ def check_batch(cfg: Config, dp: int) -> int:
     return t.global_batch_size // step
 
 
+def check_ramp_schedule(cfg: Config, tp: int, pp: int, vpp: Optional[int], dp: int, *, num_microbatches: int) -> str:
+    """The schedule that runs (`resolve_schedule`: its layout rules) at the full global batch, and at every batch
+    ``train.rampup_batch_size`` reaches (each a multiple of micro_batch_size × dp: `check_ramp_layout`); returns
+    its name.
+
+    Raises:
+        ConfigError: the ramp's divisibility; a schedule rule a ramp batch breaks (interleaved 1F1B's
+            num_microbatches % pp), naming the ramp and the iterations.
+    """
+    b = cfg.train.micro_batch_size
+
+    def resolved(m: int) -> str:
+        return resolve_schedule(cfg.schedule, PipelineLayout(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+            data_parallel_size=dp, num_microbatches=m, micro_batch_size=b)).name
+
+    name = resolved(num_microbatches)
+    for phase in check_ramp_layout(cfg.train, b, dp):
+        try:
+            ramp_name = resolved(phase.global_batch_size // (b * dp))
+        except ConfigError as err:
+            raise ConfigError(f"train.rampup_batch_size={list(cfg.train.rampup_batch_size)} at {phase.span}: "
+                              f"{err}") from None
+        if ramp_name != name:  # a user schedule whose check_layout picks by the micro-batch count
+            raise ConfigError(f"schedule: {name} runs at the full global batch but {ramp_name} at the ramp's "
+                              f"{phase.global_batch_size}; one schedule must run the whole job (train.rampup_batch_size)")
+    return name
+
+
 def resolve_loss_scaler(cfg: Config) -> str:
     """Start-up check of the precision / optimizer components (their rules live in their modules):
     precision name, loss scaler (built once: the fp16 rule), optimizer (a throwaway instance), LR
@@ -132,7 +163,8 @@ def resolve_loss_scaler(cfg: Config) -> str:
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
     check_max_consecutive_skips(cfg.loss_scaler.max_consecutive_skips)
     check_lr_scheduler(cfg.optim, train_iters_of(cfg.train), optimizer=check_optimizer(cfg.optim),
-                       train_samples=cfg.train.train_samples, global_batch_size=cfg.train.global_batch_size)
+                       train_samples=cfg.train.train_samples, global_batch_size=cfg.train.global_batch_size,
+                       rampup_batch_size=cfg.train.rampup_batch_size)
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
     return label
 
@@ -145,7 +177,7 @@ def check_train_length(train) -> None:
         ConfigError: both set and disagreeing, neither set, or train_samples < 0.
     """
     both = train.train_iters is not None and train.train_samples is not None
-    if both and train.train_iters != train.train_samples // train.global_batch_size:
+    if both and train.train_iters != train_iters_of(train):
         raise ConfigError(f"train.train_iters={train.train_iters} and train.train_samples={train.train_samples} are "
                           "both set; train by samples with train.train_iters=null, or set train.train_samples=null")
     if train.train_iters is None and train.train_samples is None:
@@ -217,6 +249,7 @@ def check_layout_free(cfg: Any) -> str:
     c = as_config(cfg)
     check_fault_config(c.debug)  # the debug.* rules live with the fault injector
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
+    check_rampup_batch_size(c.train)  # before the train length, which the ramp's iterations set
     check_train_length(c.train)  # before the LR schedule, whose length it sets
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
@@ -259,9 +292,7 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
     check_profile_config(c.train, world_size)  # train.profile_ranks name ranks of this world
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     num_microbatches = check_batch(c, dp)
-    schedule = resolve_schedule(c.schedule, PipelineLayout(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        data_parallel_size=dp, num_microbatches=num_microbatches, micro_batch_size=c.train.micro_batch_size)).name
+    schedule = check_ramp_schedule(c, tp, pp, vpp, dp, num_microbatches=num_microbatches)
     sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)  # seq_length % tp: check_model_config
     # null: compiled where the run's device is CUDA (groups.py picks CUDA whenever it is available)
     compiled, _ = resolve_compile_layers(c.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
