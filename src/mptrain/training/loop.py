@@ -43,6 +43,7 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
                             collector=collector)
         finally:
             close_prefetchers(data)  # no batch is read ahead past the last step
+    built.trainer.finish_param_sync()  # parallel.overlap_param_gather: the last step's params, landed
     checkpointer.wait()
     watch.end()  # no more training steps: the final evaluation and the layout gather
     if stopped is None:
