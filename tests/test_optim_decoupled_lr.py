@@ -3,8 +3,8 @@ the output layer in param groups of their own, driven by the schedule over [deco
 
 - the LR of every group after every step equals Megatron-core's ``OptimizerParamScheduler.get_lr(param_group)``
   (written out below from megatron/core/optimizer_param_scheduler.py), for every decay style;
-- in a real model (tp1pp2, and ZeRO-1 at dp2) the decoupled groups hold exactly the word embedding and the output
-  layer's weight (the tied copy on the last stage), read back from the optimizer;
+- in a real model (tp1pp2, ZeRO-1 at dp2, untied at dp2) the decoupled groups hold exactly the word embedding and the
+  output layer's weight (the tied copy on the last stage), read back from the optimizer;
 - a tp1pp2 run equals tp1pp1 with decoupled LR on (DESIGN.md §3 tolerances), and the option changes the run;
 - ZeRO-1 at dp2 with decoupled LR resumes bitwise; the schedule's state holds the two keys;
 - the rules: one ConfigError line each.
@@ -158,7 +158,8 @@ def _groups_of_a_real_model(rank, world, overrides: list, steps: int) -> list:
         groups.destroy()
 
 
-@pytest.mark.parametrize("layout", ["parallel=tp1pp2", "parallel.use_distributed_optimizer=true"])
+@pytest.mark.parametrize("layout", ["parallel=tp1pp2", "parallel.use_distributed_optimizer=true",
+                                    "model.untie_embeddings_and_output_weights=true"])
 def test_real_model_groups_and_their_lr(layout):
     got = run_distributed(_groups_of_a_real_model, 2, SMALL + DECOUPLED + [layout], 8)
     shape = dict(warmup=1, decay=6, style="cosine")
@@ -167,6 +168,8 @@ def test_real_model_groups_and_their_lr(layout):
     marked = {rank: sorted(n for names, m, _ in groups if m for n in names) for rank, groups in enumerate(got)}
     if layout == "parallel=tp1pp2":  # the embedding on the first stage, its tied copy (the output layer) on the last
         assert marked == {0: ["embedding.word_embeddings.weight"], 1: ["output_layer.weight"]}
+    elif layout.startswith("model.untie"):  # dp2: the embedding and the output layer's own weight, on each rank
+        assert marked == {r: ["embedding.word_embeddings.weight", "output_layer.weight"] for r in (0, 1)}
     else:  # ZeRO-1: each DP rank steps its piece of the tied embedding, in the decoupled group
         assert marked == {0: ["embedding.word_embeddings.weight"], 1: ["embedding.word_embeddings.weight"]}
     for groups in got:

@@ -81,7 +81,8 @@ def param_groups(params: Sequence[torch.nn.Parameter], specs: Sequence, weight_d
     Megatron's ``_get_param_groups`` (megatron/core/optimizer/__init__.py) keys its groups by weight decay and by
     ``is_embedding_or_output_parameter`` where ``--decoupled-lr`` is set; here the embedding / output groups exist
     whenever such params do, so that the groups need no config: the LR schedule alone decides whether they run
-    on ``optim.decoupled_lr`` or on ``optim.lr`` (the update of a param does not depend on its group otherwise).
+    on ``optim.decoupled_lr`` or on ``optim.lr`` (with it unset they carry the same hyperparameters as the first
+    two, so the split changes no update).
 
     Args:
         params: parameters (model or fp32 main params), in a stable order.
