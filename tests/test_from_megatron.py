@@ -46,9 +46,8 @@ GPT3_OVERRIDES = [
 ]
 GPT3_UNCARRIED = ["--step-batch-size-schedule"]
 
-LLAMA_UNCARRIED = ["--decoupled-lr", "--decoupled-min-lr", "--empty-unused-memory-level", "--overlap-param-gather",
-                   "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather", "--tiktoken-pattern",
-                   "--no-mmap-bin-files", "--num-workers"]
+LLAMA_UNCARRIED = ["--empty-unused-memory-level", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
+                   "--tiktoken-pattern", "--no-mmap-bin-files", "--num-workers"]
 LLAMA_NOTHING = ["--use-mcore-models", "--group-query-attention", "--attention-backend fused",
                  "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--context-parallel-size 1",
                  "--tokenizer-type NullTokenizer", "--no-create-attention-mask-in-dataloader", "--log-throughput",
@@ -85,10 +84,11 @@ def test_llama3_8b_fp8_translation(tmp_path, monkeypatch):
         "model.untie_embeddings_and_output_weights=true", "model.add_bias_linear=false",
         "train.micro_batch_size=1", "train.global_batch_size=4", "train.train_samples=1953125000", "train.train_iters=null",
         "optim.lr_decay_samples=1949218748", "optim.lr_warmup_samples=3906252", "optim.lr=0.00015",
-        "optim.min_lr=0.00001", "optim.lr_decay_style=cosine", "train.clip_grad=1.0", "optim.weight_decay=0.1",
+        "optim.min_lr=0.00001", "optim.decoupled_lr=5.0e-4", "optim.decoupled_min_lr=4.5e-5",
+        "optim.lr_decay_style=cosine", "train.clip_grad=1.0", "optim.weight_decay=0.1",
         "optim.adam_beta1=0.9", "optim.adam_beta2=0.95", "parallel.grad_reduce_in_fp32=false",
         "train.manual_gc=true", "train.exit_duration_in_mins=235", "parallel.use_distributed_optimizer=true",
-        "parallel.overlap_grad_reduce=true", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+        "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
         "model.vocab_size=1024", f"data.cache_dir={tmp_path}/benchmark_cache_llama3_8b_fp8", 'data.split="99,1,0"',
         "train.log_interval=1", "train.eval_iters=32", "train.eval_interval=100", "checkpoint.save_interval=1000",
         "train.profile=true", "train.profile_step_start=4", "train.profile_step_end=6", "train.timeout_s=3600", "checkpoint.save=checkpoints/llama3_8b_fp8", "checkpoint.load=checkpoints/llama3_8b_fp8",

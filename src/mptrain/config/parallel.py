@@ -34,6 +34,10 @@ class ParallelConfig:
     """ZeRO-1: shard fp32 main params and optimizer state over DP."""
     overlap_grad_reduce: bool = False
     """Launch DP bucket reductions during the last micro-batch's backward."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: the all-gather of the updated params after the optimizer step runs
+    while the next forward starts; each bucket is waited for where its params are first used (Megatron's
+    name). Needs use_distributed_optimizer and overlap_grad_reduce (Megatron's rules). Same math."""
     grad_reduce_in_fp32: bool = False
     """Accumulate and reduce grads in fp32 (main_grad dtype) even for fp16/bf16 params."""
     bucket_size: Optional[int] = None

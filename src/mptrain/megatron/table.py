@@ -278,8 +278,7 @@ ROWS: tuple = (
         why="1: nothing to set; larger: no context parallelism yet"),
     Row("--expert-model-parallel-size", convert=only_one("--expert-model-parallel-size", "mptrain has no mixture of experts yet"),
         why="1: nothing to set; larger: no mixture of experts yet"),
-    uncarried("--overlap-param-gather", NO_EQUIVALENT,
-              "the distributed optimizer's param all-gather runs after the step, not overlapped with the next forward", False),
+    switch("--overlap-param-gather", "parallel.overlap_param_gather"),
     # precision
     switch("--fp16", "precision", set="fp16"),
     switch("--bf16", "precision", set="bf16"),
@@ -311,8 +310,8 @@ ROWS: tuple = (
     Row("--lr-wsd-decay-iters", "optim.lr_wsd_decay_iters"),
     Row("--lr-wsd-decay-style", "optim.lr_wsd_decay_style"),
     Row("--clip-grad", "train.clip_grad"),
-    uncarried("--decoupled-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
-    uncarried("--decoupled-min-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
+    Row("--decoupled-lr", "optim.decoupled_lr"),
+    Row("--decoupled-min-lr", "optim.decoupled_min_lr"),
     # train
     Row("--micro-batch-size", "train.micro_batch_size"),
     Row("--global-batch-size", "train.global_batch_size", default=_global_batch_size),

@@ -17,7 +17,9 @@ factory builds ``optim._target_`` through `mptrain.components.build`:
 
 Weight decay (Megatron `get_param_groups`): biases and norm params (``ShardSpec.no_weight_decay``)
 go into a group with weight_decay 0; the other group takes ``optim.weight_decay`` (as the
-optimizer default, so that `param_groups` needs no config). ``adam`` is torch's Adam (L2 penalty
+optimizer default, so that `param_groups` needs no config). The input embedding and the output layer
+(``ShardSpec.embedding_or_output``) get groups of their own, which the LR schedule drives by
+``optim.decoupled_lr`` when set (`EMBEDDING_OR_OUTPUT`). ``adam`` is torch's Adam (L2 penalty
 added to the grad); ``adamw`` decouples the decay (Loshchilov & Hutter 2019) — Megatron's
 ``--optimizer adam`` is the decoupled one, i.e. our ``adamw``.
 
@@ -43,7 +45,8 @@ class Optimizer(Protocol):
     """The inner optimizer interface (torch.optim.Optimizer's): what the wrappers and checkpoints use.
 
     - constructor: ``cls(params, **keywords)``; ``params`` = [{"params": [fp32 main params],
-      ("weight_decay": float)}, ...] (a decayed and a no-decay group, always both);
+      ("weight_decay": float)}, ...] (a decayed and a no-decay group, always both; two more marked
+      ``embedding_or_output`` where the embedding or output layer is held: `param_groups`);
     - ``param_groups``: those dicts; the LR schedule writes ``group["lr"]`` (a float, per step) there;
     - ``step()`` updates the params from their ``.grad`` (fp32, already unscaled and clipped);
     - ``state``: {param: {name: tensor | scalar}}: tensors of the param's shape are checkpointed by
@@ -66,27 +69,47 @@ OPTIMIZER = components.ComponentKind(
     "optimizer", methods=("step", "zero_grad", "state_dict", "load_state_dict"), runtime_keywords=("params",),
     interface=Optimizer)
 
+EMBEDDING_OR_OUTPUT = "embedding_or_output"
+"""The param-group key (True) of the groups that hold the embedding and output layer (`param_groups`): the LR
+schedule gives them ``optim.decoupled_lr`` / ``optim.decoupled_min_lr`` when set (`mptrain.optim.lr_scheduler`)."""
+
+
 def param_groups(params: Sequence[torch.nn.Parameter], specs: Sequence, weight_decay: Optional[float] = None) -> list[dict]:
-    """Split params into a decayed and a non-decayed group (always both, possibly empty, in that order).
+    """Split params into a decayed and a non-decayed group (always both, possibly empty, in that order), and the
+    input embedding / output layer (``spec.embedding_or_output``) into two more groups of the same kinds.
+
+    Megatron's ``_get_param_groups`` (megatron/core/optimizer/__init__.py) keys its groups by weight decay and by
+    ``is_embedding_or_output_parameter`` where ``--decoupled-lr`` is set; here the embedding / output groups exist
+    whenever such params do, so that the groups need no config: the LR schedule alone decides whether they run
+    on ``optim.decoupled_lr`` or on ``optim.lr`` (with it unset they carry the same hyperparameters as the first
+    two, so the split changes no update).
 
     Args:
         params: parameters (model or fp32 main params), in a stable order.
-        specs: one `ShardSpec` per param; ``spec.no_weight_decay`` selects the second group.
-        weight_decay: decay of the first group; None leaves the key out, so the optimizer default
+        specs: one `ShardSpec` per param; ``spec.no_weight_decay`` selects the non-decayed kind,
+            ``spec.embedding_or_output`` the embedding / output groups.
+        weight_decay: decay of the decayed groups; None leaves the key out, so the optimizer default
             (``optim.weight_decay`` from `build_optimizer_factory`) applies.
     Returns:
-        [{"params": decayed, ["weight_decay": wd]}, {"params": not_decayed, "weight_decay": 0.0}]
+        [{"params": decayed, ["weight_decay": wd]}, {"params": not_decayed, "weight_decay": 0.0}], followed, when
+        some spec has ``embedding_or_output``, by the same two for those params, marked
+        ``{EMBEDDING_OR_OUTPUT: True}``.
     Raises:
         ValueError: params and specs differ in length.
     """
     if len(params) != len(specs):
         raise ValueError(f"param_groups: {len(params)} params but {len(specs)} specs")
-    decay = [p for p, s in zip(params, specs) if not s.no_weight_decay]
-    no_decay = [p for p, s in zip(params, specs) if s.no_weight_decay]
-    first: dict = {"params": decay}
-    if weight_decay is not None:
-        first["weight_decay"] = float(weight_decay)
-    return [first, {"params": no_decay, "weight_decay": 0.0}]
+    kinds = (False, True) if any(s.embedding_or_output for s in specs) else (False,)
+    groups = []
+    for marked in kinds:
+        decay = [p for p, s in zip(params, specs) if s.embedding_or_output == marked and not s.no_weight_decay]
+        no_decay = [p for p, s in zip(params, specs) if s.embedding_or_output == marked and s.no_weight_decay]
+        first: dict = {"params": decay}
+        if weight_decay is not None:
+            first["weight_decay"] = float(weight_decay)
+        pair = [first, {"params": no_decay, "weight_decay": 0.0}]
+        groups += [{**g, EMBEDDING_OR_OUTPUT: True} for g in pair] if marked else pair
+    return groups
 
 
 def megatron_keywords(cfg) -> dict:

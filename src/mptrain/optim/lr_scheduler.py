@@ -4,9 +4,11 @@ Interface (`LRScheduler`): built from ``optim.lr_scheduler._target_`` with ``opt
 with ``param_groups``) by `build_lr_scheduler`, the one place; the Megatron keys of `optim`
 (``lr``, ``min_lr``, ``lr_warmup_iters``, ``lr_decay_iters``, ``lr_decay_style``,
 ``lr_wsd_decay_iters``, ``lr_wsd_decay_style``, ``lr_warmup_fraction``, ``lr_warmup_samples``,
-``lr_decay_samples``) and ``train_iters``, ``train_samples``, ``global_batch_size``, ``rampup_batch_size`` reach a
-target only where its signature takes them (with ``train.rampup_batch_size`` set, a target must take it:
-`build_lr_scheduler`); keys added with ``+optim.lr_scheduler.<key>=`` go to it as they are.
+``lr_decay_samples``, ``decoupled_lr``, ``decoupled_min_lr``) and ``train_iters``, ``train_samples``,
+``global_batch_size``, ``rampup_batch_size`` reach a target only where its signature takes them (with
+``train.rampup_batch_size`` set, a target must take it: `build_lr_scheduler`); keys added with
+``+optim.lr_scheduler.<key>=`` go to it as they are. A decoupled-LR key set for a target that does not
+take it is an error (the embedding and output layer would run at ``lr`` without a word).
 
 Built-in schedule: Megatron `OptimizerParamScheduler` (megatron/core/optimizer_param_scheduler.py),
 stepped once after every applied optimizer step (``step(increment=1)``). Its position ``n`` and its
@@ -38,6 +40,15 @@ ratios.) The LR used for the next optimizer step is
             c = 1 for n <= D - S, else with q = (n - (D - S)) / S:
             exponential c = 2 * 0.5^q - 1;  linear 1 - q;  cosine (1 + cos(pi q)) / 2;  minus_sqrt 1 - sqrt(q)
 
+Every param group runs this formula with its own ``lr`` / ``min_lr`` (Megatron reads the group's
+``max_lr`` / ``min_lr``): with ``optim.decoupled_lr`` set, the groups of the input embedding and the
+output layer (`mptrain.optim.builders.EMBEDDING_OR_OUTPUT`, the tied copy on the last stage included)
+get ``max_lr = decoupled_lr`` and ``min_lr = decoupled_min_lr`` (null: ``min_lr``, Megatron's
+``_update_min_and_max_lr_in_param_groups``), over the same warmup / decay shape; every other group runs
+on ``lr`` / ``min_lr``, and ``get_lr`` (metrics.jsonl's ``lr``) is theirs. The embedding / output LR of a
+step is therefore ``decoupled_min_lr + c · (decoupled_lr − decoupled_min_lr)`` for the coefficient ``c``
+that ``lr`` shows (``decoupled_lr · n / W`` in warmup).
+
 Skipped steps (fp16 overflow, non-finite grads): the iteration counter advances (a skipped
 iteration counts toward ``train_iters``), the LR schedule does not — the training loop calls
 `step` only after an applied update (Megatron's ``train_step``: ``if update_successful:
@@ -54,6 +65,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 from mptrain import components
 from mptrain.errors import ConfigError
+from mptrain.optim.builders import EMBEDDING_OR_OUTPUT
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +82,8 @@ class LRScheduler(Protocol):
       grads) do not advance it. A schedule built with ``rampup_batch_size=[start, increment, ramp_samples]``
       (``train.rampup_batch_size``; the constructor must take the keyword then) is given the samples of the
       applied step instead: its global batch, which the ramp changes (Megatron's increment);
-    - ``get_lr() -> float``: the LR of the next step (what ``metrics.jsonl``'s ``lr`` shows);
+    - ``get_lr() -> float``: the LR of the next step (what ``metrics.jsonl``'s ``lr`` shows; under
+      ``optim.decoupled_lr``, that of the groups other than the embedding / output ones);
     - ``state_dict() -> dict`` (picklable, saved in every checkpoint) / ``load_state_dict(sd)``
       (restore the position; called after construction on resume).
     """
@@ -188,9 +201,12 @@ class OptimizerParamScheduler:
         global_batch_size: samples per iteration.
         rampup_batch_size: ``train.rampup_batch_size`` ([start, increment, ramp_samples]) or None; set, ``step``'s
             increment is the applied step's samples (its global batch), as Megatron's.
+        decoupled_lr: peak LR of the param groups marked `EMBEDDING_OR_OUTPUT` (None: they run on ``lr``).
+        decoupled_min_lr: their final LR (None: ``min_lr``).
     Raises:
         ConfigError: unknown style; a decaying style without a decay length; decay length <= warmup
-            while decaying; negative lengths; min_lr > lr; WSD lengths out of range; `schedule_lengths`'s rules.
+            while decaying; negative lengths; min_lr > lr; WSD lengths out of range; `schedule_lengths`'s rules;
+            `check_decoupled_lr`'s.
     """
 
     def __init__(
@@ -211,6 +227,8 @@ class OptimizerParamScheduler:
         train_samples: Optional[int] = None,
         global_batch_size: Optional[int] = None,
         rampup_batch_size: Optional[list] = None,
+        decoupled_lr: Optional[float] = None,
+        decoupled_min_lr: Optional[float] = None,
     ) -> None:
         unit, self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps = schedule_lengths(
             lr_warmup_iters=lr_warmup_iters, lr_decay_iters=lr_decay_iters, lr_warmup_fraction=lr_warmup_fraction,
@@ -230,39 +248,54 @@ class OptimizerParamScheduler:
         self.lr_warmup_fraction = lr_warmup_fraction
         self.lr_warmup_samples = int(lr_warmup_samples)
         self.lr_decay_samples = None if lr_decay_samples is None else int(lr_decay_samples)
+        check_decoupled_lr(min_lr=self.min_lr, decoupled_lr=decoupled_lr, decoupled_min_lr=decoupled_min_lr)
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        self.decoupled_min_lr = None if decoupled_min_lr is None else float(decoupled_min_lr)
+        if self.decoupled_lr is not None:
+            # the groups carry their own LR range, as Megatron's param groups do (`_lr_of` reads it)
+            low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            for group in optimizer.param_groups:
+                if group.get(EMBEDDING_OR_OUTPUT):
+                    group["max_lr"], group["min_lr"] = self.decoupled_lr, low
         self.num_steps = 0
         self.step(0)  # set the LR of the first iteration
 
     def get_lr(self) -> float:
-        """The LR for the next optimizer step (after ``num_steps`` steps), per the module docstring."""
+        """The LR for the next optimizer step (after ``num_steps`` steps) of the groups on ``lr`` / ``min_lr``,
+        per the module docstring."""
+        return self._lr_of(self.max_lr, self.min_lr)
+
+    def _lr_of(self, max_lr: float, min_lr: float) -> float:
+        """The schedule's LR for the next step of a group whose range is [min_lr, max_lr] (Megatron's
+        ``get_lr(param_group)``)."""
         n, w, d = self.num_steps * self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps
         if w > 0 and n <= w:
-            return self.max_lr * n / w
+            return max_lr * n / w
         if self.lr_decay_style == "constant":
-            return self.max_lr
+            return max_lr
         if d is not None and n > d:
-            return self.min_lr
+            return min_lr
         if self.lr_decay_style == "inverse-square-root":
-            return max(self.min_lr, self.max_lr * max(w, 1) ** 0.5 / max(n, 1) ** 0.5)
+            return max(min_lr, max_lr * max(w, 1) ** 0.5 / max(n, 1) ** 0.5)
         if self.lr_decay_style == "WSD":
             anneal_start = d - self.lr_wsd_decay_iters
             coefficient = 1.0 if n <= anneal_start else LR_WSD_DECAY_STYLES[self.lr_wsd_decay_style](
                 (n - anneal_start) / self.lr_wsd_decay_iters)
         else:
             coefficient = _DECAY[self.lr_decay_style]((n - w) / (d - w))
-        return self.min_lr + coefficient * (self.max_lr - self.min_lr)
+        return min_lr + coefficient * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advance by ``increment`` applied optimizer steps (with a ramp: samples) and set the new LR; returns it."""
+        """Advance by ``increment`` applied optimizer steps (with a ramp: samples) and set every group's new LR
+        (its own range: the embedding / output groups' under ``decoupled_lr``); returns `get_lr`'s."""
         self.num_steps += increment
-        new_lr = self.get_lr()
         for group in self.optimizer.param_groups:
-            group["lr"] = new_lr
-        return new_lr
+            group["lr"] = self._lr_of(group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr))
+        return self.get_lr()
 
     _SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
                       "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples",
-                      "samples_per_step")
+                      "samples_per_step", "decoupled_lr", "decoupled_min_lr")
 
     def state_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self._SCHEDULE_KEYS}, "num_steps": self.num_steps}
@@ -279,6 +312,32 @@ class OptimizerParamScheduler:
                                key, state_dict[key], getattr(self, key))
         self.num_steps = int(state_dict["num_steps"])
         self.step(0)
+
+
+def check_decoupled_lr(*, min_lr: float, decoupled_lr: Optional[float], decoupled_min_lr: Optional[float]) -> None:
+    """The rules of ``optim.decoupled_lr`` / ``optim.decoupled_min_lr`` (Megatron's ``--decoupled-lr`` /
+    ``--decoupled-min-lr``): the embedding and output layer's range [decoupled_min_lr (null: min_lr), decoupled_lr].
+
+    Raises:
+        ConfigError: decoupled_min_lr without decoupled_lr (it would change nothing); a negative value; the
+            range's low end above decoupled_lr.
+    """
+    if decoupled_lr is None:
+        if decoupled_min_lr is not None:
+            raise ConfigError(f"optim.decoupled_min_lr={decoupled_min_lr} has no effect without optim.decoupled_lr (the "
+                              "embedding and output layer's peak LR); set optim.decoupled_lr, or "
+                              "optim.decoupled_min_lr=null")
+        return
+    if decoupled_lr < 0 or (decoupled_min_lr is not None and decoupled_min_lr < 0):
+        raise ConfigError(f"optim.decoupled_lr={decoupled_lr} and optim.decoupled_min_lr={decoupled_min_lr} must be "
+                          ">= 0 (null: off / optim.min_lr)")
+    if decoupled_min_lr is None and min_lr > decoupled_lr:
+        raise ConfigError(f"optim.min_lr={min_lr} (the embedding and output layer's final LR while "
+                          f"optim.decoupled_min_lr is null) must be <= optim.decoupled_lr={decoupled_lr}; set "
+                          "optim.decoupled_min_lr")
+    if decoupled_min_lr is not None and decoupled_min_lr > decoupled_lr:
+        raise ConfigError(f"optim.decoupled_min_lr={decoupled_min_lr} must be <= optim.decoupled_lr={decoupled_lr}; "
+                          "lower optim.decoupled_min_lr")
 
 
 def check_lr_schedule_values(*, lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_decay_style, lr_wsd_decay_iters,
@@ -328,7 +387,8 @@ def scheduler_keywords(optim_cfg, train_iters: Optional[int], *, train_samples: 
                        global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None) -> dict:
     """The Megatron-named keys a schedule target may take (each passed only if its signature takes it)."""
     keys = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
-            "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples")
+            "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples", "decoupled_lr",
+            "decoupled_min_lr")
     return {**{k: getattr(optim_cfg, k) for k in keys}, "train_iters": train_iters, "train_samples": train_samples,
             "global_batch_size": global_batch_size,
             "rampup_batch_size": None if rampup_batch_size is None else [int(v) for v in rampup_batch_size]}
@@ -341,17 +401,22 @@ def build_lr_scheduler(optim_cfg, optimizer, *, train_iters: Optional[int] = Non
     Raises:
         ConfigError: the component checks (`mptrain.components.build`) or the schedule's own rules; with
             ``rampup_batch_size`` a target whose constructor does not take it (its ``step`` would read the
-            samples the trainer passes as optimizer steps).
+            samples the trainer passes as optimizer steps); a decoupled-LR key set for a target that does not take it.
     """
     key, node = "optim.lr_scheduler", optim_cfg.lr_scheduler
     mapped = scheduler_keywords(optim_cfg, train_iters, train_samples=train_samples,
                                 global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)
-    if rampup_batch_size is not None and "rampup_batch_size" not in components.resolve(key, node, LR_SCHEDULER,
-                                                                                         mapped=mapped)[1]:
+    _, taken = components.resolve(key, node, LR_SCHEDULER, mapped=mapped)
+    if rampup_batch_size is not None and "rampup_batch_size" not in taken:
         target = components.node_items(node).get("_target_")
         raise ConfigError(f"{key}._target_={target} does not take rampup_batch_size, which train.rampup_batch_size "
                           "needs (the trainer then steps the schedule by each step's samples); add the keyword to "
                           "its constructor, or set train.rampup_batch_size=null")
+    for name in ("decoupled_lr", "decoupled_min_lr"):
+        if mapped[name] is not None and name not in taken:  # silently dropped, the embedding would run at lr
+            raise ConfigError(f"optim.{name}={mapped[name]}: {key}._target_={components.node_items(node).get('_target_')}"
+                              f" does not take {name}; set optim.{name}=null or use a schedule that takes it "
+                              f"({__name__}.OptimizerParamScheduler does)")
     return components.build(key, node, LR_SCHEDULER, runtime={"optimizer": optimizer}, mapped=mapped,
                             partial=False)  # `_partial_: true` says the runtime passes the optimizer: it does, here
 

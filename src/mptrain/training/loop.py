@@ -53,6 +53,7 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
             profiler.close()  # a run that ends inside the window still writes what it recorded
     if profiler.trace is not None:
         recorder.log(f"profile: trace written to {profiler.trace}")  # rank 0's, when it profiles
+    built.trainer.finish_param_sync()  # parallel.overlap_param_gather: the last step's params, landed
     checkpointer.wait()
     watch.end()  # no more training steps: the final evaluation and the layout gather
     if stopped is None:

@@ -119,6 +119,7 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
                 bucket_size=cfg.parallel.bucket_size,
                 use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+                overlap_param_gather=cfg.parallel.overlap_param_gather,
             )
         )
     scaler = build_loss_scaler(cfg.loss_scaler, cfg.precision.name)

@@ -189,7 +189,17 @@ class Trainer:
     def _weights_settled(self):
         """The context of a schedule call, in which the weights do not change: the FP8 weight casts are made
         once and used by every micro-batch (nothing without FP8 weight casts)."""
-        return self.fp8_weight_casts.cached() if self.fp8_weight_casts else contextlib.nullcontext()
+        if not self.fp8_weight_casts:
+            return contextlib.nullcontext()
+        self.finish_param_sync()  # the casts read every weight before the forward's pre-hooks would wait
+        return self.fp8_weight_casts.cached()
+
+    def finish_param_sync(self) -> None:
+        """Every param all-gather left pending by the last optimizer step (``parallel.overlap_param_gather``)
+        lands in the params: before anything reads them outside a training forward (evaluation, a checkpoint
+        save, the FP8 weight casts, the end of training)."""
+        for chunk in self.chunks:
+            chunk.finish_param_sync()
 
     def __post_init__(self) -> None:
         self._launched: Optional[_Launched] = None
@@ -299,6 +309,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, make_iterators: Callable[[], list], eval_iters: int) -> float:
         """Mean loss over `eval_iters` global batches (forward only); known on every rank."""
+        self.finish_param_sync()  # Megatron's disable_forward_pre_hook before evaluation
         for chunk in self.chunks:
             chunk.eval()
         iterators = make_iterators()

@@ -29,6 +29,7 @@ from mptrain.config.schema import Config, as_config
 from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
+from mptrain.distributed.param_gather import check_overlap_param_gather
 from mptrain.errors import ConfigError
 from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
@@ -152,8 +153,8 @@ def check_ramp_schedule(cfg: Config, tp: int, pp: int, vpp: Optional[int], dp: i
 def resolve_loss_scaler(cfg: Config) -> str:
     """Start-up check of the precision / optimizer components (their rules live in their modules):
     precision name, loss scaler (built once: the fp16 rule), optimizer (a throwaway instance), LR
-    schedule (a throwaway instance on it), wrapper class. Returns the scaling that runs (none |
-    dynamic | constant).
+    schedule (a throwaway instance on it), wrapper class and the param all-gather's overlap. Returns the
+    scaling that runs (none | dynamic | constant).
 
     Raises:
         ConfigError: one line naming the key, the dotted path and the fix.
@@ -166,6 +167,7 @@ def resolve_loss_scaler(cfg: Config) -> str:
                        train_samples=cfg.train.train_samples, global_batch_size=cfg.train.global_batch_size,
                        rampup_batch_size=cfg.train.rampup_batch_size)
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
+    check_overlap_param_gather(cfg.parallel)  # its rules live with the param all-gather
     return label
 
 
