@@ -465,8 +465,11 @@ class MockDataProvider(GPTDataProvider):
             )
 
     def _build_splits(self) -> dict[str, Any]:
+        # a split data.split gives no weight has no data (Megatron's mock datasets: its evaluation is skipped);
+        # the others are unbounded, so their weights size nothing
+        weights = dict(zip(SPLITS, parse_split(self.split)))
         return {s: MockDataset(vocab_size=self.vocab_size, seq_length=self.seq_length, seed=self.seed, split=s)
-                for s in SPLITS}
+                if weights[s] > 0 else None for s in SPLITS}
 
 
 class IndexedDataProvider(GPTDataProvider):

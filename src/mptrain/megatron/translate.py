@@ -135,7 +135,9 @@ def translate(argv: Sequence[str], *, world_size: int = 1, mock_data: bool = Fal
             continue
         if not overrides:
             out.nothing.append((shown, row.why))
-        if mock_data and overrides and all(o.lstrip("+").startswith("data") for o in overrides):
+        # data=mock keeps data.split (a split of weight 0 has no data there too, as Megatron's mock datasets)
+        if mock_data and overrides and all(o.lstrip("+").startswith("data") and not o.startswith("data.split=")
+                                           for o in overrides):
             out.replaced.append(shown)
             continue
         for o in overrides:
