@@ -202,9 +202,10 @@ class BatchSizeSchedule:
     def _iterations_at_entry(self, consumed_samples: int, limit: Optional[int] = None) -> Optional[int]:
         """Iterations from ``consumed_samples`` at the step schedule's entry in force there: those beginning below
         the next threshold and below ``limit``; None when neither bounds them (the last entry, no limit)."""
-        following = self._entry(consumed_samples) + 1
-        bounds = [b for b in (limit, self.step_batch_size_schedule[following][0]
-                              if following < len(self.step_batch_size_schedule) else None) if b is not None]
+        entries, following = self.step_batch_size_schedule, self._entry(consumed_samples) + 1
+        bounds = [] if limit is None else [limit]
+        if following < len(entries):
+            bounds.append(entries[following][0])
         if not bounds:
             return None
         return -(-(min(bounds) - consumed_samples) // self.at(consumed_samples))  # ceil: each that begins below
