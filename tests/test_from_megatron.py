@@ -32,7 +32,8 @@ GPT3_OVERRIDES = [
     "precision=fp16", "optim=adamw", "data=indexed", "logger=tensorboard",
     "model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=8", "model.seq_length=64",
     "model.max_position_embeddings=64", "train.micro_batch_size=1", "train.global_batch_size=4",
-    "train.train_iters=2", "optim.weight_decay=0.1", "optim.adam_beta1=0.9", "optim.adam_beta2=0.95",
+    'train.step_batch_size_schedule="0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"', "train.train_iters=2",
+    "optim.weight_decay=0.1", "optim.adam_beta1=0.9", "optim.adam_beta2=0.95",
     "model.init_method_std=0.006", "train.clip_grad=1.0", "optim.lr=6.0e-5", "optim.lr_decay_style=cosine",
     "optim.min_lr=6.0e-6", "optim.lr_warmup_fraction=.001", "optim.lr_decay_iters=2",
     "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
@@ -44,7 +45,7 @@ GPT3_OVERRIDES = [
     # Megatron's defaults where mptrain's differ
     "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.timing_log_level=0",
 ]
-GPT3_UNCARRIED = ["--step-batch-size-schedule"]
+GPT3_UNCARRIED = []
 
 LLAMA_UNCARRIED = ["--empty-unused-memory-level", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
                    "--tiktoken-pattern", "--no-mmap-bin-files", "--num-workers"]
@@ -67,7 +68,10 @@ def test_gpt3_175b_translation():
     assert t.overrides == GPT3_OVERRIDES
     assert [u[0] for u in t.uncarried] == GPT3_UNCARRIED
     assert [n[0] for n in t.nothing] == ["--attention-backend auto", "--merge-file MERGES"]
-    assert t.uncarried[0][1] == "--step-batch-size-schedule 0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"
+    from train_utils import compose  # the quoted override composes to Megatron's one string
+
+    schedule = next(o for o in t.overrides if o.startswith("train.step_batch_size_schedule="))
+    assert compose([schedule]).train.step_batch_size_schedule == "0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"
 
 
 def test_llama3_8b_fp8_translation(tmp_path, monkeypatch):
@@ -242,7 +246,8 @@ def test_cli(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("torchrun --nproc_per_node 4 --nnodes 1 --master_addr localhost --master_port 29500 train.py \\\n")
     assert "    'data.split=\"949,50,1\"' \\\n" in out
-    assert "--step-batch-size-schedule 0:16" in err and "model.hidden_dropout=0.1  (--hidden-dropout unset)" in err
+    assert "    'train.step_batch_size_schedule=\"0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536\"' \\\n" in out
+    assert "model.hidden_dropout=0.1  (--hidden-dropout unset)" in err and err.endswith("# not carried: none\n")
     assert main(["--world-size", "2", "--", "--num-layers", "2"]) == 0
     assert capsys.readouterr().out.startswith("torchrun --nproc_per_node=2 train.py \\\n    optim=adamw \\\n    model.num_layers=2 \\\n")
     assert main(["no_such_script.sh"]) == 1
@@ -291,7 +296,8 @@ def test_table_into_a_closed_pipe_prints_no_traceback(tmp_path):
 
 
 def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):
-    """The translation (with --mock-data) trains 2 iterations at tp2 pp2 on 4 gloo processes."""
+    """The translation (with --mock-data) trains 2 iterations at tp2 pp2 on 4 gloo processes, each of the step
+    schedule's first global batch (16 samples, its entry 0:16; --global-batch-size 4 is the evaluation's)."""
     from harness import run_distributed
     from train_utils import run_job
 
@@ -303,6 +309,8 @@ def test_gpt3_175b_runs_on_4_cpu_processes(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]
     assert [r["iteration"] for r in train] == [1, 2]
+    assert [(r["global_batch_size"], r["num_microbatches"], r["consumed_samples"]) for r in train] == [(16, 16, 16),
+                                                                                                    (16, 16, 32)]
     assert all(r["lm_loss"] > 0 for r in train)
     config = (run_dir / "config.yaml").read_text()
     assert re.search(r"hidden_dropout: 0\.1", config) and re.search(r"name: fp16", config)

@@ -8,13 +8,14 @@ from typing import Any, Dict, List, Optional
 from mptrain.config.batch_size import BatchSizeSchedule
 
 
-def train_iters_of(train) -> Optional[int]:
+def train_iters_of(train, *, seq_length: Optional[int] = None) -> Optional[int]:
     """The run's last iteration: ``train.train_iters``, or with ``train.train_samples`` set Megatron's
     ``update_train_iters``: train_samples // global_batch_size (a last partial batch is not trained), or with
-    ``train.rampup_batch_size`` the ramp's iterations then the full batch's (`BatchSizeSchedule.train_iters`)."""
+    ``train.rampup_batch_size`` / ``train.step_batch_size_schedule`` its count (`BatchSizeSchedule.train_iters`;
+    ``seq_length``: model.seq_length, which turns a step schedule's token thresholds into samples)."""
     if train.train_samples is None:
         return train.train_iters
-    return BatchSizeSchedule.of(train).train_iters(train.train_samples)
+    return BatchSizeSchedule.of(train, seq_length=seq_length).train_iters(train.train_samples)
 
 
 @dataclasses.dataclass
@@ -24,7 +25,7 @@ class TrainConfig:
     with train_samples, which then sets it (`train_iters_of`; config.yaml records the derived value)."""
     train_samples: Optional[int] = None
     """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size
-    (with rampup_batch_size: Megatron's count over the ramp, `train_iters_of`), and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
+    (with rampup_batch_size / step_batch_size_schedule: Megatron's count over it, `train_iters_of`), and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
     null = train by train_iters. Needs train.train_iters=null (both set is an error, as in Megatron, unless train_iters is the derived value)."""
     exit_interval: Optional[int] = None
     """Save a checkpoint and exit 0 after this iteration."""
@@ -36,13 +37,23 @@ class TrainConfig:
     """Samples per micro-batch per DP rank."""
     global_batch_size: int = 8
     """Samples per iteration over all DP ranks; must be divisible by micro_batch_size × dp. With
-    rampup_batch_size: the batch the ramp ends at."""
+    rampup_batch_size: the batch the ramp ends at. With step_batch_size_schedule: not the training batch; the
+    evaluation's global batch and the samples of one iteration where an LR length counts iterations
+    (Megatron takes micro_batch_size × dp there, `mptrain.config.batch_size`)."""
     rampup_batch_size: Optional[List[int]] = None
     """Megatron's --rampup-batch-size: [start, increment, ramp_samples]: the global batch starts at start
     and grows by increment every ramp_samples / ((global_batch_size - start) / increment) consumed samples
     until it reaches global_batch_size (`mptrain.config.batch_size`); each reached batch must be a multiple
     of micro_batch_size × dp. Needs train.train_samples (iterations: Megatron's update_train_iters); the LR
     schedule then counts the samples of each applied step. null = a constant global batch."""
+    step_batch_size_schedule: Optional[str] = None
+    """Megatron's --step-batch-size-schedule: "THRESHOLD:BATCH THRESHOLD:BATCH ...", e.g. "0:16 2.4B:320 12B:1536":
+    from THRESHOLD tokens trained (K / M / B / T = 10^3 / 10^6 / 10^9 / 10^12; tokens // model.seq_length
+    samples) the global batch is BATCH (`mptrain.config.batch_size`). The first threshold is 0; each reached
+    batch a multiple of micro_batch_size × dp, never decreasing. Training by train_iters or train_samples
+    (iterations: Megatron's update_train_iters, the last batch trained whole); the LR schedule counts the
+    samples of each applied step. One string (spaces or commas between entries; quote it on the command
+    line: 'train.step_batch_size_schedule="0:16 2.4B:320"'). Not with rampup_batch_size. null = off."""
     seed: int = 1234
     """Init and dropout seed."""
     clip_grad: float = 1.0

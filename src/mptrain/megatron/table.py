@@ -185,6 +185,11 @@ def rampup_batch_size(values: list) -> list:
     return [f"train.rampup_batch_size=[{','.join(v.strip() for v in values)}]"]
 
 
+def step_batch_size_schedule(values: list) -> list:
+    """train.step_batch_size_schedule="THRESHOLD:BATCH ..." (Megatron's one string as given; the run checks it)."""
+    return [f"train.step_batch_size_schedule={hydra_value(' '.join(v.strip() for v in values))}"]
+
+
 def minutes_to_s(key: str) -> Callable:
     return lambda values: [f"{key}={float(values[0]) * 60:g}"]
 
@@ -328,8 +333,8 @@ ROWS: tuple = (
     Row("--timing-log-level", "train.timing_log_level", default=0),
     nothing("--calculate-per-token-loss", "the loss is always the mean over the global batch's loss-masked tokens"),
     nothing("--log-throughput", "every metrics.jsonl row has tokens_per_s, tflops_per_gpu and mfu"),
-    uncarried("--step-batch-size-schedule", NO_EQUIVALENT,
-              "no step schedule of batch sizes; the linear ramp of --rampup-batch-size is train.rampup_batch_size"),
+    Row("--step-batch-size-schedule", convert=step_batch_size_schedule,
+        why='train.step_batch_size_schedule="0:16 2.4B:320 ..." (thresholds in tokens, as Megatron\'s)'),
     Row("--rampup-batch-size", convert=rampup_batch_size,
         why="train.rampup_batch_size=[start,increment,ramp_samples] (needs --train-samples, as in Megatron)"),
     uncarried("--empty-unused-memory-level", GPU_ONLY, "torch.cuda.empty_cache after steps; mptrain leaves the caching allocator alone"),

@@ -5,8 +5,9 @@ with ``param_groups``) by `build_lr_scheduler`, the one place; the Megatron keys
 (``lr``, ``min_lr``, ``lr_warmup_iters``, ``lr_decay_iters``, ``lr_decay_style``,
 ``lr_wsd_decay_iters``, ``lr_wsd_decay_style``, ``lr_warmup_fraction``, ``lr_warmup_samples``,
 ``lr_decay_samples``, ``decoupled_lr``, ``decoupled_min_lr``) and ``train_iters``, ``train_samples``,
-``global_batch_size``, ``rampup_batch_size`` reach a target only where its signature takes them (with
-``train.rampup_batch_size`` set, a target must take it: `build_lr_scheduler`); keys added with
+``global_batch_size``, ``rampup_batch_size``, ``step_batch_size_schedule`` reach a target only where its
+signature takes them (with ``train.rampup_batch_size`` or ``train.step_batch_size_schedule`` set, a target must
+take that keyword: `build_lr_scheduler`); keys added with
 ``+optim.lr_scheduler.<key>=`` go to it as they are. A decoupled-LR key set for a target that does not
 take it is an error (the embedding and output layer would run at ``lr`` without a word).
 
@@ -19,10 +20,14 @@ lengths W (warmup) and D (decay) share one unit, as Megatron's ``get_optimizer_p
     sample-based (train.train_samples):   n = applied steps × global_batch_size (Megatron's increment:
                                           the samples of one iteration), W = lr_warmup_samples,
                                           D = lr_decay_samples
-    batch-size ramp-up (train.rampup_batch_size, sample-based):
+    batch-size ramp-up (train.rampup_batch_size, sample-based) or step schedule
+    (train.step_batch_size_schedule, sample-based):
                                           n = the samples of the applied steps, each step's own global
                                           batch (the trainer calls ``step(increment=<its global batch>)``,
                                           as Megatron's ``opt_param_scheduler.step(increment=...)``)
+    step schedule, iteration-based:       n = those samples / global_batch_size, W = lr_warmup_iters,
+                                          D = lr_decay_iters (Megatron: n in samples against
+                                          lr_*_iters × global_batch_size; the same ratios)
     lr_warmup_fraction f (either unit):   W = f × D, with D = train_iters / train_samples where
                                           lr_decay_iters / lr_decay_samples is null (Megatron's
                                           default for the decay length)
@@ -130,20 +135,23 @@ _DECAY = {"linear": _linear, "cosine": _cosine}
 def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_warmup_fraction: Optional[float] = None,
                      train_iters: Optional[int] = None, lr_warmup_samples: int = 0,
                      lr_decay_samples: Optional[int] = None, train_samples: Optional[int] = None,
-                     global_batch_size: Optional[int] = None,
-                     rampup_batch_size: Optional[list] = None) -> tuple[str, int, float, Optional[int]]:
-    """(unit, samples per ``step`` increment, W, D) of the schedule, per the module docstring; unit = "iters" or
-    "samples" (the suffix of the keys that set W and D, for messages). With ``rampup_batch_size`` the increment
-    is already in samples (1 sample per unit).
+                     global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None,
+                     step_batch_size_schedule: Optional[str] = None) -> tuple[str, int, int, float, Optional[int]]:
+    """(unit, samples per ``step`` increment, samples per unit, W, D) of the schedule, per the module docstring;
+    unit = "iters" or "samples" (the suffix of the keys that set W and D, for messages). With ``rampup_batch_size``
+    or ``step_batch_size_schedule`` the increment is already in samples (1 sample per increment); iteration-based
+    with a step schedule, a unit is global_batch_size samples.
 
     Raises:
         ConfigError: lr_warmup_fraction outside [0, 1], or with lr_warmup_iters / lr_warmup_samples > 0 (Megatron:
             one of them); sample keys without train.train_samples; iteration keys with it; negative lengths;
-            rampup_batch_size without train.train_samples.
+            rampup_batch_size without train.train_samples; no global_batch_size where a unit needs it.
     """
     if lr_warmup_fraction is not None and not 0.0 <= lr_warmup_fraction <= 1.0:
         raise ConfigError(f"optim.lr_warmup_fraction={lr_warmup_fraction} must be in [0, 1] (the share of the decay "
                           "length spent warming up), or null")
+    varying = rampup_batch_size is not None or step_batch_size_schedule is not None
+    per_unit = 1
     if train_samples is None:
         if rampup_batch_size is not None:  # the ramp's rule (mptrain.config.batch_size), for a direct caller
             raise ConfigError(f"train.rampup_batch_size={list(rampup_batch_size)} needs training by samples; set "
@@ -155,6 +163,11 @@ def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_
                               f"train.train_samples (and train.train_iters=null), or {key.replace('samples', 'iters')} "
                               f"instead")
         unit, per_step, warmup, decay, horizon = "iters", 1, lr_warmup_iters, lr_decay_iters, train_iters
+        if varying:  # step schedule: the trainer passes each step's samples; an iteration is global_batch_size of them
+            if global_batch_size is None:
+                raise ConfigError("train.step_batch_size_schedule with train.train_iters needs train.global_batch_size "
+                                  "(the samples of one iteration of the LR lengths)")
+            per_unit = int(global_batch_size)
     else:
         for key, value, off in (("optim.lr_warmup_iters", lr_warmup_iters, 0), ("optim.lr_decay_iters", lr_decay_iters,
                                                                                 None)):
@@ -164,8 +177,8 @@ def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_
                                   f"and {key}={'null' if off is None else off}")
         if global_batch_size is None:
             raise ConfigError("train.train_samples needs train.global_batch_size (the samples of one iteration)")
-        # with a ramp the trainer passes each step's samples (its global batch varies); else one step = one batch
-        per_step = 1 if rampup_batch_size is not None else int(global_batch_size)
+        # with a varying batch the trainer passes each step's samples; else one step = one batch
+        per_step = 1 if varying else int(global_batch_size)
         unit, warmup, decay, horizon = "samples", lr_warmup_samples, lr_decay_samples, train_samples
     if warmup < 0 or (decay is not None and decay < 0):
         raise ConfigError(f"optim: lr_warmup_{unit}={warmup} and lr_decay_{unit}={decay} must be >= 0")
@@ -178,7 +191,7 @@ def schedule_lengths(*, lr_warmup_iters: int, lr_decay_iters: Optional[int], lr_
             raise ConfigError(f"optim.lr_warmup_fraction={lr_warmup_fraction} needs optim.lr_decay_{unit} or "
                               f"train.train_{unit} (the length it is a fraction of); set one")
         warmup = lr_warmup_fraction * base  # Megatron: lr_warmup_steps = lr_warmup_fraction * lr_decay_steps
-    return unit, per_step, warmup, decay
+    return unit, per_step, per_unit, warmup, decay
 
 
 class OptimizerParamScheduler:
@@ -201,6 +214,8 @@ class OptimizerParamScheduler:
         global_batch_size: samples per iteration.
         rampup_batch_size: ``train.rampup_batch_size`` ([start, increment, ramp_samples]) or None; set, ``step``'s
             increment is the applied step's samples (its global batch), as Megatron's.
+        step_batch_size_schedule: ``train.step_batch_size_schedule`` or None; set, likewise (iteration-based: the
+            position counts those samples in iterations of global_batch_size).
         decoupled_lr: peak LR of the param groups marked `EMBEDDING_OR_OUTPUT` (None: they run on ``lr``).
         decoupled_min_lr: their final LR (None: ``min_lr``).
     Raises:
@@ -227,13 +242,15 @@ class OptimizerParamScheduler:
         train_samples: Optional[int] = None,
         global_batch_size: Optional[int] = None,
         rampup_batch_size: Optional[list] = None,
+        step_batch_size_schedule: Optional[str] = None,
         decoupled_lr: Optional[float] = None,
         decoupled_min_lr: Optional[float] = None,
     ) -> None:
-        unit, self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps = schedule_lengths(
+        unit, self.samples_per_step, self.samples_per_unit, self.lr_warmup_steps, self.lr_decay_steps = schedule_lengths(
             lr_warmup_iters=lr_warmup_iters, lr_decay_iters=lr_decay_iters, lr_warmup_fraction=lr_warmup_fraction,
             train_iters=train_iters, lr_warmup_samples=lr_warmup_samples, lr_decay_samples=lr_decay_samples,
-            train_samples=train_samples, global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)
+            train_samples=train_samples, global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size,
+            step_batch_size_schedule=step_batch_size_schedule)
         check_lr_schedule_values(lr=lr, min_lr=min_lr, lr_warmup_iters=self.lr_warmup_steps,
                                  lr_decay_iters=self.lr_decay_steps, lr_decay_style=lr_decay_style,
                                  lr_wsd_decay_iters=lr_wsd_decay_iters, lr_wsd_decay_style=lr_wsd_decay_style, unit=unit)
@@ -269,6 +286,8 @@ class OptimizerParamScheduler:
         """The schedule's LR for the next step of a group whose range is [min_lr, max_lr] (Megatron's
         ``get_lr(param_group)``)."""
         n, w, d = self.num_steps * self.samples_per_step, self.lr_warmup_steps, self.lr_decay_steps
+        if self.samples_per_unit != 1:  # iteration-based with a step schedule: samples -> iterations of the unit
+            n = n / self.samples_per_unit
         if w > 0 and n <= w:
             return max_lr * n / w
         if self.lr_decay_style == "constant":
@@ -286,7 +305,7 @@ class OptimizerParamScheduler:
         return min_lr + coefficient * (max_lr - min_lr)
 
     def step(self, increment: int = 1) -> float:
-        """Advance by ``increment`` applied optimizer steps (with a ramp: samples) and set every group's new LR
+        """Advance by ``increment`` applied optimizer steps (with a ramp or a step schedule: samples) and set every group's new LR
         (its own range: the embedding / output groups' under ``decoupled_lr``); returns `get_lr`'s."""
         self.num_steps += increment
         for group in self.optimizer.param_groups:
@@ -295,7 +314,7 @@ class OptimizerParamScheduler:
 
     _SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
                       "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples",
-                      "samples_per_step", "decoupled_lr", "decoupled_min_lr")
+                      "samples_per_step", "samples_per_unit", "decoupled_lr", "decoupled_min_lr")
 
     def state_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self._SCHEDULE_KEYS}, "num_steps": self.num_steps}
@@ -384,34 +403,40 @@ def check_lr_schedule_values(*, lr, min_lr, lr_warmup_iters, lr_decay_iters, lr_
 
 
 def scheduler_keywords(optim_cfg, train_iters: Optional[int], *, train_samples: Optional[int] = None,
-                       global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None) -> dict:
+                       global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None,
+                       step_batch_size_schedule: Optional[str] = None) -> dict:
     """The Megatron-named keys a schedule target may take (each passed only if its signature takes it)."""
     keys = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_wsd_decay_iters",
             "lr_wsd_decay_style", "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples", "decoupled_lr",
             "decoupled_min_lr")
     return {**{k: getattr(optim_cfg, k) for k in keys}, "train_iters": train_iters, "train_samples": train_samples,
             "global_batch_size": global_batch_size,
-            "rampup_batch_size": None if rampup_batch_size is None else [int(v) for v in rampup_batch_size]}
+            "rampup_batch_size": None if rampup_batch_size is None else [int(v) for v in rampup_batch_size],
+            "step_batch_size_schedule": step_batch_size_schedule}
 
 
 def build_lr_scheduler(optim_cfg, optimizer, *, train_iters: Optional[int] = None, train_samples: Optional[int] = None,
-                       global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None):
+                       global_batch_size: Optional[int] = None, rampup_batch_size: Optional[list] = None,
+                       step_batch_size_schedule: Optional[str] = None):
     """The LR schedule of ``optim.lr_scheduler`` for ``optimizer`` (the one place it is built).
 
     Raises:
         ConfigError: the component checks (`mptrain.components.build`) or the schedule's own rules; with
-            ``rampup_batch_size`` a target whose constructor does not take it (its ``step`` would read the
-            samples the trainer passes as optimizer steps); a decoupled-LR key set for a target that does not take it.
+            ``rampup_batch_size`` or ``step_batch_size_schedule`` a target whose constructor does not take that
+            keyword (its ``step`` would read the samples the trainer passes as optimizer steps); a decoupled-LR key
+            set for a target that does not take it.
     """
     key, node = "optim.lr_scheduler", optim_cfg.lr_scheduler
     mapped = scheduler_keywords(optim_cfg, train_iters, train_samples=train_samples,
-                                global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)
+                                global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size,
+                                step_batch_size_schedule=step_batch_size_schedule)
     _, taken = components.resolve(key, node, LR_SCHEDULER, mapped=mapped)
-    if rampup_batch_size is not None and "rampup_batch_size" not in taken:
-        target = components.node_items(node).get("_target_")
-        raise ConfigError(f"{key}._target_={target} does not take rampup_batch_size, which train.rampup_batch_size "
-                          "needs (the trainer then steps the schedule by each step's samples); add the keyword to "
-                          "its constructor, or set train.rampup_batch_size=null")
+    for name in ("rampup_batch_size", "step_batch_size_schedule"):
+        if mapped[name] is not None and name not in taken:
+            target = components.node_items(node).get("_target_")
+            raise ConfigError(f"{key}._target_={target} does not take {name}, which train.{name} needs (the trainer "
+                              "then steps the schedule by each step's samples); add the keyword to its constructor, "
+                              f"or set train.{name}=null")
     for name in ("decoupled_lr", "decoupled_min_lr"):
         if mapped[name] is not None and name not in taken:  # silently dropped, the embedding would run at lr
             raise ConfigError(f"optim.{name}={mapped[name]}: {key}._target_={components.node_items(node).get('_target_')}"
@@ -423,10 +448,11 @@ def build_lr_scheduler(optim_cfg, optimizer, *, train_iters: Optional[int] = Non
 
 def check_lr_scheduler(optim_cfg, train_iters: Optional[int] = None, optimizer=None, *,
                        train_samples: Optional[int] = None, global_batch_size: Optional[int] = None,
-                       rampup_batch_size: Optional[list] = None) -> None:
+                       rampup_batch_size: Optional[list] = None, step_batch_size_schedule: Optional[str] = None) -> None:
     """Start-up check (pure): build a throwaway schedule on ``optimizer`` (a stand-in with one param group
     when None), so a bad target or bad LR keys are one ConfigError line before any collective."""
     if optimizer is None:
         optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.0}])
     build_lr_scheduler(optim_cfg, optimizer, train_iters=train_iters, train_samples=train_samples,
-                       global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size)
+                       global_batch_size=global_batch_size, rampup_batch_size=rampup_batch_size,
+                       step_batch_size_schedule=step_batch_size_schedule)

@@ -65,7 +65,7 @@ class Interval:
     def _start(self) -> None:
         self.iterations = self.skipped = self.advanced = self.grad_norms = 0
         self.loss_sum = self.grad_norm_sum = self.time_s = 0.0
-        self.batch_sum, self.batches_known = 0, True  # the rows' global batch (train.rampup_batch_size varies it)
+        self.batch_sum, self.batches_known = 0, True  # the rows' global batch (a ramp or a step schedule varies it)
         self.timed = True
 
     def add(self, row: Any, step_time_s: Optional[float]) -> None:
@@ -99,7 +99,7 @@ class Interval:
         if self.iterations == 0:
             raise ValueError("Interval.close: no iteration since the last line")
         per_iteration_s = self.time_s / self.iterations if self.timed else None
-        # the interval's mean batch: a ramp's iterations process fewer samples than train.global_batch_size
+        # the interval's mean batch: a ramp's or a step schedule's iterations differ from train.global_batch_size
         mean_batch = self.batch_sum / self.iterations if self.batches_known else None
         rates = self.rates(per_iteration_s, mean_batch) if self.rates is not None and per_iteration_s else None
         means = IntervalMeans(

@@ -91,7 +91,7 @@ def _loop(built: Any, data: list, at: Progress, *, rows: TrainRows, watch: LoopW
             hook.before_step(iteration)
         profiler.before_step(iteration)
         with watch.first_step_untimed(iteration), rows.written_on_failure():
-            # the iteration's global batch follows the samples consumed before it (train.rampup_batch_size)
+            # the iteration's global batch follows the samples consumed before it (a ramp or a step schedule)
             outcome = trainer.train_step(data, consumed_samples=at.consumed_samples)  # settles the previous one
         watch.step_done(iteration)
         profiler.after_step(iteration)  # the window ends with its last step, before an evaluation or a save

@@ -45,7 +45,7 @@ class TrainRow:
 
     `iteration` counts completed optimizer steps from 1 (skipped ones included); `grad_norm` is
     None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU. `global_batch_size` is the
-    iteration's (samples over all DP ranks; with ``train.rampup_batch_size`` the ramp's), run as
+    iteration's (samples over all DP ranks; ``train.rampup_batch_size`` / ``step_batch_size_schedule`` vary it), run as
     `num_microbatches` micro-batches per DP rank; `consumed_samples` counts it in.
     """
 

@@ -52,19 +52,22 @@ def kernels_line(built) -> str:
             f"{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
 
 
-def rampup_line(train, data_parallel_size: int, *, shown: int = 6) -> str:
-    """``batch-size ramp-up: ...``: the ramp (`mptrain.config.batch_size`) and the iterations at each global batch
-    with their micro-batches per DP rank (the first and last runs when there are more than ``shown``)."""
-    schedule = BatchSizeSchedule.of(train)
-    start, increment, ramp_samples = schedule.rampup_batch_size
+def batch_size_line(train, data_parallel_size: int, *, seq_length: int, shown: int = 6) -> str:
+    """``batch-size ramp-up: ...`` / ``step batch-size schedule: ...``: the key (`mptrain.config.batch_size`) and the
+    iterations at each global batch with their micro-batches per DP rank (the first and last runs when there are
+    more than ``shown``)."""
+    schedule = BatchSizeSchedule.of(train, seq_length=seq_length)
     per_step = train.micro_batch_size * data_parallel_size
-    runs = [(p.first_iteration, p.last_iteration, p.global_batch_size) for p in schedule.phases(train.train_samples)]
-    after = runs[-1][1] + 1 if runs else 1
-    if train.train_iters >= after:
-        runs.append((after, train.train_iters, schedule.global_batch_size))
-    parts = [f"{a if a == b else f'{a}-{b}'}: {g} ({g // per_step} mb)" for a, b, g in runs]
+    parts = [f"{r.first_iteration if r.iterations == 1 else f'{r.first_iteration}-{r.last_iteration}'}: "
+             f"{r.global_batch_size} ({r.global_batch_size // per_step} mb)" for r in schedule.runs(train.train_iters)]
     if len(parts) > shown:
         parts = parts[:shown // 2] + [f"... {len(parts) - shown} more"] + parts[-(shown - shown // 2):]
+    if schedule.step_batch_size_schedule is not None:
+        entries = ", ".join(f"{batch} from sample {threshold}" for threshold, batch in schedule.step_batch_size_schedule)
+        return (f'step batch-size schedule (train.step_batch_size_schedule="{train.step_batch_size_schedule}", '
+                f"thresholds in tokens // model.seq_length={seq_length}): global batch {entries}; iterations "
+                + ", ".join(parts))
+    start, increment, ramp_samples = schedule.rampup_batch_size
     steps = (schedule.global_batch_size - start) // increment
     return (f"batch-size ramp-up (train.rampup_batch_size=[{start}, {increment}, {ramp_samples}]): global batch {start} "
             f"-> {schedule.global_batch_size} by {increment} every {ramp_samples / steps:g} samples; iterations "
@@ -122,7 +125,7 @@ class Recorder:
 
     def rates(self, elapsed_s: float, global_batch_size: Optional[int] = None):
         """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula) of
-        ``global_batch_size`` samples (default train.global_batch_size; the ramp's iterations are smaller)."""
+        ``global_batch_size`` samples (default train.global_batch_size; a ramp or a step schedule varies it)."""
         full = self.cfg.train.global_batch_size
         batch = full if global_batch_size is None else global_batch_size
         # F is linear in the tokens T of the iteration: F(batch) = F(full) × batch / full
@@ -172,8 +175,8 @@ class Recorder:
             f"precision={self.cfg.precision.name} micro-batches={d.num_microbatches} sequence-parallel={sp} "
             f"run.dir={self.run_dir}"
         )
-        if self.cfg.train.rampup_batch_size is not None:
-            self.log(rampup_line(self.cfg.train, d.data_parallel_size))
+        if BatchSizeSchedule.of(self.cfg.train, seq_length=self.cfg.model.seq_length).varies:
+            self.log(batch_size_line(self.cfg.train, d.data_parallel_size, seq_length=self.cfg.model.seq_length))
         if built is not None:
             self.log(kernels_line(built))
             fp8 = getattr(built, "fp8", None)
@@ -328,7 +331,7 @@ def _ring_bytes(nbytes: int, group_size: int) -> int:
 
 def _collective_bytes(built, counters: IterationCounters) -> dict:
     """Bytes this rank sent over TP, DP and the embedding group in the ``counters.iterations`` iterations
-    (``counters.microbatches`` micro-batches: with a batch-size ramp, fewer per iteration at first).
+    (``counters.microbatches`` micro-batches: a batch-size ramp or step schedule varies them per iteration).
 
     Derived from the sizes of the collectives an iteration issues (ring algorithm, as NCCL's), not
     counted on the wire: DP = the grad buffers (all-reduce, or reduce-scatter + all-gather with

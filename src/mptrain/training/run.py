@@ -130,7 +130,8 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
     lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters,
                                       train_samples=cfg.train.train_samples,
                                       global_batch_size=cfg.train.global_batch_size,
-                                      rampup_batch_size=cfg.train.rampup_batch_size)
+                                      rampup_batch_size=cfg.train.rampup_batch_size,
+                                      step_batch_size_schedule=cfg.train.step_batch_size_schedule)
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
@@ -180,7 +181,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         device=groups.device,
         stats=ScheduleStats(timers=timers),
         timers=timers,
-        batch_sizes=BatchSizeSchedule.of(cfg.train),  # each iteration's global batch (train.rampup_batch_size)
+        # each iteration's global batch (train.rampup_batch_size, train.step_batch_size_schedule)
+        batch_sizes=BatchSizeSchedule.of(cfg.train, seq_length=cfg.model.seq_length),
         # null: deferred where the device runs ahead of the host (CUDA); the CPU's work is synchronous
         defer_step_read=(groups.device.type == "cuda" if cfg.train.defer_step_read is None
                          else bool(cfg.train.defer_step_read)),
@@ -262,7 +264,8 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         # MPTRAIN_WORLD_SIZE_FLAG=NPROC: its users set the world size with NPROC=, not torchrun's flag)
         derived = validate_config(cfg, world_size,
                                   world_size_flag=os.environ.get("MPTRAIN_WORLD_SIZE_FLAG", TORCHRUN_WORLD_SIZE_FLAG))
-        cfg.train.train_iters = train_iters_of(cfg.train)  # train.train_samples: Megatron's update_train_iters
+        # train.train_samples: Megatron's update_train_iters
+        cfg.train.train_iters = train_iters_of(cfg.train, seq_length=cfg.model.seq_length)
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
             err.symmetric = True  # (rank 0 prints it); an environment-dependent one says symmetric=False

@@ -2,7 +2,7 @@
 
 A training iteration (DESIGN.md §3, loss normalisation in docs/ARCHITECTURE.md), of the global batch
 `mptrain.config.batch_size.BatchSizeSchedule` gives for the samples consumed before it (constant, or
-Megatron's batch-size ramp-up):
+Megatron's batch-size ramp-up or step schedule):
     zero grads → forward_backward_func over num_microbatches (loss_sum·loss_scale/max_tokens
     backpropagated per micro-batch) → finalize_model_grads (DP sync, SP / tied-embedding grads over
     TP / embedding group) → optimizer.step (unscale × max_tokens / global token count, inf check,
@@ -135,7 +135,7 @@ class IterationOutcome:
     """
 
     trainer: "Trainer"
-    global_batch_size: int  # this iteration's samples over all DP ranks (the ramp's, or train.global_batch_size)
+    global_batch_size: int  # this iteration's samples over all DP ranks (`BatchSizeSchedule.at`)
     num_microbatches: int  # micro-batches per DP rank: global_batch_size / (micro_batch_size × dp)
     _metrics: Optional[dict] = None
 
@@ -181,7 +181,7 @@ class Trainer:
     finalize_model_grads: Callable
     device: torch.device
     timers: Any  # mptrain.training.timers.Timers
-    batch_sizes: Any  # `mptrain.config.batch_size.BatchSizeSchedule`: each iteration's global batch (ramp-up)
+    batch_sizes: Any  # `mptrain.config.batch_size.BatchSizeSchedule`: each iteration's global batch
     stats: Any = None
     defer_step_read: bool = False
     fp8_weight_casts: Any = None  # precision=fp8: `mptrain.layers.fp8.Fp8WeightCasts`, made current per schedule call
@@ -209,7 +209,7 @@ class Trainer:
         `batch_sizes` (Megatron's ``update_num_microbatches(consumed_samples)``), G / (b × dp) micro-batches and
         ``max_tokens`` = G × seq_length, the constant its per-micro-batch backward divides by."""
         spec = self.schedule_spec
-        if not self.batch_sizes.ramps:
+        if not self.batch_sizes.varies:
             return spec
         microbatches = self.batch_sizes.num_microbatches(consumed_samples, micro_batch_size=spec.micro_batch_size,
                                                          data_parallel_size=self.groups.dp_size)
@@ -221,7 +221,7 @@ class Trainer:
         return self.schedule_spec.dtype
 
     def _schedule(self, spec, data_iterators: list, forward_only: bool, **call) -> tuple:
-        """One schedule call: ``spec`` (the run's, or an iteration's of the ramp) plus this call's arguments."""
+        """One schedule call: ``spec`` (the run's, or an iteration's of a varying batch) plus this call's arguments."""
         return self.forward_backward_func(
             spec,
             forward_step_func=self.forward_step,
@@ -279,8 +279,8 @@ class Trainer:
         loss_sum, tokens, *step_values = launched.read.values()  # host sync: the iteration's one read
         result = launched.stats.settle(step_values)
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
-            # with a ramp the schedule counts each applied step's samples (Megatron's increment), else steps
-            self.lr_scheduler.step(launched.outcome.global_batch_size if self.batch_sizes.ramps else 1)
+            # a varying batch: the schedule counts each applied step's samples (Megatron's increment), else steps
+            self.lr_scheduler.step(launched.outcome.global_batch_size if self.batch_sizes.varies else 1)
         launched.outcome._metrics = {
             "lm_loss": loss_sum / max(tokens, 1.0),
             "lr": launched.lr,
@@ -316,7 +316,7 @@ class Trainer:
         total_loss, total_tokens = 0.0, 0.0
         with self._weights_settled():
             for _ in range(eval_iters):
-                # Megatron evaluates at the full global batch (eval_global_batch_size), ramp or not
+                # Megatron evaluates at eval_global_batch_size (its global batch size), whatever the training batch
                 reports, _ = self._schedule(self.schedule_spec, iterators, forward_only=True)
                 loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
                 total_loss, total_tokens = total_loss + loss_sum, total_tokens + tokens

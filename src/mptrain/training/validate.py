@@ -24,7 +24,8 @@ from typing import Any, Optional
 import torch
 
 from mptrain.checkpoint.finetune import check_load_keys
-from mptrain.config.batch_size import check_ramp_layout, check_rampup_batch_size
+from mptrain.config.batch_size import (check_batch_layout, check_rampup_batch_size, check_step_batch_size_schedule,
+                                       varying_batch_key)
 from mptrain.config.schema import Config, as_config
 from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
@@ -57,8 +58,8 @@ class DerivedLayout:
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank; None when 1 / unset.
         data_parallel_size: world_size / (tp × pp).
         num_microbatches: global_batch_size / (micro_batch_size × dp), micro-batches per DP rank
-            per iteration (at the full batch: with train.rampup_batch_size the ramp's iterations run fewer,
-            `mptrain.config.batch_size.BatchSizeSchedule`).
+            per iteration at train.global_batch_size (with train.rampup_batch_size or
+            train.step_batch_size_schedule each iteration runs its own, `mptrain.config.batch_size.BatchSizeSchedule`).
         schedule: the schedule that runs: no_pipelining | gpipe | 1f1b | interleaved_1f1b (`auto` and
             the pp = 1 degenerations resolved), or a user schedule's dotted path (`mptrain.schedules.schedule_name`).
         sequence_parallel: True only when asked for and tp > 1.
@@ -121,14 +122,15 @@ def check_batch(cfg: Config, dp: int) -> int:
     return t.global_batch_size // step
 
 
-def check_ramp_schedule(cfg: Config, tp: int, pp: int, vpp: Optional[int], dp: int, *, num_microbatches: int) -> str:
+def check_schedule_at_each_batch(cfg: Config, tp: int, pp: int, vpp: Optional[int], dp: int, *,
+                                 num_microbatches: int) -> str:
     """The schedule that runs (`resolve_schedule`: its layout rules) at the full global batch, and at every batch
-    ``train.rampup_batch_size`` reaches (each a multiple of micro_batch_size × dp: `check_ramp_layout`); returns
-    its name.
+    ``train.rampup_batch_size`` or ``train.step_batch_size_schedule`` reaches (each a multiple of
+    micro_batch_size × dp: `check_batch_layout`); returns its name.
 
     Raises:
-        ConfigError: the ramp's divisibility; a schedule rule a ramp batch breaks (interleaved 1F1B's
-            num_microbatches % pp), naming the ramp and the iterations.
+        ConfigError: the batches' divisibility; a schedule rule a reached batch breaks (interleaved 1F1B's
+            num_microbatches % pp), naming the key and the iterations.
     """
     b = cfg.train.micro_batch_size
 
@@ -138,15 +140,15 @@ def check_ramp_schedule(cfg: Config, tp: int, pp: int, vpp: Optional[int], dp: i
             data_parallel_size=dp, num_microbatches=m, micro_batch_size=b)).name
 
     name = resolved(num_microbatches)
-    for phase in check_ramp_layout(cfg.train, b, dp):
+    key = varying_batch_key(cfg.train)
+    for run in check_batch_layout(cfg.train, b, dp, seq_length=cfg.model.seq_length):
         try:
-            ramp_name = resolved(phase.global_batch_size // (b * dp))
+            run_name = resolved(run.global_batch_size // (b * dp))
         except ConfigError as err:
-            raise ConfigError(f"train.rampup_batch_size={list(cfg.train.rampup_batch_size)} at {phase.span}: "
-                              f"{err}") from None
-        if ramp_name != name:  # a user schedule whose check_layout picks by the micro-batch count
-            raise ConfigError(f"schedule: {name} runs at the full global batch but {ramp_name} at the ramp's "
-                              f"{phase.global_batch_size}; one schedule must run the whole job (train.rampup_batch_size)")
+            raise ConfigError(f"{key} at {run.span}: {err}") from None
+        if run_name != name:  # a user schedule whose check_layout picks by the micro-batch count
+            raise ConfigError(f"schedule: {name} runs at train.global_batch_size but {run_name} at the "
+                              f"{run.global_batch_size} of {run.span}; one schedule must run the whole job ({key})")
     return name
 
 
@@ -163,23 +165,25 @@ def resolve_loss_scaler(cfg: Config) -> str:
     check_fp8_config(cfg.precision)
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
     check_max_consecutive_skips(cfg.loss_scaler.max_consecutive_skips)
-    check_lr_scheduler(cfg.optim, train_iters_of(cfg.train), optimizer=check_optimizer(cfg.optim),
-                       train_samples=cfg.train.train_samples, global_batch_size=cfg.train.global_batch_size,
-                       rampup_batch_size=cfg.train.rampup_batch_size)
+    check_lr_scheduler(cfg.optim, train_iters_of(cfg.train, seq_length=cfg.model.seq_length),
+                       optimizer=check_optimizer(cfg.optim), train_samples=cfg.train.train_samples,
+                       global_batch_size=cfg.train.global_batch_size, rampup_batch_size=cfg.train.rampup_batch_size,
+                       step_batch_size_schedule=cfg.train.step_batch_size_schedule)
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
     check_overlap_param_gather(cfg.parallel)  # its rules live with the param all-gather
     return label
 
 
-def check_train_length(train) -> None:
+def check_train_length(train, *, seq_length: Optional[int] = None) -> None:
     """One of train.train_iters and train.train_samples (Megatron's iteration- or sample-based training); both
-    only where train_iters is the one train_samples derives (`train_iters_of`: a run's own config.yaml records it).
+    only where train_iters is the one train_samples derives (`train_iters_of`: a run's own config.yaml records it;
+    ``seq_length``: model.seq_length, needed with train.step_batch_size_schedule).
 
     Raises:
         ConfigError: both set and disagreeing, neither set, or train_samples < 0.
     """
     both = train.train_iters is not None and train.train_samples is not None
-    if both and train.train_iters != train_iters_of(train):
+    if both and train.train_iters != train_iters_of(train, seq_length=seq_length):
         raise ConfigError(f"train.train_iters={train.train_iters} and train.train_samples={train.train_samples} are "
                           "both set; train by samples with train.train_iters=null, or set train.train_samples=null")
     if train.train_iters is None and train.train_samples is None:
@@ -252,7 +256,8 @@ def check_layout_free(cfg: Any) -> str:
     check_fault_config(c.debug)  # the debug.* rules live with the fault injector
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
     check_rampup_batch_size(c.train)  # before the train length, which the ramp's iterations set
-    check_train_length(c.train)  # before the LR schedule, whose length it sets
+    check_step_batch_size_schedule(c.train, c.model.seq_length)  # so does a step schedule
+    check_train_length(c.train, seq_length=c.model.seq_length)  # before the LR schedule, whose length it sets
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
     check_load_keys(c)  # the load keys' rules live with the load
@@ -294,7 +299,7 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
     check_profile_config(c.train, world_size)  # train.profile_ranks name ranks of this world
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     num_microbatches = check_batch(c, dp)
-    schedule = check_ramp_schedule(c, tp, pp, vpp, dp, num_microbatches=num_microbatches)
+    schedule = check_schedule_at_each_batch(c, tp, pp, vpp, dp, num_microbatches=num_microbatches)
     sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)  # seq_length % tp: check_model_config
     # null: compiled where the run's device is CUDA (groups.py picks CUDA whenever it is available)
     compiled, _ = resolve_compile_layers(c.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
