@@ -310,7 +310,8 @@ ROWS: tuple = (
     switch("--use-checkpoint-args", "checkpoint.use_checkpoint_args"),
     switch("--async-save", "checkpoint.async_save"),
     nothing("--ckpt-format", "mptrain has one checkpoint format, torch.distributed.checkpoint shards that reshard on load "
-            "(as torch_dist; Megatron's checkpoints are not read)", takes_value=True),
+            "(as torch_dist); a Megatron-LM checkpoint (torch_dist or torch) is imported once with python -m "
+            "mptrain.export --import-megatron DIR --output CKPT", takes_value=True),
     # data
     Row("--data-path", convert=data_path),
     Row("--train-data-path", convert=prefixes("data.train_prefixes"), why="data=indexed data.train_prefixes=[...]"),
