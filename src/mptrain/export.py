@@ -69,8 +69,8 @@ def _import(args) -> None:
         print(f"{'note' if megatron else 'warning'}: {note}", file=sys.stderr)
     model = offline.atomic_meta(folder)["config"]["model"]
     print(f"wrote {folder} ({model['name']}: {model['num_layers']} layers, hidden {model['hidden_size']}, vocab "
-          f"{model['vocab_size']}); train from it with checkpoint.load={args.output} (the model and tokenizer come "
-          "from the checkpoint)")
+          f"{model['vocab_size']}); train from it with checkpoint.load={args.output} (the model, and the tokenizer "
+          "where one was carried, come from the checkpoint)")
 
 
 def _export(args) -> None:

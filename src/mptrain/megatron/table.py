@@ -150,6 +150,11 @@ def hf_tokenizer(values: list) -> list:
     return [f"data.tokenizer={{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
 
 
+def load(values: list) -> list:
+    """checkpoint.load=DIR (the row's ``why`` says what a Megatron-LM checkpoint there needs)."""
+    return [f"checkpoint.load={hydra_value(values[0])}"]
+
+
 def minutes_to_s(key: str) -> Callable:
     return lambda values: [f"{key}={float(values[0]) * 60:g}"]
 
@@ -302,7 +307,8 @@ ROWS: tuple = (
     uncarried("--profile-step-end", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
     # checkpoint
     Row("--save", "checkpoint.save"),
-    Row("--load", "checkpoint.load"),
+    Row("--load", convert=load, why="`checkpoint.load`; a Megatron-LM checkpoint there is imported once first (python "
+        "-m mptrain.export --import-megatron DIR --output CKPT, then checkpoint.load=CKPT: a run refuses Megatron's folder)"),
     Row("--save-interval", "checkpoint.save_interval"),
     switch("--finetune", "checkpoint.finetune"),
     switch("--no-load-optim", "checkpoint.load_optim", set=False),

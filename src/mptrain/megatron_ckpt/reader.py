@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from mptrain.checkpoint import dcp_io
 from mptrain.checkpoint.atomic import MEGATRON_TRACKER as TRACKER
@@ -117,14 +118,27 @@ def read_checkpoint(path: str, iteration: Optional[int] = None) -> MegatronCheck
                       "fsdp_dtensor, which is not read; save it as torch_dist (Megatron-LM's --ckpt-convert-format)")
 
 
-def _read_box(folder: Path, key: str, shape: tuple, dtype: torch.dtype, layer: Optional[int]) -> torch.Tensor:
-    """Tensor ``key`` of ``folder`` (full shape ``shape``), or its ``layer``-th slice along dim 0."""
+class _StorageReader(dcp.FileSystemReader):
+    """DCP's file reader with the checkpoint's metadata read once: each layer is one `_read_box` (one ``dcp.load``),
+    and a large run's ``.metadata`` (the optimizer's entries too) would otherwise be unpickled for every one."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(str(folder))
+        self.metadata = super().read_metadata()
+
+    def read_metadata(self, *args, **kwargs):
+        return self.metadata
+
+
+def _read_box(reader: _StorageReader, key: str, shape: tuple, dtype: torch.dtype, layer: Optional[int]) -> torch.Tensor:
+    """Tensor ``key`` (full shape ``shape``), or its ``layer``-th slice along dim 0."""
     box = shape if layer is None else (1, *shape[1:])
     view = torch.empty(box, dtype=dtype)
     offsets = (0,) * len(shape) if layer is None else (layer, *(0,) * (len(shape) - 1))
     with warnings.catch_warnings():  # DCP notes that it runs without torch.distributed: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_io.load_chunks(str(folder), [Chunk(key, shape, offsets, view)], [], no_dist=True)
+        dcp.load({}, storage_reader=reader, planner=dcp_io.ChunkLoadPlanner([Chunk(key, shape, offsets, view)], []),
+                 no_dist=True)
     return view if layer is None else view[0]
 
 
@@ -135,8 +149,8 @@ def _torch_dist(folder: Path) -> MegatronCheckpoint:
                           "read (convert it with Megatron-LM's --ckpt-convert-format torch_dist)")
     common = load_pickle(folder / "common.pt")
     args = _args_of(common, folder / "common.pt")
-    metadata = dcp_io.read_metadata(str(folder))
-    layers = int(args.num_layers)
+    reader = _StorageReader(folder)
+    metadata, layers = reader.metadata, int(args.num_layers)
     tensors: dict = {}
     for key, (shape, _) in sorted(dcp_io.tensor_keys(metadata).items()):
         if not key.startswith(MODEL_PREFIXES):
@@ -144,10 +158,10 @@ def _torch_dist(folder: Path) -> MegatronCheckpoint:
         dtype, stacked = dcp_io.tensor_dtype(metadata, key), re.fullmatch(r"decoder\.layers\.(\D.*)", key)
         if stacked and shape and shape[0] == layers:  # [L, ...]: one box per layer
             for i in range(layers):
-                read = functools.partial(_read_box, folder, key, shape, dtype, i)
+                read = functools.partial(_read_box, reader, key, shape, dtype, i)
                 tensors[f"decoder.layers.{i}.{stacked.group(1)}"] = Source((shape[1:],), dtype, (read,))
         else:
-            tensors[key] = Source((shape,), dtype, (functools.partial(_read_box, folder, key, shape, dtype, None),))
+            tensors[key] = Source((shape,), dtype, (functools.partial(_read_box, reader, key, shape, dtype, None),))
     return MegatronCheckpoint(folder, "torch_dist", args, common.get("iteration"), common.get("checkpoint_version"),
                               _layout(args), tensors)
 
