@@ -60,6 +60,8 @@ class Source:
 
 @dataclasses.dataclass(frozen=True)
 class MegatronCheckpoint:
+    """What `read_checkpoint` found: the saved ``args`` and the model's tensors, not read yet."""
+
     folder: Path
     """The iteration's folder."""
     format: str
@@ -94,6 +96,8 @@ def iteration_folder(path: str, iteration: Optional[int] = None) -> Path:
         raise ConfigError(f"import-megatron: {root} holds no {TRACKER} and is not an iteration folder (iter_N with "
                           "common.pt or mp_rank_*); pass Megatron's --save folder or one iter_N folder")
     text = str(iteration) if iteration is not None else tracker.read_text().strip()
+    if text != "release" and not text.isdigit():
+        raise ConfigError(f"import-megatron: {tracker} holds {text[:40]!r}, not an iteration; pass --iteration N")
     folder = root / ("release" if text == "release" else f"iter_{int(text):07d}")
     if not _is_iteration(folder):
         have = sorted(p.name for p in root.glob("iter_*")) + (["release"] if (root / "release").is_dir() else [])
