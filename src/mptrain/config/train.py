@@ -142,8 +142,8 @@ class CheckpointConfig:
     RoPE, biases, tie; not seq_length or dropout) come from checkpoint.load's saved config, over the
     command line's; data.tokenizer and checkpoint.hf_config too, unless the command line sets them (a
     differing tokenizer: one warning) (`mptrain.checkpoint.args`). null = as the checkpoint says: true for
-    one imported with `python -m mptrain.export --import-hf` (and for the checkpoints of a run that
-    took its model so), false otherwise."""
+    one imported with `python -m mptrain.export --import-hf` or `--import-megatron` (and for the
+    checkpoints of a run that took its model so), false otherwise."""
     hf_config: Optional[Dict[str, Any]] = None
     """What `python -m mptrain.export --format hf` writes into the Hugging Face config.json besides the
     architecture: {model_type, bos_token_id, eos_token_id} (an id or a list of ids). Set by

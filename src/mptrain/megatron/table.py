@@ -190,6 +190,11 @@ def step_batch_size_schedule(values: list) -> list:
     return [f"train.step_batch_size_schedule={hydra_value(' '.join(v.strip() for v in values))}"]
 
 
+def load(values: list) -> list:
+    """checkpoint.load=DIR (the row's ``why`` says what a Megatron-LM checkpoint there needs)."""
+    return [f"checkpoint.load={hydra_value(values[0])}"]
+
+
 def minutes_to_s(key: str) -> Callable:
     return lambda values: [f"{key}={float(values[0]) * 60:g}"]
 
@@ -345,7 +350,8 @@ ROWS: tuple = (
     switch("--use-pytorch-profiler", "train.use_pytorch_profiler"),
     # checkpoint
     Row("--save", "checkpoint.save"),
-    Row("--load", "checkpoint.load"),
+    Row("--load", convert=load, why="`checkpoint.load`; a Megatron-LM checkpoint there is imported once first (python "
+        "-m mptrain.export --import-megatron DIR --output CKPT, then checkpoint.load=CKPT: a run refuses Megatron's folder)"),
     Row("--save-interval", "checkpoint.save_interval"),
     switch("--finetune", "checkpoint.finetune"),
     switch("--no-load-optim", "checkpoint.load_optim", set=False),
@@ -353,7 +359,8 @@ ROWS: tuple = (
     switch("--use-checkpoint-args", "checkpoint.use_checkpoint_args"),
     switch("--async-save", "checkpoint.async_save"),
     nothing("--ckpt-format", "mptrain has one checkpoint format, torch.distributed.checkpoint shards that reshard on load "
-            "(as torch_dist; Megatron's checkpoints are not read)", takes_value=True),
+            "(as torch_dist); a Megatron-LM checkpoint (torch_dist or torch) is imported once with python -m "
+            "mptrain.export --import-megatron DIR --output CKPT", takes_value=True),
     # data
     Row("--data-path", convert=data_path),
     Row("--train-data-path", convert=prefixes("data.train_prefixes"), why="data=indexed data.train_prefixes=[...]"),
