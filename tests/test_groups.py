@@ -309,3 +309,16 @@ def test_gloo_world4_expert_groups_reduce_over_their_ranks():
     assert [o[2] for o in out] == [(0, 1, 0, 2, 0, 2), (0, 1, 1, 2, 0, 2), (0, 1, 0, 2, 1, 2), (0, 1, 1, 2, 1, 2)]
     dense = rank_groups(4, 2, 1)
     assert out[0][3] == sum(len(dense[kind]) for kind in ("tp", "pp", "dp", "mp", "embedding"))
+
+
+def test_num_experts_rule():
+    from mptrain.groups import check_num_experts
+
+    check_num_experts(None, 1)
+    check_num_experts(8, 4)
+    with pytest.raises(ConfigError, match=r"model.num_moe_experts=6 is not divisible by parallel.expert_model_parallel_size=4; "
+                                          r"set parallel.expert_model_parallel_size to one of \[1, 2, 3, 6\]"):
+        check_num_experts(6, 4)
+    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2 splits the experts of MoE layers, "
+                                          "and model.num_moe_experts is null"):
+        check_num_experts(None, 2)

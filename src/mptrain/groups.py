@@ -300,6 +300,29 @@ def expert_layout(
     return etp, ep, world_size // (etp * ep * pp)
 
 
+def check_num_experts(num_moe_experts: Optional[int], expert_model_parallel_size: int) -> None:
+    """Each EP rank holds E / ep whole experts of an MoE layer (Megatron ``arguments.py``: num_experts % ep == 0);
+    `mptrain.training.validate` calls it with ``model.num_moe_experts``, the token dispatchers with their E.
+
+    Raises:
+        ConfigError: ep > 1 for a dense model (``num_moe_experts`` null), or E not divisible by ep.
+    """
+    ep = expert_model_parallel_size
+    if num_moe_experts is None:
+        if ep > 1:
+            raise ConfigError(
+                f"parallel.expert_model_parallel_size={ep} splits the experts of MoE layers, and model.num_moe_experts "
+                "is null (a dense model); set model.num_moe_experts or parallel.expert_model_parallel_size=1"
+            )
+        return
+    if num_moe_experts % ep != 0:
+        divisors = [d for d in range(1, num_moe_experts + 1) if num_moe_experts % d == 0]
+        raise ConfigError(
+            f"model.num_moe_experts={num_moe_experts} is not divisible by parallel.expert_model_parallel_size={ep}; "
+            f"set parallel.expert_model_parallel_size to one of {divisors} or model.num_moe_experts to a multiple of {ep}"
+        )
+
+
 def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int, *,
                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None) -> dict:
     """The rank lists of every group kind, as Megatron builds them (pure; no torch.distributed).

@@ -31,11 +31,10 @@ from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.distributed.param_gather import check_overlap_param_gather
 from mptrain.errors import ConfigError
-from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, expert_layout, validate_layout
+from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, check_num_experts, expert_layout, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
 from mptrain.layers.fp8 import check_fp8_config
 from mptrain.layers.gpt import check_model_components, check_model_config
-from mptrain.layers.moe.dispatch_ep import check_num_experts
 from mptrain.optim.builders import check_optimizer
 from mptrain.optim.lr_scheduler import check_lr_scheduler
 from mptrain.precision import params_dtype
@@ -97,7 +96,7 @@ def check_parallel_sizes(cfg: Config, world_size: int, *,
     Raises:
         ConfigError: sizes below 1 (naming the key); world size not divisible by tp × pp (the
             DESIGN.md §5 line) or by etp × ep × pp, or vpp > 1 with pp = 1 (`mptrain.groups.validate_layout`);
-            model.num_moe_experts vs expert_model_parallel_size (`mptrain.layers.moe.dispatch_ep.check_num_experts`).
+            model.num_moe_experts vs expert_model_parallel_size (`mptrain.groups.check_num_experts`).
     """
     par = cfg.parallel
     tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size

@@ -21,7 +21,9 @@ dropping) happens in the router, before dispatch: the routing map is taken as gi
   per rank; simple, and good for small ep or large k.
 
 Split sizes of the collectives are host integers, so each dispatch reads the token counts to the
-host once (Megatron does the same; its CUDA path does it on a side stream).
+host once (Megatron does the same; its CUDA path does it on a side stream). A token's rows are summed
+through its k slots (every slot written once) in combine and in the permutation's backward, instead of
+Megatron's scatter-add: no atomic adds, so the result does not depend on the order of arrival on CUDA.
 
 Source: NVIDIA/Megatron-LM ``megatron/core/transformer/moe/token_dispatcher.py``, ``moe_utils.py``
 (``permute``, ``unpermute``, ``sort_chunks_by_idxs``).
@@ -30,11 +32,11 @@ Source: NVIDIA/Megatron-LM ``megatron/core/transformer/moe/token_dispatcher.py``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from mptrain.errors import ConfigError
+from mptrain.groups import ParallelGroups, check_num_experts
 from mptrain.layers.mappings import (
     all_to_all,
     gather_from_sequence_parallel_region,
@@ -43,55 +45,66 @@ from mptrain.layers.mappings import (
 )
 
 
-def check_num_experts(num_moe_experts: Optional[int], expert_model_parallel_size: int) -> None:
-    """Each EP rank holds E / ep whole experts (Megatron ``arguments.py``: num_experts % ep == 0).
-
-    Raises:
-        ConfigError: ep > 1 for a dense model (``num_moe_experts`` null), or E not divisible by ep.
-    """
-    ep = expert_model_parallel_size
-    if num_moe_experts is None:
-        if ep > 1:
-            raise ConfigError(
-                f"parallel.expert_model_parallel_size={ep} splits the experts of MoE layers, and model.num_moe_experts "
-                "is null (a dense model); set model.num_moe_experts or parallel.expert_model_parallel_size=1"
-            )
-        return
-    if num_moe_experts % ep != 0:
-        divisors = [d for d in range(1, num_moe_experts + 1) if num_moe_experts % d == 0]
-        raise ConfigError(
-            f"model.num_moe_experts={num_moe_experts} is not divisible by parallel.expert_model_parallel_size={ep}; "
-            f"set parallel.expert_model_parallel_size to one of {divisors} or model.num_moe_experts to a multiple of {ep}"
-        )
-
-
 # --- local permutation (no communication) -----------------------------------------------------
-def permute(hidden: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor] = None, *,
-            num_out_tokens: int) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+@dataclasses.dataclass
+class Permutation:
+    """Where the permuted rows come from: row i is token ``rows_token[i]``'s routed expert number
+    ``rows_slot[i] - k·rows_token[i]`` (its experts counted in expert order), k = ``slots``."""
+
+    rows_token: torch.Tensor  # [N] int64
+    rows_slot: torch.Tensor  # [N] int64, t·k + slot
+    num_tokens: int  # T
+    slots: int  # k: the most rows a token has
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``hidden[rows_token]``; backward writes each row grad into its token's slot of a ``[T·k, h]`` buffer and
+    sums the k slots: every slot written once, so no atomic adds (deterministic on CUDA too)."""
+
+    @staticmethod
+    def forward(ctx, hidden, rows_token, rows_slot, slots):
+        ctx.save_for_backward(rows_slot)
+        ctx.num_tokens, ctx.slots = hidden.shape[0], slots
+        return hidden.index_select(0, rows_token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows_slot,) = ctx.saved_tensors
+        t, k = ctx.num_tokens, ctx.slots
+        buffer = grad.new_zeros((t * k,) + tuple(grad.shape[1:])).index_copy_(0, rows_slot, grad)
+        return buffer.view((t, k) + tuple(grad.shape[1:])).sum(dim=1), None, None, None
+
+
+def permute(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, *, num_out_tokens: int,
+            slots: int) -> tuple[torch.Tensor, torch.Tensor, Permutation]:
     """Rows grouped by expert (expert-major, tokens in order within an expert; Megatron ``moe_utils.permute``).
 
     Args:
         hidden: ``[T, h]``.
-        routing_map: ``[T, E']`` bool, True where a token goes to an expert.
-        probs: ``[T, E']`` or None.
-        num_out_tokens: the number of True entries (host int; sizes the result without a device sync).
+        routing_map: ``[T, E']`` bool, True where a token goes to an expert; at most ``slots`` per token.
+        probs: ``[T, E']``.
+        num_out_tokens: N, the number of True entries (a host int: sizes the result without a device sync).
+        slots: k, the most True entries of a token (``moe_router_topk``; fewer after capacity dropping).
     Returns:
-        (``[num_out_tokens, h]`` rows, ``[num_out_tokens]`` their probs or None, ``[num_out_tokens]`` int64
-        source token of each row: `unpermute`'s map).
+        (rows ``[N, h]``, their probs ``[N]``, the `Permutation` that `unpermute` reverses).
     """
     num_tokens = routing_map.shape[0]
     # expert-major flat index e·T + t of every True entry, in order: a stable sort puts the Trues first
     flat = routing_map.T.reshape(-1).to(torch.int8).argsort(descending=True, stable=True)[:num_out_tokens]
-    sorted_indices = flat % num_tokens
-    permuted_probs = None if probs is None else probs.T.reshape(-1)[flat]
-    return hidden.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    rows_token = flat % num_tokens
+    # slot of (t, e): how many of t's routed experts precede e
+    token_slot = torch.arange(num_tokens, device=hidden.device).unsqueeze(1) * slots + routing_map.cumsum(dim=1) - 1
+    perm = Permutation(rows_token, token_slot.T.reshape(-1).index_select(0, flat), num_tokens, slots)
+    rows = _PermuteRows.apply(hidden, rows_token, perm.rows_slot, slots)
+    return rows, probs.T.reshape(-1).index_select(0, flat), perm
 
 
-def unpermute(rows: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[N, h]`` -> ``[T, h]``: each row added into its source token (a token's k rows summed; Megatron
-    ``moe_utils.unpermute`` without merging probs, which the experts applied)."""
-    out = rows.new_zeros((num_tokens,) + tuple(rows.shape[1:]))
-    return out.index_add(0, sorted_indices, rows)
+def unpermute(rows: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """``[N, h]`` -> ``[T, h]``: each token's rows summed (Megatron ``moe_utils.unpermute`` without merging
+    probs, which the experts applied), through its slots: every slot written once, no atomic adds."""
+    t, k, width = perm.num_tokens, perm.slots, tuple(rows.shape[1:])
+    buffer = rows.new_zeros((t * k,) + width).index_copy(0, perm.rows_slot, rows)
+    return buffer.view((t, k) + width).sum(dim=1)
 
 
 def sort_chunks(x: torch.Tensor, split_sizes: list, order: list) -> torch.Tensor:
@@ -108,7 +121,7 @@ def _check_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.
         raise ValueError(f"dispatch: routing_map must be bool, got {routing_map.dtype}")
 
 
-def _local_experts(num_moe_experts: int, groups: Any) -> tuple[int, int]:
+def _local_experts(num_moe_experts: int, groups: ParallelGroups) -> tuple[int, int]:
     """(first global expert of this rank, E_local)."""
     check_num_experts(num_moe_experts, groups.ep_size)
     local = num_moe_experts // groups.ep_size
@@ -120,8 +133,7 @@ def _local_experts(num_moe_experts: int, groups: Any) -> tuple[int, int]:
 class _AllToAllState:
     """What `AllToAllDispatcher.combine` needs from the dispatch it reverses."""
 
-    num_tokens: int
-    sorted_indices: torch.Tensor
+    perm: Permutation
     input_splits: list  # [ep] rows this rank sent to each EP rank
     output_splits: list  # [ep] rows this rank received from each EP rank (same ETP rank)
     etp_splits: list  # [etp] rows each ETP rank received over EP, gathered here
@@ -143,13 +155,14 @@ class AllToAllDispatcher:
 
     Args:
         num_moe_experts: E.
+        topk: k (``moe_router_topk``), the most experts a token is routed to.
         groups: the `ParallelGroups` (its ``ep_group``, ``etp_group``, ``tp_ep_group`` and ranks).
     Raises:
         ConfigError: E not divisible by ep.
     """
 
-    def __init__(self, num_moe_experts: int, groups: Any) -> None:
-        self.num_experts = num_moe_experts
+    def __init__(self, num_moe_experts: int, topk: int, groups: ParallelGroups) -> None:
+        self.num_experts, self.topk = num_moe_experts, topk
         self.groups = groups
         self.first_expert, self.num_local_experts = _local_experts(num_moe_experts, groups)
         self._state: Optional[_AllToAllState] = None
@@ -185,7 +198,7 @@ class AllToAllDispatcher:
         _check_inputs(hidden, probs, routing_map, self.num_experts)
         g = self.groups
         own, input_splits, output_splits, etp_splits, chunk_sizes = self._splits(routing_map)
-        rows, row_probs, sorted_indices = permute(hidden, routing_map, probs, num_out_tokens=sum(own))
+        rows, row_probs, perm = permute(hidden, routing_map, probs, num_out_tokens=sum(own), slots=self.topk)
         rows = all_to_all(rows, g.ep_group, output_split_sizes=output_splits, input_split_sizes=input_splits)
         row_probs = all_to_all(row_probs, g.ep_group, output_split_sizes=output_splits, input_split_sizes=input_splits)
         # every ETP shard of an expert computes on all its rows; the grads are partial over ETP: reduce-scatter
@@ -196,8 +209,7 @@ class AllToAllDispatcher:
             rows = sort_chunks(rows, chunk_sizes, order)
             row_probs = sort_chunks(row_probs, chunk_sizes, order)
         tokens_per_expert = torch.tensor(chunk_sizes, dtype=torch.int64).view(-1, self.num_local_experts).sum(0)
-        self._state = _AllToAllState(hidden.shape[0], sorted_indices, input_splits, output_splits, etp_splits,
-                                     chunk_sizes, probs.dtype)
+        self._state = _AllToAllState(perm, input_splits, output_splits, etp_splits, chunk_sizes, probs.dtype)
         return rows, tokens_per_expert, row_probs
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
@@ -219,14 +231,13 @@ class AllToAllDispatcher:
             y = reduce_scatter_to_sequence_parallel_region(y.to(st.probs_dtype), g.etp_group,
                                                            input_split_sizes=st.etp_splits).to(expert_output.dtype)
         y = all_to_all(y, g.ep_group, output_split_sizes=st.input_splits, input_split_sizes=st.output_splits)
-        return unpermute(y, st.sorted_indices, st.num_tokens)
+        return unpermute(y, st.perm)
 
 
 # --- all-gather ---------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _AllGatherState:
-    num_gathered: int
-    sorted_indices: torch.Tensor
+    perm: Permutation  # over the P·T gathered tokens
     probs_dtype: torch.dtype
 
 
@@ -241,13 +252,14 @@ class AllGatherDispatcher:
 
     Args:
         num_moe_experts: E.
+        topk: k (``moe_router_topk``), the most experts a token is routed to.
         groups: the `ParallelGroups` (its ``tp_ep_group`` and ``ep_rank``).
     Raises:
         ConfigError: E not divisible by ep.
     """
 
-    def __init__(self, num_moe_experts: int, groups: Any) -> None:
-        self.num_experts = num_moe_experts
+    def __init__(self, num_moe_experts: int, topk: int, groups: ParallelGroups) -> None:
+        self.num_experts, self.topk = num_moe_experts, topk
         self.groups = groups
         self.first_expert, self.num_local_experts = _local_experts(num_moe_experts, groups)
         self._state: Optional[_AllGatherState] = None
@@ -265,9 +277,9 @@ class AllGatherDispatcher:
         lo, hi = self.first_expert, self.first_expert + self.num_local_experts
         local_map = routing_map[:, lo:hi]
         tokens_per_expert = local_map.sum(dim=0).to(device="cpu", dtype=torch.int64)  # host sync: the row count
-        rows, row_probs, sorted_indices = permute(hidden, local_map, probs[:, lo:hi],
-                                                  num_out_tokens=int(tokens_per_expert.sum()))
-        self._state = _AllGatherState(hidden.shape[0], sorted_indices, probs.dtype)
+        rows, row_probs, perm = permute(hidden, local_map, probs[:, lo:hi], num_out_tokens=int(tokens_per_expert.sum()),
+                                        slots=min(self.topk, self.num_local_experts))
+        self._state = _AllGatherState(perm, probs.dtype)
         return rows, tokens_per_expert, row_probs
 
     def combine(self, expert_output: torch.Tensor) -> torch.Tensor:
@@ -280,10 +292,10 @@ class AllGatherDispatcher:
         if st is None:
             raise RuntimeError("combine() needs the dispatch() it reverses")
         self._state = None
-        y = unpermute(expert_output, st.sorted_indices, st.num_gathered)
+        y = unpermute(expert_output, st.perm)
         if self.groups.etp_size * self.groups.ep_size > 1:
             y = reduce_scatter_to_sequence_parallel_region(y.to(st.probs_dtype), self.groups.tp_ep_group)
         return y.to(expert_output.dtype)
 
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "check_num_experts", "permute", "sort_chunks", "unpermute"]
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Permutation", "permute", "sort_chunks", "unpermute"]
