@@ -273,7 +273,7 @@ def expert_layout(
     """(etp, ep, edp) of the expert grid: etp = ``expert_tensor_parallel_size`` or tp when null (Megatron's
     default), edp = world / (etp × ep × pp) (Megatron ``parallel_state.initialize_model_parallel``).
 
-    Whether the model's expert count divides by ep is the MoE layer's rule; it needs the model's keys.
+    The model's expert count vs ep is `check_num_experts` (it needs the model's keys).
 
     Raises:
         ConfigError: ep or etp below 1, or etp × ep × pp not dividing the world size (one line naming
@@ -374,7 +374,8 @@ class ParallelGroups:
 
     Build with `build_groups`; call `destroy` before building another layout in the same process.
     Group handles are None only for kinds this rank is not part of (the embedding group of a
-    middle pipeline stage).
+    middle pipeline stage). The expert grid's groups (`EXPERT_GROUP_KINDS`) and their ranks and
+    sizes derive from ``ranks`` (``ep_rank`` = this rank's index in its EP group, ...).
     """
 
     world_size: int
@@ -575,7 +576,7 @@ def build_groups(
     created = []
     built: dict = {}  # kind -> {tuple(group ranks): handle}, for the kinds built so far
     for kind in GROUP_KINDS:
-        # expert kinds only: the dense kinds keep one group each, as before (and as Megatron)
+        # only an expert kind shares an equal kind's handles: each dense kind keeps its own communicators
         same = next((k for k in built if lists[k] == lists[kind]), None) if kind in EXPERT_GROUP_KINDS else None
         built[kind] = {}
         for group_ranks in lists[kind]:
