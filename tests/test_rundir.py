@@ -49,6 +49,12 @@ def test_default_run_dir_is_model_layout_precision():
                parallel__pipeline_model_parallel_size=2, parallel__virtual_pipeline_model_parallel_size=2,
                precision__name="fp16")
     assert default_run_dir(cfg) == "outputs/tiny-tp2pp2vpp2-fp16"
+    cfg = _cfg(model__name="tiny", parallel__tensor_model_parallel_size=2, parallel__expert_model_parallel_size=4,
+               parallel__expert_tensor_parallel_size=1, precision__name="bf16")
+    assert default_run_dir(cfg) == "outputs/tiny-tp2pp1ep4etp1-bf16"
+    cfg = _cfg(model__name="tiny", parallel__tensor_model_parallel_size=2, parallel__expert_tensor_parallel_size=2,
+               precision__name="bf16")
+    assert default_run_dir(cfg) == "outputs/tiny-tp2pp1-bf16"  # ep 1, etp = tp: the dense layout's name
 
 
 def test_default_run_dir_created_relative_to_cwd(tmp_path, monkeypatch):

@@ -286,8 +286,8 @@ ROWS: tuple = (
     Row("--ddp-bucket-size", "parallel.bucket_size"),
     Row("--context-parallel-size", convert=only_one("--context-parallel-size", "mptrain has no context parallelism yet"),
         why="1: nothing to set; larger: no context parallelism yet"),
-    Row("--expert-model-parallel-size", convert=only_one("--expert-model-parallel-size", "mptrain has no mixture of experts yet"),
-        why="1: nothing to set; larger: no mixture of experts yet"),
+    Row("--expert-model-parallel-size", "parallel.expert_model_parallel_size"),
+    Row("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size"),
     switch("--overlap-param-gather", "parallel.overlap_param_gather"),
     # precision
     switch("--fp16", "precision", set="fp16"),

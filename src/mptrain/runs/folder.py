@@ -35,13 +35,18 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
 
 
 def default_run_dir(cfg: Any) -> str:
-    """`outputs/<model.name>-tp<T>pp<P>[vpp<V>]-<precision.name>` (deterministic: same on every rank and rerun).
+    """`outputs/<model.name>-tp<T>pp<P>[vpp<V>][ep<E>][etp<K>]-<precision.name>` (deterministic: same on every rank
+    and rerun).
 
     The layout part is the degrees the run uses, not the ``parallel=`` option's name: a preset overridden key by
-    key (``parallel.tensor_model_parallel_size=2``) names the layout it runs. Unchanged presets spell the same."""
+    key (``parallel.tensor_model_parallel_size=2``) names the layout it runs. Unchanged presets spell the same.
+    ``ep<E>`` appears when expert_model_parallel_size > 1, ``etp<K>`` when expert_tensor_parallel_size is set
+    and differs from tp (null means tp)."""
     par = cfg.parallel
-    vpp = par.virtual_pipeline_model_parallel_size
-    layout = f"tp{par.tensor_model_parallel_size}pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
+    tp, vpp = par.tensor_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    layout = (f"tp{tp}pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
+              + (f"ep{ep}" if ep > 1 else "") + (f"etp{etp}" if etp is not None and etp != tp else ""))
     return f"outputs/{cfg.model.name}-{layout}-{cfg.precision.name}"
 
 

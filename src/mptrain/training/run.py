@@ -291,6 +291,8 @@ def _init(cfg: Config, env, derived) -> ParallelGroups:
         derived.tensor_model_parallel_size,
         derived.pipeline_model_parallel_size,
         derived.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=derived.expert_model_parallel_size,
+        expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
         device=device,
     )
 

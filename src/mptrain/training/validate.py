@@ -32,7 +32,7 @@ from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.distributed.param_gather import check_overlap_param_gather
 from mptrain.errors import ConfigError
-from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, validate_layout
+from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, check_num_experts, expert_layout, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
 from mptrain.layers.fp8 import check_fp8_config
 from mptrain.layers.gpt import check_model_components, check_model_config
@@ -57,6 +57,8 @@ class DerivedLayout:
         tensor_model_parallel_size, pipeline_model_parallel_size: as configured.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank; None when 1 / unset.
         data_parallel_size: world_size / (tp × pp).
+        expert_model_parallel_size, expert_tensor_parallel_size, expert_data_parallel_size: the expert grid
+            (ep as configured; etp with null resolved to tp; edp = world_size / (etp × ep × pp)).
         num_microbatches: global_batch_size / (micro_batch_size × dp), micro-batches per DP rank
             per iteration at train.global_batch_size (with train.rampup_batch_size or
             train.step_batch_size_schedule each iteration runs its own, `mptrain.config.batch_size.BatchSizeSchedule`).
@@ -75,6 +77,9 @@ class DerivedLayout:
     schedule: str
     sequence_parallel: bool
     loss_scaler: str
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    expert_data_parallel_size: int = 1
 
 
 def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
@@ -86,19 +91,26 @@ def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> No
 
 def check_parallel_sizes(cfg: Config, world_size: int, *,
                          world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> tuple[int, int, Optional[int], int]:
-    """World size vs tp × pp, and the virtual pipeline size; returns (tp, pp, vpp or None, dp).
+    """World size vs tp × pp and vs the expert grid, the virtual pipeline size, the expert count vs ep;
+    returns (tp, pp, vpp or None, dp).
 
     Raises:
         ConfigError: sizes below 1 (naming the key); world size not divisible by tp × pp (the
-            DESIGN.md §5 line) or vpp > 1 with pp = 1 (`mptrain.groups.validate_layout`).
+            DESIGN.md §5 line) or by etp × ep × pp, or vpp > 1 with pp = 1 (`mptrain.groups.validate_layout`);
+            model.num_moe_experts vs expert_model_parallel_size (`mptrain.groups.check_num_experts`).
     """
     par = cfg.parallel
     tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     _positive("parallel.tensor_model_parallel_size", tp)
     _positive("parallel.pipeline_model_parallel_size", pp)
     _positive("parallel.virtual_pipeline_model_parallel_size", vpp, allow_none=True)
-    # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
-    validate_layout(world_size, tp, pp, vpp, world_size_flag=world_size_flag)
+    _positive("parallel.expert_model_parallel_size", par.expert_model_parallel_size)
+    _positive("parallel.expert_tensor_parallel_size", par.expert_tensor_parallel_size, allow_none=True)
+    # world size vs tp × pp and etp × ep × pp, vpp vs pp: the rules live in groups.py
+    validate_layout(world_size, tp, pp, vpp, expert_model_parallel_size=par.expert_model_parallel_size,
+                    expert_tensor_parallel_size=par.expert_tensor_parallel_size, world_size_flag=world_size_flag)
+    # model.num_moe_experts: the MoE model's key (null or absent: a dense model)
+    check_num_experts(getattr(cfg.model, "num_moe_experts", None), par.expert_model_parallel_size)
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
 
 
@@ -311,6 +323,8 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
             "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers on CUDA GPUs "
             f"with NCCL; it also needs {' and '.join(missing)} (got tp={tp}); set those or parallel.tp_comm_overlap=false"
         )
+    etp, ep, edp = expert_layout(world_size, tp, pp, c.parallel.expert_model_parallel_size,
+                                 c.parallel.expert_tensor_parallel_size)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,
@@ -321,4 +335,7 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
         schedule=schedule,
         sequence_parallel=sequence_parallel,
         loss_scaler=loss_scaler,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        expert_data_parallel_size=edp,
     )
