@@ -16,7 +16,7 @@ setup:
 # the SIGINT itself and `|| [ $? -eq 130 ]` keeps make from adding its own line: make then ends by
 # the SIGINT it received, so the shell reports 130.
 train: setup
-	@trap : INT; OMP_NUM_THREADS=1 $(PY) -m mptrain.launch --standalone --nproc_per_node=$(NPROC) \
+	@trap : INT; OMP_NUM_THREADS=1 MPTRAIN_WORLD_SIZE_FLAG=NPROC $(PY) -m mptrain.launch --standalone --nproc_per_node=$(NPROC) \
 		-m mptrain.train $(ARGS) experiment=shakespeare_cpu || [ $$? -eq 130 ]
 
 # .venv/fp8-site: torchao for precision=fp8's tests, kept out of the venv itself (scripts/setup.sh says why)

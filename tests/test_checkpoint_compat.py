@@ -195,9 +195,10 @@ def _assert_same(got, want, where: str) -> None:
 
 
 SCHEDULE_KEYS_ADDED = {"lr_warmup_fraction": None, "lr_warmup_samples": 0, "lr_decay_samples": None,
-                       "samples_per_step": 1}
-"""LR schedule state keys added since the fixtures were written (sample-based schedules, the warm-up fraction),
-at their values in an iteration-based run without a warm-up fraction: the fixtures' configs."""
+                       "samples_per_step": 1, "samples_per_unit": 1, "decoupled_lr": None, "decoupled_min_lr": None}
+"""LR schedule state keys added since the fixtures were written (sample-based schedules, the warm-up fraction, the
+embedding and output layer's decoupled LR, a step batch-size schedule's iteration unit), at their values in an
+iteration-based run without a warm-up fraction, a decoupled LR or a step schedule: the fixtures' configs."""
 
 
 def _assert_schedule(got: dict, want: dict, where: str) -> None:

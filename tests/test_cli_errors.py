@@ -257,3 +257,24 @@ def test_the_fix_names_the_program_that_was_run():
     assert message == ("optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float; "
                        "`python -m mptrain.plan --cfg job` lists every key and its value")
     assert fix_for("python train.py") == FIX
+
+
+def test_the_world_size_fix_names_the_launchers_flag(tmp_path, monkeypatch):
+    """A layout the world size does not divide: the fix names torchrun's --nproc_per_node, or the variable `make
+    train` sets the world size with (the Makefile's recipe passes MPTRAIN_WORLD_SIZE_FLAG=NPROC)."""
+    from mptrain.training.run import _validated
+    from train_utils import compose
+
+    cfg = compose(["model=tiny", "parallel=tp2pp2", f"run.dir={tmp_path}/run"])
+    fix = "run with {}=4 or 8, or pick another parallel="
+    monkeypatch.delenv("MPTRAIN_WORLD_SIZE_FLAG", raising=False)
+    with pytest.raises(ConfigError) as info:
+        _validated(cfg, 2)
+    assert str(info.value).endswith(fix.format("--nproc_per_node")), info.value
+    recipe = (CONF.parent / "Makefile").read_text().split("\ntrain: ")[1].split("\n\n")[0]
+    assert "MPTRAIN_WORLD_SIZE_FLAG=NPROC " in recipe and "--nproc_per_node=$(NPROC)" in recipe
+    monkeypatch.setenv("MPTRAIN_WORLD_SIZE_FLAG", "NPROC")
+    with pytest.raises(ConfigError) as info:
+        _validated(cfg, 2)
+    assert str(info.value).endswith(fix.format("NPROC")), info.value
+    assert not (tmp_path / "run").exists()

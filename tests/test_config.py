@@ -119,6 +119,13 @@ def test_derived_layout_tiny(overrides, world, expected):
     assert (d.schedule, d.data_parallel_size, d.virtual_pipeline_model_parallel_size, d.num_microbatches) == expected
 
 
+def test_derived_expert_grid():
+    d = validate_config(_compose(["model=tiny", "parallel=tp2pp1"]), 4)  # etp null = tp; ep 1
+    assert (d.expert_model_parallel_size, d.expert_tensor_parallel_size, d.expert_data_parallel_size) == (1, 2, 2)
+    d = validate_config(_compose(["model=tiny", "parallel=tp2pp2", "parallel.expert_tensor_parallel_size=1"]), 8)
+    assert (d.expert_model_parallel_size, d.expert_tensor_parallel_size, d.expert_data_parallel_size) == (1, 1, 4)
+
+
 def test_resolved_loss_scaler_and_sequence_parallel():
     assert validate_config(_compose(["precision=fp16"]), 1).loss_scaler == "dynamic"
     assert validate_config(_compose(["precision=bf16"]), 1).loss_scaler == "none"
@@ -168,6 +175,14 @@ INVALID = [
     (["model.recompute_granularity=full"], 1, "model.recompute_granularity=full needs model.recompute_method"),
     (["train.exit_interval=4"], 1, "train.exit_interval=4 needs checkpoint.save"),
     (["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 must be an integer >= 1"),
+    (["parallel.expert_model_parallel_size=3"], 4, "world size 4 is not divisible by expert_tensor_parallel_size × "
+     "expert_model_parallel_size × pipeline_model_parallel_size = 1 × 3 × 1 = 3; set parallel.expert_model_parallel_size "
+     "to one of [1, 2, 4]"),
+    (["parallel=tp2pp1", "parallel.expert_tensor_parallel_size=4"], 2, "= 4 × 1 × 1 = 4; set "
+     "parallel.expert_tensor_parallel_size to a divisor of 2, or run with --nproc_per_node=4"),
+    (["parallel.expert_model_parallel_size=0"], 1, "parallel.expert_model_parallel_size=0 must be an integer >= 1"),
+    (["parallel.expert_model_parallel_size=2"], 2, "parallel.expert_model_parallel_size=2 splits the experts of MoE "
+     "layers, and model.num_moe_experts is null (a dense model)"),
 ]
 
 

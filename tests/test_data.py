@@ -256,3 +256,21 @@ def test_shipped_corpus_preprocesses_fully(tmp_path):
     assert ds.doc_lengths.tolist() == [len(d["text"].encode()) + 1 for d in docs]
     assert ds[41][-1] == 256 and bytes(ds[41][:30].astype(np.uint8)).decode() == docs[41]["text"].encode()[:30].decode()
     print(f"full corpus preprocessed in {elapsed:.2f} s")
+
+
+def test_mock_data_has_the_splits_data_split_weighs():
+    """data=mock follows data.split as Megatron's mock datasets do: a split of weight 0 has no data (its evaluation
+    is skipped; reading it is one line); the others are the seeded mock sequences, whatever their weight."""
+    from mptrain.data.provider import MockDataProvider
+
+    def provider(split):
+        return MockDataProvider(vocab_size=100, tokenizer=ByteTokenizer(), seq_length=8, micro_batch_size=2,
+                                global_batch_size=4, dp_rank=0, dp_size=1, needs_data=True, split=split)
+
+    p = provider("99,1,0")
+    assert [p.has_split(s) for s in ("train", "valid", "test")] == [True, True, False]
+    batch = next(iter(p.eval_iterator("valid")))
+    assert batch["tokens"].shape == (2, 8)
+    with pytest.raises(DataError, match=r"^data.split='99,1,0' leaves the test split no documents \(data=mock\)"):
+        next(iter(p.eval_iterator("test")))
+    assert [provider([1, 1, 1]).has_split(s) for s in ("train", "valid", "test")] == [True, True, True]

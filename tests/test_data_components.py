@@ -17,7 +17,7 @@ from mptrain.data import build_provider, build_tokenizer
 from mptrain.data.gpt_dataset import split_document_ranges
 from mptrain.data.preprocess import preprocess
 from mptrain.data.provider import MockDataProvider
-from mptrain.data.tokenizers import ByteTokenizer
+from mptrain.data.tokenizers import ByteTokenizer, unrecorded_note
 from mptrain.errors import ConfigError
 from mptrain_plugins.tokenizers import CharTokenizer
 from test_data import shakespeare_docs
@@ -198,7 +198,7 @@ def test_preprocessed_data_read_with_another_tokenizer_is_one_error(corpora, tmp
     with pytest.raises(ConfigError, match=r"^data.tokenizer: .*/a was preprocessed with mptrain.data.tokenizers.ByteTokenizer "
                                           r"\(fingerprint byte\) but data.tokenizer is mptrain_plugins.tokenizers.CharTokenizer"):
         run(compose(_indexed(f"data.prefixes=[{corpora['a']}]", CHAR, "model.vocab_size=300", f"run.dir={tmp_path}/r")))
-    # a file without the record (older mptrain, Megatron): accepted with a warning
+    # a file without the record (Megatron's preprocessing): accepted with one note
     import shutil
 
     for ext in (".bin", ".idx"):
@@ -207,10 +207,10 @@ def test_preprocessed_data_read_with_another_tokenizer_is_one_error(corpora, tmp
                        tokenizer=ByteTokenizer(), seq_length=SEQ, micro_batch_size=2, global_batch_size=8, dp_rank=0,
                        dp_size=1, needs_data=True)
     assert next(p.train_iterator(0))["tokens"].shape == (2, SEQ)
-    assert f"data: {tmp_path / 'old'}.idx has no old.tokenizer.json" in capsys.readouterr().err
-    # every rank reads data (dp 2): the warning is printed by rank 0 alone
+    assert capsys.readouterr().err == unrecorded_note([str(tmp_path / "old")]) + "\n"
+    # every rank reads data (dp 2): the note is printed by rank 0 alone
     printed = run_distributed(_build_and_capture_stderr, 2, str(tmp_path / "old"))
-    assert printed[0].count("has no old.tokenizer.json") == 1 and printed[1] == "", printed
+    assert printed == [unrecorded_note([str(tmp_path / "old")]) + "\n", ""], printed
 
 
 def _build_and_capture_stderr(rank: int, world: int, prefix: str) -> str:

@@ -160,3 +160,165 @@ def _two_layouts_small(rank, world):
         return t.item()
     finally:
         g.destroy()
+
+
+# --- the expert grid (Megatron-core's expert RankGenerator, order tp-ep-dp-pp) ---------------------
+# Lists printed by Megatron-LM's own `RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1,
+# order="tp-cp-ep-dp-pp").get_ranks(...)` (megatron/core/parallel_state.py), tokens "ep", "tp", "dp", "tp-ep".
+MEGATRON_EXPERT_GROUPS = {
+    # (world, tp, pp, ep, etp): {kind: lists}
+    (8, 2, 2, 2, 1): {
+        "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "etp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "edp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "tp_ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    },
+    (8, 2, 1, 2, 2): {
+        "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "edp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "tp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    },
+    (8, 1, 2, 2, 2): {
+        "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "etp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "edp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "tp_ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    },
+    (4, 2, 1, 2, None): {  # etp null = tp
+        "ep": [[0, 2], [1, 3]], "etp": [[0, 1], [2, 3]], "edp": [[0], [1], [2], [3]], "tp_ep": [[0, 1, 2, 3]],
+    },
+}
+
+
+@pytest.mark.parametrize("layout", list(MEGATRON_EXPERT_GROUPS))
+def test_expert_groups_are_megatrons(layout):
+    world, tp, pp, ep, etp = layout
+    g = rank_groups(world, tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    for kind, lists in MEGATRON_EXPERT_GROUPS[layout].items():
+        assert g[kind] == lists, kind
+
+
+def test_expert_worked_example_world16_tp2_pp2_ep4_etp1():
+    """The groups module docstring's example (Megatron's MoE "parallel folding": EP over TP pairs of two DP replicas)."""
+    g = rank_groups(16, 2, 2, expert_model_parallel_size=4, expert_tensor_parallel_size=1)
+    assert g["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert g["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert g["etp"] == [[r] for r in range(16)]
+    assert g["tp_ep"] == g["ep"]
+    assert g["pp"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]  # the dense grid is unchanged
+
+
+def _masked_orthogonal(world, sizes, mask):
+    """Megatron's `generate_masked_orthogonal_rank_groups`, restated: rank = sum idx_i * stride_i (first axis
+    fastest); a group fixes the unmasked indices (groups enumerated first-unmasked-fastest) and runs the masked ones."""
+    import itertools
+
+    strides = [1]
+    for s in sizes[:-1]:
+        strides.append(strides[-1] * s)
+
+    def combos(axes):  # index tuples over `axes`, the first axis fastest
+        return [dict(zip(axes, reversed(c))) for c in itertools.product(*[range(sizes[a]) for a in reversed(axes)])]
+
+    masked = [i for i, m in enumerate(mask) if m]
+    unmasked = [i for i, m in enumerate(mask) if not m]
+    return [[sum(strides[a] * i for a, i in {**fixed, **run}.items()) for run in combos(masked)]
+            for fixed in combos(unmasked)]
+
+
+def test_every_expert_layout_up_to_16_matches_the_rank_formula():
+    from mptrain.groups import expert_rank_coordinates
+
+    n = 0
+    for world, tp, pp in _layouts(16):
+        for ep in range(1, world // pp + 1):
+            for etp in range(1, world // pp + 1):
+                if world % (etp * ep * pp):
+                    continue
+                edp = world // (etp * ep * pp)
+                g = rank_groups(world, tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                sizes = [etp, ep, edp, pp]
+                for kind, mask in (("etp", [1, 0, 0, 0]), ("ep", [0, 1, 0, 0]), ("edp", [0, 0, 1, 0]),
+                                   ("tp_ep", [1, 1, 0, 0]), ("pp", [0, 0, 0, 1])):
+                    assert g[kind] == _masked_orthogonal(world, sizes, mask), (world, tp, pp, ep, etp, kind)
+                for r in range(world):
+                    t, e, d, p = expert_rank_coordinates(r, world, etp, ep, pp)
+                    assert g["ep"][t + etp * (d + edp * p)][e] == r
+                    assert g["etp"][e + ep * (d + edp * p)][t] == r
+                    assert g["edp"][t + etp * (e + ep * p)][d] == r
+                n += 1
+    assert n > 600
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, key",
+    [((4, 1, 1), {"expert_model_parallel_size": 3},
+      "world size 4 is not divisible by expert_tensor_parallel_size × expert_model_parallel_size × "
+      "pipeline_model_parallel_size = 1 × 3 × 1 = 3; set parallel.expert_model_parallel_size to one of [1, 2, 4], "
+      "or run with --nproc_per_node=3"),
+     ((4, 2, 1), {"expert_tensor_parallel_size": 4, "expert_model_parallel_size": 2},
+      "= 4 × 2 × 1 = 8; set parallel.expert_model_parallel_size to one of [1], or run with --nproc_per_node=8"),
+     ((4, 1, 1), {"expert_model_parallel_size": 0}, "parallel.expert_model_parallel_size=0 must be >= 1"),
+     ((4, 1, 1), {"expert_tensor_parallel_size": 0}, "parallel.expert_tensor_parallel_size=0 must be >= 1, or null")],
+)
+def test_bad_expert_layouts_raise_config_error(args, kwargs, key):
+    from mptrain.groups import validate_layout
+
+    with pytest.raises(ConfigError) as err:
+        validate_layout(*args, **kwargs)
+    assert key in str(err.value)
+
+
+def _expert_groups(rank, world, tp, ep, etp):
+    groups = build_groups(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    try:
+        expected = rank_groups(world, tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        sums = {}
+        for kind, handle in (("ep", groups.ep_group), ("etp", groups.etp_group), ("edp", groups.edp_group),
+                             ("tp_ep", groups.tp_ep_group)):
+            assert groups.ranks[kind] in expected[kind], kind
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t, group=handle)
+            sums[kind] = t.item()
+            assert dist.get_process_group_ranks(handle) == groups.ranks[kind], kind
+        aliases = {kind: groups.handles[kind] is groups.handles[dense] for kind, dense in
+                   (("etp", "tp"), ("edp", "dp"), ("tp_ep", "tp"))}
+        facts = (groups.ep_rank, groups.ep_size, groups.etp_rank, groups.etp_size, groups.edp_rank, groups.edp_size)
+        return sums, aliases, facts, len(groups.all_groups)
+    finally:
+        groups.destroy()
+
+
+def test_gloo_world4_expert_groups_reduce_over_their_ranks():
+    # tp2 ep2 etp1 (EP folded over the TP pairs): EP [0,1] [2,3], EDP [0,2] [1,3], ETP singletons
+    out = run_distributed(_expert_groups, 4, 2, 2, 1)
+    assert [o[0] for o in out] == [{"ep": 1.0, "etp": 0.0, "edp": 2.0, "tp_ep": 1.0}, {"ep": 1.0, "etp": 1.0, "edp": 4.0, "tp_ep": 1.0},
+                                   {"ep": 5.0, "etp": 2.0, "edp": 2.0, "tp_ep": 5.0}, {"ep": 5.0, "etp": 3.0, "edp": 4.0, "tp_ep": 5.0}]
+    assert [o[2] for o in out] == [(0, 2, 0, 1, 0, 2), (1, 2, 0, 1, 0, 2), (0, 2, 0, 1, 1, 2), (1, 2, 0, 1, 1, 2)]
+    assert out[0][1] == {"etp": False, "edp": True, "tp_ep": True}  # EDP = dense DP, TP_EP = EP = TP here: shared
+    # tp2 ep2 etp=null (= tp): ETP is TP, tp_ep is everyone, EP [0,2] [1,3]
+    out = run_distributed(_expert_groups, 4, 2, 2, None)
+    assert [o[0]["ep"] for o in out] == [2.0, 4.0, 2.0, 4.0] and [o[0]["tp_ep"] for o in out] == [6.0] * 4
+    assert [o[2][:4] for o in out] == [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
+    assert out[0][1] == {"etp": True, "edp": False, "tp_ep": False}
+    # ep1: the expert groups are the dense ones; no group is created for them (EP's singletons are pp's at pp=1)
+    out = run_distributed(_expert_groups, 4, 2, 1, None)
+    assert out[0][1] == {"etp": True, "edp": True, "tp_ep": True}
+    assert [o[2] for o in out] == [(0, 1, 0, 2, 0, 2), (0, 1, 1, 2, 0, 2), (0, 1, 0, 2, 1, 2), (0, 1, 1, 2, 1, 2)]
+    dense = rank_groups(4, 2, 1)
+    assert out[0][3] == sum(len(dense[kind]) for kind in ("tp", "pp", "dp", "mp", "embedding"))
+
+
+def test_num_experts_rule():
+    from mptrain.groups import check_num_experts
+
+    check_num_experts(None, 1)
+    check_num_experts(8, 4)
+    with pytest.raises(ConfigError, match=r"model.num_moe_experts=6 is not divisible by parallel.expert_model_parallel_size=4; "
+                                          r"set parallel.expert_model_parallel_size to one of \[1, 2, 3, 6\]"):
+        check_num_experts(6, 4)
+    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2 splits the experts of MoE layers, "
+                                          "and model.num_moe_experts is null"):
+        check_num_experts(None, 2)

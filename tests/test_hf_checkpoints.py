@@ -341,7 +341,7 @@ def test_data_preprocessed_with_another_eod_is_refused(imported, tmp_path):
     preprocess([str(corpus)], output_prefix=prefix, tokenizer=HFTokenizer(str(path), "</s>"), workers=1,
                progress=False)
     assert json.loads(Path(prefix + ".tokenizer.json").read_text())["eod"] == EOS
-    assert check_tokenizer_record(prefix, HFTokenizer(str(path), "</s>")) is None
+    assert check_tokenizer_record(prefix, HFTokenizer(str(path), "</s>")) is True
     with pytest.raises(ConfigError) as err:
         check_tokenizer_record(prefix, HFTokenizer(str(path), "t5"))
     assert str(err.value) == (f"data.tokenizer: {prefix} was preprocessed with EOD id {EOS} but data.tokenizer's EOD "

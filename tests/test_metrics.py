@@ -9,11 +9,12 @@ import pytest
 
 from mptrain.training.console import Console
 from mptrain.training.metrics import TRAIN_KEYS, EvalRow, MetricsWriter, TrainRow, read_metrics
+from mptrain.training.throughput import throughput
 
 DESIGN_TRAIN_ROW = (
     '{"split": "train", "iteration": 7, "consumed_samples": 56, "lm_loss": 6.93, "lr": 3e-4, '
     '"grad_norm": 1.2, "loss_scale": 65536.0, "skipped_iter": false, "skipped_iters_total": 3, '
-    '"nan_iters_total": 0, "num_microbatches": 4, "tokens_per_s": 1234.5, '
+    '"nan_iters_total": 0, "global_batch_size": 8, "num_microbatches": 4, "tokens_per_s": 1234.5, '
     '"tflops_per_gpu": 1.2, "mfu": null, "mem_allocated_gib": null}'
 )
 
@@ -21,7 +22,7 @@ DESIGN_TRAIN_ROW = (
 def _row(iteration, **kw):
     base = dict(iteration=iteration, consumed_samples=8 * iteration, lm_loss=7.0 - 0.1 * iteration, lr=1e-3,
                 grad_norm=1.5, loss_scale=1.0, skipped_iter=False, skipped_iters_total=0, nan_iters_total=0,
-                num_microbatches=4, tokens_per_s=100.0, tflops_per_gpu=0.01, mfu=None, mem_allocated_gib=None)
+                global_batch_size=8, num_microbatches=4, tokens_per_s=100.0, tflops_per_gpu=0.01, mfu=None, mem_allocated_gib=None)
     base.update(kw)
     return TrainRow(**base)
 
@@ -124,3 +125,56 @@ def test_writer_with_a_bar_prints_paced_step_lines_above_it(tmp_path):
     steps = [line.split(" | ")[0] for line in screen if line.startswith("iter ")]
     assert steps == ["iter 2/4", "iter 4/4"]  # the lines themselves, not the bar's postfix
     assert [line for line in screen if line.startswith("train:")][-1].startswith("train: 100%")
+
+
+def test_step_line_reports_its_interval_as_megatron(tmp_path):
+    """Every log_interval-th row closes an interval: mean lm_loss and grad norm over its non-skipped iterations,
+    time per iteration = its wall time / its iterations (skipped included) and the rates from that time, its
+    skipped and nan iterations; metrics.jsonl keeps each iteration's own row."""
+    out = io.StringIO()
+
+    def rates(elapsed_s, global_batch_size=None):  # 1000 tokens and 2 TFLOP an iteration on 2 processes
+        return throughput(flops=2e12, tokens=1000, elapsed_s=elapsed_s, num_gpus=2, peak_tflops=None)
+
+    rows = [_row(1, lm_loss=4.0, grad_norm=1.0),
+            _row(2, lm_loss=9.0, grad_norm=None, skipped_iter=True, skipped_iters_total=1, nan_iters_total=3),
+            _row(3, lm_loss=2.0, grad_norm=2.0, skipped_iters_total=1, nan_iters_total=3),
+            _row(4, lm_loss=8.0, grad_norm=None, skipped_iter=True, skipped_iters_total=2, nan_iters_total=3),
+            _row(5, lm_loss=7.0, grad_norm=None, skipped_iter=True, skipped_iters_total=3, nan_iters_total=3)]
+    times = [0.5, 0.25, 0.75, 0.5, 1.0]
+    # a resumed run: the checkpoint's optimizer had counted 2 nan iterations, so iteration 2 is the interval's one
+    with MetricsWriter(tmp_path, rank=0, log_interval=3, train_iters=5, progress_bar=False, stream=out, rates=rates,
+                       nan_iters_total=2) as w:
+        means = [w.write_train(row, step_time_s=t) for row, t in zip(rows, times)]
+    assert means[0] is None and means[1] is None and means[3] is None
+    assert (means[2].iterations, means[2].skipped, means[2].nan) == (3, 1, 1)
+    assert means[2].lm_loss == 3.0 and means[2].grad_norm == 1.5 and means[2].time_per_iteration_s == 0.5
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("iter ")]
+    assert lines == [
+        "iter 3/5 | samples 24 | ms/iter 500.0 | lm_loss 3.000000 | lr 1.000e-03 | grad_norm 1.5000 | loss_scale 1 | "
+        "skipped 1 | nan 1 | batch 8 | mb 4 | tokens/s 2000.0 | TFLOP/s/GPU 2.00 | MFU -",
+        # the last iteration closes a shorter interval; all of it skipped: no mean loss or grad norm
+        "iter 5/5 | samples 40 | ms/iter 750.0 | lm_loss - | lr 1.000e-03 | grad_norm - | loss_scale 1 | "
+        "skipped 2 | nan 0 | batch 8 | mb 4 | tokens/s 1333.3 | TFLOP/s/GPU 1.33 | MFU -",
+    ]
+    assert [r["lm_loss"] for r in read_metrics(tmp_path)] == [4.0, 9.0, 2.0, 8.0, 7.0]
+
+
+def test_interval_rates_follow_the_rows_batch_sizes():
+    """Under train.rampup_batch_size an interval's iterations process fewer samples than train.global_batch_size:
+    its rates are those of its mean batch (2 + 6 samples in 2 × 0.5 s: 8 samples a second), not of the full one."""
+    from mptrain.training.interval import Interval
+
+    seen = []
+
+    def rates(elapsed_s, global_batch_size=None):  # 100 tokens a sample, 1 process
+        seen.append(global_batch_size)
+        return throughput(flops=1e12, tokens=100 * (8 if global_batch_size is None else global_batch_size),
+                          elapsed_s=elapsed_s, num_gpus=1, peak_tflops=None)
+
+    interval = Interval(rates=rates)
+    interval.add(_row(1, global_batch_size=2), 0.5)
+    interval.add(_row(2, global_batch_size=6), 0.5)
+    means = interval.close()
+    assert seen == [4.0] and means.time_per_iteration_s == 0.5
+    assert means.tokens_per_s == pytest.approx(800.0)  # (2 + 6) × 100 tokens in 1 s

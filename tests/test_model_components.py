@@ -273,11 +273,29 @@ def test_layernorm_1p_is_layernorm_with_weight_one_plus_w():
     assert not torch.allclose(norm(x), torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias, 1e-5))
 
 
-def test_layernorm_1p_model_starts_with_zero_norm_weights_and_rejects_rmsnorm():
+def test_rmsnorm_1p_is_rmsnorm_with_weight_one_plus_w():
+    """model.apply_layernorm_1p with RMSNorm (Transformer Engine's zero_centered_gamma, as Megatron's Llama recipes
+    use it): w starts at zeros and the forward is an RMSNorm whose weight is 1 + w."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.layers.norms import Norm, RMSNorm1P
+
+    norm = Norm(8, config=ModelConfig(apply_layernorm_1p=True, normalization="RMSNorm"), eps=1e-5, context=_ln_context())
+    assert isinstance(norm, RMSNorm1P) and torch.equal(norm.weight, torch.zeros(8))
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(0))
+    ref = torch.nn.RMSNorm(8, eps=1e-5)
+    torch.testing.assert_close(norm(x), ref(x), rtol=0, atol=0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+        ref.weight.copy_(1 + norm.weight)
+    torch.testing.assert_close(norm(x), ref(x), rtol=0, atol=0)
+    assert not torch.allclose(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-5))
+
+
+def test_layernorm_1p_model_starts_with_zero_norm_weights_and_rejects_apex_norms():
     with pytest.raises(ConfigError) as err:
-        validate_config(compose(["model=tiny", "model.apply_layernorm_1p=true", "model.normalization=RMSNorm"]), 1)
-    assert str(err.value) == ("model.apply_layernorm_1p=true is a LayerNorm weight form, but model.normalization=RMSNorm; "
-                              "set model.normalization=LayerNorm or model.apply_layernorm_1p=false")
+        validate_config(compose(["model=tiny", "model.apply_layernorm_1p=true", "model.normalization=ApexFusedRMSNorm"]), 1)
+    assert str(err.value) == ("model.apply_layernorm_1p=true (zero-centred gamma) has no ApexFusedRMSNorm form; set "
+                              "model.normalization to one of LayerNorm, RMSNorm or model.apply_layernorm_1p=false")
     _, names, _, _ = run_distributed(_outputs, 1, ["model.apply_layernorm_1p=true"])[0]
     assert names["decoder.layers.0.input_layernorm"] == "LayerNorm1P" and names["decoder.final_layernorm"] == "LayerNorm1P"
 

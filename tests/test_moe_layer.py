@@ -292,9 +292,20 @@ def test_tensor_parallelism_needs_sequence_parallelism_and_a_divisible_expert_wi
         check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2))
     check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
     with pytest.raises(ConfigError, match=r"model.moe_ffn_hidden_size=9 \(the expert width\) is not divisible by "
-                                          "parallel.tensor_model_parallel_size=2"):
+                                          "parallel.expert_tensor_parallel_size=2"):
         check_model_config(dataclasses.replace(cfg, moe_ffn_hidden_size=9),
                            ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    check_model_config(dataclasses.replace(cfg, moe_ffn_hidden_size=9),  # whole experts on each TP rank
+                       ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                      expert_tensor_parallel_size=1))
+    with pytest.raises(ConfigError, match="parallel.expert_tensor_parallel_size=2 must be 1 or "
+                                          "tensor_model_parallel_size=4"):
+        check_model_config(dataclasses.replace(cfg, num_attention_heads=4),
+                           ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True,
+                                          expert_tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2: training MoE layers with expert "
+                                          "parallelism needs the expert grads reduced over the expert-data-parallel"):
+        check_model_config(cfg, ParallelConfig(expert_model_parallel_size=2))
 
 
 def test_moe_layer_freq_selects_the_layers():

@@ -2,8 +2,9 @@
 
 - the tiny MoE model trains, metrics.jsonl holds its routing statistics, the kernels: line names the
   experts' GEMMs, and a step reads the host once (the statistics ride in the loss's read);
-- pp2, dp2 and tp2 with sequence parallelism (experts sharded over the TP ranks) compute the tp1pp1 math per
-  step (DESIGN.md §3 tolerances), aux and z losses, expert-bias update, shared expert and its gate included;
+- pp2, dp2 and tp2 with sequence parallelism (experts sharded over the TP ranks, through either dispatcher, or
+  whole on each) compute the tp1pp1 math per step (DESIGN.md §3 tolerances), aux and z losses, expert-bias
+  update, shared expert and its gate included;
 - full recomputation replays the same routing (input jitter included): every row equals the plain run's;
 - resume is bitwise, the expert bias crossing the checkpoint.
 """
@@ -72,11 +73,20 @@ def reference(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + [f"train.train_iters={STEPS}"])
 
 
-@pytest.mark.parametrize("parallel", ["tp1pp2", "tp1pp1", "tp2pp1"])
-def test_pp2_dp2_and_tp2_sp_match_tp1pp1(tmp_path, reference, parallel):
-    """tp2: sequence parallelism, each rank routing its sequence shard, the experts sharded over both ranks."""
-    sp = ["parallel.sequence_parallel=true"] if parallel.startswith("tp2") else []
-    rows = _run(tmp_path, parallel, 2, FULL + sp + [f"parallel={parallel}", f"train.train_iters={STEPS}"])
+LAYOUTS_2 = {
+    "pp2": ["parallel=tp1pp2"],
+    "dp2": ["parallel=tp1pp1"],
+    # tp2 with sequence parallelism, each rank routing its sequence shard; the experts sharded over both ranks
+    # (etp = tp, the all-to-all or all-gather dispatcher over them), or whole on each (etp = 1, grads summed over TP)
+    "tp2_sp_alltoall": ["parallel=tp2pp1", "parallel.sequence_parallel=true"],
+    "tp2_sp_allgather": ["parallel=tp2pp1", "parallel.sequence_parallel=true", "model.moe_token_dispatcher_type=allgather"],
+    "tp2_sp_etp1": ["parallel=tp2pp1", "parallel.sequence_parallel=true", "parallel.expert_tensor_parallel_size=1"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_2))
+def test_two_rank_layouts_match_tp1pp1(tmp_path, reference, layout):
+    rows = _run(tmp_path, layout, 2, FULL + LAYOUTS_2[layout] + [f"train.train_iters={STEPS}"])
     _same(rows, reference)
     assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
 

@@ -41,7 +41,9 @@ def _measure_rank(rank, world, cfg, vocab_size):
 
     derived = validate_config(cfg, world)
     groups = build_groups(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
-                          derived.virtual_pipeline_model_parallel_size)
+                          derived.virtual_pipeline_model_parallel_size,
+                          expert_model_parallel_size=derived.expert_model_parallel_size,
+                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size)
     try:
         torch.manual_seed(0)
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
@@ -73,9 +75,11 @@ CASES = [  # (model overrides, world, layout overrides)
     # MoE layers on the odd layers only: the stages hold different parameter counts
     (["model=moe_tiny", "model.moe_layer_freq=[0,1,0,1]", "model.moe_shared_expert_intermediate_size=32"], 2,
      ["parallel=tp1pp2", "precision=bf16"]),
-    # the experts sharded over the TP ranks, the router replicated
+    # the experts sharded over the TP ranks, the router replicated; or whole on each TP rank
     (["model=moe_tiny", "model.moe_shared_expert_intermediate_size=32", "model.moe_shared_expert_gate=true"], 2,
      ["parallel=tp2pp1", "parallel.sequence_parallel=true", "precision=bf16"]),
+    (["model=moe_tiny"], 2, ["parallel=tp2pp1", "parallel.sequence_parallel=true",
+                             "parallel.expert_tensor_parallel_size=1", "precision=fp32"]),
 ]
 
 

@@ -49,6 +49,12 @@ def test_default_run_dir_is_model_layout_precision():
                parallel__pipeline_model_parallel_size=2, parallel__virtual_pipeline_model_parallel_size=2,
                precision__name="fp16")
     assert default_run_dir(cfg) == "outputs/tiny-tp2pp2vpp2-fp16"
+    cfg = _cfg(model__name="tiny", parallel__tensor_model_parallel_size=2, parallel__expert_model_parallel_size=4,
+               parallel__expert_tensor_parallel_size=1, precision__name="bf16")
+    assert default_run_dir(cfg) == "outputs/tiny-tp2pp1ep4etp1-bf16"
+    cfg = _cfg(model__name="tiny", parallel__tensor_model_parallel_size=2, parallel__expert_tensor_parallel_size=2,
+               precision__name="bf16")
+    assert default_run_dir(cfg) == "outputs/tiny-tp2pp1-bf16"  # ep 1, etp = tp: the dense layout's name
 
 
 def test_default_run_dir_created_relative_to_cwd(tmp_path, monkeypatch):
@@ -488,3 +494,110 @@ def test_planned_default_folder_follows_the_checkpoints_model_name(tmp_path, mon
     assert (config.run.dir, config.checkpoint.save, config.checkpoint.load) == (
         "outputs/llama-tp1pp1-fp32-2", "outputs/llama-tp1pp1-fp32-2/ck", "outputs/tiny-tp1pp1-fp32/ck")
     assert plan.configured == "outputs/llama-tp1pp1-fp32"
+
+
+# --- relaunch: the same command started again (DESIGN.md §2) -------------------------------------------------
+RELAUNCH = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=null"]
+
+
+def test_relaunching_the_megatron_command_after_a_stop_resumes_in_its_folder(tmp_path, monkeypatch):
+    """`checkpoint.save=D checkpoint.load=D` (Megatron's --save D --load D, D outside the run folder): the job
+    stopped (a failure after checkpoint 2) and is started again as it was; it resumes in its folder, not `-2`."""
+    from train_utils import compose, read_rows
+
+    from mptrain.training.run import run
+
+    monkeypatch.chdir(tmp_path)
+    ck = tmp_path / "ck"
+    command = RELAUNCH + ["train.train_iters=3", "checkpoint.save_interval=2", f"checkpoint.save={ck}",
+                          f"checkpoint.load={ck}"]
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(compose(command + ["debug.fail_rank=0", "debug.fail_iteration=3"]))
+    d = tmp_path / "outputs" / "tiny-tp1pp1-fp32"
+    assert (ck / "latest").read_text() == "2\n" and [r["iteration"] for r in read_rows(d)] == [1, 2]
+    run(compose(command))
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["tiny-tp1pp1-fp32"]
+    assert [r["iteration"] for r in read_rows(d)] == [1, 2, 3] and (ck / "latest").read_text() == "3\n"
+    line = (f"run.dir: outputs/tiny-tp1pp1-fp32 holds this run (same config): resuming there from "
+            f"checkpoint.save={ck} at iteration 2")
+    assert (d / "train.log").read_text().splitlines().count(line) == 1
+
+
+def test_a_finished_run_relaunched_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`checkpoint.save=${run.dir}/ck`, no checkpoint.load: the finished run's command started again loads
+    nothing and exits 0 with one line, every file as it was; with another config it is another run (`-2`)."""
+    from train_utils import compose
+
+    from mptrain.training.run import run
+
+    monkeypatch.chdir(tmp_path)
+    command = RELAUNCH + ["train.train_iters=2", "checkpoint.save=${run.dir}/ck"]
+    first = run(compose(command))
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    again = run(compose(command))
+    out, err = capsys.readouterr()
+    assert (out, err) == ("run.dir: outputs/tiny-tp1pp1-fp32 holds this run, finished: checkpoint.save="
+                          "outputs/tiny-tp1pp1-fp32/ck is at iteration 2 >= train.train_iters=2; nothing to train, "
+                          "nothing written (raise train.train_iters to train on)\n", "")
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(tmp_path.rglob("*")) if p.is_file()} == files
+    assert [again[k] for k in ("run_dir", "final_loss", "layout")] == [first[k] for k in ("run_dir", "final_loss", "layout")]
+    config, plan = planned_config(compose(command + ["optim.lr=0.002"]))
+    assert (plan.dir, config.checkpoint.save, config.checkpoint.load, plan.relaunch) == (
+        "outputs/tiny-tp1pp1-fp32-2", "outputs/tiny-tp1pp1-fp32-2/ck", None, None)
+    assert plan.move_line == (
+        "run.dir: outputs/tiny-tp1pp1-fp32 already holds a run; this run writes to outputs/tiny-tp1pp1-fp32-2 "
+        "(outputs/tiny-tp1pp1-fp32/config.yaml differs: optim.lr 0.001 there, 0.002 here; resume there anyway with "
+        "run.dir=outputs/tiny-tp1pp1-fp32 checkpoint.load=outputs/tiny-tp1pp1-fp32/ck)")
+
+
+def _complete_checkpoint(folder: Path, iteration: int) -> None:
+    """A checkpoint folder whose `iter_N` counts as complete (DCP's .metadata and meta.json; nothing loads it)."""
+    from mptrain.checkpoint.atomic import iter_dir_name
+
+    it = folder / iter_dir_name(iteration)
+    it.mkdir(parents=True)
+    (it / ".metadata").write_text("")
+    (it / "meta.json").write_text("{}")
+    (folder / "latest").write_text(f"{iteration}\n")
+
+
+def test_a_relaunch_is_judged_by_the_folders_config_yaml(tmp_path):
+    """run.dir from the command line: the same config relaunches (train.train_iters may change: the run trains
+    on), loading its save folder; another config is refused, naming the keys that differ and both values; a
+    sweep job's folder follows the same rule."""
+    d = tmp_path / "r"
+
+    def cfg(**dotted):
+        return _cfg(**{"run__dir": str(d), "checkpoint__save": "${run.dir}/ck", "train__train_iters": 4, **dotted})
+
+    _single(cfg())
+    _complete_checkpoint(d / "ck", 4)
+    config, plan = _planned(cfg(train__train_iters=8))
+    assert (plan.dir, plan.resuming, config.checkpoint.load) == (str(d), True, f"{d}/ck")
+    assert plan.relaunch.resume_line == (f"run.dir: {d} holds this run (same config; train.train_iters 4 there, 8 "
+                                         f"here): resuming there from checkpoint.save={d}/ck at iteration 4")
+    assert not plan.finished(8) and plan.finished(4)
+    with pytest.raises(ConfigError) as err:
+        _planned(cfg(train__train_iters=8, optim__lr=0.5, train__seed=7))
+    assert str(err.value) == (f"run.dir={d} already holds a run and this run is not its relaunch ({d}/config.yaml "
+                              "differs: optim.lr 0.001 there, 0.5 here; train.seed 1234 there, 7 here); resume it "
+                              f"anyway with checkpoint.load={d}/ck, pick a new run.dir=, or delete the folder")
+    # run.dir named by the config: the other config moves to `-2`; started again, it finds its run there
+    other = cfg(optim__lr=0.5)
+    config, plan = _planned(other, explicit=False)
+    assert (plan.dir, plan.relaunch, config.checkpoint.save) == (f"{d}-2", None, f"{d}-2/ck")
+    claim_run_dir(config, plan, rank=0, world_size=1)
+    _complete_checkpoint(tmp_path / "r-2" / "ck", 4)
+    config, plan = _planned(other, explicit=False)
+    assert (plan.dir, plan.relaunch.iteration, config.checkpoint.load) == (f"{d}-2", 4, f"{d}-2/ck")
+    assert plan.move_line == (f"run.dir: {d} already holds a run; this run writes to {d}-2 ({d}/config.yaml differs: "
+                              f"optim.lr 0.001 there, 0.5 here; {d}-2 holds this command's run)")
+    root, sub = tmp_path / "S", "train.seed=1"
+    job = SweepJob(root=str(root), subdir=sub, num=0, overrides=(sub,), swept=("train.seed",))
+    swept = _cfg(run__dir=str(root), checkpoint__save="${run.dir}/ck", train__seed=1)
+    _single(swept, sweep_job=job)
+    _complete_checkpoint(root / sub / "ck", 2)
+    config, plan = _planned(swept, sweep_job=job)
+    assert (plan.dir, config.checkpoint.load, plan.relaunch.iteration) == (str(root / sub), f"{root}/{sub}/ck", 2)

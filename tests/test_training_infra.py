@@ -274,7 +274,7 @@ APP = textwrap.dedent('''
             raise RuntimeError("injected runtime failure")
         run_dir = claim_run_dir(cfg, plan, rank=0, world_size=1)
         with MetricsWriter(run_dir, 0, progress_bar=False) as w:
-            w.write_train(TrainRow(1, 8, 5.0, 1e-3, 1.0, 1.0, False, 0, 0, derived.num_microbatches, 10.0, None, None, None))
+            w.write_train(TrainRow(1, 8, 5.0, 1e-3, 1.0, 1.0, False, 0, 0, 8, derived.num_microbatches, 10.0, None, None, None))
         facts = RankFacts(0, 0, 0, 0, None, [0, 1, 2, 3], 10, "float32", None, 0, derived.schedule, 1, {{}}, 8)
         gather_and_write_layout(run_dir, facts, rank=0, world_size=1)
         return JobResult(layout=dataclasses.asdict(derived), final_loss=5.0, run_dir=str(run_dir))

@@ -3,11 +3,14 @@
     python -m mptrain.from_megatron examples/gpt3/train_gpt3_175b_distributed.sh CKPT TB VOCAB MERGES DATA
     python -m mptrain.from_megatron --world-size 8 -- --num-layers 4 --hidden-size 128 ...
     python -m mptrain.from_megatron --mock-data SCRIPT ...   # the script's data arguments -> data=mock
+    python -m mptrain.from_megatron --cpu --mock-data SCRIPT # a trial on CPU processes (gloo): `CPU_FORMS`
     python -m mptrain.from_megatron --table                  # the mapping, as docs/MEGATRON.md's table
 
 A script is read, not run (`mptrain.megatron.shell`): its arguments after the script are its $1, $2, ...
 The command goes to stdout; the report (Megatron defaults written out, arguments carried with
-nothing to set, arguments not carried and why) to stderr. Ends 0, or 1 with one line on stderr.
+nothing to set, arguments not carried and why) to stderr. Ends 0; 2 with one line on stderr when an
+argument that takes a value got none (the script's own arguments not given: the line shows them); 1 with
+one line on stderr for any other error.
 """
 
 from __future__ import annotations
@@ -20,10 +23,18 @@ from typing import Optional, Sequence
 from mptrain.errors import ConfigError
 from mptrain.megatron.shell import Launch, read_script
 from mptrain.megatron.table import ROWS, UNSET, Row
-from mptrain.megatron.translate import Translation, translate
+from mptrain.megatron.translate import MissingValues, Translation, translate
 
-USAGE = ("usage: python -m mptrain.from_megatron [--mock-data] SCRIPT [SCRIPT_ARGS ...] | "
-         "[--mock-data] [--world-size N] -- MEGATRON_ARGS ... | --table")
+USAGE = ("usage: python -m mptrain.from_megatron [--cpu] [--mock-data] SCRIPT [SCRIPT_ARGS ...] | "
+         "[--cpu] [--mock-data] [--world-size N] -- MEGATRON_ARGS ... | --table")
+OPTIONS = ("--cpu", "--mock-data", "--world-size", "--table", "-h", "--help")
+
+CPU_FORMS = {
+    # an override of the translation -> what a trial on CPU processes adds to it, and why
+    "precision=fp8": (["precision.fp8_emulate=true", "precision.fp8_gemm_filter=none"],
+                      "CPUs have no FP8 GEMMs: torchao's emulation, on every linear (the size filter is for GPU speed)"),
+}
+"""``--cpu``: the translated command's GPU-only choices in the form that runs on CPU processes (gloo)."""
 
 
 def world_size_of(launcher: Sequence[str]) -> int:
@@ -91,37 +102,61 @@ def table_markdown() -> str:
     return "\n".join(lines)
 
 
+def cpu_forms(overrides: Sequence[str]) -> tuple[list, list]:
+    """(the overrides `CPU_FORMS` adds for ``--cpu``, the report's lines saying why)."""
+    added, lines = [], []
+    for override, (extra, why) in CPU_FORMS.items():
+        if override in overrides:
+            added += extra
+            lines.append(f"#   {' '.join(extra)}: {why}")
+    return added, lines
+
+
 def parse(argv: Sequence[str]) -> tuple:
-    """(launch, mock_data, world_size given or None) from the command line, or ("table", ...)."""
+    """(launch, mock_data, world_size given or None, cpu) from the command line, or ("table", ...)."""
     argv = list(argv)
-    mock_data, world = False, None
-    while argv and argv[0] in ("--mock-data", "--world-size", "--table", "-h", "--help"):
+    mock_data, world, cpu = False, None, False
+    while argv and argv[0] in OPTIONS:
         option = argv.pop(0)
-        if option == "--mock-data":
+        if option == "--cpu":
+            cpu = True
+        elif option == "--mock-data":
             mock_data = True
         elif option == "--world-size":
             world = int(argv.pop(0)) if argv else 0
         elif option == "--table":
-            return "table", mock_data, world
+            return "table", mock_data, world, cpu
         else:
-            return "help", mock_data, world
+            return "help", mock_data, world, cpu
     if not argv:
         raise ConfigError(f"nothing to translate; {USAGE}")
     if argv[0] == "--":
-        return Launch(launcher=[], script="pretrain_gpt.py", args=argv[1:]), mock_data, world
+        return Launch(launcher=[], script="pretrain_gpt.py", args=argv[1:]), mock_data, world, cpu
     if not os.path.isfile(argv[0]):
         raise ConfigError(f"{argv[0]}: no such script; put -- before Megatron's arguments ({USAGE})")
     with open(argv[0]) as f:
-        return read_script(f.read(), argv[1:]), mock_data, world
+        return read_script(f.read(), argv[1:]), mock_data, world, cpu
+
+
+def missing_values_line(err: MissingValues, launch: Launch, script: Optional[str]) -> str:
+    """The one line for arguments that got no value: which, and the fix (the script's usage, when its own
+    arguments are missing; `script`: the script's path as given, None for arguments given after --)."""
+    if script is None:
+        return f"{err}; give each its value after it ({err.flags[0]} VALUE)"
+    if launch.given < len(launch.arguments):
+        return (f"{err}: {script} reads {len(launch.arguments)} arguments of its own and was given {launch.given}; "
+                f"pass them: python -m mptrain.from_megatron {script} {' '.join(launch.arguments)}")
+    return (f"{err}: {script} leaves the variables they read unset; set them in the script, or pass Megatron's "
+            "arguments: python -m mptrain.from_megatron -- --num-layers ...")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    launch = None
     try:
-        launch, mock_data, world = parse(argv)
+        launch, mock_data, world, cpu = parse(argv)
         if launch in ("table", "help"):
-            print(table_markdown() if launch == "table" else __doc__)
-            return 0
+            return _print(table_markdown() if launch == "table" else __doc__)
         launcher = list(launch.launcher)
         if launcher and not (os.path.basename(launcher[0]).startswith("python") and len(launcher) == 1):
             world = world or world_size_of(launcher)
@@ -129,11 +164,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             world = world or 1
             launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
         t = translate(launch.args, world_size=world, mock_data=mock_data)
+    except MissingValues as err:  # a usage error, as argparse's: exit 2
+        print(f"error: {missing_values_line(err, launch, _script_of(argv))}", file=sys.stderr)
+        return 2
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(command(launcher, t.overrides))
+    added, why = cpu_forms(t.overrides) if cpu else ([], [])
+    code = _print(command(launcher, [*t.overrides, *added]))
     print(report(t, world), file=sys.stderr)
+    if cpu:
+        print("\n".join(["# --cpu: added for a trial on CPU processes:" if why else "# --cpu: nothing to add", *why]),
+              file=sys.stderr)
+    return code
+
+
+def _script_of(argv: Sequence[str]) -> Optional[str]:
+    """The script path of a command line `parse` accepted (None: Megatron's arguments after --)."""
+    rest = list(argv)
+    while rest and rest[0] in ("--cpu", "--mock-data", "--world-size"):
+        rest = rest[2:] if rest[0] == "--world-size" else rest[1:]
+    return None if not rest or rest[0] == "--" else rest[0]
+
+
+def _print(text: str) -> int:
+    """Print `text` to stdout; 0, or 1 when the reader closed the pipe (`--table | head -3`): no traceback.
+    (Python's advice for SIGPIPE: point stdout at devnull, so the flush at exit does not raise again.)"""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -16,6 +16,25 @@ Worked example (Megatron ``parallel_state.py``; checked by ``tests/test_groups.p
 
 TP groups are contiguous ranks (one node, NVLink); PP is the outermost axis (across nodes).
 
+Expert layers (mixture of experts) use a second grid over the same ranks, Megatron-core's expert
+RankGenerator (order "tp-ep-dp-pp", cp = 1): ETP varies fastest, then EP, then expert-data-parallel
+(EDP), then PP, with EDP = world / (etp × ep × pp)::
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))    i.e. arange(world).view(pp, edp, ep, etp)
+
+Worked example (Megatron ``parallel_state.py`` / MoE README "parallel folding"; checked by
+``tests/test_groups.py``): 16 GPUs, tp=2, pp=2 (dense dp=4), expert_model_parallel_size=4,
+expert_tensor_parallel_size=1 => EDP = 16 / (1 × 4 × 2) = 2::
+
+    EP     [0,1,2,3] [4,5,6,7] [8,9,10,11] [12,13,14,15]       (ep axis; folds over the TP pairs of two DP replicas)
+    EDP    [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]   (edp axis: expert grads reduce here)
+    ETP    [0] [1] ... [15]                                      (etp axis: experts are not tensor-split)
+    TP_EP  = EP here (etp × ep: the token dispatcher's group)
+    PP     [0,8] [1,9] ... [7,15]                                 (the dense grid's PP groups, by construction)
+
+Both grids end in PP, so their PP groups coincide (Megatron asserts it). With ep = 1 and etp = tp
+the expert groups are the dense ones (ETP = TP, EDP = DP, TP_EP = TP) and share their handles.
+
 All process-group state lives in one `ParallelGroups` object built by `build_groups` and torn
 down by `ParallelGroups.destroy`, so a second layout can be built in the same process (sweeps,
 tests). There are no module-level globals.
@@ -25,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 from typing import Any, Optional
 
@@ -33,7 +53,11 @@ import torch.distributed as dist
 
 from mptrain.errors import ConfigError, launch_rank_and_world
 
-GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding")
+DENSE_GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding")
+EXPERT_GROUP_KINDS = ("ep", "etp", "edp", "tp_ep")
+"""The expert grid's groups: expert-model-parallel, expert-tensor-parallel, expert-data-parallel, and
+etp × ep (the token dispatcher's group; Megatron's ``_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP``)."""
+GROUP_KINDS = DENSE_GROUP_KINDS + EXPERT_GROUP_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,13 +222,18 @@ def validate_layout(
     pipeline_model_parallel_size: int,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     *,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
     world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG,
 ) -> int:
     """Check a layout and return the data-parallel size (``world_size_flag``: `TORCHRUN_WORLD_SIZE_FLAG`).
 
+    The expert grid (`expert_layout`) must tile the same world: etp × ep × pp divides it
+    (Megatron ``initialize_model_parallel``); ``expert_tensor_parallel_size=None`` means tp.
+
     Raises:
-        ConfigError: sizes below 1, world size not divisible by tp x pp, or a virtual pipeline
-            without pp > 1 (one line with the numbers and the fix).
+        ConfigError: sizes below 1, world size not divisible by tp x pp or by etp x ep x pp, or a
+            virtual pipeline without pp > 1 (one line with the numbers and the fix).
     """
     tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
     if tp < 1 or pp < 1 or world_size < 1:
@@ -227,30 +256,104 @@ def validate_layout(
                 f"parallel: virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
                 "(got 1); set virtual_pipeline_model_parallel_size=null or pick parallel=tp1pp2vpp2"
             )
+    expert_layout(world_size, tp, pp, expert_model_parallel_size, expert_tensor_parallel_size,
+                  world_size_flag=world_size_flag)
     return world_size // (tp * pp)
 
 
-def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> dict:
+def expert_layout(
+    world_size: int,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
+    *,
+    world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG,
+) -> tuple[int, int, int]:
+    """(etp, ep, edp) of the expert grid: etp = ``expert_tensor_parallel_size`` or tp when null (Megatron's
+    default), edp = world / (etp × ep × pp) (Megatron ``parallel_state.initialize_model_parallel``).
+
+    The model's expert count vs ep is `check_num_experts` (it needs the model's keys).
+
+    Raises:
+        ConfigError: ep or etp below 1, or etp × ep × pp not dividing the world size (one line naming
+            the key and the fix).
+    """
+    ep, pp = expert_model_parallel_size, pipeline_model_parallel_size
+    etp = tensor_model_parallel_size if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    if ep < 1:
+        raise ConfigError(f"parallel.expert_model_parallel_size={ep} must be >= 1 (1 = no expert parallelism)")
+    if etp < 1:
+        raise ConfigError(f"parallel.expert_tensor_parallel_size={etp} must be >= 1, or null "
+                          "(= tensor_model_parallel_size)")
+    if world_size % (etp * ep * pp) != 0:
+        # the fix: an ep the world takes at this etp × pp, else a world both grids tile
+        eps = [k for k in range(1, world_size // (etp * pp) + 1) if world_size % (etp * pp * k) == 0]
+        tile = math.lcm(tensor_model_parallel_size * pp, etp * ep * pp)
+        fix = (f"set parallel.expert_model_parallel_size to one of {eps}" if eps else
+               f"set parallel.expert_tensor_parallel_size to a divisor of {world_size // pp}")
+        raise ConfigError(
+            f"parallel: world size {world_size} is not divisible by expert_tensor_parallel_size × "
+            f"expert_model_parallel_size × pipeline_model_parallel_size = {etp} × {ep} × {pp} = {etp * ep * pp}; "
+            f"{fix}, or run with {world_size_flag}={tile}"
+        )
+    return etp, ep, world_size // (etp * ep * pp)
+
+
+def check_num_experts(num_moe_experts: Optional[int], expert_model_parallel_size: int) -> None:
+    """Each EP rank holds E / ep whole experts of an MoE layer (Megatron ``arguments.py``: num_experts % ep == 0);
+    `mptrain.training.validate` calls it with ``model.num_moe_experts``, the token dispatchers with their E.
+
+    Raises:
+        ConfigError: ep > 1 for a dense model (``num_moe_experts`` null), or E not divisible by ep.
+    """
+    ep = expert_model_parallel_size
+    if num_moe_experts is None:
+        if ep > 1:
+            raise ConfigError(
+                f"parallel.expert_model_parallel_size={ep} splits the experts of MoE layers, and model.num_moe_experts "
+                "is null (a dense model); set model.num_moe_experts or parallel.expert_model_parallel_size=1"
+            )
+        return
+    if num_moe_experts % ep != 0:
+        divisors = [d for d in range(1, num_moe_experts + 1) if num_moe_experts % d == 0]
+        raise ConfigError(
+            f"model.num_moe_experts={num_moe_experts} is not divisible by parallel.expert_model_parallel_size={ep}; "
+            f"set parallel.expert_model_parallel_size to one of {divisors} or model.num_moe_experts to a multiple of {ep}"
+        )
+
+
+def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int, *,
+                expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None) -> dict:
     """The rank lists of every group kind, as Megatron builds them (pure; no torch.distributed).
 
-    Ranks are laid out as ``arange(world).view(pp, dp, tp)`` (see the module docstring).
+    Dense ranks are laid out as ``arange(world).view(pp, dp, tp)``, expert ranks as
+    ``arange(world).view(pp, edp, ep, etp)`` (see the module docstring).
 
     Returns:
-        {"tp": [...], "pp": [...], "dp": [...], "mp": [...], "embedding": [...]}, each a list of
-        rank lists. "mp" is tp x pp for one dp index; "embedding" is [first, last] of each PP
-        group ([first] when pp == 1).
+        {"tp", "pp", "dp", "mp", "embedding", "ep", "etp", "edp", "tp_ep": [...]}, each a list of rank
+        lists, groups in Megatron's order. "mp" is tp x pp for one dp index; "embedding" is
+        [first, last] of each PP group ([first] when pp == 1); "tp_ep" is etp x ep (etp fastest).
     Raises:
         ConfigError: see `validate_layout`.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     dp = validate_layout(world_size, tp, pp)
+    etp, ep, edp = expert_layout(world_size, tp, pp, expert_model_parallel_size, expert_tensor_parallel_size)
     grid = torch.arange(world_size).view(pp, dp, tp)
     tp_groups = grid.reshape(-1, tp).tolist()
     dp_groups = grid.transpose(1, 2).reshape(-1, dp).tolist()
     pp_groups = grid.permute(1, 2, 0).reshape(-1, pp).tolist()
     mp_groups = grid.permute(1, 0, 2).reshape(dp, pp * tp).tolist()
     embedding_groups = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in pp_groups]
-    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups, "embedding": embedding_groups}
+    expert = torch.arange(world_size).view(pp, edp, ep, etp)
+    return {
+        "tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups, "embedding": embedding_groups,
+        "etp": expert.reshape(-1, etp).tolist(),
+        "ep": expert.permute(0, 1, 3, 2).reshape(-1, ep).tolist(),  # groups ordered (pp, edp, etp)
+        "edp": expert.permute(0, 2, 3, 1).reshape(-1, edp).tolist(),  # groups ordered (pp, ep, etp)
+        "tp_ep": expert.reshape(-1, ep * etp).tolist(),
+    }
 
 
 def rank_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
@@ -259,13 +362,20 @@ def rank_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int,
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
 
+def expert_rank_coordinates(rank: int, world_size: int, etp: int, ep: int, pp: int) -> tuple[int, int, int, int]:
+    """(etp_rank, ep_rank, edp_rank, pp_rank) of a global rank in the ``view(pp, edp, ep, etp)`` grid."""
+    edp = world_size // (etp * ep * pp)
+    return rank % etp, (rank // etp) % ep, (rank // (etp * ep)) % edp, rank // (etp * ep * edp)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelGroups:
     """Every process group of one layout and the facts derived from it (Megatron's parallel_state, as an object).
 
     Build with `build_groups`; call `destroy` before building another layout in the same process.
     Group handles are None only for kinds this rank is not part of (the embedding group of a
-    middle pipeline stage).
+    middle pipeline stage). The expert grid's groups (`EXPERT_GROUP_KINDS`) and their ranks and
+    sizes derive from ``ranks`` (``ep_rank`` = this rank's index in its EP group, ...).
     """
 
     world_size: int
@@ -312,6 +422,55 @@ class ParallelGroups:
     @property
     def embedding_group(self):
         return self.handles["embedding"]
+
+    # --- expert grid (MoE layers) ----------------------------------------------------------
+    @property
+    def ep_group(self):
+        """Expert-model-parallel: the ranks that split the experts of one layer (E / ep each)."""
+        return self.handles["ep"]
+
+    @property
+    def etp_group(self):
+        """Expert-tensor-parallel: the ranks that split each expert's FFN (the experts' TP)."""
+        return self.handles["etp"]
+
+    @property
+    def edp_group(self):
+        """Expert-data-parallel: the replicas of one expert shard (expert grads reduce here)."""
+        return self.handles["edp"]
+
+    @property
+    def tp_ep_group(self):
+        """etp x ep: the token dispatcher's group (every rank whose tokens may reach this rank's experts)."""
+        return self.handles["tp_ep"]
+
+    def _index_in(self, kind: str) -> int:
+        return self.ranks[kind].index(self.rank)
+
+    @property
+    def ep_size(self) -> int:
+        return len(self.ranks["ep"])
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its EP group: it holds global experts [ep_rank·E/ep, (ep_rank+1)·E/ep)."""
+        return self._index_in("ep")
+
+    @property
+    def etp_size(self) -> int:
+        return len(self.ranks["etp"])
+
+    @property
+    def etp_rank(self) -> int:
+        return self._index_in("etp")
+
+    @property
+    def edp_size(self) -> int:
+        return len(self.ranks["edp"])
+
+    @property
+    def edp_rank(self) -> int:
+        return self._index_in("edp")
 
     # --- pipeline facts -----------------------------------------------------------------
     def is_pipeline_first_stage(self, vp_stage: Optional[int] = None) -> bool:
@@ -392,27 +551,41 @@ def build_groups(
     pipeline_model_parallel_size: int,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     *,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
     device: torch.device = torch.device("cpu"),
 ) -> ParallelGroups:
     """Create the process groups of a layout on the initialised default group (collective on all ranks).
 
     Every rank calls `torch.distributed.new_group` for every group in the same order (required
-    by torch), and keeps the handles of the groups it belongs to.
+    by torch), and keeps the handles of the groups it belongs to. An expert kind whose rank lists
+    equal those of a kind already built (ETP = TP, EDP = DP when ep = 1 and etp = tp) takes that
+    kind's handles instead of new groups.
 
     Raises:
         ConfigError: invalid layout (before any collective; every rank raises the same error).
     """
     world_size, rank = dist.get_world_size(), dist.get_rank()
     vpp = virtual_pipeline_model_parallel_size
-    dp = validate_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, vpp)
-    lists = rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    expert = {"expert_model_parallel_size": expert_model_parallel_size,
+              "expert_tensor_parallel_size": expert_tensor_parallel_size}
+    dp = validate_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, vpp, **expert)
+    lists = rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, **expert)
     ranks: dict = {kind: None for kind in GROUP_KINDS}
     handles: dict = {kind: None for kind in GROUP_KINDS}
     created = []
+    built: dict = {}  # kind -> {tuple(group ranks): handle}, for the kinds built so far
     for kind in GROUP_KINDS:
+        # only an expert kind shares an equal kind's handles: each dense kind keeps its own communicators
+        same = next((k for k in built if lists[k] == lists[kind]), None) if kind in EXPERT_GROUP_KINDS else None
+        built[kind] = {}
         for group_ranks in lists[kind]:
-            group = dist.new_group(group_ranks)
-            created.append(group)
+            if same is not None:
+                group = built[same][tuple(group_ranks)]
+            else:
+                group = dist.new_group(group_ranks)
+                created.append(group)
+            built[kind][tuple(group_ranks)] = group
             if rank in group_ranks:
                 ranks[kind], handles[kind] = group_ranks, group
     host_group = None

@@ -1,8 +1,8 @@
 """The model a checkpoint was saved with, as the run's model (Megatron's ``--use-checkpoint-args``).
 
 ``checkpoint.use_checkpoint_args`` (null = what the checkpoint says: true for one written by
-``python -m mptrain.export --import-hf``, and for one saved by a run that took its model this way)
-makes `apply_checkpoint_args` copy, from ``checkpoint.load``'s saved config, the model's architecture
+``python -m mptrain.export --import-hf`` or ``--import-megatron``, and for one saved by a run that took its
+model this way) makes `apply_checkpoint_args` copy, from ``checkpoint.load``'s saved config, the model's architecture
 keys (`ARCHITECTURE_KEYS`: everything the weights' shapes and math depend on), ``data.tokenizer`` and
 ``checkpoint.hf_config`` (what an import read from the Hugging Face config.json and an export writes
 back) over the composed config, before validation. Training choices stay the run's: ``seq_length``,

@@ -29,6 +29,8 @@ from typing import Optional
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 META_FILE = "meta.json"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's ``latest`` (its ``iter_N`` folders are named as ours): `load_refusal` sends such a folder to the import."""
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -101,9 +103,9 @@ def load_refusal(root: str, iteration: Optional[int], save: Optional[str] = None
     """Why ``checkpoint.load=root`` (with ``checkpoint.load_iteration=iteration``) cannot resume, as one line, or
     None. A resume reads the folder that holds the ``iter_N`` folders and ``latest``; pointed elsewhere it
     would load nothing and train a fresh run. Refused: ``root`` is one iteration's folder or a file (its
-    ``latest``); ``iteration`` is not complete there; ``root`` does not exist or holds no complete checkpoint,
-    and is not ``save`` (the folder this run saves to, where loading nothing is a restartable job's first
-    start)."""
+    ``latest``); ``iteration`` is not complete there; ``root`` is a Megatron-LM checkpoint, ``save`` or not
+    (mptrain reads it once imported); ``root`` does not exist or holds no complete checkpoint, and is not
+    ``save`` (the folder this run saves to, where loading nothing is a restartable job's first start)."""
     path = Path(root)
     is_save = bool(save) and Path(save).resolve() == path.resolve()
     m = _ITER_RE.match(path.name)
@@ -116,6 +118,10 @@ def load_refusal(root: str, iteration: Optional[int], save: Optional[str] = None
     if not path.is_dir():
         return None if is_save else (f"checkpoint.load={root} does not exist; fix the path, or set checkpoint.load "
                                      "to the checkpoint.save folder to resume when it exists and start fresh otherwise")
+    if (path / MEGATRON_TRACKER).is_file() and not list_iterations(root):
+        # Megatron's iter_N folders look like ours; loading nothing here would train a fresh run beside them
+        return (f"checkpoint.load={root} is a Megatron-LM checkpoint ({MEGATRON_TRACKER}); import it once with "
+                f"python -m mptrain.export --import-megatron {root} --output CKPT, then set checkpoint.load=CKPT")
     if iteration is not None:
         try:
             resolve_load_dir(root, iteration)

@@ -83,13 +83,18 @@ def _tp1_model(model: dict, *, vocab_size: int, **kwargs):
                               vocab_size=int(vocab_size), **kwargs)[0]
 
 
-def expected_shapes(model: dict) -> dict:
-    """{tp1pp1 name: global unpadded shape} of every parameter of ``model`` (a model dict), from the trainer's
-    own `build_model_chunks` on the meta device (no memory, no init cost)."""
+def shard_specs(model: dict) -> dict:
+    """{tp1pp1 name: `mptrain.layers.sharding.ShardSpec`} of every parameter of ``model`` (a model dict), from the
+    trainer's own `build_model_chunks` on the meta device (no memory, no init cost): each global unpadded shape,
+    TP-split dim and interleave (SwiGLU's fc1: 2), whatever the TP size."""
     from mptrain.layers.sharding import collect_shard_specs
 
-    chunk = _tp1_model(model, vocab_size=model["vocab_size"], device=torch.device("meta"))
-    return {name: tuple(spec.global_shape) for name, spec in collect_shard_specs(chunk).items()}
+    return collect_shard_specs(_tp1_model(model, vocab_size=model["vocab_size"], device=torch.device("meta")))
+
+
+def expected_shapes(model: dict) -> dict:
+    """{tp1pp1 name: global unpadded shape} of every parameter of ``model`` (a model dict): `shard_specs`' shapes."""
+    return {name: tuple(spec.global_shape) for name, spec in shard_specs(model).items()}
 
 
 def _load_quietly(folder: Path, chunks: list) -> None:

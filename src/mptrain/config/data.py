@@ -37,8 +37,8 @@ class DataConfig:
     tokenizer: Optional[Any] = None
     """The tokenizer component: {_target_: any class with the tokenizer interface
     (mptrain.data.tokenizers.TokenizerProtocol), **its keywords}; shipped: mptrain.data.tokenizers.
-    ByteTokenizer | HFTokenizer | TiktokenTokenizer | NullTokenizer. Each option's YAML sets one;
-    null is an error."""
+    ByteTokenizer | HFTokenizer | GPT2BPETokenizer (vocab_file, merge_file: Megatron's GPT2BPETokenizer) |
+    TiktokenTokenizer | NullTokenizer. Each option's YAML sets one; null is an error."""
     vocab_size: int = 1000
     """mock: ids are below this (and the default NullTokenizer has this size)."""
     corpus: Optional[str] = None

@@ -177,9 +177,10 @@ class ModelConfig:
     """LayerNorm | RMSNorm: read by the default norm nodes (`mptrain.layers.norms.Norm`) of transformer_layer."""
     layernorm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
-    """Megatron's --apply-layernorm-1p (zero-centred gamma): each LayerNorm stores w = gamma - 1, initialised to
-    zeros, and applies (1 + w) (`mptrain.layers.norms.LayerNorm1P`): the same math as LayerNorm at init, weight
-    decay pulls gamma towards 1 rather than 0. normalization=LayerNorm only; Hugging Face export refuses it."""
+    """Megatron's --apply-layernorm-1p (zero-centred gamma): each norm stores w = gamma - 1, initialised to
+    zeros, and applies (1 + w) (`mptrain.layers.norms.LayerNorm1P` / `RMSNorm1P`, as Transformer Engine's
+    zero_centered_gamma): the same math at init, weight decay pulls gamma towards 1 rather than 0.
+    normalization=LayerNorm or RMSNorm; Hugging Face export refuses it."""
     activation: str = "gelu"
     """gelu | swiglu: read by the default activation node (`mptrain.layers.mlp.Activation`)."""
     position_embedding_type: str = "learned_absolute"

@@ -39,6 +39,14 @@ class OptimConfig:
     """Peak learning rate (after warmup), >= 0. Passed as ``lr``."""
     min_lr: float = 0.0
     """Learning rate at the end of the decay (<= lr)."""
+    decoupled_lr: Optional[float] = None
+    """Megatron's --decoupled-lr: peak learning rate of the input embedding and the output layer (the tied weight
+    is the embedding; the last stage's copy too), over the same warmup / decay as lr; the other params keep lr.
+    null = off (one schedule for every param). metrics.jsonl's lr stays the other params' (the embedding /
+    output LR is decoupled_min_lr + c × (decoupled_lr - decoupled_min_lr) for the coefficient c that lr shows)."""
+    decoupled_min_lr: Optional[float] = None
+    """Megatron's --decoupled-min-lr: the embedding and output layer's learning rate at the end of the decay
+    (<= decoupled_lr); null = min_lr. Only with decoupled_lr."""
     weight_decay: float = 0.0
     """Applied to weights only: biases and norm params are in a no-decay group. Passed as ``weight_decay`` (>= 0)."""
     adam_beta1: float = 0.9

@@ -8,7 +8,8 @@ from typing import Optional
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """The layout. Data-parallel size = world size / (tp × pp)."""
+    """The layout. Data-parallel size = world size / (tp × pp); expert layers use a second grid over the same
+    ranks, expert-data-parallel size = world size / (expert_tensor_parallel_size × expert_model_parallel_size × pp)."""
 
     name: str = "tp1pp1"
     """Option name, used in the default run.dir."""
@@ -34,6 +35,10 @@ class ParallelConfig:
     """ZeRO-1: shard fp32 main params and optimizer state over DP."""
     overlap_grad_reduce: bool = False
     """Launch DP bucket reductions during the last micro-batch's backward."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: the all-gather of the updated params after the optimizer step runs
+    while the next forward starts; each bucket is waited for where its params are first used (Megatron's
+    name). Needs use_distributed_optimizer and overlap_grad_reduce (Megatron's rules). Same math."""
     grad_reduce_in_fp32: bool = False
     """Accumulate and reduce grads in fp32 (main_grad dtype) even for fp16/bf16 params."""
     bucket_size: Optional[int] = None
@@ -42,3 +47,10 @@ class ParallelConfig:
     """Layers on the first stage for an uneven split; null = even."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Layers on the last stage for an uneven split; null = even."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks that split each MoE layer's experts (model.num_moe_experts / ep experts per rank); 1 = every
+    rank holds every expert. Megatron's name: carved out of the ranks of one pipeline stage, rank order
+    tp-ep-dp-pp, so it may exceed the data-parallel size (Megatron's "parallel folding")."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP: ranks that split each expert's FFN (the experts' tensor parallelism); null = tensor_model_parallel_size
+    (Megatron's default). etp × ep × pp must divide the world size."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional
 
+from mptrain.config.batch_size import BatchSizeSchedule
 
-def train_iters_of(train) -> Optional[int]:
-    """The run's last iteration: ``train.train_iters``, or with ``train.train_samples`` set
-    train_samples // global_batch_size (Megatron's ``update_train_iters`` without batch-size ramp-up: a last
-    partial batch is not trained)."""
+
+def train_iters_of(train, *, seq_length: Optional[int] = None) -> Optional[int]:
+    """The run's last iteration: ``train.train_iters``, or with ``train.train_samples`` set Megatron's
+    ``update_train_iters``: train_samples // global_batch_size (a last partial batch is not trained), or with
+    ``train.rampup_batch_size`` / ``train.step_batch_size_schedule`` its count (`BatchSizeSchedule.train_iters`;
+    ``seq_length``: model.seq_length, which turns a step schedule's token thresholds into samples)."""
     if train.train_samples is None:
         return train.train_iters
-    return train.train_samples // train.global_batch_size
+    return BatchSizeSchedule.of(train, seq_length=seq_length).train_iters(train.train_samples)
 
 
 @dataclasses.dataclass
@@ -21,8 +24,8 @@ class TrainConfig:
     """The last iteration (iterations count completed optimizer steps from 1, skipped ones included); null
     with train_samples, which then sets it (`train_iters_of`; config.yaml records the derived value)."""
     train_samples: Optional[int] = None
-    """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size,
-    and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
+    """Megatron's --train-samples: train by samples instead: iterations = train_samples // global_batch_size
+    (with rampup_batch_size / step_batch_size_schedule: Megatron's count over it, `train_iters_of`), and the LR schedule counts samples (optim.lr_warmup_samples / lr_decay_samples, or lr_warmup_fraction).
     null = train by train_iters. Needs train.train_iters=null (both set is an error, as in Megatron, unless train_iters is the derived value)."""
     exit_interval: Optional[int] = None
     """Save a checkpoint and exit 0 after this iteration."""
@@ -33,13 +36,33 @@ class TrainConfig:
     micro_batch_size: int = 2
     """Samples per micro-batch per DP rank."""
     global_batch_size: int = 8
-    """Samples per iteration over all DP ranks; must be divisible by micro_batch_size × dp."""
+    """Samples per iteration over all DP ranks; must be divisible by micro_batch_size × dp. With
+    rampup_batch_size: the batch the ramp ends at. With step_batch_size_schedule: not the training batch; the
+    evaluation's global batch and the samples of one iteration where an LR length counts iterations
+    (Megatron takes micro_batch_size × dp there, `mptrain.config.batch_size`)."""
+    rampup_batch_size: Optional[List[int]] = None
+    """Megatron's --rampup-batch-size: [start, increment, ramp_samples]: the global batch starts at start
+    and grows by increment every ramp_samples / ((global_batch_size - start) / increment) consumed samples
+    until it reaches global_batch_size (`mptrain.config.batch_size`); each reached batch must be a multiple
+    of micro_batch_size × dp. Needs train.train_samples (iterations: Megatron's update_train_iters); the LR
+    schedule then counts the samples of each applied step. null = a constant global batch."""
+    step_batch_size_schedule: Optional[str] = None
+    """Megatron's --step-batch-size-schedule: "THRESHOLD:BATCH THRESHOLD:BATCH ...", e.g. "0:16 2.4B:320 12B:1536":
+    from THRESHOLD tokens trained (K / M / B / T = 10^3 / 10^6 / 10^9 / 10^12; tokens // model.seq_length
+    samples) the global batch is BATCH (`mptrain.config.batch_size`). The first threshold is 0; each reached
+    batch a multiple of micro_batch_size × dp, never decreasing. Training by train_iters or train_samples
+    (iterations: Megatron's update_train_iters, the last batch trained whole); the LR schedule counts the
+    samples of each applied step. One string (spaces or commas between entries; quote it on the command
+    line: 'train.step_batch_size_schedule="0:16 2.4B:320"'). Not with rampup_batch_size. null = off."""
     seed: int = 1234
     """Init and dropout seed."""
     clip_grad: float = 1.0
     """Global grad-norm clip (0 = off)."""
     log_interval: int = 1
-    """Console pacing only; metrics.jsonl gets every iteration."""
+    """A console (and train.log) step line every N iterations and on the last, reporting its interval as
+    Megatron's --log-interval: the mean lm_loss and grad norm over the non-skipped iterations since the
+    previous line, the mean time per iteration and the tokens/s, TFLOP/s/GPU and MFU from it, the skipped
+    and nan iterations. metrics.jsonl gets every iteration's own row either way."""
     eval_interval: Optional[int] = 10
     """Validate every N iterations (and at iteration 0); null = no evaluation."""
     eval_iters: int = 2
@@ -71,6 +94,22 @@ class TrainConfig:
     """With manual_gc: a full collection every N iterations (0 = only at the start of the loop)."""
     manual_gc_eval: bool = True
     """With manual_gc: a collection before and after each evaluation (Megatron's ``--no-manual-gc-eval`` = false)."""
+    profile: bool = False
+    """Megatron's --profile: profile the iterations after profile_step_start up to and including
+    profile_step_end (the profiler starts once profile_step_start iterations are done and stops once
+    profile_step_end are), on the ranks in profile_ranks (`mptrain.training.profiler`)."""
+    profile_step_start: int = 10
+    """Megatron's --profile-step-start: completed iterations before the profiler starts (>= 0)."""
+    profile_step_end: int = 12
+    """Megatron's --profile-step-end: completed iterations when it stops (> profile_step_start)."""
+    profile_ranks: List[int] = dataclasses.field(default_factory=lambda: [0])
+    """Megatron's --profile-ranks: the global ranks that profile (each in [0, world size))."""
+    use_pytorch_profiler: bool = False
+    """Megatron's --use-pytorch-profiler: with profile, record with torch.profiler and write a Chrome
+    trace (``rank<R>.iter<A>-<B>.pt.trace.json``, TensorBoard's profiler reads it) into logger.tensorboard_dir,
+    or run.dir when that is null. false: on CUDA, mark the window for an outer ``nsys profile
+    --capture-range=cudaProfilerApi`` (cudaProfilerStart / Stop, with NVTX ranges per op); on CPU
+    torch.profiler records either way. Needs profile=true."""
     timing_log_level: int = 1
     """Megatron's timing levels: 0 = iteration time only; 1 = + forward-backward, grads-all-reduce,
     optimizer, batch-generator, pipeline-p2p; 2 = fine-grained (none yet). Timers above this level cost
@@ -103,8 +142,8 @@ class CheckpointConfig:
     RoPE, biases, tie; not seq_length or dropout) come from checkpoint.load's saved config, over the
     command line's; data.tokenizer and checkpoint.hf_config too, unless the command line sets them (a
     differing tokenizer: one warning) (`mptrain.checkpoint.args`). null = as the checkpoint says: true for
-    one imported with `python -m mptrain.export --import-hf` (and for the checkpoints of a run that
-    took its model so), false otherwise."""
+    one imported with `python -m mptrain.export --import-hf` or `--import-megatron` (and for the
+    checkpoints of a run that took its model so), false otherwise."""
     hf_config: Optional[Dict[str, Any]] = None
     """What `python -m mptrain.export --format hf` writes into the Hugging Face config.json besides the
     architecture: {model_type, bos_token_id, eos_token_id} (an id or a list of ids). Set by

@@ -5,6 +5,9 @@ with one change: the order is built **per epoch** from an RNG seeded by (data.se
 epoch), so asking for more samples extends the same order and nothing depends on
 `train.train_iters` (Megatron sizes its indices by the number of samples the run will take).
 
+A document here is one sequence of the index (`mptrain.data.indexed`: Megatron's GPT unit; one per
+document unless Megatron preprocessed with `--split-sentences`).
+
 Epoch e of a split with documents D (a contiguous range, `split_document_ranges`) and T tokens:
 - `doc_idx` [|D|]: the documents in stream order (a permutation of D for train; D in order for
   valid / test). Their tokens back to back form the epoch's stream of T tokens.
@@ -38,7 +41,7 @@ from mptrain.data.indexed import IndexedDataset
 from mptrain.errors import ConfigError
 
 SPLITS = ("train", "valid", "test")
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: doc_idx counts the index's sequences (Megatron's GPT unit; 1 grouped them by document)
 _KEEP_EPOCHS = 2  # epochs kept in memory (the current one and its neighbour)
 
 

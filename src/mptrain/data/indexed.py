@@ -9,8 +9,14 @@ so datasets written by Megatron's `tools/preprocess_data.py` load here and vice 
             document_indices[0] = 0, D = number of documents + 1)
     .bin: the tokens of every sequence, back to back, in the dtype of the code
 
-Our preprocessing writes one sequence per document (the text's tokens followed by EOD). Token
-dtype by vocabulary (Megatron's rule): uint16 below 65500 ids, int32 otherwise.
+Our preprocessing writes one sequence per document (the text's tokens followed by EOD), as Megatron's
+`tools/preprocess_data.py` does without `--split-sentences`. Token dtype by vocabulary (Megatron's
+rule): uint16 below 65500 ids, int32 otherwise.
+
+The unit GPT training samples, shuffles and cuts by `data.split` is the **sequence**, as in Megatron
+(`GPTDataset.numel_low_level_dataset`: "For GPT, the underlying IndexedDataset should be split by
+sequence"): a Megatron dataset made with `--split-sentences` (one sequence per sentence) is read
+sentence by sentence there and here alike. Below, a "document" of `IndexedDataset` is one sequence.
 
 `IndexedDataset` checks both files against each other when opened (a missing, truncated or
 overlong file raises `DataError` naming the file and the fix) and reads tokens through
@@ -109,7 +115,7 @@ class IndexedDataset:
     """Read-only view of `<prefix>.bin` / `<prefix>.idx` (np.memmap).
 
     Attributes:
-        num_documents: documents in the file.
+        num_documents: documents in the file: its sequences, the unit GPT samples and splits by (module docstring).
         doc_lengths: int64 [num_documents], tokens per document (EOD included).
         dtype: token dtype.
         num_tokens: total tokens.
@@ -154,11 +160,12 @@ class IndexedDataset:
             raise DataError(f"{bin_path}: {state} ({bin_size} bytes, index expects {bin_expected}); {FIX}")
         if n_seq and (seq_pointers[0] != 0 or np.any(np.diff(seq_pointers) != seq_lengths[:-1].astype(np.int64) * self.dtype.itemsize)):
             raise DataError(f"{idx_path}: sequence pointers are not contiguous; {FIX}")
-        # A document is a contiguous run of sequences: its tokens start at its first sequence.
+        # GPT's unit is the sequence (Megatron splits and shuffles sequences); the document indices are checked
+        # above but group nothing here. One sequence per document (preprocess's, Megatron's default) is the same.
         seq_cum = np.concatenate([[0], np.cumsum(seq_lengths.astype(np.int64))])
-        self.doc_starts = seq_cum[doc_indices[:-1]]  # int64 [num_documents], token offsets into .bin
-        self.doc_lengths = seq_cum[doc_indices[1:]] - self.doc_starts  # int64 [num_documents]
-        self.num_documents = int(n_doc_idx - 1)
+        self.doc_starts = seq_cum[:-1]  # int64 [num_documents], token offsets into .bin
+        self.doc_lengths = seq_lengths.astype(np.int64)  # int64 [num_documents]
+        self.num_documents = int(n_seq)
         self.num_tokens = int(seq_cum[-1])
         self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens else np.zeros(0, self.dtype)
         self.bin_path, self.idx_path = bin_path, idx_path

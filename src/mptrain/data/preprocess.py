@@ -2,6 +2,9 @@
 
     python -m mptrain.data.preprocess --input corpus.jsonl[.gz] [more ...] --json-keys text \\
         --tokenizer byte|hf:PATH|tiktoken:NAME|null:N|class:module.Class --output-prefix out --workers 2 [--overwrite]
+    python -m mptrain.data.preprocess --input corpus.jsonl --output-prefix out \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+    python -m mptrain.data.preprocess --record PREFIX [more ...] --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
 
 Inputs: JSON Lines (`.jsonl`, `.json`, optionally `.gz`): one object per line, the text under
 each `--json-keys` key, one document per line (blank lines are skipped); any other file
@@ -12,6 +15,12 @@ followed by the tokenizer's EOD. One key writes `<prefix>.bin/.idx`; several key
 Beside each index goes `<prefix>.tokenizer.json` (the tokenizer's class, fingerprint, vocab_size
 and eod; `mptrain.data.tokenizers.write_tokenizer_record`): reading the data with another
 tokenizer is then one `ConfigError` naming `data.tokenizer`. The .idx stays Megatron's format.
+Megatron's `--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M` select
+`GPT2BPETokenizer` (the type may be left out), as `tools/preprocess_data.py` reads them.
+
+`--record PREFIX ...` tokenizes nothing: it writes the record beside datasets preprocessed elsewhere
+(Megatron's `tools/preprocess_data.py` writes none), after checking that every id is below the
+tokenizer's vocab_size (`record_tokenizer`).
 
 Errors (`DataError`, one line): a line that is not JSON or not an object, a missing key or a
 non-string value (file:line and the keys found), an empty corpus, an existing output.
@@ -32,8 +41,16 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from mptrain.data.errors import DataError
-from mptrain.data.indexed import IndexedDatasetWriter, token_dtype
-from mptrain.data.tokenizers import Tokenizer, encode_array, parse_cli_tokenizer, write_tokenizer_record
+from mptrain.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
+from mptrain.data.tokenizers import (
+    RECORD_SUFFIX,
+    GPT2BPETokenizer,
+    Tokenizer,
+    encode_array,
+    parse_cli_tokenizer,
+    tokenizer_record,
+    write_tokenizer_record,
+)
 from mptrain.errors import ConfigError
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -180,24 +197,91 @@ def preprocess(
     return prefixes
 
 
+def record_tokenizer(prefixes: Sequence[str], tokenizer: Tokenizer, *, overwrite: bool = False) -> list[Path]:
+    """Write `<prefix>.tokenizer.json` beside existing datasets (made by Megatron's `tools/preprocess_data.py`,
+    which writes none), so that reading them with another tokenizer is refused as for mptrain's own; return the
+    files written. Every prefix is checked before any file is written.
+
+    Args:
+        prefixes: datasets (`<prefix>.bin` / `.idx`).
+        tokenizer: the tokenizer the data was made with (the caller's word: only the id range is checkable).
+        overwrite: replace a record of another tokenizer.
+    Raises:
+        DataError: a missing or corrupt dataset, an id at or above the tokenizer's vocab_size, or a record of
+            another tokenizer without `overwrite`.
+    """
+    mine = tokenizer_record(tokenizer)
+    for prefix in prefixes:
+        max_id = IndexedDataset(prefix).max_token_id()  # one pass over the .bin
+        if max_id >= tokenizer.vocab_size:
+            raise DataError(f"{prefix}.bin holds token id {max_id} but {mine['tokenizer']} has {tokenizer.vocab_size} "
+                            "ids: the data was made with another tokenizer; give that one")
+        path = Path(f"{prefix}{RECORD_SUFFIX}")
+        try:
+            recorded = json.loads(path.read_text()).get("fingerprint") if path.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            recorded = "unreadable"
+        if recorded not in (None, mine["fingerprint"]) and not overwrite:
+            raise DataError(f"{path} records another tokenizer (fingerprint {recorded}, this one's is "
+                            f"{mine['fingerprint']}); pass --overwrite to replace it")
+    return [write_tokenizer_record(prefix, tokenizer) for prefix in prefixes]
+
+
+def cli_tokenizer(tokenizer: str | None, tokenizer_type: str | None, vocab_file: str | None,
+                  merge_file: str | None) -> Tokenizer:
+    """The command line's tokenizer: ``--tokenizer`` (`parse_cli_tokenizer`; default byte), or Megatron's
+    ``--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M`` (the type may be left out).
+
+    Raises:
+        ConfigError: both forms, another Megatron tokenizer type, or a GPT-2 file missing from the flags.
+    """
+    if not (tokenizer_type or vocab_file or merge_file):
+        return parse_cli_tokenizer(tokenizer or "byte")
+    if tokenizer is not None:
+        raise ConfigError(f"--tokenizer {tokenizer} with --tokenizer-type / --vocab-file / --merge-file: give one "
+                          "tokenizer")
+    if tokenizer_type not in (None, "GPT2BPETokenizer"):
+        raise ConfigError(f"--tokenizer-type {tokenizer_type}: only GPT2BPETokenizer (with --vocab-file and "
+                          "--merge-file) is read here; a Hugging Face tokenizer is --tokenizer hf:PATH/tokenizer.json")
+    if not (vocab_file and merge_file):
+        raise ConfigError("GPT2BPETokenizer needs --vocab-file and --merge-file (gpt2-vocab.json, gpt2-merges.txt)")
+    return GPT2BPETokenizer(vocab_file, merge_file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mptrain.data.preprocess", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
+    parser.add_argument("--input", nargs="+",
                         help="JSONL(.gz) files (one document per line, its --json-keys) or text files (each file one "
                              "document: split a text into files, or into JSONL lines, for several)")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="JSONL keys to tokenize, each into its own dataset PREFIX_KEY when several (default: text)")
-    parser.add_argument("--tokenizer", default="byte", help="byte | hf:PATH[:EOD_TOKEN] | tiktoken:NAME | null:N | class:module.Class")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx (data.prefixes=[PREFIX])")
+    parser.add_argument("--tokenizer", help="byte (default) | hf:PATH[:EOD_TOKEN] | tiktoken:NAME | null:N | class:module.Class")
+    parser.add_argument("--tokenizer-type", help="Megatron's: GPT2BPETokenizer (with --vocab-file, --merge-file)")
+    parser.add_argument("--vocab-file", help="GPT-2's vocab.json (Megatron's GPT2BPETokenizer)")
+    parser.add_argument("--merge-file", help="GPT-2's merges.txt (Megatron's GPT2BPETokenizer)")
+    parser.add_argument("--output-prefix", help="writes PREFIX.bin, PREFIX.idx (data.prefixes=[PREFIX])")
+    parser.add_argument("--record", nargs="+", metavar="PREFIX",
+                        help="tokenize nothing: write PREFIX.tokenizer.json beside existing PREFIX.bin/.idx (made by "
+                             "Megatron's preprocess_data.py) for the given tokenizer, after checking its ids fit it")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin / .idx")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing PREFIX.bin / .idx (with --record: a record of another tokenizer)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.record and (args.input or args.output_prefix):
+        parser.error("--record writes records beside existing data: give it without --input / --output-prefix")
+    if not args.record and not (args.input and args.output_prefix):
+        parser.error("the following arguments are required: --input, --output-prefix (or --record PREFIX ...)")
     try:
+        tokenizer = cli_tokenizer(args.tokenizer, args.tokenizer_type, args.vocab_file, args.merge_file)
+        if args.record:
+            for path in record_tokenizer(args.record, tokenizer, overwrite=args.overwrite):
+                print(f"preprocess: {path} records {tokenizer_record(tokenizer)['tokenizer']}", file=sys.stderr)
+            return 0
         preprocess(
             args.input,
             output_prefix=args.output_prefix,
-            tokenizer=parse_cli_tokenizer(args.tokenizer),
+            tokenizer=tokenizer,
             json_keys=args.json_keys,
             workers=max(1, args.workers),
             overwrite=args.overwrite,

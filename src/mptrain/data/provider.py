@@ -46,7 +46,7 @@ from mptrain.data.gpt_dataset import SPLITS, GPTDataset, parse_split, split_docu
 from mptrain.data.indexed import IndexedDataset
 from mptrain.data.mock import MockDataset
 from mptrain.data.sampler import PretrainingSampler
-from mptrain.data.tokenizers import TokenizerProtocol, check_tokenizer_record, recorded_eod
+from mptrain.data.tokenizers import TokenizerProtocol, check_tokenizer_record, recorded_eod, unrecorded_note
 from mptrain.errors import ConfigError
 from mptrain.resources import default_cache_dir, shipped_corpus
 
@@ -271,9 +271,9 @@ def empty_split_reason(data_cfg: Any, split: str) -> str:
     return f"data._target_={target} provides no {split} split"
 
 
-def _warn_on_rank0(line: str) -> None:
-    """Print a data warning to stderr on rank 0 only (or without a process group): rank 0 builds the
-    datasets first, then every rank that reads data builds them again, and a warning is said once per job."""
+def _print_on_rank0(line: str) -> None:
+    """Print a data note or warning to stderr on rank 0 only (or without a process group): rank 0 builds the
+    datasets first, then every rank that reads data builds them again, and a line is said once per job."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
         print(line, file=sys.stderr)
 
@@ -465,8 +465,11 @@ class MockDataProvider(GPTDataProvider):
             )
 
     def _build_splits(self) -> dict[str, Any]:
+        # a split data.split gives no weight has no data (Megatron's mock datasets: its evaluation is skipped);
+        # the others are unbounded, so their weights size nothing
+        weights = dict(zip(SPLITS, parse_split(self.split)))
         return {s: MockDataset(vocab_size=self.vocab_size, seq_length=self.seq_length, seed=self.seed, split=s)
-                for s in SPLITS}
+                if weights[s] > 0 else None for s in SPLITS}
 
 
 class IndexedDataProvider(GPTDataProvider):
@@ -501,6 +504,14 @@ class IndexedDataProvider(GPTDataProvider):
                          reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
 
     def _build_splits(self) -> dict[str, Any]:
+        self._unrecorded: list[str] = []  # prefixes without a tokenizer record (Megatron's data): said in one line
+        splits = self._datasets()
+        if self._unrecorded:
+            _print_on_rank0(unrecorded_note(self._unrecorded))
+        return splits
+
+    def _datasets(self) -> dict[str, Any]:
+        """{split: dataset or None} of the configured prefixes (`_open` each)."""
         if self.per_split is not None:
             return {s: self._blend([(w, self._open(p), None) for w, p in self.per_split[s]], s) for s in SPLITS}
         return self._cut(parse_prefixes(self.prefixes))
@@ -510,9 +521,8 @@ class IndexedDataProvider(GPTDataProvider):
         indexed = IndexedDataset(prefix)
         if indexed.num_documents == 0:
             raise DataError(f"{prefix}.idx: no documents; re-run preprocessing on a non-empty corpus")
-        warning = check_tokenizer_record(prefix, self.tokenizer)
-        if warning is not None:
-            _warn_on_rank0(warning)
+        if not check_tokenizer_record(prefix, self.tokenizer) and prefix not in self._unrecorded:
+            self._unrecorded.append(prefix)
         # Ids the tokenizer cannot produce mean the data was made with another tokenizer: the
         # embedding would index out of range (tp 1) or silently mask them (tp > 1).
         max_id = indexed.max_token_id()
@@ -547,7 +557,7 @@ class IndexedDataProvider(GPTDataProvider):
         ]
         for d in datasets:
             if d.num_tokens < d.seq_length + 1:
-                _warn_on_rank0(f"warning: data: the {split} split of {d.indexed.prefix} has {d.num_tokens} tokens, fewer "
+                _print_on_rank0(f"warning: data: the {split} split of {d.indexed.prefix} has {d.num_tokens} tokens, fewer "
                                f"than one sample (model.seq_length + 1 = {d.seq_length + 1}): its one sample is mostly "
                                "padding; lower model.seq_length, or give the split more documents (data.split)")
         if (single if single is not None else len(items) == 1):
@@ -578,7 +588,7 @@ class ShakespeareDataProvider(IndexedDataProvider):
                          seed=seed, split=split, cache_dir=cache_dir, reset_position_ids=reset_position_ids,
                          reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
 
-    def _build_splits(self) -> dict[str, Any]:
+    def _datasets(self) -> dict[str, Any]:
         from mptrain.data.preprocess import preprocess
 
         corpus = self.corpus

@@ -1,6 +1,7 @@
 """Tokenizers: one interface (`TokenizerProtocol`), built from `data.tokenizer._target_` by
 `build_tokenizer` with `mptrain.components.build`; after Megatron's
-`megatron/training/tokenizer/tokenizer.py` (`_NullTokenizer`, `_HuggingFaceTokenizer`, `_TikTokenizer`).
+`megatron/training/tokenizer/tokenizer.py` (`_NullTokenizer`, `_HuggingFaceTokenizer`, `_GPT2BPETokenizer`,
+`_TikTokenizer`).
 
 Any importable class implementing the interface plugs in (docs/COMPONENTS.md "Tokenizer"), e.g.
 `data.tokenizer._target_=mptrain_plugins.tokenizers.CharTokenizer`; the shipped ones:
@@ -9,6 +10,7 @@ Any importable class implementing the interface plugs in (docs/COMPONENTS.md "To
 |---|---|---|---|
 | `mptrain.data.tokenizers.ByteTokenizer` | none | 257 (UTF-8 bytes + EOD) | 256 |
 | `mptrain.data.tokenizers.HFTokenizer` | `tokenizer_json` | the file's, added tokens included | id of `eod_token` |
+| `mptrain.data.tokenizers.GPT2BPETokenizer` | `vocab_file`, `merge_file` (Megatron's GPT2BPETokenizer) | the vocab's | `<|endoftext|>` |
 | `mptrain.data.tokenizers.TiktokenTokenizer` | tiktoken's local cache | `n_vocab` | `<|endoftext|>` |
 | `mptrain.data.tokenizers.NullTokenizer` | none | `vocab_size` | `vocab_size - 1` |
 
@@ -17,7 +19,8 @@ with its BOS token, as `transformers`' ``tok(text)`` does, so preprocessing, gen
 
 Preprocessing records the tokenizer beside the index (`<prefix>.tokenizer.json`:
 `write_tokenizer_record`), and the indexed providers refuse data made with another one
-(`check_tokenizer_record`).
+(`check_tokenizer_record`). Data preprocessed by Megatron carries no record: it is read with
+`data.tokenizer` checked by id range only (`unrecorded_note`).
 """
 
 from __future__ import annotations
@@ -167,6 +170,81 @@ class HFTokenizer(Tokenizer):
     def token(self, token_id: int) -> Optional[str]:
         """The token string of ``token_id`` (None outside the vocabulary), e.g. for an export's special tokens."""
         return self._tok.id_to_token(int(token_id))
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2's byte-level BPE from its two files: Megatron's ``--tokenizer-type GPT2BPETokenizer --vocab-file
+    gpt2-vocab.json --merge-file gpt2-merges.txt`` (``_GPT2BPETokenizer``), built on Hugging Face `tokenizers`.
+
+    The model is ``models.BPE.from_file(vocab_file, merge_file)`` behind GPT-2's byte-level pre-tokenizer (its
+    regex, no prefix space) and byte-level decoder, so ids equal `transformers`' ``GPT2Tokenizer`` /
+    ``GPT2TokenizerFast(vocab_file, merges_file)`` on any text. No token is special: ``<|endoftext|>`` written in
+    a text is encoded as text, as Megatron's tokenizer (which registers no special tokens) and tiktoken's
+    ``encode_ordinary`` do (transformers with ``split_special_tokens=True``). No BOS is added.
+
+    Attributes:
+        vocab_size: the vocabulary file's ids (``len(vocab)``: Megatron's ``vocab_size``), 50257 for GPT-2.
+        eod: the id of ``<|endoftext|>`` (Megatron's ``eod``), 50256 for GPT-2.
+    Args:
+        vocab_file: JSON object token → id (relative paths are relative to the cwd).
+        merge_file: one merge ``a b`` per line, by rank, after a ``#version`` header.
+    Raises:
+        ConfigError: a file is missing or unreadable, ids are not 0..n-1, or ``<|endoftext|>`` is not in the
+            vocabulary.
+    """
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        from tokenizers import Tokenizer as _HF
+        from tokenizers import decoders, models, pre_tokenizers
+
+        paths = {"vocab_file": Path(str(vocab_file)).expanduser(), "merge_file": Path(str(merge_file)).expanduser()}
+        for key, path in paths.items():
+            if not path.is_file():
+                raise ConfigError(f"data.tokenizer.{key}={path}: no such file; give GPT-2's file (Megatron's "
+                                  f"--{key.replace('_', '-')}: gpt2-vocab.json, gpt2-merges.txt)")
+        try:
+            vocab = json.loads(paths["vocab_file"].read_text(encoding="utf-8"))
+            merges = paths["merge_file"].read_text(encoding="utf-8")
+            self._tok = _HF(models.BPE.from_file(str(paths["vocab_file"]), str(paths["merge_file"])))
+        except Exception as exc:  # noqa: BLE001 - json and tokenizers raise plain Exception subclasses
+            raise ConfigError(f"data.tokenizer: {paths['vocab_file']} and {paths['merge_file']} are not a GPT-2 vocab.json "
+                              f"and merges.txt ({type(exc).__name__}: {exc})") from None
+        ids = sorted(vocab.values()) if all(isinstance(i, int) for i in vocab.values()) else None
+        if ids != list(range(len(vocab))):  # Megatron's vocab_size is len(vocab): every id below it names a token
+            raise ConfigError(f"data.tokenizer.vocab_file={vocab_file}: its ids are not 0..{len(vocab) - 1}, each once; "
+                              "give GPT-2's vocab.json")
+        if self.EOD_TOKEN not in vocab:
+            raise ConfigError(f"data.tokenizer.vocab_file={vocab_file} has no {self.EOD_TOKEN!r} token (the end-of-document "
+                              "id of Megatron's GPT2BPETokenizer); give GPT-2's vocab.json")
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's regex split, bytes as chars
+        self._tok.decoder = decoders.ByteLevel()
+        self.vocab_file, self.merge_file = str(vocab_file), str(merge_file)
+        self.vocab_size = len(vocab)
+        self.eod = int(vocab[self.EOD_TOKEN])
+        # the mapping's content, not the files' bytes: a vocab.json written with other spacing or key order is the same
+        merge_lines = [line for line in merges.splitlines() if line.strip() and not line.startswith("#version")]
+        content = json.dumps(sorted(vocab.items()), ensure_ascii=False) + "\n" + "\n".join(merge_lines)
+        self._fingerprint = "gpt2bpe:" + hashlib.sha1(content.encode("utf-8")).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; EOD reads ``<|endoftext|>``, invalid UTF-8 U+FFFD (Megatron's ``errors='replace'``)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def tokenizer_json(self) -> str:
+        """This tokenizer as one `tokenizers` JSON (the BPE, pre-tokenizer and decoder): a Hugging Face export's."""
+        return self._tok.to_str()
 
     @property
     def fingerprint(self) -> str:
@@ -383,22 +461,20 @@ def recorded_eod(prefix: str) -> Optional[int]:
         return None
 
 
-def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
+def check_tokenizer_record(prefix: str, tokenizer: Any) -> bool:
     """Compare the record of `prefix` with the configured tokenizer.
 
     Returns:
-        None when they match; a warning line when `prefix` has no record (an older mptrain or
-        Megatron's own preprocessing): the data is accepted, and only the token-id range check
-        (`IndexedDataset.max_token_id`) guards it.
+        True when they match; False when `prefix` has no record (Megatron's preprocessing, or mptrain's before
+        it wrote one): the data is accepted, guarded by the token-id range check alone
+        (`IndexedDataset.max_token_id`); the caller says so once (`unrecorded_note`).
     Raises:
         ConfigError: the record names another tokenizer (fingerprint differs), another EOD id (the same
             tokenizer file with another ``eod_token``: the fingerprint is the file's), or is unreadable.
     """
     path = Path(f"{prefix}{RECORD_SUFFIX}")
     if not path.is_file():
-        return (f"data: {prefix}.idx has no {path.name} (preprocessed by an older mptrain or by Megatron): the "
-                f"tokenizer it was made with is unknown, so data.tokenizer is trusted; re-run "
-                f"`python -m mptrain.data.preprocess` to record it")
+        return False
     try:
         record = json.loads(path.read_text())
         made_with, fingerprint = str(record["tokenizer"]), str(record["fingerprint"])
@@ -421,7 +497,19 @@ def check_tokenizer_record(prefix: str, tokenizer: Any) -> Optional[str]:
             f"data.tokenizer: {prefix} was preprocessed with EOD id {int(eod)} but data.tokenizer's EOD is "
             f"{int(tokenizer.eod)}; {fix}, or re-run `python -m mptrain.data.preprocess ... --overwrite` with this "
             "tokenizer's EOD")
-    return None
+    return True
+
+
+def unrecorded_note(prefixes: Sequence[str]) -> str:
+    """The one line said for datasets without a tokenizer record (`check_tokenizer_record` False), e.g. made by
+    Megatron's ``tools/preprocess_data.py``: what is not checked, and the command that records the tokenizer."""
+    shown = [str(p) for p in prefixes[:3]]
+    what = ", ".join(shown) + (f" and {len(prefixes) - 3} more" if len(prefixes) > 3 else "")
+    args = " ".join(shown) if len(prefixes) <= 3 else "PREFIX ..."
+    return (f"data: {what} {'has' if len(prefixes) == 1 else 'have'} no {RECORD_SUFFIX} (Megatron's preprocessing "
+            f"writes none): token ids are checked against data.tokenizer's vocab_size only, not its vocabulary; to "
+            f"record the tokenizer: python -m mptrain.data.preprocess --record {args} --vocab-file V --merge-file M "
+            f"(or --tokenizer ...)")
 
 
 def parse_cli_tokenizer(text: str) -> Tokenizer:

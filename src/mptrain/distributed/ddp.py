@@ -23,7 +23,11 @@ document §4.1 "main_grad"), without the attributes Megatron bolts onto paramete
   `mptrain.layers.grad_accumulation_fusion.FusesGradAccumulation` (the column/row-parallel linears,
   the output layer) get their weight's ``main_grad`` view and accumulate into it from the weight-grad
   GEMM (no ``param.grad``, no add pass; `mptrain.layers.grad_accumulation`); the hook then fires
-  with ``param.grad`` None and only marks the weight ready.
+  with ``param.grad`` None and only marks the weight ready;
+* with the distributed optimizer the updated params come back through `start_param_sync` (the DP
+  all-gather of a bucket's updated shards, `mptrain.distributed.param_gather`); under
+  ``overlap_param_gather`` it is left pending and forward pre-hooks wait for each bucket where its params
+  are first used (Megatron's ``--overlap-param-gather``); `finish_param_sync` lands every pending one.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import torch.distributed as dist
 
 from mptrain.distributed.accumulate import StagedAdd
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer
+from mptrain.distributed.param_gather import ParamGather
 from mptrain.layers.grad_accumulation_fusion import FusesGradAccumulation
 from mptrain.layers.sharding import collect_shard_specs
+from mptrain.precision.module import unwrap
 
 # torch >= 2.10 renamed the tensor collectives (the old names warn); accept both.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -80,8 +86,12 @@ class DistributedDataParallel(torch.nn.Module):
             its backward accumulates into the weights' ``main_grad`` views directly (Megatron's
             ``gradient_accumulation_fusion``). A tied weight's other use (the embedding lookup)
             still arrives as ``param.grad`` through the hook, which autograd calls once, after both.
+        overlap_param_gather: the updated params' all-gathers (`start_param_sync`) are waited for where the
+            params are first used in the next forward (pre-hooks on the chunk's
+            `mptrain.layers.param_use.ParamUseRegions`), not in the optimizer step. Needs
+            ``use_distributed_optimizer``.
     Raises:
-        ValueError: bucket_size < 1.
+        ValueError: bucket_size < 1; overlap_param_gather without use_distributed_optimizer.
     """
 
     def __init__(
@@ -95,7 +105,11 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size: Optional[int],
         use_distributed_optimizer: bool,
         gradient_accumulation_fusion: bool = False,
+        overlap_param_gather: bool = False,
     ) -> None:
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError("DistributedDataParallel: overlap_param_gather=True gathers the distributed optimizer's "
+                             "updated shards; it needs use_distributed_optimizer=True")
         super().__init__()
         self.module = module
         self.groups = groups
@@ -136,6 +150,10 @@ class DistributedDataParallel(torch.nn.Module):
             for layer in module.modules():
                 if isinstance(layer, FusesGradAccumulation):
                     layer.fuse_grad_accumulation(self._fused_main_grad)
+        self.overlap_param_gather = overlap_param_gather
+        self._param_gather = ParamGather(self._grad_buffers, groups, overlap=overlap_param_gather)
+        if overlap_param_gather:
+            self._hook_handles += self._param_gather.install_hooks(unwrap(module))
 
     # --- buffers ---------------------------------------------------------------------------
     @property
@@ -171,6 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- module passthrough ----------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._param_gather.finish_unhooked()  # params no pre-hook waits for (overlap_param_gather; else nothing pending)
         return self.module(*args, **kwargs)
 
     def set_input_tensor(self, tensor) -> None:
@@ -182,6 +201,23 @@ class DistributedDataParallel(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    # --- param sync (the distributed optimizer's all-gather) ------------------------------------
+    def start_param_sync(self, buffer: GradBuffer, bucket: Bucket, scratch: torch.Tensor) -> None:
+        """All-gather ``scratch`` (``bucket.numel`` elements in ``buffer``'s dtype, this DP rank's shard of the
+        bucket holding its updated values) over DP and copy it into the bucket's params: at once, or under
+        ``overlap_param_gather`` where they are first used (`mptrain.distributed.param_gather.ParamGather`).
+        Collective over DP, called for the same buckets in the same order on every DP rank."""
+        self._param_gather.start(self._grad_buffers.index(buffer), bucket, scratch)
+
+    def finish_param_sync(self) -> None:
+        """Land every pending param all-gather in the params (before anything reads them outside a forward:
+        evaluation, a checkpoint save, the FP8 weight casts, the end of training); nothing when none is pending."""
+        self._param_gather.finish_all()
+
+    def pending_param_syncs(self) -> list:
+        """[(buffer index, bucket index)] whose all-gather is launched and not yet copied (tests, debugging)."""
+        return self._param_gather.pending
 
     # --- accumulation and sync ---------------------------------------------------------------
     def _make_hook(self, state: _BucketState, param: torch.Tensor):

@@ -14,7 +14,9 @@ One iteration:
    rank of the world agrees) → grad norm over the pieces that count (`ShardSpec.counts_on`),
    SUM-reduced over DP then MP (each distinct element once: pieces tile each param across DP) →
    clip → inner optimizer step on the fp32 pieces → write the pieces into a bucket-sized scratch
-   (param dtype values) → all-gather over DP → copy every param of the bucket from the scratch.
+   (param dtype values) → all-gather over DP → copy every param of the bucket from the scratch
+   (`DistributedDataParallel.start_param_sync`; under ``parallel.overlap_param_gather`` the all-gather
+   is left running and the copy waits for the bucket's first use in the next forward).
 A skipped step (found_inf) changes nothing and gathers nothing.
 3. Checkpoint: `OptimizerWrapper.sharded_state_dict` lists each piece with its ``flat_range`` (elements
    [lo, hi) of the flattened local param); `mptrain.checkpoint.reshard.flat_piece_chunks` maps it to
@@ -33,13 +35,10 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from mptrain.components import build, extra_keys, resolve
 from mptrain.errors import ConfigError
 from mptrain.precision.optimizer import BUILTIN_WRAPPERS, OPTIMIZER_WRAPPER, MainParamEntry, OptimizerWrapper
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = ["DistributedOptimizer", "ShardEntry", "build_optimizer_wrapper", "wrapper_target"]
 
@@ -142,27 +141,24 @@ class DistributedOptimizer(OptimizerWrapper):
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the updated pieces into per-bucket scratch, all-gather over DP, copy into the model params."""
+        """Write the updated pieces into per-bucket scratch and hand each bucket to its chunk's all-gather over DP
+        (`DistributedDataParallel.start_param_sync`: into the model params now, or under
+        ``parallel.overlap_param_gather`` where the next forward first uses them)."""
         by_bucket: dict = {}
         for e in self.entries:
             by_bucket.setdefault((id(e.buffer), e.bucket.index), []).append(e)
-        g = self.groups
         for chunk in self.model_chunks:
             for buf in chunk.grad_buffers:
-                for bucket in buf.buckets:
+                # the forward reaches the last bucket first (buffer order is reverse registration order): its
+                # all-gather goes first, so that under overlap_param_gather it is the first to arrive (Megatron)
+                for bucket in reversed(buf.buckets):
                     # Scratch in the buffer's dtype: the param dtype, or fp32 (which holds any
                     # fp16/bf16 value exactly), so every param gets its own dtype's rounding.
                     scratch = torch.zeros(bucket.numel, dtype=buf.dtype, device=buf.data.device)
-                    s_lo, s_hi = bucket.shard_range(g.dp_rank, g.dp_size)
                     for e in by_bucket.get((id(buf), bucket.index), []):
                         at = e.buf_lo - bucket.start
                         scratch[at : at + e.hi - e.lo].copy_(e.main.detach().to(e.model_param.dtype))
-                    if g.dp_size > 1:
-                        mine = scratch[s_lo - bucket.start : s_hi - bucket.start].clone()
-                        _all_gather(scratch, mine, group=g.dp_group)
-                    for param in buf.bucket_params(bucket):
-                        slot = buf.slot(param)
-                        param.data.view(-1).copy_(scratch[slot.start - bucket.start : slot.end - bucket.start])
+                    chunk.start_param_sync(buf, bucket, scratch)
 
     # --- accounting ----------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:

@@ -3,7 +3,8 @@
 (`TOKENIZER_SIDECARS`) with every field kept (``tokenizer_class``, ``add_bos_token``: the BOS rule travels,
 `mptrain.data.tokenizers.bos_token_id`) but ``bos_token`` / ``eos_token``, which name config.json's ids. The
 `ByteTokenizer`: an exact equivalent (GPT-2's byte-level pre-tokenizer, a BPE without merges mapping byte b's
-character to id b, ``<|endoftext|>`` = 256, no BOS). Any other: nothing (a note)."""
+character to id b, ``<|endoftext|>`` = 256, no BOS). The `GPT2BPETokenizer`: its vocab and merges as one
+tokenizer.json. Any other: nothing (a note)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int, s
     ids of config.json (ints or lists), None: the tokenizer's BOS (else EOD) and EOD. Returns (the EOD, None when the
     tokenizer cannot be made here; the files written; notes for the user)."""
     from mptrain.checkpoint.args import TOKENIZER_SIDECARS
-    from mptrain.data.tokenizers import ByteTokenizer, HFTokenizer, tokenizer_config
+    from mptrain.data.tokenizers import ByteTokenizer, GPT2BPETokenizer, HFTokenizer, tokenizer_config
 
     tokenizer, notes = (tokenizer, []) if tokenizer is not None else checkpoint_tokenizer(data_cfg)
     special, copied, base = {"bos_token": BYTE_EOD_TOKEN, "eos_token": BYTE_EOD_TOKEN}, [], {}
@@ -66,10 +67,12 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int, s
             special[key] = tokenizer.token(default if first is None else first) or tokenizer.token(tokenizer.eod)
     elif isinstance(tokenizer, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    elif isinstance(tokenizer, GPT2BPETokenizer):  # bos / eos: <|endoftext|>, GPT-2's
+        (out / "tokenizer.json").write_text(tokenizer.tokenizer_json())
     else:
         return getattr(tokenizer, "eod", None), [], notes or [
-            f"no tokenizer files written: {type(tokenizer).__name__} has no transformers equivalent (HFTokenizer and "
-            "ByteTokenizer have); eos/bos ids are set"]
+            f"no tokenizer files written: {type(tokenizer).__name__} has no transformers equivalent (HFTokenizer, "
+            "GPT2BPETokenizer and ByteTokenizer have); eos/bos ids are set"]
     # the tokenizer's own fields first (chat template, model_max_length, added tokens), bos / eos ours
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, "add_prefix_space": False, **base.get("tokenizer_config.json", {}),

@@ -59,7 +59,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.groups, self.vocab_size = groups, vocab_size
         self.vocab_size_padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, groups.tp_size)
         self.vocab_start, self.vocab_end = vocab_range(self.vocab_size_padded, groups.tp_rank, groups.tp_size)
-        self._spec = vocab_shard_spec(vocab_size, hidden_size, self.vocab_size_padded, groups, tied_embedding=tied)
+        # the input embedding: its own LR schedule under optim.decoupled_lr (Megatron's is_embedding_or_output_parameter)
+        self._spec = vocab_shard_spec(vocab_size, hidden_size, self.vocab_size_padded, groups, tied_embedding=tied,
+                                      embedding_or_output=True)
         full = init.normal(f"{name}.weight", (vocab_size, hidden_size))
         w = take_shard(full, self._spec, self.vocab_end - self.vocab_start)
         self.weight = torch.nn.Parameter(w.to(device=context.device, dtype=context.params_dtype))

@@ -259,7 +259,8 @@ class OutputLayer(torch.nn.Module):
             self.register_parameter("weight", None)
             return
         shared = own_weight == "shared_copy"
-        self._spec = vocab_shard_spec(vocab_size, h, v_pad, groups, tied_embedding=shared, is_shared_copy=shared)
+        self._spec = vocab_shard_spec(vocab_size, h, v_pad, groups, tied_embedding=shared, is_shared_copy=shared,
+                                      embedding_or_output=True)  # optim.decoupled_lr drives it, the tied copy too
         if shared:  # zeros; build_model_chunks all-reduces the first stage's embedding into it
             w = torch.zeros(end - start, h)
         else:
@@ -374,6 +375,19 @@ class GPTModel(torch.nn.Module):
         accumulates into the ``main_grad`` of the weight it multiplies by (`output_weight`)."""
         if self.post_process:
             self.output_layer.weight_main_grad = main_grad(self.output_weight())
+
+    def param_use_regions(self) -> list:
+        """`mptrain.layers.param_use.ParamUseRegions`: the embedding, each layer, the final norm and the output layer,
+        in forward order; the chunk alone when its forward is one compiled graph (``compile_scope=chunk``: this
+        module's own pre-hooks stay eager, `compile`); the block for the layers when a layer's whole call is
+        compiled (a user's layer compiled by ``torch.nn.Module.compile``, whose own pre-hooks are traced)."""
+        if self.compiled_chunk:
+            return [self]
+        layers = list(self.decoder.layers.values())
+        whole = self.compile_plan.compile_layers and any(type(m).compile is torch.nn.Module.compile for m in layers)
+        regions = [self.embedding] if self.pre_process else []
+        regions += [self.decoder] if whole else layers + [m for m in (self.decoder.final_layernorm,) if m is not None]
+        return regions + ([self.output_layer] if self.post_process else [])
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -13,16 +13,25 @@ gather_from_tp_region              all-gather on the last dim       keep own sli
 scatter_to_sequence_parallel       keep own slice of dim 0 (s)      all-gather on dim 0
 gather_from_sequence_parallel      all-gather on dim 0              reduce-scatter on dim 0
 reduce_scatter_to_sequence_par.    reduce-scatter on dim 0          all-gather on dim 0
+all_to_all                         all-to-all on dim 0              all-to-all, splits swapped
 =================================  ===============================  ==============================
 
 (Sequence-parallel pair: Korthikanti et al. 2022, §4.2.2, operators g / ḡ.) Every function takes
 the process group explicitly and returns its input unchanged when the group has one rank.
+The dim-0 gather / reduce-scatter also take per-rank sizes (``output_split_sizes`` /
+``input_split_sizes``, host ints in group-rank order) for uneven pieces, and `all_to_all` moves
+rows of uneven counts: the expert-parallel token dispatch (Megatron ``tensor_parallel/mappings.py``
+``all_to_all``, ``gather_from_sequence_parallel_region(output_split_sizes=)``,
+``reduce_scatter_to_sequence_parallel_region(input_split_sizes=)``). gloo has no uneven
+all-gather: there the uneven all-gather is an all-to-all that sends this rank's rows to every rank.
 In eager mode NCCL uses the tensor collectives; on gloo (CPU tests) a reduce-scatter is an
 all-reduce followed by keeping this rank's slice (same result, more traffic). Under torch.compile
 every collective is the functional one (``torch.ops._c10d_functional``) on both backends.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -92,6 +101,46 @@ def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     dist.all_reduce(x, group=group)
     r = _rank(group)
     return x[r * n:(r + 1) * n].contiguous()
+
+
+def _all_to_all(x: torch.Tensor, group, output_split_sizes: list, input_split_sizes: list) -> torch.Tensor:
+    """Rows ``[sum(input_split_sizes), ...]`` -> ``[sum(output_split_sizes), ...]``: this rank's i-th chunk of
+    ``input_split_sizes[i]`` rows goes to group rank i; chunk j of the result came from group rank j."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _fc.wait_tensor(_fc.all_to_all_single(x, output_split_sizes, input_split_sizes, group.group_name))
+    out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=group)
+    return out
+
+
+def _all_gather_dim0_v(x: torch.Tensor, group, sizes: list) -> torch.Tensor:
+    """Rank r's ``[sizes[r], ...]`` -> ``[sum(sizes), ...]`` (rank order)."""
+    p, r = _size(group), _rank(group)
+    if x.shape[0] != sizes[r]:
+        raise RuntimeError(f"all-gather: this rank holds {x.shape[0]} rows, its split size says {sizes[r]}")
+    x = x.contiguous()
+    if not torch.compiler.is_compiling() and _is_nccl(group):
+        out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+        dist.all_gather(list(out.split(sizes)), x, group=group)
+        return out
+    # gloo's all-gather takes equal sizes only: send all of this rank's rows to every rank instead
+    return _all_to_all(x.repeat(p, *([1] * (x.dim() - 1))), group, list(sizes), [x.shape[0]] * p)
+
+
+def _reduce_scatter_dim0_v(x: torch.Tensor, group, sizes: list) -> torch.Tensor:
+    """``[sum(sizes), ...]`` on each rank -> sum over ranks of rank r's ``[sizes[r], ...]`` slice."""
+    r = _rank(group)
+    if x.shape[0] != sum(sizes):
+        raise RuntimeError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not the sum of the split sizes {sizes}")
+    x = x.contiguous()
+    if not torch.compiler.is_compiling() and _is_nccl(group):
+        out = x.new_empty((sizes[r],) + tuple(x.shape[1:]))
+        dist.reduce_scatter(out, list(x.split(sizes)), group=group)
+        return out
+    start = sum(sizes[:r])
+    summed = _all_reduce(x if torch.compiler.is_compiling() else x.clone(), group)  # eager: in place, on a copy
+    return summed[start:start + sizes[r]].contiguous()
 
 
 def enable_tp_comm_overlap(group) -> None:
@@ -251,26 +300,47 @@ class _ScatterToSP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, output_grad_is_partial):
-        ctx.group, ctx.partial = group, output_grad_is_partial
-        return _all_gather_dim0(x, group)
+    def forward(ctx, x, group, output_grad_is_partial, sizes):
+        ctx.group, ctx.partial, ctx.sizes = group, output_grad_is_partial, sizes
+        return _all_gather_dim0(x, group) if sizes is None else _all_gather_dim0_v(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.partial:
-            return _reduce_scatter_dim0(grad, ctx.group), None, None
-        return _split_dim(grad, 0, ctx.group), None, None
+        sizes = ctx.sizes
+        if sizes is None:
+            out = _reduce_scatter_dim0(grad, ctx.group) if ctx.partial else _split_dim(grad, 0, ctx.group)
+        elif ctx.partial:
+            out = _reduce_scatter_dim0_v(grad, ctx.group, sizes)
+        else:
+            start = sum(sizes[:_rank(ctx.group)])
+            out = grad[start:start + sizes[_rank(ctx.group)]].contiguous()
+        return out, None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_dim0(x, group) if sizes is None else _reduce_scatter_dim0_v(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        sizes = ctx.sizes
+        out = _all_gather_dim0(grad, ctx.group) if sizes is None else _all_gather_dim0_v(grad, ctx.group, sizes)
+        return out, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to their group ranks; backward sends each row's grad back the way it came (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.output_split_sizes, ctx.input_split_sizes = group, output_split_sizes, input_split_sizes
+        return _all_to_all(x, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.input_split_sizes, ctx.output_split_sizes), None, None, None
 
 
 # --- public API --------------------------------------------------------------------------------
@@ -304,15 +374,58 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ScatterToSP.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group, *, output_grad_is_partial: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, *, output_grad_is_partial: bool = True,
+                                         output_split_sizes: Optional[list] = None) -> torch.Tensor:
     """[s/tp, b, h] -> [s, b, h] (all-gather) fwd.
 
     Backward: reduce-scatter on dim 0 when each rank's grad is a partial sum (the output feeds a
     column-parallel matmul, the usual case), or just the own slice when the grad is replicated.
+    ``output_split_sizes``: rows held by each group rank (host ints, group-rank order) when they differ;
+    the result has ``sum(output_split_sizes)`` rows (Megatron's keyword; the expert-tensor-parallel
+    gather of the all-to-all token dispatcher).
+
+    Raises:
+        RuntimeError: this rank's rows differ from its split size.
     """
-    return x if _size(group) == 1 else _GatherFromSP.apply(x, group, output_grad_is_partial)
+    if _size(group) == 1:
+        return x
+    sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+    return _GatherFromSP.apply(x, group, output_grad_is_partial, sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """[s, b, h] partial sums -> [s/tp, b, h] summed (reduce-scatter) fwd; all-gather on dim 0 bwd."""
-    return x if _size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, *,
+                                               input_split_sizes: Optional[list] = None) -> torch.Tensor:
+    """[s, b, h] partial sums -> [s/tp, b, h] summed (reduce-scatter) fwd; all-gather on dim 0 bwd.
+
+    ``input_split_sizes``: rows that go to each group rank (host ints, group-rank order) when they differ
+    (Megatron's keyword); this rank gets ``input_split_sizes[rank]`` rows.
+
+    Raises:
+        RuntimeError: dim 0 is not the sum of the split sizes (or, without them, not divisible by the group size).
+    """
+    if _size(group) == 1:
+        return x
+    sizes = None if input_split_sizes is None else [int(n) for n in input_split_sizes]
+    return _ReduceScatterToSP.apply(x, group, sizes)
+
+
+def all_to_all(x: torch.Tensor, group, *, output_split_sizes: Optional[list] = None,
+               input_split_sizes: Optional[list] = None) -> torch.Tensor:
+    """Variable all-to-all along dim 0 (Megatron ``tensor_parallel.mappings.all_to_all``).
+
+    Forward: ``x [sum(input_split_sizes), ...]``; its i-th chunk of ``input_split_sizes[i]`` rows goes to
+    group rank i, and the result ``[sum(output_split_sizes), ...]`` holds the chunks received, rank 0's
+    first. Backward: the same exchange with the splits swapped, so each row's grad returns to the rank
+    and the row it came from. Sizes are host ints in group-rank order; None = equal splits (dim 0 / p).
+    One rank: the input itself.
+
+    Raises:
+        RuntimeError: (from torch.distributed) splits that do not add up to dim 0 or disagree between ranks.
+    """
+    p = _size(group)
+    if p == 1:
+        return x
+    equal = [x.shape[0] // p] * p
+    out_sizes = equal if output_split_sizes is None else [int(n) for n in output_split_sizes]
+    in_sizes = equal if input_split_sizes is None else [int(n) for n in input_split_sizes]
+    return _AllToAll.apply(x, group, out_sizes, in_sizes)

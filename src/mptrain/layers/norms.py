@@ -94,6 +94,22 @@ class RMSNorm(torch.nn.RMSNorm):
         return _norm_specs(self, self.sequence_parallel)
 
 
+class RMSNorm1P(RMSNorm):
+    """``model.apply_layernorm_1p`` with RMSNorm (Megatron's zero-centred gamma, as Transformer Engine's RMSNorm
+    ``zero_centered_gamma``): the weight w ``[h]`` holds gamma - 1, starts at zeros and is applied as (1 + w):
+    y = x / sqrt(mean(x²) + eps) · (1 + w)."""
+
+    kernel = "torch.nn.functional.rms_norm (weight 1 + w)"
+
+    def __init__(self, hidden_size: int, *, eps: float, context: LayerContext) -> None:
+        super().__init__(hidden_size, eps=eps, context=context)
+        with torch.no_grad():
+            self.weight.zero_()  # gamma = 1 + 0 at init: the plain RMSNorm's start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def _apex_norm_functions():
     """apex's fused norm autograd functions (``apex.normalization.fused_layer_norm``).
 
@@ -141,21 +157,24 @@ NORMALIZATIONS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm, "ApexFusedLayerNor
                   "ApexFusedRMSNorm": ApexFusedRMSNorm}
 """``model.normalization`` -> the built-in class (the one table of that Megatron key)."""
 
+ZERO_CENTERED = {"LayerNorm": LayerNorm1P, "RMSNorm": RMSNorm1P}
+"""``model.normalization`` -> its ``model.apply_layernorm_1p`` class (weight = gamma - 1)."""
+
 
 def check_normalization(model) -> None:
-    """``model.normalization`` is a built-in name; ``model.apply_layernorm_1p`` only with LayerNorm. Raises ConfigError
-    naming the key and the fix."""
+    """``model.normalization`` is a built-in name; ``model.apply_layernorm_1p`` only with LayerNorm or RMSNorm (the
+    forms `ZERO_CENTERED` has). Raises ConfigError naming the key and the fix."""
     check_choice("model.normalization", model.normalization, tuple(NORMALIZATIONS))
-    if model.apply_layernorm_1p and model.normalization != "LayerNorm":
-        raise ConfigError(f"model.apply_layernorm_1p=true is a LayerNorm weight form, but model.normalization="
-                          f"{model.normalization}; set model.normalization=LayerNorm or model.apply_layernorm_1p=false")
+    if model.apply_layernorm_1p and model.normalization not in ZERO_CENTERED:
+        raise ConfigError(f"model.apply_layernorm_1p=true (zero-centred gamma) has no {model.normalization} form; set "
+                          f"model.normalization to one of {', '.join(ZERO_CENTERED)} or model.apply_layernorm_1p=false")
 
 
 def Norm(hidden_size: int, *, config, eps: float, context: LayerContext) -> torch.nn.Module:  # noqa: N802 - a class-like factory (Megatron's WrappedTorchNorm)
     """The default norm node: ``NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)``;
-    `LayerNorm1P` with ``config.apply_layernorm_1p`` (LayerNorm only: `check_normalization`)."""
+    `ZERO_CENTERED`'s class with ``config.apply_layernorm_1p`` (LayerNorm and RMSNorm: `check_normalization`)."""
     if getattr(config, "apply_layernorm_1p", False):
-        return LayerNorm1P(hidden_size, eps=eps, context=context)
+        return ZERO_CENTERED[config.normalization](hidden_size, eps=eps, context=context)
     return NORMALIZATIONS[config.normalization](hidden_size, eps=eps, context=context)
 
 

@@ -119,13 +119,13 @@ def _moe_widths(m) -> tuple:
 
 
 def moe_mlp_weights(m, *, active: bool) -> tuple:
-    """(replicated, TP-split) weights of one MoE layer's router, experts and shared expert (module docstring):
-    all E experts, or with ``active`` the k a token uses."""
+    """(replicated: router and shared-expert gate, experts: split over ETP, shared expert: split over TP) weights of
+    one MoE layer (module docstring): all E experts, or with ``active`` the k a token uses."""
     h, k2 = m.hidden_size, 2 if m.activation == "swiglu" else 1
     e, k, f_e, f_s = _moe_widths(m)
     experts = (k if active else e) * (h * k2 * f_e + f_e * h)
     gate = h if f_s and m.moe_shared_expert_gate else 0
-    return e * h + gate, experts + h * k2 * f_s + f_s * h
+    return e * h + gate, experts, h * k2 * f_s + f_s * h
 
 
 def layer_matmul_weights(m, layer_number: Optional[int] = None) -> int:
@@ -147,18 +147,19 @@ def norm_params(m) -> int:
     return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
-def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None) -> int:
+def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None, etp: Optional[int] = None) -> int:
     """Elements of one transformer layer on one TP rank of ``tp`` (module docstring's table).
 
     Column-parallel weights and biases are split over TP; the row-parallel biases and the norms
     are replicated. At ``tp=1`` this is the layer's whole parameter count. ``layer_number`` (global,
-    0-based): an MoE layer counts its router, all its experts and its shared expert instead of fc1 / fc2.
+    0-based): an MoE layer counts its router, all its experts (split over ``etp``, None = tp) and its shared
+    expert instead of fc1 / fc2.
     """
     h, np_, ng, hn, f, k = _widths(m)
     if _is_moe_layer(m, layer_number):
         attention = sum(out * inp for (out, inp), _ in layer_linear_shapes(m)[:2]) // tp
-        replicated, split = moe_mlp_weights(m, active=False)
-        return attention + replicated + split // tp + 2 * norm_params(m)
+        replicated, experts, shared = moe_mlp_weights(m, active=False)
+        return attention + replicated + experts // (etp or tp) + shared // tp + 2 * norm_params(m)
     weights = layer_matmul_weights(m) // tp
     biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else 0
     if not m.add_bias_linear and getattr(m, "add_qkv_bias", False):

@@ -11,7 +11,7 @@ layout-independent model reads it from here:
   the embedding group),
 - checkpoints (global unpadded shape and offset of each shard),
 - parameter counts and layout.json (padding excluded),
-- weight decay groups.
+- weight decay groups and the decoupled-LR groups of the embedding and output layer.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class ShardSpec:
         is_shared_copy: the last stage's copy of a tied embedding (pp > 1): kept equal to the
             first stage's copy; excluded from grad norm and parameter counts.
         no_weight_decay: biases and norm params.
+        embedding_or_output: the input word embedding (first stage) or the output layer's weight (last stage,
+            the tied copy included): Megatron's ``is_embedding_or_output_parameter``, the params that
+            ``optim.decoupled_lr`` drives (their own param groups, `mptrain.optim.param_groups`).
     """
 
     global_shape: tuple
@@ -57,6 +60,7 @@ class ShardSpec:
     tied_embedding: bool = False
     is_shared_copy: bool = False
     no_weight_decay: bool = False
+    embedding_or_output: bool = False
 
     @property
     def tp_replicated(self) -> bool:

@@ -46,6 +46,11 @@ class Launch:
     launcher: list
     script: str
     args: list
+    arguments: tuple = ()
+    """The script's own arguments it reads ($1, $2, ... up to the highest), each named by the variable the
+    script assigns it to (``CHECKPOINT_PATH=$1``) or ``ARG<n>``: its usage line."""
+    given: int = 0
+    """How many of them were given."""
 
 
 # A word is a list of parts (kind, text): kind "lit" (unquoted: expanded, then split on whitespace),
@@ -151,6 +156,8 @@ class Shell:
         self.vars: dict = {str(i + 1): v for i, v in enumerate(positional)}
         self.vars["PWD"] = os.getcwd()
         self.vars["#"] = str(len(positional))
+        self.read_args: set = set()  # n of every $n expanded
+        self.arg_names: dict = {}  # n -> the variable of `NAME=$n`
 
     def lookup(self, body: str) -> list:
         """The value of ``${body}`` as a list of strings (an array's elements; a scalar is one)."""
@@ -158,6 +165,8 @@ class Shell:
         if not m:
             raise ScriptError(f"${{{body}}}: not a form this reader expands; pass the arguments instead of the script")
         name, index, op, alt = m.groups()
+        if name.isdigit():
+            self.read_args.add(int(name))
         value = self.vars.get(name)
         values = value if isinstance(value, list) else ([] if value is None else [value])
         is_set = bool(values) and values != [""]
@@ -320,7 +329,8 @@ def read_script(text: str, positional: Sequence[str] = ()) -> Launch:
     if not launches:
         raise ScriptError("no command of the script runs a .py program (pretrain_gpt.py); "
                           "pass Megatron's arguments instead: python -m mptrain.from_megatron -- --num-layers ...")
-    return launches[-1]
+    arguments = tuple(shell.arg_names.get(n, f"ARG{n}") for n in range(1, max(shell.read_args, default=0) + 1))
+    return dataclasses.replace(launches[-1], arguments=arguments, given=len(positional))
 
 
 def _block_end(commands: list, start: int) -> list:
@@ -415,6 +425,9 @@ def _assign(shell: Shell, words: list) -> None:
         shell.vars[name] = (old + elements) if append else elements
         return
     value_word = _strip_name(first, m.end())
+    ref = re.fullmatch(r"\$\{?([0-9])(?:[:}].*)?", _text(value_word), re.S)
+    if ref:  # `CHECKPOINT_PATH=$1`: the name of the script's first argument, for its usage line
+        shell.arg_names.setdefault(int(ref.group(1)), name)
     value = "".join(shell.expand(value_word + [("sq", "")], split=False))
     old = shell.vars.get(name, "")
     shell.vars[name] = ((old[0] if isinstance(old, list) and old else old or "") + value) if append else value

@@ -7,7 +7,8 @@ A row is what `mptrain.megatron.translate` needs to carry one argument of ``pret
 - ``Row("--fp16", "precision", set="fp16")``: a key without a dot is a config group's option;
 - ``Row("--data-path", convert=data_path)``: ``convert(values) -> ["key=value", ...]``, for the
   arguments that become several keys or another unit; it raises `Uncarried` for a value that has
-  no equivalent (``--fp8-format e4m3``);
+  no equivalent (``--fp8-format e4m3``); ``reads`` names the other arguments it needs
+  (``--vocab-file`` reads ``--merge-file``, ``--tokenizer-type``), passed as keywords;
 - ``status=NOTHING``: carried, nothing to set (mptrain always does it: ``--use-flash-attn``);
 - ``status=NO_EQUIVALENT`` / ``GPU_ONLY`` / ``NOT_NEEDED``: not carried, ``why`` says why;
 - ``default``: Megatron's value when the script leaves the argument out, written when mptrain's own
@@ -63,6 +64,12 @@ class Row:
     """For NOTHING and the uncarried statuses: the reason, one sentence."""
     takes_value: bool = True
     """False for a switch (``--fp16``); a switch given a value is reported."""
+    reads: tuple = ()
+    """Other arguments ``convert`` needs: ``convert(values, **self.read_from(given))``."""
+
+    def read_from(self, given: dict) -> dict:
+        """``{"merge_file": values or None, ...}``: the values of ``reads`` in ``given`` ({flag: values})."""
+        return {flag[2:].replace("-", "_"): given.get(flag) for flag in self.reads}
 
 
 def switch(flag: str, key: Optional[str] = None, set: Any = True, **kw) -> Row:
@@ -188,14 +195,52 @@ def tensorboard(values: list) -> list:
     return ["logger=tensorboard", f"logger.tensorboard_dir={hydra_value(values[0])}"]
 
 
-def gpt2_bpe(values: list) -> list:
-    return ["data.tokenizer={_target_:mptrain.data.tokenizers.TiktokenTokenizer,encoding:gpt2}"]
+def profile_ranks(values: list) -> list:
+    """train.profile_ranks=[0,1] (Megatron's nargs='+')."""
+    return [f"train.profile_ranks=[{','.join(values)}]"]
+
+
+TOKENIZER_NODE = "++data.tokenizer="
+"""A tokenizer node replaces data.tokenizer's keys (``++``: Hydra adds the keys the option's node lacks, as
+vocab_file to data=indexed's ByteTokenizer, which a plain ``data.tokenizer={...}`` refuses)."""
+
+
+def gpt2_bpe(values: list, *, merge_file: Optional[list] = None, tokenizer_type: Optional[list] = None,
+             mock_data: Optional[list] = None) -> list:
+    """++data.tokenizer={_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:V,merge_file:M} (Megatron's
+    GPT2BPETokenizer: --merge-file M, --tokenizer-type GPT2BPETokenizer or none)."""
+    kind = tokenizer_type[0] if tokenizer_type else "GPT2BPETokenizer"
+    if mock_data is not None:  # given (a switch: no values)
+        raise Uncarried(NOT_NEEDED, "with --mock-data: data=mock's ids come from its NullTokenizer (data.vocab_size)")
+    if kind.startswith("BertWordPiece"):
+        raise Uncarried(NO_EQUIVALENT, f"--tokenizer-type {kind}: BERT's WordPiece vocabulary; mptrain trains GPT models")
+    if kind != "GPT2BPETokenizer":  # HuggingFaceTokenizer, TikTokenizer, ...: Megatron reads --tokenizer-model
+        raise Uncarried(NOT_NEEDED, f"--tokenizer-type {kind} does not read --vocab-file")
+    if not merge_file:
+        raise Uncarried(NO_EQUIVALENT, "GPT2BPETokenizer needs --merge-file beside --vocab-file (gpt2-merges.txt)")
+    vocab, merges = hydra_value(values[0]), hydra_value(merge_file[0])
+    return [f"{TOKENIZER_NODE}{{_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:{vocab},merge_file:{merges}}}"]
 
 
 def hf_tokenizer(values: list) -> list:
-    """data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:MODEL/tokenizer.json}."""
+    """++data.tokenizer={_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:MODEL/tokenizer.json}."""
     path = hydra_value(values[0].rstrip("/") + "/tokenizer.json")
-    return [f"data.tokenizer={{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
+    return [f"{TOKENIZER_NODE}{{_target_:mptrain.data.tokenizers.HFTokenizer,tokenizer_json:{path}}}"]
+
+
+def rampup_batch_size(values: list) -> list:
+    """train.rampup_batch_size=[start,increment,ramp_samples] (the three values as given; the run checks them)."""
+    return [f"train.rampup_batch_size=[{','.join(v.strip() for v in values)}]"]
+
+
+def step_batch_size_schedule(values: list) -> list:
+    """train.step_batch_size_schedule="THRESHOLD:BATCH ..." (Megatron's one string as given; the run checks it)."""
+    return [f"train.step_batch_size_schedule={hydra_value(' '.join(v.strip() for v in values))}"]
+
+
+def load(values: list) -> list:
+    """checkpoint.load=DIR (the row's ``why`` says what a Megatron-LM checkpoint there needs)."""
+    return [f"checkpoint.load={hydra_value(values[0])}"]
 
 
 def minutes_to_s(key: str) -> Callable:
@@ -314,10 +359,9 @@ ROWS: tuple = (
     Row("--ddp-bucket-size", "parallel.bucket_size"),
     Row("--context-parallel-size", convert=only_one("--context-parallel-size", "mptrain has no context parallelism yet"),
         why="1: nothing to set; larger: no context parallelism yet"),
-    Row("--expert-model-parallel-size", convert=only_one("--expert-model-parallel-size", "mptrain has no mixture of experts yet"),
-        why="1: nothing to set; larger: no mixture of experts yet"),
-    uncarried("--overlap-param-gather", NO_EQUIVALENT,
-              "the distributed optimizer's param all-gather runs after the step, not overlapped with the next forward", False),
+    Row("--expert-model-parallel-size", "parallel.expert_model_parallel_size"),
+    Row("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size"),
+    switch("--overlap-param-gather", "parallel.overlap_param_gather"),
     # precision
     switch("--fp16", "precision", set="fp16"),
     switch("--bf16", "precision", set="bf16"),
@@ -349,8 +393,8 @@ ROWS: tuple = (
     Row("--lr-wsd-decay-iters", "optim.lr_wsd_decay_iters"),
     Row("--lr-wsd-decay-style", "optim.lr_wsd_decay_style"),
     Row("--clip-grad", "train.clip_grad"),
-    uncarried("--decoupled-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
-    uncarried("--decoupled-min-lr", NO_EQUIVALENT, "one LR schedule for every parameter (no separate one for the embedding and output layer)"),
+    Row("--decoupled-lr", "optim.decoupled_lr"),
+    Row("--decoupled-min-lr", "optim.decoupled_min_lr"),
     # train
     Row("--micro-batch-size", "train.micro_batch_size"),
     Row("--global-batch-size", "train.global_batch_size", default=_global_batch_size),
@@ -367,15 +411,20 @@ ROWS: tuple = (
     Row("--timing-log-level", "train.timing_log_level", default=0),
     nothing("--calculate-per-token-loss", "the loss is always the mean over the global batch's loss-masked tokens"),
     nothing("--log-throughput", "every metrics.jsonl row has tokens_per_s, tflops_per_gpu and mfu"),
-    uncarried("--step-batch-size-schedule", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
-    uncarried("--rampup-batch-size", NO_EQUIVALENT, "the global batch size is fixed for the run (no batch-size ramp-up)"),
+    Row("--step-batch-size-schedule", convert=step_batch_size_schedule,
+        why='train.step_batch_size_schedule="0:16 2.4B:320 ..." (thresholds in tokens, as Megatron\'s)'),
+    Row("--rampup-batch-size", convert=rampup_batch_size,
+        why="train.rampup_batch_size=[start,increment,ramp_samples] (needs --train-samples, as in Megatron)"),
     uncarried("--empty-unused-memory-level", GPU_ONLY, "torch.cuda.empty_cache after steps; mptrain leaves the caching allocator alone"),
-    uncarried("--profile", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)", False),
-    uncarried("--profile-step-start", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
-    uncarried("--profile-step-end", NO_EQUIVALENT, "no built-in profiler window (run under torch.profiler or nsys)"),
+    switch("--profile", "train.profile"),
+    Row("--profile-step-start", "train.profile_step_start"),
+    Row("--profile-step-end", "train.profile_step_end"),
+    Row("--profile-ranks", convert=profile_ranks, why="train.profile_ranks=[R,...]"),
+    switch("--use-pytorch-profiler", "train.use_pytorch_profiler"),
     # checkpoint
     Row("--save", "checkpoint.save"),
-    Row("--load", "checkpoint.load"),
+    Row("--load", convert=load, why="`checkpoint.load`; a Megatron-LM checkpoint there is imported once first (python "
+        "-m mptrain.export --import-megatron DIR --output CKPT, then checkpoint.load=CKPT: a run refuses Megatron's folder)"),
     Row("--save-interval", "checkpoint.save_interval"),
     switch("--finetune", "checkpoint.finetune"),
     switch("--no-load-optim", "checkpoint.load_optim", set=False),
@@ -383,7 +432,8 @@ ROWS: tuple = (
     switch("--use-checkpoint-args", "checkpoint.use_checkpoint_args"),
     switch("--async-save", "checkpoint.async_save"),
     nothing("--ckpt-format", "mptrain has one checkpoint format, torch.distributed.checkpoint shards that reshard on load "
-            "(as torch_dist; Megatron's checkpoints are not read)", takes_value=True),
+            "(as torch_dist); a Megatron-LM checkpoint (torch_dist or torch) is imported once with python -m "
+            "mptrain.export --import-megatron DIR --output CKPT", takes_value=True),
     # data
     Row("--data-path", convert=data_path),
     Row("--train-data-path", convert=prefixes("data.train_prefixes"), why="data=indexed data.train_prefixes=[...]"),
@@ -391,11 +441,12 @@ ROWS: tuple = (
     Row("--test-data-path", convert=prefixes("data.test_prefixes"), why="data=indexed data.test_prefixes=[...]"),
     Row("--split", convert=split),
     switch("--mock-data", "data", set="mock"),
-    Row("--vocab-file", convert=gpt2_bpe,
-        why="GPT-2's BPE, read as tiktoken's gpt2 encoding (the same vocab and merges as gpt2-vocab.json / gpt2-merges.txt)"),
-    nothing("--merge-file", "read with --vocab-file (tiktoken's gpt2 encoding)", takes_value=True),
-    nothing("--tokenizer-type", "the tokenizer follows from the data: mock data's NullTokenizer, --vocab-file's GPT-2 BPE, "
-            "--tokenizer-model's Hugging Face tokenizer", takes_value=True),
+    Row("--vocab-file", convert=gpt2_bpe, reads=("--merge-file", "--tokenizer-type", "--mock-data"),
+        why="++data.tokenizer={_target_:mptrain.data.tokenizers.GPT2BPETokenizer,vocab_file:V,merge_file:M} "
+            "(with --merge-file M; --tokenizer-type GPT2BPETokenizer or none)"),
+    nothing("--merge-file", "read with --vocab-file (GPT2BPETokenizer's merge_file)", takes_value=True),
+    nothing("--tokenizer-type", "the tokenizer follows from its files: --vocab-file / --merge-file's GPT2BPETokenizer, "
+            "--tokenizer-model's Hugging Face tokenizer, mock data's NullTokenizer", takes_value=True),
     Row("--tokenizer-model", convert=hf_tokenizer),
     Row("--data-cache-path", "data.cache_dir"),
     switch("--reset-position-ids", "data.reset_position_ids"),

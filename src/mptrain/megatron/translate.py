@@ -21,6 +21,15 @@ PRECISION_RANK = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8": 3}
 """--bf16 with --fp8-format: Megatron's fp8 runs on bf16 params, which mptrain's precision=fp8 is."""
 
 
+class MissingValues(ValueError):
+    """Arguments of the table that take a value and were given none, as a script's unset ``$1`` leaves them
+    (``--save $CHECKPOINT_PATH``; Megatron's argparse stops there too). ``flags``: in the order given."""
+
+    def __init__(self, flags: list) -> None:
+        super().__init__(f"{', '.join(flags)} got no value")
+        self.flags = flags
+
+
 @dataclasses.dataclass
 class Translation:
     overrides: list
@@ -72,10 +81,10 @@ def _shown(flag: str, values: list) -> str:
     return " ".join([flag, *values])
 
 
-def _carry(row: Row, values: list) -> list:
-    """The overrides of one carried argument (raises Uncarried)."""
+def _carry(row: Row, values: list, given: dict) -> list:
+    """The overrides of one carried argument (raises Uncarried); ``given``: {flag: values} of the whole command."""
     if row.convert is not None:
-        return row.convert(values)
+        return row.convert(values, **row.read_from(given))
     if not row.takes_value:
         return [f"{row.key}={_as_text(True if row.set is VALUE else row.set)}"]
     return [f"{row.key}={_as_text(' '.join(values))}"]
@@ -93,8 +102,13 @@ def translate(argv: Sequence[str], *, world_size: int = 1, mock_data: bool = Fal
             chosen options; default `composed_defaults` (Hydra composes ``conf/``).
     Raises:
         ValueError: words before the first --argument.
+        MissingValues: arguments that take a value were given none (checked before anything is translated).
     """
     args = group_args(argv)
+    # an empty value is an unset variable too (`--save "$CHECKPOINT_PATH"`)
+    missing = [flag for flag, values in args if not any(values) and flag in BY_FLAG and BY_FLAG[flag].takes_value]
+    if missing:
+        raise MissingValues(list(dict.fromkeys(missing)))
     given = {flag: values for flag, values in args}
     out = Translation(overrides=[])
     chosen: dict = {}  # key or group -> value, last one wins (argparse)
@@ -115,13 +129,15 @@ def translate(argv: Sequence[str], *, world_size: int = 1, mock_data: bool = Fal
             out.uncarried.append((flag, shown, NO_EQUIVALENT, f"{flag} is a switch; the words after it are not Megatron's"))
             continue
         try:
-            overrides = _carry(row, values)
+            overrides = _carry(row, values, given)
         except Uncarried as err:
             out.uncarried.append((flag, shown, err.status, err.why))
             continue
         if not overrides:
             out.nothing.append((shown, row.why))
-        if mock_data and overrides and all(o.startswith("data") for o in overrides):
+        # data=mock keeps data.split (a split of weight 0 has no data there too, as Megatron's mock datasets)
+        if mock_data and overrides and all(o.lstrip("+").startswith("data") and not o.startswith("data.split=")
+                                           for o in overrides):
             out.replaced.append(shown)
             continue
         for o in overrides:

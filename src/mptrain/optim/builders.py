@@ -17,7 +17,9 @@ factory builds ``optim._target_`` through `mptrain.components.build`:
 
 Weight decay (Megatron `get_param_groups`): biases and norm params (``ShardSpec.no_weight_decay``)
 go into a group with weight_decay 0; the other group takes ``optim.weight_decay`` (as the
-optimizer default, so that `param_groups` needs no config). ``adam`` is torch's Adam (L2 penalty
+optimizer default, so that `param_groups` needs no config). The input embedding and the output layer
+(``ShardSpec.embedding_or_output``) get groups of their own, which the LR schedule drives by
+``optim.decoupled_lr`` when set (`EMBEDDING_OR_OUTPUT`). ``adam`` is torch's Adam (L2 penalty
 added to the grad); ``adamw`` decouples the decay (Loshchilov & Hutter 2019) — Megatron's
 ``--optimizer adam`` is the decoupled one, i.e. our ``adamw``.
 
@@ -43,7 +45,8 @@ class Optimizer(Protocol):
     """The inner optimizer interface (torch.optim.Optimizer's): what the wrappers and checkpoints use.
 
     - constructor: ``cls(params, **keywords)``; ``params`` = [{"params": [fp32 main params],
-      ("weight_decay": float)}, ...] (a decayed and a no-decay group, always both);
+      ("weight_decay": float)}, ...] (a decayed and a no-decay group, always both; two more marked
+      ``embedding_or_output`` where the embedding or output layer is held: `param_groups`);
     - ``param_groups``: those dicts; the LR schedule writes ``group["lr"]`` (a float, per step) there;
     - ``step()`` updates the params from their ``.grad`` (fp32, already unscaled and clipped);
     - ``state``: {param: {name: tensor | scalar}}: tensors of the param's shape are checkpointed by
@@ -66,27 +69,47 @@ OPTIMIZER = components.ComponentKind(
     "optimizer", methods=("step", "zero_grad", "state_dict", "load_state_dict"), runtime_keywords=("params",),
     interface=Optimizer)
 
+EMBEDDING_OR_OUTPUT = "embedding_or_output"
+"""The param-group key (True) of the groups that hold the embedding and output layer (`param_groups`): the LR
+schedule gives them ``optim.decoupled_lr`` / ``optim.decoupled_min_lr`` when set (`mptrain.optim.lr_scheduler`)."""
+
+
 def param_groups(params: Sequence[torch.nn.Parameter], specs: Sequence, weight_decay: Optional[float] = None) -> list[dict]:
-    """Split params into a decayed and a non-decayed group (always both, possibly empty, in that order).
+    """Split params into a decayed and a non-decayed group (always both, possibly empty, in that order), and the
+    input embedding / output layer (``spec.embedding_or_output``) into two more groups of the same kinds.
+
+    Megatron's ``_get_param_groups`` (megatron/core/optimizer/__init__.py) keys its groups by weight decay and by
+    ``is_embedding_or_output_parameter`` where ``--decoupled-lr`` is set; here the embedding / output groups exist
+    whenever such params do, so that the groups need no config: the LR schedule alone decides whether they run
+    on ``optim.decoupled_lr`` or on ``optim.lr`` (with it unset they carry the same hyperparameters as the first
+    two, so the split changes no update).
 
     Args:
         params: parameters (model or fp32 main params), in a stable order.
-        specs: one `ShardSpec` per param; ``spec.no_weight_decay`` selects the second group.
-        weight_decay: decay of the first group; None leaves the key out, so the optimizer default
+        specs: one `ShardSpec` per param; ``spec.no_weight_decay`` selects the non-decayed kind,
+            ``spec.embedding_or_output`` the embedding / output groups.
+        weight_decay: decay of the decayed groups; None leaves the key out, so the optimizer default
             (``optim.weight_decay`` from `build_optimizer_factory`) applies.
     Returns:
-        [{"params": decayed, ["weight_decay": wd]}, {"params": not_decayed, "weight_decay": 0.0}]
+        [{"params": decayed, ["weight_decay": wd]}, {"params": not_decayed, "weight_decay": 0.0}], followed, when
+        some spec has ``embedding_or_output``, by the same two for those params, marked
+        ``{EMBEDDING_OR_OUTPUT: True}``.
     Raises:
         ValueError: params and specs differ in length.
     """
     if len(params) != len(specs):
         raise ValueError(f"param_groups: {len(params)} params but {len(specs)} specs")
-    decay = [p for p, s in zip(params, specs) if not s.no_weight_decay]
-    no_decay = [p for p, s in zip(params, specs) if s.no_weight_decay]
-    first: dict = {"params": decay}
-    if weight_decay is not None:
-        first["weight_decay"] = float(weight_decay)
-    return [first, {"params": no_decay, "weight_decay": 0.0}]
+    kinds = (False, True) if any(s.embedding_or_output for s in specs) else (False,)
+    groups = []
+    for marked in kinds:
+        decay = [p for p, s in zip(params, specs) if s.embedding_or_output == marked and not s.no_weight_decay]
+        no_decay = [p for p, s in zip(params, specs) if s.embedding_or_output == marked and s.no_weight_decay]
+        first: dict = {"params": decay}
+        if weight_decay is not None:
+            first["weight_decay"] = float(weight_decay)
+        pair = [first, {"params": no_decay, "weight_decay": 0.0}]
+        groups += [{**g, EMBEDDING_OR_OUTPUT: True} for g in pair] if marked else pair
+    return groups
 
 
 def megatron_keywords(cfg) -> dict:
@@ -207,6 +230,44 @@ def optimizer_kernel(optimizer) -> str:
     if kernel is None and "foreach" in defaults:
         kernel = "for-loop"  # torch's single-tensor path
     return f"{path} ({kernel})" if kernel else path
+
+
+def weight_decay_coupling(optimizer) -> Optional[str]:
+    """How ``optimizer`` applies weight decay: "decoupled" (AdamW, Loshchilov & Hutter 2019: p -= lr·wd·p, apart
+    from the adaptive step), "coupled" (L2: wd·p added to the gradient, then scaled by the adaptive step like it),
+    or None when the class does not say (a user's optimizer).
+
+    torch's Adam / NAdam / RAdam carry ``decoupled_weight_decay`` in their defaults (AdamW sets it); apex's
+    FusedAdam its ``adam_w_mode``; torch's other optimizers and apex's FusedSGD add the decay to the gradient.
+    """
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    if isinstance(optimizer, torch.optim.AdamW):  # torch < 2.5: AdamW did not share Adam's flag
+        return "decoupled"
+    if "decoupled_weight_decay" in defaults:
+        return "decoupled" if defaults["decoupled_weight_decay"] else "coupled"
+    if hasattr(optimizer, "adam_w_mode"):  # apex FusedAdam (and FusedLAMB)
+        return "decoupled" if optimizer.adam_w_mode else "coupled"
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim") or cls.__name__ == "FusedSGD":
+        return "coupled"
+    return None
+
+
+def weight_decay_note(optimizer) -> str:
+    """`` weight_decay=W coupled (L2 ...)`` / `` ... decoupled (AdamW)`` for the start-up log's ``kernels:`` line
+    (`weight_decay_coupling`); W = the largest of the param groups' (biases and norms have none). Empty when no
+    group decays. torch's Adam adds the note that Megatron's ``--optimizer adam`` is decoupled (optim=adamw)."""
+    decay = max((group.get("weight_decay") or 0.0 for group in getattr(optimizer, "param_groups", [])), default=0.0)
+    if not decay:
+        return ""
+    coupling = weight_decay_coupling(optimizer)
+    if coupling == "decoupled":
+        return f" weight_decay={decay:g} decoupled (AdamW: p -= lr*wd*p)"
+    if coupling is None:
+        return f" weight_decay={decay:g} (coupled or decoupled: {type(optimizer).__name__} does not say)"
+    megatron = ("; Megatron's --optimizer adam decouples it: optim=adamw"
+                if type(optimizer) is torch.optim.Adam else "")
+    return f" weight_decay={decay:g} coupled (L2: wd*p added to the gradient{megatron})"
 
 
 def check_optimizer(cfg):

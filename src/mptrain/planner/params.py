@@ -71,7 +71,8 @@ def rank_params(m, parallel, *, vocab_size: int, pp_rank: int, tp_rank: int = 0)
     v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     start, end = vocab_range(v_pad, tp_rank, tp)
     rows_alloc, rows_valid = end - start, max(0, min(end, vocab_size) - start)
-    numel = counted = sum(layer_params(m, tp=tp, layer_number=n) for n in layers)  # MoE layers differ
+    etp = parallel.expert_tensor_parallel_size  # MoE layers: experts split over etp (null: tp)
+    numel = counted = sum(layer_params(m, tp=tp, layer_number=n, etp=etp) for n in layers)
     if first:
         pos = (m.max_position_embeddings or m.seq_length) * h if m.position_embedding_type == "learned_absolute" else 0
         numel += rows_alloc * h + pos

@@ -24,22 +24,14 @@ from omegaconf import OmegaConf
 from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 from mptrain.runs.folder import RunDirPlan, run_dir_decision
-
-
-def _flatten(node: Any, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        out: dict = {}
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: node}
+from mptrain.runs.relaunch import flatten
 
 
 def config_fingerprint(cfg: Any) -> tuple[str, dict]:
     """(sha256 hex of the resolved config without run.dir, its flattened {dotted key: value})."""
     container = config_to_container(cfg)
     container.get("run", {}).pop("dir", None)
-    flat = _flatten(container)
+    flat = flatten(container)
     digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
     return digest, flat
 

@@ -7,6 +7,10 @@ set to the planned folder, so every `${run.dir}/...` path (the shipped experimen
 folder as it resolves: nothing is rewritten afterwards. The folder is created only once the run has
 validated and built (`mptrain.runs.claim.claim_run_dir`, which also prints the plan's move line).
 
+A folder holding a run is also resumed in place when this run relaunches it: the same command started
+again, its `checkpoint.save` holding a checkpoint (`mptrain.runs.relaunch`); `planned_config` then loads
+that checkpoint (`checkpoint.load` = `checkpoint.save`).
+
 Every rank plans alone, before the process group exists: they read the same folders (DESIGN.md §2
 asks for one filesystem), and no rank writes into a run folder before every rank has planned (rank 0
 claims it after the collectives of the start); `claim_run_dir` checks that the ranks agree.
@@ -24,19 +28,25 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from mptrain.checkpoint.atomic import checkpoint_exists, list_iterations, read_latest, save_refusal
 from mptrain.config.schema import Config, as_config
 from mptrain.errors import ConfigError
+from mptrain.runs.relaunch import Relaunch, relaunch_of
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "layout.json", "train.log")
 """The files that make a folder a run folder."""
 
 
 def default_run_dir(cfg: Any) -> str:
-    """`outputs/<model.name>-tp<T>pp<P>[vpp<V>]-<precision.name>` (deterministic: same on every rank and rerun).
+    """`outputs/<model.name>-tp<T>pp<P>[vpp<V>][ep<E>][etp<K>]-<precision.name>` (deterministic: same on every rank
+    and rerun).
 
     The layout part is the degrees the run uses, not the ``parallel=`` option's name: a preset overridden key by
-    key (``parallel.tensor_model_parallel_size=2``) names the layout it runs. Unchanged presets spell the same."""
+    key (``parallel.tensor_model_parallel_size=2``) names the layout it runs. Unchanged presets spell the same.
+    ``ep<E>`` appears when expert_model_parallel_size > 1, ``etp<K>`` when expert_tensor_parallel_size is set
+    and differs from tp (null means tp)."""
     par = cfg.parallel
-    vpp = par.virtual_pipeline_model_parallel_size
-    layout = f"tp{par.tensor_model_parallel_size}pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
+    tp, vpp = par.tensor_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    layout = (f"tp{tp}pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
+              + (f"ep{ep}" if ep > 1 else "") + (f"etp{etp}" if etp is not None and etp != tp else ""))
     return f"outputs/{cfg.model.name}-{layout}-{cfg.precision.name}"
 
 
@@ -79,16 +89,6 @@ def run_dir_decision(path: str | Path, *, resuming: bool) -> Optional[str]:
             f"checkpoint; pick a new run.dir=, delete the folder, or resume with checkpoint.load="
         )
     return f"run.dir={p} exists, is not empty ({entries[0]}, ...) and is not a run folder; pick an empty or new run.dir="
-
-
-def free_run_dir(path: str | Path, *, resuming: bool) -> Path:
-    """The first of `path`, `<path>-2`, `<path>-3`, ... that `run_dir_decision` accepts (no side effects)."""
-    p = Path(path)
-    candidate, n = p, 1
-    while run_dir_decision(candidate, resuming=resuming) is not None:
-        n += 1
-        candidate = p.with_name(f"{p.name}-{n}")
-    return candidate
 
 
 def path_inside(path: Optional[str], folder: Path) -> bool:
@@ -143,12 +143,19 @@ class RunDirPlan:
         configured: the folder the config named (`run.dir`, the default one, or the sweep job's).
         resuming: the run resumes from a checkpoint of its own folder (an existing run folder is appended to).
         hint: the move line's fix (empty when the run stays in `configured`).
+        relaunch: the same run started again in `dir` (`mptrain.runs.relaunch.Relaunch`: it loads
+            `checkpoint.save`), or None.
     """
 
     dir: str
     configured: str
     resuming: bool
     hint: str = ""
+    relaunch: Optional[Relaunch] = None
+
+    def finished(self, train_iters: int) -> bool:
+        """A relaunch whose checkpoint is at or past `train_iters`: the run is done (nothing to train)."""
+        return self.relaunch is not None and self.relaunch.iteration >= train_iters
 
     @property
     def move_line(self) -> Optional[str]:
@@ -191,7 +198,30 @@ def _select(cfg: Any, key: str) -> Any:
     return node
 
 
-def plan_run_dir(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = None) -> RunDirPlan:
+def _relaunch(cfg: Any, folder: str, resolve: Callable[[Any], Config]) -> Optional[Relaunch]:
+    """`relaunch_of` the run in `folder` for `cfg` resolved there (None: `folder` holds no run, or this run is
+    no relaunch: `checkpoint.save` holds no complete checkpoint, `checkpoint.load` names another folder).
+    Resolves the config only when `checkpoint.save` holds checkpoints."""
+    if not holds_run(folder):
+        return None
+    here = _with(cfg, {"run.dir": folder})
+    save, load = _select(here, "checkpoint.save"), _select(here, "checkpoint.load")
+    if not save or not list_iterations(str(save)) or (load and Path(load).resolve() != Path(save).resolve()):
+        return None
+    # the config the relaunch would run with: it loads its save folder
+    return relaunch_of(folder, resolve(_with(here, {"checkpoint.load": load or str(save)})))
+
+
+def _another_run(refusal: str, relaunch: Optional[Relaunch]) -> str:
+    """The refusal of a folder holding a run, saying why a relaunch is not this run's (its config differs)."""
+    if relaunch is None:
+        return refusal
+    return (f"run.dir={relaunch.folder} already holds a run and this run is not its relaunch ({relaunch.difference}); "
+            f"resume it anyway with checkpoint.load={relaunch.save}, pick a new run.dir=, or delete the folder")
+
+
+def plan_run_dir(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = None,
+                 resolve: Callable[[Any], Config] = as_config) -> RunDirPlan:
     """The folder this run will write to, by DESIGN.md §2's policy (no side effects).
 
     Args:
@@ -199,6 +229,7 @@ def plan_run_dir(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = 
         sweep_job: the `mptrain.runs.sweep.SweepJob` in a sweep (its folder is `<root>/<swept keys>`), else None.
         explicit: `run.dir` was given on the command line (such a folder holding a run is refused; one
             the config names gives way to `<dir>-N`); None = `run_dir_from_command_line()`.
+        resolve: composed config → `Config`, to compare a relaunch's config with the folder's config.yaml.
     Raises:
         ConfigError (``symmetric``): the folder is refused (`run_dir_decision`).
     """
@@ -206,25 +237,54 @@ def plan_run_dir(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = 
         folder = str(sweep_job.dir)
         # `checkpoint.load=${run.dir}/ck`: a job resumes from the checkpoints in its own folder
         resuming = checkpoint_exists(_select(_with(cfg, {"run.dir": folder}), "checkpoint.load"))
-        _refuse(run_dir_decision(folder, resuming=resuming))
-        return RunDirPlan(dir=folder, configured=folder, resuming=resuming)
+        relaunch = _relaunch(cfg, folder, resolve)
+        same = relaunch if relaunch is not None and relaunch.same_run else None
+        refusal = run_dir_decision(folder, resuming=resuming or same is not None)
+        _refuse(refusal and _another_run(refusal, relaunch))
+        return RunDirPlan(dir=folder, configured=folder, resuming=resuming or same is not None, relaunch=same)
     named = _select(cfg, "run.dir")
     configured = str(named) if named else default_run_dir(cfg)
     explicit = bool(named) and (run_dir_from_command_line() if explicit is None else explicit)
     load = _select(_with(cfg, {"run.dir": configured}), "checkpoint.load")
-    # a folder the config named is appended to only by a resume from its own checkpoints; resuming from
-    # another run's checkpoints is a fresh run there
+    # a folder the config named is appended to only by a resume from its own checkpoints, or by a relaunch of
+    # its run; resuming from another run's checkpoints is a fresh run there
     resuming = checkpoint_exists(load) and (explicit or path_inside(load, Path(configured)))
-    refusal = run_dir_decision(configured, resuming=resuming)
+    relaunch = _relaunch(cfg, configured, resolve)
+    same = relaunch if relaunch is not None and relaunch.same_run else None
+    refusal = run_dir_decision(configured, resuming=resuming or same is not None)
     if refusal is None:
-        return RunDirPlan(dir=configured, configured=configured, resuming=resuming)
+        return RunDirPlan(dir=configured, configured=configured, resuming=resuming or same is not None, relaunch=same)
     if explicit or not holds_run(configured):
-        _refuse(refusal)
-    # a resume from checkpoints outside the config's folder: the fix is the run folder, not checkpoint.load
-    hint = ("its checkpoint.load lies outside it: add run.dir=<the folder of that run> to append there" if load
-            else "pick the folder with run.dir=, or resume with checkpoint.load=")
-    return RunDirPlan(dir=str(free_run_dir(configured, resuming=resuming)), configured=configured,
-                      resuming=resuming, hint=hint)
+        _refuse(_another_run(refusal, relaunch))
+    moved, own = _next_folder(cfg, configured, resolve, resuming=resuming)
+    if relaunch is not None:  # the same save folder, another config: the line says which keys
+        hint = relaunch.difference + (f"; {moved} holds this command's run" if own else
+                                      f"; resume there anyway with run.dir={configured} checkpoint.load={relaunch.save}")
+    elif load:  # a resume from checkpoints outside the config's folder: the fix is the run folder
+        hint = "its checkpoint.load lies outside it: add run.dir=<the folder of that run> to append there"
+    else:
+        hint = "pick the folder with run.dir=, or resume with checkpoint.load="
+    return RunDirPlan(dir=moved, configured=configured, resuming=resuming or own is not None, hint=hint, relaunch=own)
+
+
+def _next_folder(cfg: Any, configured: str, resolve: Callable[[Any], Config], *,
+                 resuming: bool) -> tuple[str, Optional[Relaunch]]:
+    """The first of `<configured>-2`, `-3`, ... that holds this command's run (its relaunch: the `Relaunch`), or
+    else that `run_dir_decision` accepts (None): a command whose config moved it on once finds its run again."""
+    path, n = Path(configured), 1
+    while True:
+        n += 1
+        candidate = str(path.with_name(f"{path.name}-{n}"))
+        relaunch = _relaunch(cfg, candidate, resolve)
+        if relaunch is not None and relaunch.same_run:
+            return candidate, relaunch
+        if run_dir_decision(candidate, resuming=resuming) is None:
+            return candidate, None
+
+
+def _planned_keys(plan: RunDirPlan) -> dict:
+    """What the plan sets in the config: `run.dir`, and for a relaunch the checkpoint it loads."""
+    return {"run.dir": plan.dir, **({"checkpoint.load": plan.relaunch.save} if plan.relaunch else {})}
 
 
 def planned_config(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] = None,
@@ -244,13 +304,13 @@ def planned_config(cfg: Any, *, sweep_job: Any = None, explicit: Optional[bool] 
             written or holds checkpoints this run does not resume from (outside it: the trainer's
             checkpoint checks).
     """
-    plan = plan_run_dir(cfg, sweep_job=sweep_job, explicit=explicit)
-    config = resolve(_with(cfg, {"run.dir": plan.dir}))
+    plan = plan_run_dir(cfg, sweep_job=sweep_job, explicit=explicit, resolve=resolve)
+    config = resolve(_with(cfg, _planned_keys(plan)))
     is_default = sweep_job is None and not _select(cfg, "run.dir")
     if is_default and default_run_dir(config) != plan.configured:
         cfg = _with(cfg, {"model.name": config.model.name, "checkpoint.load": config.checkpoint.load})
-        plan = plan_run_dir(cfg, explicit=explicit)
-        config = resolve(_with(cfg, {"run.dir": plan.dir}))
+        plan = plan_run_dir(cfg, explicit=explicit, resolve=resolve)
+        config = resolve(_with(cfg, _planned_keys(plan)))
     save, load = config.checkpoint.save, config.checkpoint.load
     if save and path_inside(save, Path(plan.dir)):
         _refuse(save_refusal(save) or checkpoint_save_refusal(save, load))

@@ -177,6 +177,7 @@ class Checkpointer:
 
         for hook in self.hooks:
             hook.before_save(progress.iteration)
+        self.built.trainer.finish_param_sync()  # the params the save reads are the last step's, landed
         with self.untimed():
             if self.cfg.checkpoint.async_save:
                 self._save_async(progress)

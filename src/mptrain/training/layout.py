@@ -68,6 +68,7 @@ class IterationCounters:
     bytes_sent: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in BYTES_SENT_KINDS})
     samples_read: int = 0
     iterations: int = 0
+    microbatches: int = 0  # training micro-batches per DP rank, summed over the iterations
     max_inflight_microbatches: int = 0
 
     def add_bytes_sent(self, kind: str, nbytes: int) -> None:
@@ -81,8 +82,10 @@ class IterationCounters:
     def note_inflight(self, n: int) -> None:
         self.max_inflight_microbatches = max(self.max_inflight_microbatches, int(n))
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, num_microbatches: int = 0) -> None:
+        """One more iteration, of ``num_microbatches`` micro-batches per DP rank."""
         self.iterations += 1
+        self.microbatches += int(num_microbatches)
 
     def bytes_sent_per_iteration(self) -> dict:
         n = max(self.iterations, 1)

@@ -2,8 +2,9 @@
 then hands every "when" to its owner: the metrics rows (`mptrain.training.metrics.TrainRows`), manual
 gc (`mptrain.training.manual_gc.ManualGC`), evaluation (`mptrain.training.evaluation.Evaluator`),
 checkpoints and early stops (`mptrain.training.checkpointing.Checkpointer`), the stuck-rank timers
-(`mptrain.training.watchdog.LoopWatch`). Loop hooks (``built.hooks``: ``before_step(iteration)``,
-``before_save(iteration)``) are empty unless a fault-injection key is set (`mptrain.training.faults`).
+(`mptrain.training.watchdog.LoopWatch`), the profiler window (`mptrain.training.profiler.ProfilerWindow`).
+Loop hooks (``built.hooks``: ``before_step(iteration)``, ``before_save(iteration)``) are empty unless a
+fault-injection key is set (`mptrain.training.faults`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mptrain.training.interrupt import interrupt_of
 from mptrain.training.manual_gc import ManualGC
 from mptrain.training.metrics import TrainRows
 from mptrain.training.prefetch import close_prefetchers
+from mptrain.training.profiler import ProfilerWindow, profile_plan, profiler_window
 from mptrain.training.watchdog import LoopWatch, StepWatchdog, StopSignal
 
 
@@ -36,13 +38,22 @@ def train(built: Any, recorder: Any, *, stop: StopSignal, heartbeat: Optional[St
     evaluator.at_start(at.iteration)
     stop.install()
     rows = TrainRows(recorder, built.trainer, stop)
+    g = built.groups
+    profiler = profiler_window(cfg, rank=g.rank, device=g.device, run_dir=recorder.run_dir)
+    plan = profile_plan(cfg, device=g.device, run_dir=recorder.run_dir, start_iteration=at.iteration)
+    if plan is not None:
+        recorder.log(plan)
     with memory_snapshot_of(cfg, device=built.groups.device, run_dir=recorder.run_dir, rank=built.groups.rank,
                             log=recorder.log), collector:
         try:
             stopped = _loop(built, data, at, rows=rows, watch=watch, checkpointer=checkpointer, evaluator=evaluator,
-                            collector=collector)
+                            collector=collector, profiler=profiler)
         finally:
             close_prefetchers(data)  # no batch is read ahead past the last step
+            profiler.close()  # a run that ends inside the window still writes what it recorded
+    if profiler.trace is not None:
+        recorder.log(f"profile: trace written to {profiler.trace}")  # rank 0's, when it profiles
+    built.trainer.finish_param_sync()  # parallel.overlap_param_gather: the last step's params, landed
     checkpointer.wait()
     watch.end()  # no more training steps: the final evaluation and the layout gather
     if stopped is None:
@@ -68,7 +79,7 @@ def _start(built: Any, recorder: Any, checkpointer: Checkpointer) -> Progress:
 
 
 def _loop(built: Any, data: list, at: Progress, *, rows: TrainRows, watch: LoopWatch, checkpointer: Checkpointer,
-          evaluator: Evaluator, collector: ManualGC) -> Optional[str]:
+          evaluator: Evaluator, collector: ManualGC, profiler: ProfilerWindow) -> Optional[str]:
     """Iterations from ``at`` to ``train.train_iters``; returns why it stopped early ("exit_interval",
     "exit_duration", "signal") or None."""
     cfg, trainer = built.cfg, built.trainer
@@ -78,10 +89,13 @@ def _loop(built: Any, data: list, at: Progress, *, rows: TrainRows, watch: LoopW
         watch.arm(iteration)
         for hook in built.hooks:
             hook.before_step(iteration)
+        profiler.before_step(iteration)
         with watch.first_step_untimed(iteration), rows.written_on_failure():
-            outcome = trainer.train_step(data)  # settles the previous iteration
+            # the iteration's global batch follows the samples consumed before it (a ramp or a step schedule)
+            outcome = trainer.train_step(data, consumed_samples=at.consumed_samples)  # settles the previous one
         watch.step_done(iteration)
-        at.advance(cfg.train.global_batch_size)
+        profiler.after_step(iteration)  # the window ends with its last step, before an evaluation or a save
+        at.advance(outcome.global_batch_size)
         rows.add(at.iteration, at.consumed_samples, outcome)
         collector.after_iteration(at.iteration)  # train.manual_gc: every rank at the same iteration
         stopped = checkpointer.stop_reason(at.iteration)

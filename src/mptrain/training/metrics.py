@@ -8,8 +8,12 @@ are written as null (strict JSON has no NaN / Infinity); `nan_iters_total` count
 `train.log` (same folder) gets the paced console lines, every message, and the records of the
 `mptrain` Python logger while the writer is open. The console prints a step line every
 `train.log_interval` iterations and on the last one (above the progress bar, which moves every
-iteration, when there is one: `Console`). Every line of an iteration starts with `iter N/T`
-(`iteration_prefix`): step lines, evaluation lines, the timers line.
+iteration, when there is one: `Console`). As Megatron's, the step line reports its interval (the
+iterations since the previous line): the mean lm_loss and grad norm over the non-skipped ones, the
+mean time per iteration and the rates from it, the skipped and nan iterations
+(`mptrain.training.interval`); the samples, LR, loss scale and memory are the last iteration's. Every
+line of an iteration starts with `iter N/T` (`iteration_prefix`): step lines, evaluation lines, the
+timers line.
 
 On a resume, `start_iteration` drops rows after the checkpoint's iteration, so the file holds each
 iteration once.
@@ -25,9 +29,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, Optional
 
 from mptrain.training.console import Console
+from mptrain.training.interval import Interval, IntervalMeans
 
 METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "train.log"
@@ -39,9 +44,11 @@ class TrainRow:
     """One training iteration (DESIGN.md §2). Units: samples, tokens/s, TFLOP/s per GPU, GiB.
 
     `iteration` counts completed optimizer steps from 1 (skipped ones included); `grad_norm` is
-    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU. `moe`: an MoE model's routing
-    statistics (`mptrain.layers.moe.stats.STAT_KEYS`), written after the DESIGN.md keys; None (no keys)
-    for a dense model.
+    None on a skipped step; `mfu` and `mem_allocated_gib` are None on CPU. `global_batch_size` is the
+    iteration's (samples over all DP ranks; ``train.rampup_batch_size`` / ``step_batch_size_schedule`` vary it), run as
+    `num_microbatches` micro-batches per DP rank; `consumed_samples` counts it in. `moe`: an MoE model's routing
+    statistics (`mptrain.layers.moe.stats.STAT_KEYS`), written after the DESIGN.md keys; None (no keys) for a
+    dense model.
     """
 
     iteration: int
@@ -53,6 +60,7 @@ class TrainRow:
     skipped_iter: bool
     skipped_iters_total: int
     nan_iters_total: int
+    global_batch_size: int
     num_microbatches: int
     tokens_per_s: float
     tflops_per_gpu: Optional[float]
@@ -95,22 +103,27 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_train_line(row: TrainRow, train_iters: Optional[int] = None) -> str:
-    """The console / log line of a train row."""
+def format_train_line(row: TrainRow, interval: IntervalMeans, train_iters: Optional[int] = None) -> str:
+    """The console / log line of the interval that ends with train row ``row``: the interval's means and
+    counts (`IntervalMeans`), the last iteration's samples, LR, loss scale, micro-batches, memory and MoE routing
+    statistics."""
     total = f"/{train_iters}" if train_iters is not None else ""
+    ms = None if interval.time_per_iteration_s is None else 1000.0 * interval.time_per_iteration_s
     parts = [
         f"iter {row.iteration}{total}",
         f"samples {row.consumed_samples}",
-        f"lm_loss {_fmt(row.lm_loss, '.6f')}",
+        f"ms/iter {_fmt(ms, '.1f')}",
+        f"lm_loss {_fmt(interval.lm_loss, '.6f')}",
         f"lr {_fmt(row.lr, '.3e')}",
-        f"grad_norm {_fmt(row.grad_norm, '.4f')}",
+        f"grad_norm {_fmt(interval.grad_norm, '.4f')}",
         f"loss_scale {_fmt(row.loss_scale, 'g')}",
-        f"skipped {row.skipped_iters_total}",
-        f"nan {row.nan_iters_total}",
+        f"skipped {interval.skipped}",
+        f"nan {interval.nan}",
+        f"batch {row.global_batch_size}",
         f"mb {row.num_microbatches}",
-        f"tokens/s {_fmt(row.tokens_per_s, '.1f')}",
-        f"TFLOP/s/GPU {_fmt(row.tflops_per_gpu, '.2f')}",
-        f"MFU {_fmt(row.mfu, '.3f')}",
+        f"tokens/s {_fmt(interval.tokens_per_s, '.1f')}",
+        f"TFLOP/s/GPU {_fmt(interval.tflops_per_gpu, '.2f')}",
+        f"MFU {_fmt(interval.mfu, '.3f')}",
     ]
     if row.mem_allocated_gib is not None:
         parts.append(f"mem {row.mem_allocated_gib:.2f} GiB")
@@ -157,11 +170,16 @@ class MetricsWriter:
     Args:
         run_dir: the run folder (exists).
         rank: global rank; only rank 0 writes.
-        log_interval: console pacing (`train.log_interval`, >= 1).
+        log_interval: console pacing (`train.log_interval`, >= 1): a step line every that many
+            iterations and on the last, with the means of its interval.
         train_iters: the last iteration (console total; also always printed).
         start_iteration: iterations already done (0, or the checkpoint's iteration on resume).
         progress_bar: True / False / None (= on interactive terminals), see `Console`.
         stream: console stream (default sys.stdout).
+        rates: ``rates(elapsed_s) -> Throughput`` of one iteration (the step line's tokens/s, TFLOP/s/GPU,
+            MFU from the interval's mean time); None = those columns read ``-``.
+        nan_iters_total: the optimizer's count before the first row (a resumed run's), the base of the
+            first interval's nan count.
     """
 
     def __init__(
@@ -174,6 +192,8 @@ class MetricsWriter:
         start_iteration: int = 0,
         progress_bar: Optional[bool] = None,
         stream: Optional[IO] = None,
+        rates: Optional[Callable[[float], Any]] = None,
+        nan_iters_total: int = 0,
     ) -> None:
         if log_interval < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
@@ -181,6 +201,7 @@ class MetricsWriter:
         self.log_interval = log_interval
         self.train_iters = train_iters
         self.run_dir = Path(run_dir)
+        self.interval = Interval(nan_iters_total=nan_iters_total, rates=rates)
         self._metrics = self._log = self.console = None
         self._handler: Optional[logging.Handler] = None
         if not self.active:
@@ -244,18 +265,26 @@ class MetricsWriter:
         """``iter N/T`` (``iter N`` without a total): how every line of an iteration starts."""
         return f"iter {iteration}" + (f"/{self.train_iters}" if self.train_iters is not None else "")
 
-    def write_train(self, row: TrainRow) -> None:
-        """Append a train row; print / log the step line every `log_interval` iterations and on the last."""
+    def write_train(self, row: TrainRow, *, step_time_s: Optional[float] = None) -> Optional[IntervalMeans]:
+        """Append a train row (its iteration took ``step_time_s`` seconds; None: unknown); every
+        `log_interval` iterations and on the last, print / log the step line of the interval it closes.
+
+        Returns:
+            the closed interval's `IntervalMeans` when this row printed a line, else None (also on other ranks).
+        """
         if not self.active:
-            return
+            return None
         self._write_row(row.as_dict())
+        self.interval.add(row, step_time_s)  # values already on the host: no device read
         postfix = None if row.lm_loss is None else f"lm_loss={row.lm_loss:.4f}"
-        if row.iteration % self.log_interval == 0 or row.iteration == self.train_iters:
-            line = format_train_line(row, self.train_iters)
-            self._log_line(line)
-            self.console.step(row.iteration, line, postfix=postfix)
-        else:
+        if row.iteration % self.log_interval != 0 and row.iteration != self.train_iters:
             self.console.step(row.iteration, None, postfix=postfix)  # the bar moves every iteration
+            return None
+        means = self.interval.close()
+        line = format_train_line(row, means, self.train_iters)
+        self._log_line(line)
+        self.console.step(row.iteration, line, postfix=postfix)
+        return means
 
     def write_eval(self, row: EvalRow) -> None:
         """Append a valid / test row and print its line."""

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
@@ -34,26 +35,60 @@ log = logging.getLogger("mptrain")
 
 
 def kernels_line(built) -> str:
-    """``kernels: optimizer=<class> (<kernel>) norm=<class> (<kernel>)``: the
-    inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
-    apex's class) and the
-    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`), the MoE
+    """``kernels: optimizer=<class> (<kernel>)[ weight_decay=W coupled (...) | decoupled (...)] norm=<class> (<kernel>)``:
+    the inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
+    apex's class), how it applies weight decay when it decays (`mptrain.optim.weight_decay_note`: torch's Adam
+    is L2, Megatron's adam is AdamW), the
+    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`) and the MoE
     experts' GEMMs (`mptrain.layers.moe.experts.describe_experts`: grouped_mm or the per-expert loop)."""
     from mptrain.layers.norms import describe_norm
-    from mptrain.optim import optimizer_kernel
+    from mptrain.optim import optimizer_kernel, weight_decay_note
 
     wrapper = built.trainer.optimizer
     inner = getattr(wrapper, "optimizer", wrapper)  # a user wrapper may not expose an inner optimizer
     norms = dict.fromkeys(describe_norm(module) for chunk in built.chunks for name, module in chunk.named_modules()
                           if name.rsplit(".", 1)[-1].endswith("layernorm"))
     fp8 = getattr(built, "fp8", None)  # precision=fp8: what runs in FP8 (`mptrain.layers.fp8.Fp8Summary`)
-    return (f"kernels: optimizer={optimizer_kernel(inner)} norm={', '.join(norms) or 'none on this rank'}"
+    return (f"kernels: optimizer={optimizer_kernel(inner)}{weight_decay_note(inner)} "
+            f"norm={', '.join(norms) or 'none on this rank'}"
             f"{describe_experts(built.chunks)}{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
+
+
+def batch_size_line(train, data_parallel_size: int, *, seq_length: int, shown: int = 6) -> str:
+    """``batch-size ramp-up: ...`` / ``step batch-size schedule: ...``: the key (`mptrain.config.batch_size`) and the
+    iterations at each global batch with their micro-batches per DP rank (the first and last runs when there are
+    more than ``shown``)."""
+    schedule = BatchSizeSchedule.of(train, seq_length=seq_length)
+    per_step = train.micro_batch_size * data_parallel_size
+    parts = [f"{r.first_iteration if r.iterations == 1 else f'{r.first_iteration}-{r.last_iteration}'}: "
+             f"{r.global_batch_size} ({r.global_batch_size // per_step} mb)" for r in schedule.runs(train.train_iters)]
+    if len(parts) > shown:
+        parts = parts[:shown // 2] + [f"... {len(parts) - shown} more"] + parts[-(shown - shown // 2):]
+    if schedule.step_batch_size_schedule is not None:
+        entries = ", ".join(f"{batch} from sample {threshold}" for threshold, batch in schedule.step_batch_size_schedule)
+        return (f'step batch-size schedule (train.step_batch_size_schedule="{train.step_batch_size_schedule}", '
+                f"thresholds in tokens // model.seq_length={seq_length}): global batch {entries}; iterations "
+                + ", ".join(parts))
+    start, increment, ramp_samples = schedule.rampup_batch_size
+    steps = (schedule.global_batch_size - start) // increment
+    return (f"batch-size ramp-up (train.rampup_batch_size=[{start}, {increment}, {ramp_samples}]): global batch {start} "
+            f"-> {schedule.global_batch_size} by {increment} every {ramp_samples / steps:g} samples; iterations "
+            + ", ".join(parts))
 
 
 def compile_note(chunks) -> str:
     """What ``model.compile_layers`` compiled in these (wrapped) chunks: `mptrain.layers.compile.compile_reason`."""
     return compile_reason([unwrap(chunk) for chunk in chunks])
+
+
+def finished_summary(run_dir: str | Path, derived) -> dict:
+    """The job summary (JobResult fields) of a finished run relaunched: what its metrics.jsonl recorded (the
+    last train row's loss, the validation numbers); nothing is measured, nothing written."""
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r.get("split") == "train"]
+    result = JobResult(layout=dataclasses.asdict(derived), final_loss=train[-1]["lm_loss"] if train else None,
+                       run_dir=str(Path(run_dir).resolve()), **eval_summary(rows))
+    return dataclasses.asdict(result)
 
 
 @dataclasses.dataclass
@@ -76,7 +111,7 @@ class Recorder:
     @classmethod
     def open(cls, cfg, groups, derived, *, plan, vocab_size: int, t_start: float) -> "Recorder":
         """Claim the planned run folder (`plan`: `mptrain.runs.folder.RunDirPlan`; collective): rank 0
-        creates it and writes config.yaml."""
+        creates it and writes config.yaml. A relaunch's resume line is the log's first."""
         run_dir = claim_run_dir(cfg, plan, rank=groups.rank, world_size=groups.world_size)
         m = cfg.model
         flops = flops_per_iteration(
@@ -84,12 +119,19 @@ class Recorder:
             padded_vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, derived.tensor_model_parallel_size),
             tokens_per_iteration=cfg.train.global_batch_size * m.seq_length,
         )
-        return cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, flops_per_iteration=flops,
-                   peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start)
+        recorder = cls(cfg=cfg, groups=groups, derived=derived, run_dir=run_dir, flops_per_iteration=flops,
+                       peak_tflops=peak_tflops_per_gpu(groups.device, cfg.run.peak_tflops_per_gpu), t_start=t_start)
+        if plan.relaunch is not None:
+            recorder.log(plan.relaunch.resume_line)
+        return recorder
 
-    def rates(self, elapsed_s: float):
-        """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula)."""
-        return throughput(flops=self.flops_per_iteration, tokens=self.cfg.train.global_batch_size * self.cfg.model.seq_length,
+    def rates(self, elapsed_s: float, global_batch_size: Optional[int] = None):
+        """tokens/s (world), tokens/s/GPU, TFLOP/s/GPU and MFU of one iteration (DESIGN.md §2 formula) of
+        ``global_batch_size`` samples (default train.global_batch_size; a ramp or a step schedule varies it)."""
+        full = self.cfg.train.global_batch_size
+        batch = full if global_batch_size is None else global_batch_size
+        # F is linear in the tokens T of the iteration: F(batch) = F(full) × batch / full
+        return throughput(flops=self.flops_per_iteration * batch / full, tokens=batch * self.cfg.model.seq_length,
                           elapsed_s=elapsed_s, num_gpus=self.groups.world_size, peak_tflops=self.peak_tflops)
 
     @property
@@ -117,6 +159,9 @@ class Recorder:
             train_iters=self.cfg.train.train_iters,
             start_iteration=start_iteration,
             progress_bar=self.cfg.run.progress_bar,
+            rates=self.rates,
+            # the first interval's nan iterations count from the loaded checkpoint's total
+            nan_iters_total=getattr(built.trainer.optimizer, "nan_iters_total", 0) if built is not None else 0,
         )
         for text in self.pending:
             self.writer.message(text)
@@ -132,6 +177,8 @@ class Recorder:
             f"precision={self.cfg.precision.name} micro-batches={d.num_microbatches} sequence-parallel={sp} "
             f"run.dir={self.run_dir}"
         )
+        if BatchSizeSchedule.of(self.cfg.train, seq_length=self.cfg.model.seq_length).varies:
+            self.log(batch_size_line(self.cfg.train, d.data_parallel_size, seq_length=self.cfg.model.seq_length))
         if built is not None:
             self.log(kernels_line(built))
             fp8 = getattr(built, "fp8", None)
@@ -177,8 +224,8 @@ class Recorder:
             compiled_s = compile_seconds()  # Dynamo + Inductor, forward and backward graphs (and evaluation's)
             compiled = f", of which compile {compiled_s:.1f} s" if compiled_s > 0 else ""
             self.log(f"startup: {self.t_first_step - self.t_start:.1f} s to the end of the first step{compiled}")
-        rates = self.rates(step_time_s)
-        self.counters.end_iteration()
+        rates = self.rates(step_time_s, metrics["global_batch_size"])
+        self.counters.end_iteration(metrics["num_microbatches"])
         if iteration > 1:  # the first step carries warm-up costs
             self.tokens_per_s.append(rates.tokens_per_s)
         self.last_loss = metrics["lm_loss"]
@@ -192,14 +239,15 @@ class Recorder:
             skipped_iter=metrics["skipped_iter"],
             skipped_iters_total=metrics["skipped_iters_total"],
             nan_iters_total=metrics["nan_iters_total"],
-            num_microbatches=trainer.num_microbatches,
+            global_batch_size=metrics["global_batch_size"],
+            num_microbatches=metrics["num_microbatches"],
             tokens_per_s=rates.tokens_per_s,
             tflops_per_gpu=rates.tflops_per_gpu,
             mfu=rates.mfu,
             mem_allocated_gib=memory_allocated_gib(self.groups.device),
             moe=metrics.get("moe"),
         )
-        self.writer.write_train(row)
+        self.writer.write_train(row, step_time_s=step_time_s)  # the console line: its interval's means
         self.logger.log_metrics(logged_metrics(row.as_dict()), step=iteration)
         if trainer.timers is not None and not trainer.timers.empty and iteration % self.cfg.train.log_interval == 0:
             times = trainer.timers.report(normalizer=self.cfg.train.log_interval, wait=False)
@@ -244,8 +292,8 @@ class Recorder:
         counters.note_inflight(stats.max_inflight_microbatches)
         if stats.calls:
             counters.bytes_sent["pp"] = stats.bytes_sent.get("pp", 0) * counters.iterations // stats.calls
-        for kind, nbytes in _collective_bytes_per_iteration(built).items():
-            counters.bytes_sent[kind] = nbytes * counters.iterations
+        for kind, nbytes in _collective_bytes(built, counters).items():
+            counters.bytes_sent[kind] = nbytes
         counters.samples_read = built.provider.samples_read
         pieces = built.trainer.optimizer.sharded_state_dict().params  # the wrapper's own listing of its state
         copies = [p.main for p in pieces if p.main is not None]
@@ -284,8 +332,9 @@ def _ring_bytes(nbytes: int, group_size: int) -> int:
     return 0 if group_size <= 1 else 2 * (group_size - 1) * nbytes // group_size
 
 
-def _collective_bytes_per_iteration(built) -> dict:
-    """Bytes this rank sends per iteration over TP, DP and the embedding group.
+def _collective_bytes(built, counters: IterationCounters) -> dict:
+    """Bytes this rank sent over TP, DP and the embedding group in the ``counters.iterations`` iterations
+    (``counters.microbatches`` micro-batches: a batch-size ramp or step schedule varies them per iteration).
 
     Derived from the sizes of the collectives an iteration issues (ring algorithm, as NCCL's), not
     counted on the wire: DP = the grad buffers (all-reduce, or reduce-scatter + all-gather with
@@ -294,17 +343,17 @@ def _collective_bytes_per_iteration(built) -> dict:
     parallelism all-gather + reduce-scatter, the same volume), plus the embedding's forward one.
     """
     g, cfg = built.groups, built.cfg
-    out = {"tp": 0, "dp": 0, "embedding": 0}
+    per_iteration = {"dp": 0, "embedding": 0}
     for chunk in built.chunks:
         for buf in chunk.grad_buffers:
-            out["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
+            per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:
                 param = dict(chunk.module.named_parameters())[name]
-                out["embedding"] += _ring_bytes(param.numel() * 4, 2)
+                per_iteration["embedding"] += _ring_bytes(param.numel() * 4, 2)
     act_bytes = cfg.model.seq_length * cfg.train.micro_batch_size * cfg.model.hidden_size * built.trainer.dtype.itemsize
     layers = sum(len(unwrap(c).layer_numbers) for c in built.chunks)
     per_mb = 4 * layers + (1 if g.is_first_stage else 0)
-    out["tp"] = _ring_bytes(act_bytes, g.tp_size) * per_mb * built.trainer.num_microbatches
-    return out
+    return {"tp": _ring_bytes(act_bytes, g.tp_size) * per_mb * counters.microbatches,
+            **{kind: nbytes * counters.iterations for kind, nbytes in per_iteration.items()}}
 

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import Config
 from mptrain.checkpoint.args import apply_checkpoint_args
 from mptrain.config.schema import as_config
@@ -33,7 +34,8 @@ from mptrain.training.validate import validate_config
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
-from mptrain.groups import ParallelGroups, build_groups, init_distributed, read_dist_env
+from mptrain.groups import (TORCHRUN_WORLD_SIZE_FLAG, ParallelGroups, build_groups, init_distributed,
+                            read_dist_env)
 from mptrain.layers.fp8 import apply_fp8, check_fp8_environment, fp8_recipe_from
 from mptrain.layers.gpt import build_model_chunks
 from mptrain.layers.mappings import enable_tp_comm_overlap
@@ -118,6 +120,7 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
                 bucket_size=cfg.parallel.bucket_size,
                 use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+                overlap_param_gather=cfg.parallel.overlap_param_gather,
             )
         )
     scaler = build_loss_scaler(cfg.loss_scaler, cfg.precision.name)
@@ -127,7 +130,9 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
         clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
     lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters,
                                       train_samples=cfg.train.train_samples,
-                                      global_batch_size=cfg.train.global_batch_size)
+                                      global_batch_size=cfg.train.global_batch_size,
+                                      rampup_batch_size=cfg.train.rampup_batch_size,
+                                      step_batch_size_schedule=cfg.train.step_batch_size_schedule)
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
@@ -177,6 +182,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
         device=groups.device,
         stats=ScheduleStats(timers=timers),
         timers=timers,
+        # each iteration's global batch (train.rampup_batch_size, train.step_batch_size_schedule)
+        batch_sizes=BatchSizeSchedule.of(cfg.train, seq_length=cfg.model.seq_length),
         # null: deferred where the device runs ahead of the host (CUDA); the CPU's work is synchronous
         defer_step_read=(groups.device.type == "cuda" if cfg.train.defer_step_read is None
                          else bool(cfg.train.defer_step_read)),
@@ -196,11 +203,17 @@ def run(cfg: Any) -> dict:
     Raises:
         ConfigError: invalid config (on every rank, before any collective).
     """
-    from mptrain.training.recorder import Recorder
+    from mptrain.training.recorder import Recorder, finished_summary
 
     t_start = time.time()
     env = read_dist_env()
     cfg, derived, plan = _validated(cfg, env.world_size)
+    if plan.finished(cfg.train.train_iters):
+        # the finished run relaunched: Megatron loads it and exits as done; here nothing needs loading (the
+        # plan read the checkpoint's iteration): one line, exit 0, nothing written
+        if env.rank == 0:
+            print(plan.relaunch.finished_line(cfg.train.train_iters), flush=True)
+        return finished_summary(plan.dir, derived)
     tokenizer = build_tokenizer(cfg.data)
     try:
         vocab_size = check_vocab_size(cfg.model.vocab_size, tokenizer.vocab_size,
@@ -249,8 +262,12 @@ def _validated(cfg: Any, world_size: int) -> tuple:
         # the model of checkpoint.load, when it carries one (the default folder then names that model)
         cfg, plan = planned_config(cfg, sweep_job=current_sweep_job(),
                                    resolve=lambda composed: apply_checkpoint_args(as_config(composed)))
-        derived = validate_config(cfg, world_size)
-        cfg.train.train_iters = train_iters_of(cfg.train)  # train.train_samples: Megatron's update_train_iters
+        # the launcher's own flag in the fix of a world size the layout does not divide (`make train` sets
+        # MPTRAIN_WORLD_SIZE_FLAG=NPROC: its users set the world size with NPROC=, not torchrun's flag)
+        derived = validate_config(cfg, world_size,
+                                  world_size_flag=os.environ.get("MPTRAIN_WORLD_SIZE_FLAG", TORCHRUN_WORLD_SIZE_FLAG))
+        # train.train_samples: Megatron's update_train_iters
+        cfg.train.train_iters = train_iters_of(cfg.train, seq_length=cfg.model.seq_length)
     except ConfigError as err:
         if not hasattr(err, "symmetric"):  # config + world size only: every rank raises the same line
             err.symmetric = True  # (rank 0 prints it); an environment-dependent one says symmetric=False
@@ -276,6 +293,8 @@ def _init(cfg: Config, env, derived) -> ParallelGroups:
         derived.tensor_model_parallel_size,
         derived.pipeline_model_parallel_size,
         derived.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=derived.expert_model_parallel_size,
+        expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
         device=device,
     )
 

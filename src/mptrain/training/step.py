@@ -1,6 +1,8 @@
 """One training iteration and one evaluation pass (Megatron's train_step / evaluate).
 
-A training iteration (DESIGN.md §3, loss normalisation in docs/ARCHITECTURE.md):
+A training iteration (DESIGN.md §3, loss normalisation in docs/ARCHITECTURE.md), of the global batch
+`mptrain.config.batch_size.BatchSizeSchedule` gives for the samples consumed before it (constant, or
+Megatron's batch-size ramp-up or step schedule):
     zero grads → forward_backward_func over num_microbatches (loss_sum·loss_scale/max_tokens
     backpropagated per micro-batch) → finalize_model_grads (DP sync, SP / tied-embedding grads over
     TP / embedding group) → optimizer.step (unscale × max_tokens / global token count, inf check,
@@ -134,6 +136,8 @@ class IterationOutcome:
     """
 
     trainer: "Trainer"
+    global_batch_size: int  # this iteration's samples over all DP ranks (`BatchSizeSchedule.at`)
+    num_microbatches: int  # micro-batches per DP rank: global_batch_size / (micro_batch_size × dp)
     _metrics: Optional[dict] = None
 
     @property
@@ -142,7 +146,8 @@ class IterationOutcome:
 
     def metrics(self) -> dict:
         """{"lm_loss", "lr", "grad_norm" (None when skipped), "skipped_iter", and the optimizer's
-        "loss_scale", "skipped_iters_total", "nan_iters_total" after this iteration}.
+        "loss_scale", "skipped_iters_total", "nan_iters_total" after this iteration; "global_batch_size",
+        "num_microbatches" of the iteration}.
 
         Raises:
             TooManySkippedStepsError: settling this iteration exceeded the skip limit.
@@ -172,11 +177,12 @@ class Trainer:
     optimizer: Any
     lr_scheduler: Any
     forward_backward_func: Callable  # the built schedule (`mptrain.schedules.ForwardBackwardFunc`)
-    schedule_spec: Any  # its `mptrain.schedules.ScheduleSpec`: shapes, dtype, groups, num_microbatches, max_tokens
+    schedule_spec: Any  # its `mptrain.schedules.ScheduleSpec` at the full global batch (evaluation runs it as is)
     forward_step: Callable
     finalize_model_grads: Callable
     device: torch.device
     timers: Any  # mptrain.training.timers.Timers
+    batch_sizes: Any  # `mptrain.config.batch_size.BatchSizeSchedule`: each iteration's global batch
     stats: Any = None
     defer_step_read: bool = False
     fp8_weight_casts: Any = None  # precision=fp8: `mptrain.layers.fp8.Fp8WeightCasts`, made current per schedule call
@@ -185,28 +191,41 @@ class Trainer:
     def _weights_settled(self):
         """The context of a schedule call, in which the weights do not change: the FP8 weight casts are made
         once and used by every micro-batch (nothing without FP8 weight casts)."""
-        return self.fp8_weight_casts.cached() if self.fp8_weight_casts else contextlib.nullcontext()
+        if not self.fp8_weight_casts:
+            return contextlib.nullcontext()
+        self.finish_param_sync()  # the casts read every weight before the forward's pre-hooks would wait
+        return self.fp8_weight_casts.cached()
+
+    def finish_param_sync(self) -> None:
+        """Every param all-gather left pending by the last optimizer step (``parallel.overlap_param_gather``)
+        lands in the params: before anything reads them outside a training forward (evaluation, a checkpoint
+        save, the FP8 weight casts, the end of training)."""
+        for chunk in self.chunks:
+            chunk.finish_param_sync()
 
     def __post_init__(self) -> None:
         self._launched: Optional[_Launched] = None
 
-    @property
-    def max_tokens(self) -> int:
-        """Tokens of a full global batch: the constant the per-micro-batch backward divides by."""
-        return self.schedule_spec.max_tokens
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.schedule_spec.num_microbatches
+    def spec_at(self, consumed_samples: int):
+        """The `ScheduleSpec` of the iteration that begins after ``consumed_samples``: its global batch G from
+        `batch_sizes` (Megatron's ``update_num_microbatches(consumed_samples)``), G / (b × dp) micro-batches and
+        ``max_tokens`` = G × seq_length, the constant its per-micro-batch backward divides by."""
+        spec = self.schedule_spec
+        if not self.batch_sizes.varies:
+            return spec
+        microbatches = self.batch_sizes.num_microbatches(consumed_samples, micro_batch_size=spec.micro_batch_size,
+                                                         data_parallel_size=self.groups.dp_size)
+        return dataclasses.replace(spec, num_microbatches=microbatches,
+                                   max_tokens=self.batch_sizes.at(consumed_samples) * spec.seq_length)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.schedule_spec.dtype
 
-    def _schedule(self, data_iterators: list, forward_only: bool, **call) -> tuple:
-        """One schedule call: the run's spec plus this call's arguments."""
+    def _schedule(self, spec, data_iterators: list, forward_only: bool, **call) -> tuple:
+        """One schedule call: ``spec`` (the run's, or an iteration's of a varying batch) plus this call's arguments."""
         return self.forward_backward_func(
-            self.schedule_spec,
+            spec,
             forward_step_func=self.forward_step,
             data_iterator=data_iterators if len(self.chunks) > 1 else data_iterators[0],
             model=self.chunks,
@@ -215,26 +234,28 @@ class Trainer:
             **call,
         )
 
-    def train_step(self, data_iterators: list) -> IterationOutcome:
-        """Launch one iteration; the previous one is settled (its statistics read, the LR schedule
-        moved) after this one's forward-backward is enqueued and before its optimizer step.
+    def train_step(self, data_iterators: list, *, consumed_samples: int) -> IterationOutcome:
+        """Launch one iteration, the one that begins after ``consumed_samples`` (its global batch: `spec_at`);
+        the previous one is settled (its statistics read, the LR schedule moved) after this one's
+        forward-backward is enqueued and before its optimizer step.
 
         Returns:
             this iteration's `IterationOutcome`: settled already unless ``defer_step_read``.
         """
+        spec = self.spec_at(consumed_samples)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_scale = self.optimizer.get_loss_scale()
         if self.routing_stats is not None:  # the MoE aux losses' backward scale (its derivation: layers/moe/aux_loss.py)
             for chunk in self.chunks:
-                set_aux_loss_scale(chunk, float(loss_scale) / (self.num_microbatches * self.groups.dp_size))
+                set_aux_loss_scale(chunk, float(loss_scale) / (spec.num_microbatches * self.groups.dp_size))
         with self.timers("forward-backward"), self._weights_settled():
-            reports, num_tokens = self._schedule(data_iterators, forward_only=False, loss_scale=loss_scale,
+            reports, num_tokens = self._schedule(spec, data_iterators, forward_only=False, loss_scale=loss_scale,
                                                  no_sync_func=self._no_sync_func())
         with self.timers("grads-all-reduce"):  # DP sync, SP / tied-embedding grads, token normalisation
             total = self.finalize_model_grads(self.chunks, self.groups, num_tokens=num_tokens,
-                                              max_tokens=self.max_tokens, scale_grads=False)
+                                              max_tokens=spec.max_tokens, scale_grads=False)
         self.settle()  # the previous iteration: by now its statistics are on the host, or nearly
         lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses (the scheduler moves it after)
         # the logged loss, read with the step's statistics (grad norm, skip) in one host read per iteration
@@ -242,10 +263,11 @@ class Trainer:
         if self.routing_stats is not None:  # one all-reduce; read with the loss below
             totals = torch.cat([totals, self.routing_stats.reduce(self.chunks, self.device).to(totals.dtype)])
         # the token normalisation rides in the optimizer's unscale pass (finalize left it out)
-        grad_scale = None if total is None else token_scale(total, self.max_tokens)
+        grad_scale = None if total is None else token_scale(total, spec.max_tokens)
         with self.timers("optimizer"):
             stats = self.optimizer.step(grad_scale=grad_scale)
-        outcome = IterationOutcome(self)
+        outcome = IterationOutcome(self, global_batch_size=self.batch_sizes.at(consumed_samples),
+                                   num_microbatches=spec.num_microbatches)
         self._launched = _Launched(outcome, stats, lr, StepRead(totals, stats))
         if not self.defer_step_read:
             self.settle()
@@ -266,7 +288,8 @@ class Trainer:
         routing, step_values = values[:moe], values[moe:]
         result = launched.stats.settle(step_values)
         if result.update_successful:  # Megatron: a skipped iteration counts, but the LR schedule waits
-            self.lr_scheduler.step()
+            # a varying batch: the schedule counts each applied step's samples (Megatron's increment), else steps
+            self.lr_scheduler.step(launched.outcome.global_batch_size if self.batch_sizes.varies else 1)
         launched.outcome._metrics = {
             "lm_loss": loss_sum / max(tokens, 1.0),
             "lr": launched.lr,
@@ -275,10 +298,12 @@ class Trainer:
             "loss_scale": self.optimizer.get_loss_scale(),  # as of this iteration: settled before the next step
             "skipped_iters_total": result.skipped_iters_total,
             "nan_iters_total": result.nan_iters_total,
+            "global_batch_size": launched.outcome.global_batch_size,
+            "num_microbatches": launched.outcome.num_microbatches,
         }
         if self.routing_stats is not None:
             launched.outcome._metrics["moe"] = self.routing_stats.summary(
-                routing, self.num_microbatches * self.groups.dp_size)
+                routing, launched.outcome.num_microbatches * self.groups.dp_size)
 
     def _no_sync_func(self):
         if len(self.chunks) == 1:
@@ -296,13 +321,15 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, make_iterators: Callable[[], list], eval_iters: int) -> float:
         """Mean loss over `eval_iters` global batches (forward only); known on every rank."""
+        self.finish_param_sync()  # Megatron's disable_forward_pre_hook before evaluation
         for chunk in self.chunks:
             chunk.eval()
         iterators = make_iterators()
         total_loss, total_tokens = 0.0, 0.0
         with self._weights_settled():
             for _ in range(eval_iters):
-                reports, _ = self._schedule(iterators, forward_only=True)
+                # Megatron evaluates at eval_global_batch_size (its global batch size), whatever the training batch
+                reports, _ = self._schedule(self.schedule_spec, iterators, forward_only=True)
                 loss_sum, tokens = reduce_loss(reports, self.groups, self.device)
                 total_loss, total_tokens = total_loss + loss_sum, total_tokens + tokens
         for chunk in self.chunks:

@@ -24,12 +24,15 @@ from typing import Any, Optional
 import torch
 
 from mptrain.checkpoint.finetune import check_load_keys
+from mptrain.config.batch_size import (check_batch_layout, check_rampup_batch_size, check_step_batch_size_schedule,
+                                       varying_batch_key)
 from mptrain.config.schema import Config, as_config
 from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
+from mptrain.distributed.param_gather import check_overlap_param_gather
 from mptrain.errors import ConfigError
-from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, validate_layout
+from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, check_num_experts, expert_layout, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
 from mptrain.layers.fp8 import check_fp8_config
 from mptrain.layers.gpt import check_model_components, check_model_config
@@ -41,6 +44,7 @@ from mptrain.precision.optimizer import check_max_consecutive_skips
 from mptrain.schedules import PipelineLayout, resolve_schedule
 from mptrain.training.loggers import check_logger_config
 from mptrain.training.faults import check_fault_config
+from mptrain.training.profiler import check_profile_config
 
 MAX_TIMEOUT_S = 1e9  # train.timeout_s / step_timeout_s (~31 years): torch and gloo overflow far above
 
@@ -53,8 +57,11 @@ class DerivedLayout:
         tensor_model_parallel_size, pipeline_model_parallel_size: as configured.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank; None when 1 / unset.
         data_parallel_size: world_size / (tp × pp).
+        expert_model_parallel_size, expert_tensor_parallel_size, expert_data_parallel_size: the expert grid
+            (ep as configured; etp with null resolved to tp; edp = world_size / (etp × ep × pp)).
         num_microbatches: global_batch_size / (micro_batch_size × dp), micro-batches per DP rank
-            per iteration.
+            per iteration at train.global_batch_size (with train.rampup_batch_size or
+            train.step_batch_size_schedule each iteration runs its own, `mptrain.config.batch_size.BatchSizeSchedule`).
         schedule: the schedule that runs: no_pipelining | gpipe | 1f1b | interleaved_1f1b (`auto` and
             the pp = 1 degenerations resolved), or a user schedule's dotted path (`mptrain.schedules.schedule_name`).
         sequence_parallel: True only when asked for and tp > 1.
@@ -70,6 +77,9 @@ class DerivedLayout:
     schedule: str
     sequence_parallel: bool
     loss_scaler: str
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    expert_data_parallel_size: int = 1
 
 
 def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
@@ -81,19 +91,26 @@ def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> No
 
 def check_parallel_sizes(cfg: Config, world_size: int, *,
                          world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> tuple[int, int, Optional[int], int]:
-    """World size vs tp × pp, and the virtual pipeline size; returns (tp, pp, vpp or None, dp).
+    """World size vs tp × pp and vs the expert grid, the virtual pipeline size, the expert count vs ep;
+    returns (tp, pp, vpp or None, dp).
 
     Raises:
         ConfigError: sizes below 1 (naming the key); world size not divisible by tp × pp (the
-            DESIGN.md §5 line) or vpp > 1 with pp = 1 (`mptrain.groups.validate_layout`).
+            DESIGN.md §5 line) or by etp × ep × pp, or vpp > 1 with pp = 1 (`mptrain.groups.validate_layout`);
+            model.num_moe_experts vs expert_model_parallel_size (`mptrain.groups.check_num_experts`).
     """
     par = cfg.parallel
     tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     _positive("parallel.tensor_model_parallel_size", tp)
     _positive("parallel.pipeline_model_parallel_size", pp)
     _positive("parallel.virtual_pipeline_model_parallel_size", vpp, allow_none=True)
-    # world size vs tp × pp, vpp vs pp: the rule lives in groups.py
-    validate_layout(world_size, tp, pp, vpp, world_size_flag=world_size_flag)
+    _positive("parallel.expert_model_parallel_size", par.expert_model_parallel_size)
+    _positive("parallel.expert_tensor_parallel_size", par.expert_tensor_parallel_size, allow_none=True)
+    # world size vs tp × pp and etp × ep × pp, vpp vs pp: the rules live in groups.py
+    validate_layout(world_size, tp, pp, vpp, expert_model_parallel_size=par.expert_model_parallel_size,
+                    expert_tensor_parallel_size=par.expert_tensor_parallel_size, world_size_flag=world_size_flag)
+    # model.num_moe_experts: the MoE model's key (null or absent: a dense model)
+    check_num_experts(getattr(cfg.model, "num_moe_experts", None), par.expert_model_parallel_size)
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
 
 
@@ -117,11 +134,41 @@ def check_batch(cfg: Config, dp: int) -> int:
     return t.global_batch_size // step
 
 
+def check_schedule_at_each_batch(cfg: Config, tp: int, pp: int, vpp: Optional[int], dp: int, *,
+                                 num_microbatches: int) -> str:
+    """The schedule that runs (`resolve_schedule`: its layout rules) at the full global batch, and at every batch
+    ``train.rampup_batch_size`` or ``train.step_batch_size_schedule`` reaches (each a multiple of
+    micro_batch_size × dp: `check_batch_layout`); returns its name.
+
+    Raises:
+        ConfigError: the batches' divisibility; a schedule rule a reached batch breaks (interleaved 1F1B's
+            num_microbatches % pp), naming the key and the iterations.
+    """
+    b = cfg.train.micro_batch_size
+
+    def resolved(m: int) -> str:
+        return resolve_schedule(cfg.schedule, PipelineLayout(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+            data_parallel_size=dp, num_microbatches=m, micro_batch_size=b)).name
+
+    name = resolved(num_microbatches)
+    key = varying_batch_key(cfg.train)
+    for run in check_batch_layout(cfg.train, b, dp, seq_length=cfg.model.seq_length):
+        try:
+            run_name = resolved(run.global_batch_size // (b * dp))
+        except ConfigError as err:
+            raise ConfigError(f"{key} at {run.span}: {err}") from None
+        if run_name != name:  # a user schedule whose check_layout picks by the micro-batch count
+            raise ConfigError(f"schedule: {name} runs at train.global_batch_size but {run_name} at the "
+                              f"{run.global_batch_size} of {run.span}; one schedule must run the whole job ({key})")
+    return name
+
+
 def resolve_loss_scaler(cfg: Config) -> str:
     """Start-up check of the precision / optimizer components (their rules live in their modules):
     precision name, loss scaler (built once: the fp16 rule), optimizer (a throwaway instance), LR
-    schedule (a throwaway instance on it), wrapper class. Returns the scaling that runs (none |
-    dynamic | constant).
+    schedule (a throwaway instance on it), wrapper class and the param all-gather's overlap. Returns the
+    scaling that runs (none | dynamic | constant).
 
     Raises:
         ConfigError: one line naming the key, the dotted path and the fix.
@@ -130,21 +177,25 @@ def resolve_loss_scaler(cfg: Config) -> str:
     check_fp8_config(cfg.precision)
     label = scaler_label(build_loss_scaler(cfg.loss_scaler, cfg.precision.name))
     check_max_consecutive_skips(cfg.loss_scaler.max_consecutive_skips)
-    check_lr_scheduler(cfg.optim, train_iters_of(cfg.train), optimizer=check_optimizer(cfg.optim),
-                       train_samples=cfg.train.train_samples, global_batch_size=cfg.train.global_batch_size)
+    check_lr_scheduler(cfg.optim, train_iters_of(cfg.train, seq_length=cfg.model.seq_length),
+                       optimizer=check_optimizer(cfg.optim), train_samples=cfg.train.train_samples,
+                       global_batch_size=cfg.train.global_batch_size, rampup_batch_size=cfg.train.rampup_batch_size,
+                       step_batch_size_schedule=cfg.train.step_batch_size_schedule)
     wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
+    check_overlap_param_gather(cfg.parallel)  # its rules live with the param all-gather
     return label
 
 
-def check_train_length(train) -> None:
+def check_train_length(train, *, seq_length: Optional[int] = None) -> None:
     """One of train.train_iters and train.train_samples (Megatron's iteration- or sample-based training); both
-    only where train_iters is the one train_samples derives (`train_iters_of`: a run's own config.yaml records it).
+    only where train_iters is the one train_samples derives (`train_iters_of`: a run's own config.yaml records it;
+    ``seq_length``: model.seq_length, needed with train.step_batch_size_schedule).
 
     Raises:
         ConfigError: both set and disagreeing, neither set, or train_samples < 0.
     """
     both = train.train_iters is not None and train.train_samples is not None
-    if both and train.train_iters != train.train_samples // train.global_batch_size:
+    if both and train.train_iters != train_iters_of(train, seq_length=seq_length):
         raise ConfigError(f"train.train_iters={train.train_iters} and train.train_samples={train.train_samples} are "
                           "both set; train by samples with train.train_iters=null, or set train.train_samples=null")
     if train.train_iters is None and train.train_samples is None:
@@ -216,7 +267,9 @@ def check_layout_free(cfg: Any) -> str:
     c = as_config(cfg)
     check_fault_config(c.debug)  # the debug.* rules live with the fault injector
     check_model_components(c.model)  # model provider + layer spec tree: import, interface, keywords
-    check_train_length(c.train)  # before the LR schedule, whose length it sets
+    check_rampup_batch_size(c.train)  # before the train length, which the ramp's iterations set
+    check_step_batch_size_schedule(c.train, c.model.seq_length)  # so does a step schedule
+    check_train_length(c.train, seq_length=c.model.seq_length)  # before the LR schedule, whose length it sets
     loss_scaler = resolve_loss_scaler(c)
     check_training_keys(c)
     check_load_keys(c)  # the load keys' rules live with the load
@@ -237,8 +290,8 @@ def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = TORCHRU
         the `DerivedLayout` (dp size, num_microbatches, resolved schedule and loss scaler).
     Raises:
         ConfigError: the first problem found, one line naming the key(s), the values and the fix.
-            Order: the checks no layout changes (`check_layout_free`), then layout sizes, model shape,
-            layer split, batch, schedule.
+            Order: the checks no layout changes (`check_layout_free`), then layout sizes, the profiler's
+            ranks, model shape, layer split, batch, schedule.
     """
     c = as_config(cfg)
     return derive_layout(c, world_size, loss_scaler=check_layout_free(c), world_size_flag=world_size_flag)
@@ -247,7 +300,7 @@ def validate_config(cfg: Any, world_size: int, *, world_size_flag: str = TORCHRU
 def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
                   world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG) -> DerivedLayout:
     """`validate_config` after `check_layout_free` (which returned ``loss_scaler``): layout sizes, model shape,
-    layer split, batch, schedule. For a caller that tries many layouts of one config (`mptrain.planner`), which
+    layer split, batch, schedule, the profiler's ranks. For a caller that tries many layouts of one config (`mptrain.planner`), which
     runs the layout-free checks once instead of once per candidate.
 
     Raises:
@@ -255,11 +308,10 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
     """
     c = as_config(cfg)
     tp, pp, vpp, dp = check_parallel_sizes(c, world_size, world_size_flag=world_size_flag)
+    check_profile_config(c.train, world_size)  # train.profile_ranks name ranks of this world
     check_model_config(c.model, c.parallel)  # model shape vs layout, model choices, layer split (layers/gpt.py)
     num_microbatches = check_batch(c, dp)
-    schedule = resolve_schedule(c.schedule, PipelineLayout(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        data_parallel_size=dp, num_microbatches=num_microbatches, micro_batch_size=c.train.micro_batch_size)).name
+    schedule = check_schedule_at_each_batch(c, tp, pp, vpp, dp, num_microbatches=num_microbatches)
     sequence_parallel = bool(c.parallel.sequence_parallel and tp > 1)  # seq_length % tp: check_model_config
     # null: compiled where the run's device is CUDA (groups.py picks CUDA whenever it is available)
     compiled, _ = resolve_compile_layers(c.model, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -271,6 +323,8 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
             "parallel.tp_comm_overlap=true overlaps the sequence-parallel collectives inside compiled layers on CUDA GPUs "
             f"with NCCL; it also needs {' and '.join(missing)} (got tp={tp}); set those or parallel.tp_comm_overlap=false"
         )
+    etp, ep, edp = expert_layout(world_size, tp, pp, c.parallel.expert_model_parallel_size,
+                                 c.parallel.expert_tensor_parallel_size)
     return DerivedLayout(
         world_size=world_size,
         tensor_model_parallel_size=tp,
@@ -281,4 +335,7 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
         schedule=schedule,
         sequence_parallel=sequence_parallel,
         loss_scaler=loss_scaler,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        expert_data_parallel_size=edp,
     )

@@ -141,17 +141,25 @@ def _check_widths(model, tp: int) -> None:
 
 
 def _check_layout(model, parallel) -> None:
-    tp = parallel.tensor_model_parallel_size
-    if tp == 1:
-        return
-    if not parallel.sequence_parallel:
+    tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp  # Megatron's default: the experts split as the dense layers
+    if ep > 1:
+        # the dispatchers exist; the experts' grads, optimizer state and checkpoint boxes over the
+        # expert-data-parallel group do not yet
+        raise ConfigError(f"parallel.expert_model_parallel_size={ep}: training MoE layers with expert parallelism "
+                          "needs the expert grads reduced over the expert-data-parallel group, not in this build; "
+                          "set parallel.expert_model_parallel_size=1")
+    if etp not in (1, tp):
+        raise ConfigError(f"parallel.expert_tensor_parallel_size={etp} must be 1 or tensor_model_parallel_size={tp} "
+                          "(null = tp); set one of them")
+    if tp > 1 and not parallel.sequence_parallel:
         # Megatron's MoELayer: the router and the dispatcher work on this rank's sequence shard
         raise ConfigError(f"model.num_moe_experts with parallel.tensor_model_parallel_size={tp} needs "
                           "parallel.sequence_parallel=true (each TP rank routes its own sequence shard)")
     f = moe_ffn_hidden_size(model)
-    if f % tp:  # the experts are sharded over the TP ranks (expert tensor parallelism = tp)
+    if f % etp:  # each expert's FFN is split over the ETP ranks
         raise ConfigError(f"model.moe_ffn_hidden_size={f} (the expert width) is not divisible by "
-                          f"parallel.tensor_model_parallel_size={tp}; change one of them")
+                          f"parallel.expert_tensor_parallel_size={etp}; change one of them")
 
 
 def check_moe_config(model, parallel) -> None:

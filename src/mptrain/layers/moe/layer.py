@@ -2,9 +2,10 @@
 ``megatron/core/transformer/moe/moe_layer.py``; Shazeer et al. 2017, Fedus et al. 2021).
 
 Legend: ``[s, b, h]`` in and out (``[s/tp, b, h]`` under sequence parallelism: each TP rank routes its
-own sequence shard), ``T = s·b`` tokens, ``E`` experts, top-``k``. With tp > 1 (sequence parallelism required,
-as Megatron) the experts are sharded over the TP ranks (ETP = TP) and the dispatcher gathers every rank's
-tokens (`mptrain.layers.moe.dispatcher.ExpertTensorParallelDispatcher`).
+own sequence shard), ``T = s·b`` tokens, ``E`` experts, top-``k``. The groups' expert grid places the experts:
+with ETP = TP > 1 (Megatron's default) each expert's FFN is sharded over the TP ranks and the dispatcher gathers
+the ranks' tokens (`mptrain.layers.moe.dispatcher.build_dispatcher`); with ETP = 1 every TP rank holds whole
+experts and routes its own sequence shard to them.
 
     probs, routing_map = router(x)                                  [T, E], [T, E] bool
     rows, tokens_per_expert, row_probs = dispatcher.dispatch(x, probs, routing_map)
@@ -53,13 +54,6 @@ EXPERTS_KIND = ComponentKind(
 """``experts``: ``forward(x [N, h], tokens_per_expert [E_local], probs [N]) -> [N, h]`` (see `GroupedMLP`)."""
 
 
-def expert_grid(groups) -> tuple:
-    """``(ep_rank, ep_size, etp_rank, etp_size)`` of this rank: the groups object's expert grid, or, on a groups
-    object without one, EP = 1 and ETP = TP (Megatron's default expert_tensor_parallel_size)."""
-    return (getattr(groups, "ep_rank", 0), getattr(groups, "ep_size", 1),
-            getattr(groups, "etp_rank", groups.tp_rank), getattr(groups, "etp_size", groups.tp_size))
-
-
 class MoELayer(torch.nn.Module):
     """forward(x ``[s(/tp), b, h]``) -> ``[s(/tp), b, h]`` (module docstring).
 
@@ -75,15 +69,14 @@ class MoELayer(torch.nn.Module):
                  token_dispatcher: Optional[TokenDispatcher] = None) -> None:
         super().__init__()
         node = {"submodules": submodules if submodules is not None else MoESubmodules()}
-        ep_rank, ep_size, etp_rank, etp_size = expert_grid(context.groups)
-        num_local = config.num_moe_experts // ep_size
+        g = context.groups  # the expert grid: ep_rank holds experts [ep_rank·E_local, (ep_rank+1)·E_local)
+        num_local = config.num_moe_experts // g.ep_size
         inner = dict(config=config, context=context, layer_number=layer_number)
         self.router = build_module(f"{KEY}.submodules.router", submodule(node, "router"), ROUTER_KIND, **inner)
         self.experts = build_module(f"{KEY}.submodules.experts", submodule(node, "experts"), EXPERTS_KIND,
-                                    num_local_experts=num_local, expert_offset=ep_rank * num_local, etp_rank=etp_rank,
-                                    etp_size=etp_size, **inner)
-        self.token_dispatcher = token_dispatcher or build_dispatcher(config, context.groups,
-                                                                     num_local_experts=num_local, etp_size=etp_size)
+                                    num_local_experts=num_local, expert_offset=g.ep_rank * num_local,
+                                    etp_rank=g.etp_rank, etp_size=g.etp_size, **inner)
+        self.token_dispatcher = token_dispatcher or build_dispatcher(config, g)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = build_module(f"{KEY}.submodules.shared_experts", submodule(node, "shared_experts"),
