@@ -15,7 +15,8 @@ reads the vector with the loss in its one host read per iteration (`mptrain.trai
     moe_z_loss                   same for the z-loss; null when off
     moe_tokens_per_expert_min    per MoE layer: the least-chosen expert's tokens in the iteration
     moe_tokens_per_expert_max    per MoE layer: the most-chosen expert's (balanced: T·k/E each)
-    moe_dropped_tokens           token-expert assignments dropped by the capacity; null when dropless
+    moe_dropped_tokens           token-expert assignments dropped by the capacity in the iteration, summed over
+                                 the MoE layers; null when dropless
 """
 
 from __future__ import annotations
