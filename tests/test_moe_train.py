@@ -120,6 +120,23 @@ def test_expert_parallel_layouts_match_tp1pp1(tmp_path, clipped_reference, layou
         assert r["moe_tokens_per_expert_max"] == q["moe_tokens_per_expert_max"], r["iteration"]
 
 
+def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference):
+    common = FULL + ["train.clip_grad=0.05", "train.train_iters=3"]
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "ep2", 2, common + ["parallel.expert_model_parallel_size=2", f"checkpoint.save={ckpt}",
+                                       "train.exit_interval=2"])
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    fc1 = keys["model/decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    assert tuple(fc1.size) == (4, 64, 32)  # the global expert axis: each EP rank wrote its 2 experts at its offset
+    assert sorted(tuple(c.offsets)[0] for c in fc1.chunks) == [0, 2]
+    resumed = _run(tmp_path, "ep1", 1, common + [f"checkpoint.load={ckpt}"])
+    assert [r["iteration"] for r in resumed] == [3]
+    for key in ("lm_loss", "grad_norm", "moe_aux_loss"):
+        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
+
+
 def test_full_recompute_replays_the_same_routing(tmp_path):
     jitter = FULL + ["model.moe_input_jitter_eps=0.05", "train.train_iters=3"]
     plain = _run(tmp_path, "plain", 1, jitter)
