@@ -304,13 +304,12 @@ def test_tensor_parallelism_needs_sequence_parallelism_and_a_divisible_expert_wi
                            ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True,
                                           expert_tensor_parallel_size=2))
     check_model_config(cfg, ParallelConfig(expert_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2 with parallel.tensor_model_parallel_size"
-                                          "=2: expert parallelism trains with tp=1 in this build"):
+    check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                           pipeline_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"parallel.expert_model_parallel_size=2 with parallel.expert_tensor_parallel_"
+                                          r"size=1 != tensor_model_parallel_size=2: expert parallelism needs the experts"):
         check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
-                                               expert_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2 with parallel.pipeline_model_parallel"
-                                          "_size=2: expert parallelism trains with pp=1 in this build"):
-        check_model_config(cfg, ParallelConfig(pipeline_model_parallel_size=2, expert_model_parallel_size=2))
+                                               expert_model_parallel_size=2, expert_tensor_parallel_size=1))
 
 
 def test_moe_layer_freq_selects_the_layers():

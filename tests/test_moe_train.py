@@ -97,6 +97,9 @@ def test_two_rank_layouts_match_tp1pp1(tmp_path, reference, layout):
 LAYOUTS_EP = {
     "ep2": (2, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05"]),
     "dp2_ep2": (4, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05"]),
+    "pp2_ep2": (4, ["parallel=tp1pp2", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05"]),
+    "tp2_sp_ep2": (4, ["parallel=tp2pp1", "parallel.sequence_parallel=true", "parallel.expert_model_parallel_size=2",
+                       "train.clip_grad=0.05"]),
     # ZeRO-1: the expert weights' optimizer state sharded over expert-DP, the dense weights' over DP
     "dp2_ep2_zero1": (4, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05",
                           "parallel.use_distributed_optimizer=true"]),
