@@ -123,11 +123,13 @@ def test_expert_parallel_layouts_match_tp1pp1(tmp_path, clipped_reference, layou
         assert r["moe_tokens_per_expert_max"] == q["moe_tokens_per_expert_max"], r["iteration"]
 
 
-def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference):
+@pytest.mark.parametrize("world,saved_with", [(2, []), (4, ["parallel.use_distributed_optimizer=true"])],
+                         ids=["ep2", "dp2_ep2_zero1"])
+def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference, world, saved_with):
     common = FULL + ["train.clip_grad=0.05", "train.train_iters=3"]
     ckpt = tmp_path / "ckpt"
-    _run(tmp_path, "ep2", 2, common + ["parallel.expert_model_parallel_size=2", f"checkpoint.save={ckpt}",
-                                       "train.exit_interval=2"])
+    _run(tmp_path, "ep2", world, common + saved_with + ["parallel.expert_model_parallel_size=2",
+                                                        f"checkpoint.save={ckpt}", "train.exit_interval=2"])
     import torch.distributed.checkpoint as dcp
 
     keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
