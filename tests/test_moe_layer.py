@@ -303,9 +303,13 @@ def test_tensor_parallelism_needs_sequence_parallelism_and_a_divisible_expert_wi
         check_model_config(dataclasses.replace(cfg, num_attention_heads=4),
                            ParallelConfig(tensor_model_parallel_size=4, sequence_parallel=True,
                                           expert_tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2: training MoE layers with expert "
-                                          "parallelism needs the expert grads reduced over the expert-data-parallel"):
-        check_model_config(cfg, ParallelConfig(expert_model_parallel_size=2))
+    check_model_config(cfg, ParallelConfig(expert_model_parallel_size=2))
+    check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                           pipeline_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"parallel.expert_model_parallel_size=2 with parallel.expert_tensor_parallel_"
+                                          r"size=1 != tensor_model_parallel_size=2: expert parallelism needs the experts"):
+        check_model_config(cfg, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                               expert_model_parallel_size=2, expert_tensor_parallel_size=1))
 
 
 def test_moe_layer_freq_selects_the_layers():

@@ -91,6 +91,55 @@ def test_two_rank_layouts_match_tp1pp1(tmp_path, reference, layout):
     assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
 
 
+# expert parallelism: each rank holds 2 of the 4 experts; their grads summed over the expert-data-parallel group
+# (edp 1 on world 2, edp 2 on world 4), counted once per expert in the grad norm; the clip is active (FULL's grads
+# are above 0.05 at every step)
+LAYOUTS_EP = {
+    "ep2": (2, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05"]),
+    "dp2_ep2": (4, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05"]),
+    "pp2_ep2": (4, ["parallel=tp1pp2", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05"]),
+    "tp2_sp_ep2": (4, ["parallel=tp2pp1", "parallel.sequence_parallel=true", "parallel.expert_model_parallel_size=2",
+                       "train.clip_grad=0.05"]),
+    # ZeRO-1: the expert weights' optimizer state sharded over expert-DP, the dense weights' over DP
+    "dp2_ep2_zero1": (4, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05",
+                          "parallel.use_distributed_optimizer=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + ["train.clip_grad=0.05", "train.train_iters=3"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_EP))
+def test_expert_parallel_layouts_match_tp1pp1(tmp_path, clipped_reference, layout):
+    world, overrides = LAYOUTS_EP[layout]
+    rows = _run(tmp_path, layout, world, FULL + overrides + ["train.train_iters=3"])
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for r, q in zip(rows, clipped_reference):
+        assert q["grad_norm"] > 0.05  # the clip scaled every step
+        for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+            assert r[key] == pytest.approx(q[key], rel=1e-5), (key, r["iteration"])
+        assert r["moe_tokens_per_expert_max"] == q["moe_tokens_per_expert_max"], r["iteration"]
+
+
+def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference):
+    common = FULL + ["train.clip_grad=0.05", "train.train_iters=3"]
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "ep2", 2, common + ["parallel.expert_model_parallel_size=2", f"checkpoint.save={ckpt}",
+                                       "train.exit_interval=2"])
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    fc1 = keys["model/decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    assert tuple(fc1.size) == (4, 64, 32)  # the global expert axis: each EP rank wrote its 2 experts at its offset
+    assert sorted(tuple(c.offsets)[0] for c in fc1.chunks) == [0, 2]
+    resumed = _run(tmp_path, "ep1", 1, common + [f"checkpoint.load={ckpt}"])
+    assert [r["iteration"] for r in resumed] == [3]
+    for key in ("lm_loss", "grad_norm", "moe_aux_loss"):
+        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
+
+
 def test_full_recompute_replays_the_same_routing(tmp_path):
     jitter = FULL + ["model.moe_input_jitter_eps=0.05", "train.train_iters=3"]
     plain = _run(tmp_path, "plain", 1, jitter)

@@ -14,6 +14,8 @@ Three local forms map onto boxes:
   `mptrain.layers.sharding.shard_slices` along ``partition_dim`` (padded vocab rows are not
   covered, so they are never saved; interleaved fused weights give one box per part);
 - a replicated parameter: one box, the whole tensor (DCP keeps one copy of identical boxes);
+- an expert-parallel rank's experts (``[E_local, ...]``): dim 0 shifted by ``ShardSpec.expert_offset`` onto the
+  global expert axis ``[E, ...]``, then as above (Megatron's ``SequentialMLP.sharded_state_dict`` offsets);
 - a ZeRO-1 piece: elements ``[lo, hi)`` of the flattened local shard (`DistributedOptimizer`'s
   ``ShardEntry``), split by `flat_range_boxes` into at most ``2·ndim - 1`` boxes that are each
   contiguous in the flat piece, then mapped like a TP shard.
@@ -109,6 +111,8 @@ def global_chunks(key: str, spec: ShardSpec, local_shape: tuple, local_offsets: 
         [Chunk] (padded rows dropped; several chunks when the box crosses interleaved parts).
     """
     gshape = tuple(spec.global_shape)
+    if spec.expert_offset:  # an expert-parallel rank's experts: local dim 0 starts there on the global expert axis
+        local_offsets = (local_offsets[0] + spec.expert_offset,) + tuple(local_offsets[1:])
     if spec.partition_dim is None:
         return [Chunk(key, gshape, tuple(local_offsets), view)]
     d = spec.partition_dim

@@ -4,7 +4,11 @@ Megatron ``distributed/distributed_data_parallel.py`` + ``param_and_grad_buffer.
 document §4.1 "main_grad"), without the attributes Megatron bolts onto parameters:
 
 * every grad-requiring param gets a slot in the `GradBuffer` of its grad dtype (fp32 under
-  ``grad_reduce_in_fp32``, else the param dtype); ``main_grad(param)`` is a view of it;
+  ``grad_reduce_in_fp32``, else the param dtype); ``main_grad(param)`` is a view of it. Expert-parallel
+  weights (`ShardSpec.expert_parallel`, Megatron's ``allreduce=False``) have buffers of their own, reduced
+  (SUM) over ``groups.edp_group``: the all-to-all's backward already summed their EP peers' tokens into them, so
+  the SUM over EDP covers the global batch as the dense SUM over DP does, and the same loss normalisation
+  (`finalize_model_grads`) ends both at the per-token mean (Megatron scales both kinds to 1/dp);
 * a ``register_post_accumulate_grad_hook`` adds ``param.grad`` into the view and drops
   ``param.grad``, so grads accumulate across micro-batches in the buffer;
 * the DP reduction is a SUM (all-reduce, or reduce-scatter under the distributed optimizer); the
@@ -117,11 +121,12 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self._sync_enabled = True
-        by_dtype: dict = {}
+        by_kind: dict = {}  # (grad dtype, expert-parallel) -> [(name, param)]
         for name, param in module.named_parameters():
             if param.requires_grad:
                 grad_dtype = torch.float32 if grad_reduce_in_fp32 else param.dtype
-                by_dtype.setdefault(grad_dtype, []).append((name, param))
+                expert = name in self.specs and self.specs[name].expert_parallel
+                by_kind.setdefault((grad_dtype, expert), []).append((name, param))
         tied = frozenset(n for n, s in self.specs.items() if s.tied_embedding)
         device = next(module.parameters()).device if any(True for _ in module.parameters()) else torch.device("cpu")
         self._grad_buffers = tuple(
@@ -129,12 +134,13 @@ class DistributedDataParallel(torch.nn.Module):
                 named,
                 dtype=dtype,
                 bucket_size=bucket_size,
-                dp_size=groups.dp_size,
+                dp_size=groups.edp_size if expert else groups.dp_size,
                 pad_for_dp=use_distributed_optimizer,
                 own_bucket=tied,
                 device=device,
+                expert=expert,
             )
-            for dtype, named in by_dtype.items()
+            for (dtype, expert), named in by_kind.items()
         )
         self._states = tuple(_BucketState(b) for b in self._grad_buffers)
         self._deferred: dict = {  # state -> the 1-D grads queued for one multi-tensor add
@@ -276,11 +282,11 @@ class DistributedDataParallel(torch.nn.Module):
         assert bucket.index == state.next_to_launch and not state.launched[bucket.index]
         self._flush_state(state)  # queued bias / norm grads must be in the buffer before it is reduced
         data = state.buffer.bucket_data(bucket)
-        group = self.groups.dp_group
-        if self.groups.dp_size == 1:
+        group, rank, size = state.buffer.reduction(self.groups)  # DP, or expert-DP for expert weights
+        if size == 1:
             work = None
         elif self.use_distributed_optimizer:
-            lo, hi = bucket.shard_range(self.groups.dp_rank, self.groups.dp_size)
+            lo, hi = bucket.shard_range(rank, size)
             shard = state.buffer.data[lo:hi]
             work = _reduce_scatter(shard, data, op=dist.ReduceOp.SUM, group=group, async_op=True)
         else:

@@ -111,12 +111,12 @@ class DistributedOptimizer(OptimizerWrapper):
     # --- hooks of OptimizerWrapper ---------------------------------------------------------
     def _build_entries(self, params: list, specs: list) -> list:
         """One `ShardEntry` per param that intersects this rank's shard of its bucket (buffer order)."""
-        g = self.groups
         entries = []
         for ci, chunk in enumerate(self.model_chunks):
             for buf in chunk.grad_buffers:
+                _, rank, size = buf.reduction(self.groups)  # expert weights: sharded over expert-DP
                 for bucket in buf.buckets:
-                    s_lo, s_hi = bucket.shard_range(g.dp_rank, g.dp_size)
+                    s_lo, s_hi = bucket.shard_range(rank, size)
                     for param in buf.bucket_params(bucket):
                         slot = buf.slot(param)
                         b_lo, b_hi = max(slot.start, s_lo), min(slot.end, s_hi)
@@ -132,6 +132,10 @@ class DistributedOptimizer(OptimizerWrapper):
     def _grad_stats_groups(self) -> list:
         # DP shards differ: SUM over DP (the pieces of one replica) then over MP (TP x PP).
         return [self.groups.dp_group, self.groups.mp_group]
+
+    def _expert_stats_groups(self) -> list:
+        # expert weights are sharded over expert-DP, and each EP rank holds other experts: EDP x EP x MP tiles the grid
+        return [self.groups.edp_group] + self._ep_groups() + [self.groups.mp_group]
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for e in self.entries:

@@ -78,6 +78,8 @@ class GradBuffer:
         pad_for_dp: pad every bucket to a multiple of ``dp_size`` (distributed optimizer).
         own_bucket: names of params that must sit alone in a bucket (the tied embedding).
         device: where the buffer lives.
+        expert: the buffer holds expert-parallel weights (`ShardSpec.expert_parallel`); ``dp_size`` is then the
+            expert-data-parallel size (`reduction`).
     Raises:
         ValueError: bucket_size < 1.
     """
@@ -92,6 +94,7 @@ class GradBuffer:
         pad_for_dp: bool,
         own_bucket: frozenset = frozenset(),
         device: torch.device = torch.device("cpu"),
+        expert: bool = False,
     ) -> None:
         if bucket_size is None:
             bucket_size = default_bucket_size(dp_size)
@@ -99,6 +102,7 @@ class GradBuffer:
             raise ValueError(f"parallel.bucket_size={bucket_size} must be >= 1 element (or null for the default)")
         self.dtype = dtype
         self.dp_size = dp_size
+        self.expert = expert
         self._slots: dict = {}  # param (hashed by identity) -> ParamSlot
         self._params_by_name: dict = {}
         buckets: list = []
@@ -129,6 +133,13 @@ class GradBuffer:
         self.data = torch.zeros(cursor, dtype=dtype, device=device)
         # the views, made once (the optimizer asks for every param's each step; `data` is never replaced)
         self._views: dict = {p: self.data[s.start : s.end].view(s.shape) for p, s in self._slots.items()}
+
+    def reduction(self, groups) -> tuple:
+        """(group, rank, size) this buffer's grads are reduced (and ZeRO-1-sharded) over: the expert-data-parallel
+        group for expert-parallel weights (Megatron's separate expert buffers), else the data-parallel group."""
+        if self.expert:
+            return groups.edp_group, groups.edp_rank, groups.edp_size
+        return groups.dp_group, groups.dp_rank, groups.dp_size
 
     # --- lookups ---------------------------------------------------------------------------
     def __contains__(self, param: torch.Tensor) -> bool:

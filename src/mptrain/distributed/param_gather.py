@@ -76,7 +76,7 @@ class ParamGather:
 
     Args:
         buffers: the chunk's grad buffers (their bucket layout and param slots), indexed as ``start``'s ``buffer``.
-        groups: `ParallelGroups` (``dp_group``, ``dp_rank``, ``dp_size``).
+        groups: `ParallelGroups` (each buffer's `GradBuffer.reduction`: DP, or expert-DP).
         overlap: leave the all-gathers pending until the params are used (``parallel.overlap_param_gather``).
     """
 
@@ -92,13 +92,13 @@ class ParamGather:
         key = (buffer, bucket.index)
         self.finish(key)
         buf = self.buffers[buffer]
-        g = self.groups
-        if g.dp_size == 1:  # nothing to gather
+        group, rank, size = buf.reduction(self.groups)  # DP, or expert-DP for expert weights
+        if size == 1:  # nothing to gather
             self._copy(buf, bucket, scratch)
             return
-        lo, hi = bucket.shard_range(g.dp_rank, g.dp_size)
+        lo, hi = bucket.shard_range(rank, size)
         shard = scratch[lo - bucket.start : hi - bucket.start].clone()  # the collective's input may not alias its output
-        work = _all_gather(scratch, shard, group=g.dp_group, async_op=self.overlap)
+        work = _all_gather(scratch, shard, group=group, async_op=self.overlap)
         if self.overlap:
             self._pending[key] = _Pending(work, scratch, shard, buf, bucket)
         else:

@@ -49,6 +49,12 @@ class ShardSpec:
         embedding_or_output: the input word embedding (first stage) or the output layer's weight (last stage,
             the tied copy included): Megatron's ``is_embedding_or_output_parameter``, the params that
             ``optim.decoupled_lr`` drives (their own param groups, `mptrain.optim.param_groups`).
+        expert_parallel: a routed-expert weight split over the expert-parallel ranks (ep > 1; Megatron's
+            ``allreduce=False``): its grads are reduced over the expert-data-parallel group in buffers of their
+            own, and the grad norm sums it over the EP ranks (each holds other experts).
+        expert_offset: the global index of this rank's first local expert: the local tensor's dim 0 starts there in
+            the global expert axis (dim 0 of ``global_shape``; checkpoints address it, Megatron's
+            ``ep_rank * num_local_experts`` offset). 0 for every other param.
     """
 
     global_shape: tuple
@@ -61,6 +67,8 @@ class ShardSpec:
     is_shared_copy: bool = False
     no_weight_decay: bool = False
     embedding_or_output: bool = False
+    expert_parallel: bool = False
+    expert_offset: int = 0
 
     @property
     def tp_replicated(self) -> bool:

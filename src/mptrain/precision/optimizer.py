@@ -305,13 +305,38 @@ class OptimizerWrapper:
     def _grad_stats_groups(self) -> list:
         return [self.groups.mp_group]
 
+    def _ep_groups(self) -> list:
+        """[ep_group] under expert parallelism (each EP rank holds other experts), else []."""
+        return [self.groups.ep_group] if getattr(self.groups, "ep_size", 1) > 1 else []
+
+    def _expert_stats_groups(self) -> list:
+        """The groups the expert-parallel grads' norm and zero count are summed over: the grad-stats groups and EP
+        (their EDP copies are equal and counted once, as the dense grads' DP copies). ZeRO-1 overrides it."""
+        return self._grad_stats_groups() + self._ep_groups()
+
+    def _found_inf_groups(self) -> list:
+        """MAX-reduced over for found_inf: the grad-stats groups, and EP, so every rank takes the same decision."""
+        return self._grad_stats_groups() + self._ep_groups()
+
     # --- derived lists ------------------------------------------------------------------
     def _main_grads(self) -> list:
         return [e.main.grad for e in self.entries if e.main.grad is not None]
 
-    def _main_grads_for_norm(self) -> list:
+    def _main_grads_for_norm(self, expert: bool = False) -> list:
+        """The counted main grads (`ShardSpec.counts_on`) of the dense params, or of the expert-parallel ones."""
         tp_rank = self.groups.tp_rank
-        return [e.main.grad for e in self.entries if e.main.grad is not None and e.spec.counts_on(tp_rank)]
+        return [e.main.grad for e in self.entries
+                if e.main.grad is not None and e.spec.counts_on(tp_rank) and e.spec.expert_parallel == expert]
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the counted main grads: the dense ones summed over the grad-stats groups, the
+        expert-parallel ones (Megatron's ``allreduce=False`` params) over `_expert_stats_groups`."""
+        device = self.groups.device
+        norm = get_grad_norm_fp32(self._main_grads_for_norm(), self._grad_stats_groups(), device=device)
+        if not self._ep_groups():
+            return norm
+        expert = get_grad_norm_fp32(self._main_grads_for_norm(True), self._expert_stats_groups(), device=device)
+        return torch.sqrt(norm * norm + expert.to(norm.device) * expert.to(norm.device))
 
     # --- the interface ------------------------------------------------------------------
     @property
@@ -354,12 +379,11 @@ class OptimizerWrapper:
         if not self.folded_step:
             main_grads = self._main_grads()
             return _Grads(found_inf=self._unscale_and_check(main_grads, grad_scale))
-        tp_rank = self.groups.tp_rank
-        pairs = [(e.main.grad, e.spec.counts_on(tp_rank)) for e in self.entries if e.main.grad is not None]
-        device = pairs[0][0].device if pairs else self.groups.device
-        total_norm, non_finite = get_grad_norm_and_non_finite_count_fp32(
-            [g for g, _ in pairs], self._counted_mask(tuple(c for _, c in pairs), device), self._grad_stats_groups(),
-            device=device)
+        total_norm, non_finite = self._norm_and_non_finite(expert=False)
+        if self._ep_groups():
+            expert_norm, expert_non_finite = self._norm_and_non_finite(expert=True)
+            total_norm = torch.sqrt(total_norm * total_norm + expert_norm * expert_norm)
+            non_finite = non_finite + expert_non_finite
         divisor = torch.ones((), dtype=torch.float32, device=total_norm.device)
         if grad_scale is not None:
             factor = grad_scale.to(device=total_norm.device, dtype=torch.float32).reshape(())
@@ -367,6 +391,17 @@ class OptimizerWrapper:
         # the same decision on every rank (the stats were all-reduced); 1.0 makes the kernel return untouched
         found_inf = ((non_finite > 0) | ~torch.isfinite(total_norm)).float().reshape(())
         return _Grads(found_inf=found_inf, total_norm=total_norm, divisor=divisor)
+
+    def _norm_and_non_finite(self, *, expert: bool) -> tuple:
+        """`get_grad_norm_and_non_finite_count_fp32` of the dense main grads over the grad-stats groups, or (with
+        expert parallelism) of the expert-parallel ones over `_expert_stats_groups`."""
+        tp_rank = self.groups.tp_rank
+        pairs = [(e.main.grad, e.spec.counts_on(tp_rank)) for e in self.entries
+                 if e.main.grad is not None and (not self._ep_groups() or e.spec.expert_parallel == expert)]
+        device = pairs[0][0].device if pairs else self.groups.device
+        groups = self._expert_stats_groups() if expert else self._grad_stats_groups()
+        return get_grad_norm_and_non_finite_count_fp32(
+            [g for g, _ in pairs], self._counted_mask(tuple(c for _, c in pairs), device), groups, device=device)
 
     def decide(self, grads: "_Grads") -> "_Decision":
         """Phase 2: skip or update, and the clip. Host: reads ``found_inf`` (the step's host sync),
@@ -380,7 +415,7 @@ class OptimizerWrapper:
             if found_inf:
                 nan = torch.full((), math.nan, dtype=torch.float64, device=grads.found_inf.device)
                 return _Decision(skip=True, total_norm=nan, found_inf=grads.found_inf, num_zeros=nan)
-            total_norm = get_grad_norm_fp32(self._main_grads_for_norm(), stats_groups, device=self.groups.device)
+            total_norm = self._grad_norm()
             if self.clip_grad > 0:
                 clip_grads_by_total_norm(self._main_grads(), self.clip_grad, total_norm)
             return _Decision(skip=False, total_norm=total_norm, found_inf=grads.found_inf,
@@ -426,14 +461,17 @@ class OptimizerWrapper:
             if grad_scale is not None:  # folded in: one pass over the grads instead of two
                 inv_scale = (inv_scale.double() * grad_scale.to(device).reshape(1)).float()
             torch._amp_foreach_non_finite_check_and_unscale_(main_grads, found_inf, inv_scale)
-        all_reduce_over(found_inf, self._grad_stats_groups(), dist.ReduceOp.MAX)
+        all_reduce_over(found_inf, self._found_inf_groups(), dist.ReduceOp.MAX)
         return found_inf
 
     def _count_zeros(self, stats_groups: list, device) -> torch.Tensor:
         """Zero elements of the counted main grads over the grad-stats groups (``log_num_zeros``), else nan."""
         if not self.log_num_zeros:
             return torch.full((), math.nan, dtype=torch.float64, device=device)
-        return count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=device)
+        zeros = count_zeros_fp32(self._main_grads_for_norm(), stats_groups, device=device)
+        if self._ep_groups():
+            zeros = zeros + count_zeros_fp32(self._main_grads_for_norm(True), self._expert_stats_groups(), device=device)
+        return zeros
 
     def _counted_mask(self, counted: tuple, device: torch.device) -> torch.Tensor:
         """The 0/1 float mask of `counted` on `device`, built once: a fresh host-to-device copy each

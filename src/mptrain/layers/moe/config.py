@@ -143,12 +143,12 @@ def _check_widths(model, tp: int) -> None:
 def _check_layout(model, parallel) -> None:
     tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size or tp  # Megatron's default: the experts split as the dense layers
-    if ep > 1:
-        # the dispatchers exist; the experts' grads, optimizer state and checkpoint boxes over the
-        # expert-data-parallel group do not yet
-        raise ConfigError(f"parallel.expert_model_parallel_size={ep}: training MoE layers with expert parallelism "
-                          "needs the expert grads reduced over the expert-data-parallel group, not in this build; "
-                          "set parallel.expert_model_parallel_size=1")
+    if ep > 1 and etp != tp:
+        # whole experts on each TP rank: the expert grid's EP then folds over the TP ranks, whose grads the
+        # sequence-parallel TP sum and the grad norm's TP-rank-0 count would mix up
+        raise ConfigError(f"parallel.expert_model_parallel_size={ep} with parallel.expert_tensor_parallel_size={etp} "
+                          f"!= tensor_model_parallel_size={tp}: expert parallelism needs the experts split as the dense "
+                          "layers; set parallel.expert_tensor_parallel_size=null or expert_model_parallel_size=1")
     if etp not in (1, tp):
         raise ConfigError(f"parallel.expert_tensor_parallel_size={etp} must be 1 or tensor_model_parallel_size={tp} "
                           "(null = tp); set one of them")

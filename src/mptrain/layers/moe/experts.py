@@ -11,8 +11,8 @@ Weights, a leading local-expert dim (torch's ``[out, in]`` per expert, as Huggin
     experts.linear_fc1.weight  [E_local, parts·f/etp, h]   (rank r: [gate_r; up_r], `ShardSpec.interleave`)
     experts.linear_fc2.weight  [E_local, h, f/etp]
 
-Their `ShardSpec` global shapes hold the global expert axis ``[E, ...]`` (checkpoints address it; the dim-0
-offset of an expert-parallel rank's experts is not in `ShardSpec` yet, so only ep = 1 saves them) and the
+Their `ShardSpec` global shapes hold the global expert axis ``[E, ...]`` (checkpoints address it; an
+expert-parallel rank's experts start at ``ShardSpec.expert_offset`` on it, so checkpoints reshard over ep) and the
 ETP split on dim 1 (fc1) / dim 2 (fc2), as the dense MLP's TP split. With etp = 1 under tp > 1 the experts are
 whole on every TP rank, their grads summed over TP (`ShardSpec.sequence_parallel_grad`). Init as the dense MLP's: fc1 N(0, std²), fc2 N(0, std²/(2L)), each expert drawn from its
 own name (``...linear_fc1.weight<e>``, Megatron's per-expert names), so it does not depend on the layout.
@@ -132,11 +132,15 @@ class GroupedMLP(torch.nn.Module):
         # whole experts on each of several TP ranks (etp = 1 < tp): every rank routed its own sequence shard to
         # them, so their grads are summed over TP as the sequence-parallel norms' (finalize_model_grads)
         summed_over_tp = not sharded and context.sequence_parallel
+        # ep > 1: other ranks hold the other experts; grads reduced over expert-data-parallel, not DP
+        split = num_local_experts < e_global
         fc1_spec = ShardSpec((e_global, parts * f, h), partition_dim=1 if sharded else None,
                              offset=etp_rank * f_local, interleave=parts if sharded else 1,
-                             sequence_parallel_grad=summed_over_tp)
+                             sequence_parallel_grad=summed_over_tp, expert_parallel=split,
+                             expert_offset=expert_offset)
         fc2_spec = ShardSpec((e_global, h, f), partition_dim=2 if sharded else None, offset=etp_rank * f_local,
-                             valid=f_local if sharded else None, sequence_parallel_grad=summed_over_tp)
+                             valid=f_local if sharded else None, sequence_parallel_grad=summed_over_tp,
+                             expert_parallel=split, expert_offset=expert_offset)
         as_param = dict(device=context.device, dtype=context.params_dtype)
         self.linear_fc1 = ExpertWeight(torch.stack(fc1).to(**as_param), fc1_spec)
         self.linear_fc2 = ExpertWeight(torch.stack(fc2).contiguous().to(**as_param), fc2_spec)
