@@ -15,6 +15,8 @@ import random
 
 import pytest
 
+from batch_schedule_utils import SAMPLE_BASED, lr_after, straight_run
+
 from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.data.sampler import PretrainingSampler
 from mptrain.errors import ConfigError
@@ -150,28 +152,13 @@ def test_bad_values_are_one_line(overrides, world, message):
 
 
 # --- end to end: 6 iterations of batches 2, 2, 4, 6, 8, 8 (the TABLE's second row) -----------------------------
-RAMP = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
-        "train.micro_batch_size=1", "train.global_batch_size=8", "train.rampup_batch_size=[2,2,12]",
-        "train.train_iters=null", "train.train_samples=30", "optim.lr=1e-3", "optim.min_lr=1e-4",
-        "optim.lr_decay_style=linear", "optim.lr_warmup_samples=4", "optim.lr_decay_samples=24"]
+RAMP = [*SAMPLE_BASED, "train.rampup_batch_size=[2,2,12]", "train.train_samples=30"]
 BATCHES = [2, 2, 4, 6, 8, 8]
-
-
-def _lr(n: float) -> float:
-    """The LR after n samples of applied steps: warmup 4, linear decay to 24 (optim above)."""
-    if n <= 4:
-        return 1e-3 * n / 4
-    return 1e-4 if n > 24 else 1e-4 + (1e-3 - 1e-4) * (1 - (n - 4) / 20)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    from harness import run_distributed
-    from train_utils import run_job
-
-    run_dir = tmp_path_factory.mktemp("rampup") / "straight"
-    run_distributed(run_job, 1, RAMP + [f"run.dir={run_dir}"])
-    return run_dir
+    return straight_run(tmp_path_factory, "rampup", RAMP)
 
 
 def test_rows_follow_the_ramp_and_the_lr_counts_samples(straight):
@@ -183,7 +170,7 @@ def test_rows_follow_the_ramp_and_the_lr_counts_samples(straight):
     consumed = [sum(BATCHES[:i + 1]) for i in range(len(BATCHES))]
     assert [r["consumed_samples"] for r in rows] == consumed
     # row i shows the LR its step ran at: after the samples of the steps before it (Megatron's increment)
-    assert [r["lr"] for r in rows] == pytest.approx([_lr(c - b) for c, b in zip(consumed, BATCHES)], rel=1e-12)
+    assert [r["lr"] for r in rows] == pytest.approx([lr_after(c - b) for c, b in zip(consumed, BATCHES)], rel=1e-12)
     log = (straight / "train.log").read_text()
     assert ("batch-size ramp-up (train.rampup_batch_size=[2, 2, 12]): global batch 2 -> 8 by 2 every 4 samples; "
             "iterations 1-2: 2 (2 mb), 3: 4 (4 mb), 4: 6 (6 mb), 5-6: 8 (8 mb)") in log

@@ -17,6 +17,8 @@ import random
 
 import pytest
 
+from batch_schedule_utils import SAMPLE_BASED, lr_after, straight_run
+
 from mptrain.config.batch_size import BatchSizeSchedule, parse_step_batch_size_schedule
 from mptrain.errors import ConfigError
 
@@ -224,28 +226,13 @@ def test_bad_values_are_one_line(overrides, world, message):
 # --- end to end: thresholds 64 and 160 tokens = samples 4 and 10 at seq_length 16; train_samples 26 ---------------
 # batches 2, 2, 4, 4, 8, 8 (consumed before: 0, 2, 4, 8, 12, 20): the last ends at 28 > 26, trained whole (Megatron)
 SCHEDULE = "0:2 64:4 160:8"
-STEPS = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
-         "train.micro_batch_size=1", "train.global_batch_size=8", f'train.step_batch_size_schedule="{SCHEDULE}"',
-         "train.train_iters=null", "train.train_samples=26", "optim.lr=1e-3", "optim.min_lr=1e-4",
-         "optim.lr_decay_style=linear", "optim.lr_warmup_samples=4", "optim.lr_decay_samples=24"]
+STEPS = [*SAMPLE_BASED, f'train.step_batch_size_schedule="{SCHEDULE}"', "train.train_samples=26"]
 BATCHES = [2, 2, 4, 4, 8, 8]
-
-
-def _lr(n: float) -> float:
-    """The LR after n samples of applied steps: warmup 4, linear decay to 24 (optim above)."""
-    if n <= 4:
-        return 1e-3 * n / 4
-    return 1e-4 if n > 24 else 1e-4 + (1e-3 - 1e-4) * (1 - (n - 4) / 20)
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    from harness import run_distributed
-    from train_utils import run_job
-
-    run_dir = tmp_path_factory.mktemp("step_batch_size") / "straight"
-    run_distributed(run_job, 1, STEPS + [f"run.dir={run_dir}"])
-    return run_dir
+    return straight_run(tmp_path_factory, "step_batch_size", STEPS)
 
 
 def test_rows_follow_the_schedule_and_the_lr_counts_samples(straight):
@@ -259,7 +246,7 @@ def test_rows_follow_the_schedule_and_the_lr_counts_samples(straight):
     consumed = [sum(BATCHES[:i + 1]) for i in range(len(BATCHES))]
     assert [r["consumed_samples"] for r in rows] == consumed
     # row i shows the LR its step ran at: after the samples of the steps before it (Megatron's increment)
-    assert [r["lr"] for r in rows] == pytest.approx([_lr(c - b) for c, b in zip(consumed, BATCHES)], rel=1e-12)
+    assert [r["lr"] for r in rows] == pytest.approx([lr_after(c - b) for c, b in zip(consumed, BATCHES)], rel=1e-12)
     log = (straight / "train.log").read_text()
     assert (f'step batch-size schedule (train.step_batch_size_schedule="{SCHEDULE}", thresholds in tokens // '
             "model.seq_length=16): global batch 2 from sample 0, 4 from sample 4, 8 from sample 10; iterations "
