@@ -110,44 +110,11 @@ def _read_safetensors(folder: Path) -> dict:
 def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor, prompt: list) -> dict:
     """{"tp2pp1": logits [b, s, V] (every rank), "tp1pp2": logits on the last stage (rank 1; None on rank 0),
     "generated": greedy new ids at tp2, "eod": the loaded tokenizer's EOD}; each layout resharded from the import."""
-    import torch.distributed as dist
+    from layout_logits import layout_logits
 
-    from mptrain.checkpoint import atomic
-    from mptrain.checkpoint.api import atomic_meta, load_model_weights
-    from mptrain.config.parallel import ParallelConfig
-    from mptrain.checkpoint.offline import model_config_from_dict
     from mptrain.generate import generate_ids, load_generator
-    from mptrain.groups import build_groups
-    from mptrain.inference import gather_vocab
-    from mptrain.layers.gpt import build_model_chunks
 
-    folder, _ = atomic.resolve_load_dir(ckpt)
-    meta = atomic_meta(folder)
-    saved, vocab = meta["config"], int(meta["vocab_size"])
-    out = {}
-    s, b = ids.shape[1], ids.shape[0]
-    pos = torch.arange(s).expand(b, s)
-    for tp, pp in ((2, 1), (1, 2)):
-        groups = build_groups(tp, pp, None, device=torch.device("cpu"))
-        try:
-            parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-            chunks = build_model_chunks(model_config_from_dict(saved["model"]), parallel, groups, vocab_size=vocab)
-            load_model_weights(folder, chunks, groups, saved)
-            model = chunks[0].eval()
-            with torch.no_grad():
-                if pp == 1:
-                    logits = gather_vocab(model(ids, pos), groups, vocab)
-                elif groups.pp_rank == 0:
-                    dist.send(model(ids, pos).contiguous(), groups.next_pp_rank)  # hidden [s, b, h]
-                    logits = None
-                else:
-                    hidden = torch.empty(s, b, saved["model"]["hidden_size"])
-                    dist.recv(hidden, groups.prev_pp_rank)
-                    model.set_input_tensor(hidden)
-                    logits = gather_vocab(model(None, pos), groups, vocab)
-            out[f"tp{tp}pp{pp}"] = logits
-        finally:
-            groups.destroy()
+    out = layout_logits(ckpt, ids)
     gen = load_generator(ckpt)  # tp = the world size, with the imported tokenizer's EOD
     try:
         out["generated"] = generate_ids(gen, prompt, max_new_tokens=8)
