@@ -22,3 +22,16 @@ def straight_run(tmp_path_factory, name: str, overrides: list):
     run_dir = tmp_path_factory.mktemp(name) / "straight"
     run_distributed(run_job, 1, overrides + [f"run.dir={run_dir}"])
     return run_dir
+
+
+def assert_rows_follow(rows: list, batches: list) -> None:
+    """The train rows of a micro-batch-1, dp-1 `SAMPLE_BASED` run whose iterations ran ``batches`` samples each:
+    their global batch, micro-batch count, consumed samples, and the LR after the samples of the steps before."""
+    import pytest
+
+    assert [r["global_batch_size"] for r in rows] == batches
+    assert [r["num_microbatches"] for r in rows] == batches  # micro 1, dp 1
+    consumed = [sum(batches[:i + 1]) for i in range(len(batches))]
+    assert [r["consumed_samples"] for r in rows] == consumed
+    # row i shows the LR its step ran at: after the samples of the steps before it (Megatron's increment)
+    assert [r["lr"] for r in rows] == pytest.approx([lr_after(c - b) for c, b in zip(consumed, batches)], rel=1e-12)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from batch_schedule_utils import SAMPLE_BASED, lr_after, straight_run
+from batch_schedule_utils import SAMPLE_BASED, assert_rows_follow, straight_run
 
 from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.data.sampler import PretrainingSampler
@@ -164,13 +164,7 @@ def straight(tmp_path_factory):
 def test_rows_follow_the_ramp_and_the_lr_counts_samples(straight):
     from train_utils import read_rows
 
-    rows = read_rows(straight)
-    assert [r["global_batch_size"] for r in rows] == BATCHES
-    assert [r["num_microbatches"] for r in rows] == BATCHES  # micro 1, dp 1
-    consumed = [sum(BATCHES[:i + 1]) for i in range(len(BATCHES))]
-    assert [r["consumed_samples"] for r in rows] == consumed
-    # row i shows the LR its step ran at: after the samples of the steps before it (Megatron's increment)
-    assert [r["lr"] for r in rows] == pytest.approx([lr_after(c - b) for c, b in zip(consumed, BATCHES)], rel=1e-12)
+    assert_rows_follow(read_rows(straight), BATCHES)
     log = (straight / "train.log").read_text()
     assert ("batch-size ramp-up (train.rampup_batch_size=[2, 2, 12]): global batch 2 -> 8 by 2 every 4 samples; "
             "iterations 1-2: 2 (2 mb), 3: 4 (4 mb), 4: 6 (6 mb), 5-6: 8 (8 mb)") in log

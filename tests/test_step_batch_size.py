@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from batch_schedule_utils import SAMPLE_BASED, lr_after, straight_run
+from batch_schedule_utils import SAMPLE_BASED, assert_rows_follow, straight_run
 
 from mptrain.config.batch_size import BatchSizeSchedule, parse_step_batch_size_schedule
 from mptrain.errors import ConfigError
@@ -240,13 +240,7 @@ def test_rows_follow_the_schedule_and_the_lr_counts_samples(straight):
 
     from train_utils import read_rows
 
-    rows = read_rows(straight)
-    assert [r["global_batch_size"] for r in rows] == BATCHES
-    assert [r["num_microbatches"] for r in rows] == BATCHES  # micro 1, dp 1
-    consumed = [sum(BATCHES[:i + 1]) for i in range(len(BATCHES))]
-    assert [r["consumed_samples"] for r in rows] == consumed
-    # row i shows the LR its step ran at: after the samples of the steps before it (Megatron's increment)
-    assert [r["lr"] for r in rows] == pytest.approx([lr_after(c - b) for c, b in zip(consumed, BATCHES)], rel=1e-12)
+    assert_rows_follow(read_rows(straight), BATCHES)
     log = (straight / "train.log").read_text()
     assert (f'step batch-size schedule (train.step_batch_size_schedule="{SCHEDULE}", thresholds in tokens // '
             "model.seq_length=16): global batch 2 from sample 0, 4 from sample 4, 8 from sample 10; iterations "
