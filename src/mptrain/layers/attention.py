@@ -25,6 +25,10 @@ SDPA then runs its memory-efficient kernel, many times slower than the GEMMs the
 core there (`_unfused_attention`): two batched GEMMs around a half-precision softmax that accumulates
 in fp32 internally, which is what Megatron's ``FusedScaleMaskSoftmax`` computes.
 
+Document masking (``data.reset_attention_mask`` carried as document offsets): the mask is a
+`mptrain.layers.document_mask.DocumentMask` and the core runs `document_attention` (FlexAttention on CUDA,
+per-document SDPA elsewhere) whatever ``model.attention_backend`` says; no ``s × s`` tensor is made.
+
 Spec tree (``model.transformer_layer.submodules.self_attention``, kind `SELF_ATTENTION`): ``linear_qkv``
 (column-parallel), ``core_attention`` (kind `CORE_ATTENTION`, interface `CoreAttention`; default
 `DotProductAttention`, which reads ``model.attention_backend``), ``linear_proj`` (row-parallel).
@@ -44,6 +48,7 @@ from mptrain.components import ComponentKind
 from mptrain.config.model import SelfAttentionSubmodules, recompute_granularity
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
+from mptrain.layers.document_mask import DocumentMask, document_attention
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
@@ -116,8 +121,10 @@ class CoreAttention(Protocol):
     Built as ``target(*, config, layer_number, context, rng_tracker)`` (only the keywords it accepts;
     ``context``: the chunk's `LayerContext`). ``forward(query, key, value, attention_mask) -> context``:
         query ``[s, b, np/tp, hn]``; key, value ``[s, b, ng/tp, hn]`` (RoPE already applied; query head
-        i uses K/V group ``i // (np/ng)``); attention_mask ``[b, 1, s, s]`` bool, True = masked, or None
-        for plain causal; context ``[s, b, np/tp · hn]`` in the input dtype, heads in query order.
+        i uses K/V group ``i // (np/ng)``); attention_mask ``[b, 1, s, s]`` bool, True = masked, or a
+        `mptrain.layers.document_mask.DocumentMask` (``data.reset_attention_mask`` without the dense mask:
+        causal within documents, `document_attention` computes it), or None for plain causal; context
+        ``[s, b, np/tp · hn]`` in the input dtype, heads in query order.
     Scale 1/sqrt(hn) unless the core decides otherwise. Attention dropout (``config.attention_dropout``,
     only while ``self.training``) is inside a TP region: draw it in ``rng_tracker.fork()`` unless
     ``context.sequence_parallel`` (the trainer already runs the whole block in that fork). The trainer wraps
@@ -183,7 +190,9 @@ class DotProductAttention(torch.nn.Module):
         sliced = in_graph and self.tp_size > 1
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
             half = q.dtype in HALF_DTYPES
-            if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
+            if isinstance(attention_mask, DocumentMask):  # per device: FlexAttention or per-document SDPA
+                out = document_attention(q, k, v, attention_mask, dropout_p=dropout_p)
+            elif half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
                 out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop)
             elif self._use_unfused(q) or sliced:
                 out = unfused_attention(q, k, v, attention_mask, dropout_p, drop)
@@ -236,8 +245,8 @@ class SelfAttention(torch.nn.Module):
             to every child node. layer_number: global 0-based layer index. rng_tracker: RNGStatesTracker.
         submodules: the spec node's ``submodules`` (linear_qkv, core_attention, linear_proj); None =
             the default `mptrain.config.model.SelfAttentionSubmodules`.
-    forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, or None for
-    causal) -> ``[s(/tp), b, h]`` (projection bias added).
+    forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, a `DocumentMask`, or None
+    for causal) -> ``[s(/tp), b, h]`` (projection bias added).
     """
 
     def __init__(self, config, context: LayerContext, *, layer_number: int, rng_tracker, submodules=None) -> None:

@@ -1,0 +1,138 @@
+"""Document masking without an s × s mask (`mptrain.layers.document_mask`, ``data.reset_attention_mask``).
+
+- A document-masked model's logits equal each document run alone (per token, fp32, 1e-6).
+- `document_attention` equals softmax attention under the dense mask, on whole sequences and on shifted
+  query / key blocks (the offsets a context-parallel ring step passes), log-sum-exp included, for both
+  backends (FlexAttention runs eagerly on CPU: its mask_mod and block mask are the CUDA path's).
+- The batch's ``cu_seqlens`` are the dense mask's documents; a bad one is one line naming the key.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mptrain.data.collate import collate, document_offsets
+from mptrain.layers.document_mask import DocumentMask, document_attention, document_backend
+
+EOD = 0
+
+
+def _tokens(rows: list, s: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """[b, s] ids in [1, vocab) with EOD at each row's given positions."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, vocab, (len(rows), s), generator=g)
+    for r, eods in enumerate(rows):
+        tokens[r, eods] = EOD
+    return tokens
+
+
+def _model(position_embedding_type: str):
+    from mptrain.checkpoint.offline import single_rank_groups
+    from mptrain.config.model import ModelConfig
+    from mptrain.config.parallel import ParallelConfig
+    from mptrain.layers.gpt import build_model_chunks
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, max_position_embeddings=24,
+                      position_embedding_type=position_embedding_type, hidden_dropout=0.0, attention_dropout=0.0)
+    return build_model_chunks(cfg, ParallelConfig(), single_rank_groups(), vocab_size=50, seed=3)[0].eval()
+
+
+@pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
+def test_document_masked_logits_equal_each_document_alone(position_embedding_type):
+    s = 24
+    tokens = _tokens([[4, 5, 15], [22], [23]], s, vocab=50)  # a one-token document; an EOD last (no new start)
+    batch = collate([(np.append(t, 1), np.ones(s + 1, bool)) for t in tokens.numpy()], eod=EOD,
+                    reset_position_ids=True, reset_attention_mask=True, create_attention_mask=False)
+    assert batch["attention_mask"] is None
+    model = _model(position_embedding_type)
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["position_ids"], DocumentMask(batch["cu_seqlens"]))  # [b, s, V_pad]
+        pieces = 0
+        for r, row in enumerate(batch["cu_seqlens"].tolist()):
+            for a, z in zip(row[:-1], row[1:]):
+                if z == a:
+                    continue
+                alone = model(batch["tokens"][r:r + 1, a:z], torch.arange(z - a)[None])  # causal, no mask
+                assert (logits[r, a:z] - alone[0]).abs().max().item() <= 1e-6, (r, a, z)
+                pieces += 1
+    assert pieces == 7
+    with torch.no_grad():  # and the documents matter: the plain causal run differs
+        assert (model(batch["tokens"], batch["position_ids"]) - logits).abs().max() > 1e-2
+
+
+def _dense_attention(q, k, v, masked):
+    """softmax(q·kᵀ/√d, masked → -inf)·v and the log-sum-exp, fp32; rows with no key: 0 and -inf."""
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(masked, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse[..., None]).nan_to_num(0.0) @ v, lse
+
+
+CU = torch.tensor([[0, 5, 17, 18] + [40] * 37, [0] + [40] * 40])  # b = 2, s = 40; one sequence is one document
+BLOCKS = [(0, 40, 0, 40), (10, 20, 0, 20), (20, 20, 0, 20), (0, 20, 20, 20), (16, 8, 8, 16), (10, 10, 15, 20)]
+"""(q0, nq, k0, nk): query and key blocks; the last two hold queries that see none of the block's keys."""
+
+
+@pytest.mark.parametrize("backend", ["per_document", "flex"])
+def test_document_attention_equals_the_dense_mask_on_shifted_blocks(backend):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 8) for _ in range(3))
+    mask = DocumentMask(CU)
+    dense = mask.dense()  # [b, 1, s, s], True = masked
+    assert torch.equal(dense, collate_dense(CU))
+    unseen = 0
+    for q0, nq, k0, nk in BLOCKS:
+        want, want_lse = _dense_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk],
+                                          dense[:, :, q0:q0 + nq, k0:k0 + nk])
+        out, lse = document_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk], mask,
+                                      q_offset=q0, kv_offset=k0, return_lse=True, backend=backend)
+        assert (out - want).abs().max().item() <= 1e-6, (q0, k0)
+        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), (q0, k0)  # a query seeing no key: -inf
+        unseen += int(torch.isinf(lse).sum())
+        assert (lse - want_lse).nan_to_num(0.0).abs().max().item() <= 1e-5, (q0, k0)
+        if q0 == k0 and nq == nk:
+            plain = document_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk], mask,
+                                       q_offset=q0, kv_offset=k0, backend=backend)
+            assert (plain - want).abs().max().item() <= 1e-6
+    assert unseen == 2 * 3 * (20 + 5)  # (0, 20, 20, 20): every query; (10, 10, 15, 20): queries 10..14
+
+
+def collate_dense(cu: torch.Tensor) -> torch.Tensor:
+    """The data path's dense mask of the token rows whose EODs end the documents of ``cu``."""
+    s = cu.shape[1] - 1
+    tokens = np.ones((cu.shape[0], s + 1), dtype=np.int64)
+    for r, row in enumerate(cu.tolist()):
+        for start in row[1:]:
+            if start < s:
+                tokens[r, start - 1] = EOD
+    batch = collate([(t, np.ones(s + 1, bool)) for t in tokens], eod=EOD, reset_attention_mask=True)
+    assert torch.equal(batch["cu_seqlens"], cu)  # the offsets collate makes are the ones given
+    return batch["attention_mask"]
+
+
+def test_document_offsets_and_backend_choice():
+    tokens = np.array([[5, EOD, EOD, 7, EOD], [1, 2, 3, 4, 5], [EOD, 1, 2, 3, 4]])
+    assert document_offsets(tokens, EOD).tolist() == [[0, 2, 3, 5, 5, 5], [0, 5, 5, 5, 5, 5], [0, 1, 5, 5, 5, 5]]
+    assert DocumentMask(torch.from_numpy(document_offsets(tokens, EOD))).document_ids().tolist() == [
+        [0, 0, 1, 2, 2], [0, 0, 0, 0, 0], [0, 1, 1, 1, 1]]
+    assert document_backend(torch.device("cpu"), head_dim=64) == "per_document"
+    assert document_backend(torch.device("cuda"), head_dim=64) == "flex"
+    assert document_backend(torch.device("cuda"), head_dim=64, dropout_p=0.1) == "per_document"
+    assert document_backend(torch.device("cuda"), head_dim=512) == "per_document"
+
+
+def test_a_bad_cu_seqlens_is_one_line():
+    from mptrain.training.batch import BatchError, check_batch
+
+    s, b = 6, 2
+    good = collate([(np.array([3, EOD, 4, 5, 6, 7, 8]), np.ones(7, bool))] * b, eod=EOD, reset_attention_mask=True,
+                   create_attention_mask=False)
+    expect = dict(micro_batch_size=b, seq_length=s, vocab_size=10, with_attention_mask=True, source="my.Provider",
+                  document_offsets=True)
+    check_batch(good, **expect)
+    with pytest.raises(BatchError, match=r"cu_seqlens is NoneType, expected \[2, 7\] torch.int64 "
+                                         r"\(data.reset_attention_mask=true.*data.create_attention_mask_in_dataloader"):
+        check_batch({**good, "cu_seqlens": None}, **expect)
+    with pytest.raises(BatchError, match="cu_seqlens rows must start at 0, never decrease and end at s=6"):
+        check_batch({**good, "cu_seqlens": good["cu_seqlens"].flip(1)}, **expect)
