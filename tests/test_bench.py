@@ -239,3 +239,15 @@ def test_kernel_categories_of_the_profile_split():
         "Command Buffer Full": "other",
     }
     assert {name: profile_report.kernel_category(name) for name in cases} == cases
+
+
+def test_document_attention_bench_smoke(capsys):
+    import document_attention
+
+    rows = document_attention.main(["--smoke"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == rows and [r["variant"] for r in rows] == ["causal", "documents", "dense"]
+    docs = rows[1]
+    assert docs["backend"] == "per_document" and docs["max_abs_diff"] == 0.0 and docs["documents"] > 1
+    assert all(r["time_ms"] > 0 and r["seq_length"] == 256 and "error" not in r for r in rows)
+    assert docs["time_vs_causal"] == docs["time_ms"] / rows[0]["time_ms"]
