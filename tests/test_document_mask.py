@@ -148,7 +148,8 @@ def test_a_bad_cu_seqlens_is_one_line():
 # sample holds 2-3 documents, cut at a different place in each sample
 DOCS = ["model=tiny", "model.num_layers=2", "model.seq_length=32", "data=mock", "data.vocab_size=13",
         "data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true",
-        "train.train_iters=3", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=null"]
+        "train.train_iters=3", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_interval=3",
+        "train.eval_iters=1"]
 
 
 def _kernels(run_dir) -> str:
@@ -165,23 +166,33 @@ def dense_run(tmp_path_factory):
     run_distributed(run_job, 1, DOCS + ["parallel=tp1pp1", "data.create_attention_mask_in_dataloader=true",
                                         f"run.dir={run_dir}"])
     assert "attention=dense [b,1,s,s] mask (data.create_attention_mask_in_dataloader=true)" in _kernels(run_dir)
-    return read_rows(run_dir)
+    return {split: read_rows(run_dir, split) for split in ("train", "valid", "test")}
 
 
-@pytest.mark.parametrize("world,parallel", [(1, "tp1pp1"), (2, "tp2pp1"), (2, "tp1pp2")])
-def test_training_with_document_offsets_equals_the_dense_mask(dense_run, tmp_path, world, parallel):
+@pytest.mark.parametrize("world,parallel,extra", [
+    (1, "tp1pp1", []),
+    (1, "tp1pp1", ["model.recompute_granularity=selective"]),  # the core attention replayed in backward
+    (2, "tp2pp1", ["parallel.sequence_parallel=true"]),  # cu_seqlens broadcast within TP with the token ids
+    (2, "tp1pp2", []),  # every stage reads its micro-batch's documents
+])
+def test_training_with_document_offsets_equals_the_dense_mask(dense_run, tmp_path, world, parallel, extra):
     from harness import run_distributed
     from train_utils import read_rows, run_job
 
     run_dir = tmp_path / "run"
-    run_distributed(run_job, world, DOCS + [f"parallel={parallel}", f"run.dir={run_dir}"])
+    run_distributed(run_job, world, DOCS + [f"parallel={parallel}", f"run.dir={run_dir}", *extra])
     assert "attention=documents (per-document SDPA is_causal, on cpu)" in _kernels(run_dir)
     rows = read_rows(run_dir)
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    for want, got in zip(dense_run, rows):
+    for want, got in zip(dense_run["train"], rows):
         assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5), (parallel, want["iteration"])
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (parallel, want["iteration"])
-    if parallel == "tp1pp1":  # the documents matter: plain causal attention trains other numbers
+    for split in ("valid", "test"):  # evaluation (forward only) reads the same documents
+        got = read_rows(run_dir, split)
+        assert [r["iteration"] for r in got] == [r["iteration"] for r in dense_run[split]] and got, split
+        for want, row in zip(dense_run[split], got):
+            assert row["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5), (parallel, split, want["iteration"])
+    if parallel == "tp1pp1" and not extra:  # the documents matter: plain causal attention trains other numbers
         causal = tmp_path / "causal"
         run_distributed(run_job, 1, DOCS + [f"parallel={parallel}", "data.reset_attention_mask=false",
                                             f"run.dir={causal}"])
