@@ -125,6 +125,9 @@ def test_document_offsets_and_backend_choice():
     assert document_backend(torch.device("cuda"), head_dim=64) == "flex"
     assert document_backend(torch.device("cuda"), head_dim=64, dropout_p=0.1) == "per_document"
     assert document_backend(torch.device("cuda"), head_dim=512) == "per_document"
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"queries \[3, 7\) and keys \[0, 4\) must lie in the mask's sequence of 5"):
+        document_attention(q, q, q, DocumentMask(torch.tensor([[0, 5, 5, 5, 5, 5]])), q_offset=3)
 
 
 def test_a_bad_cu_seqlens_is_one_line():

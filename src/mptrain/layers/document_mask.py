@@ -16,11 +16,13 @@ Two exact backends, chosen per device (`document_backend`):
 
 * ``flex`` (CUDA): ``torch.nn.attention.flex_attention`` under ``torch.compile`` with a ``BlockMask``
   built from the document ids (``create_block_mask``, compiled). Tiles of 128 × 128 that no query may
-  see (another document, or above the diagonal) are skipped, so time and memory follow the documents,
-  not s² (Dong et al. 2024, "Flex Attention"; torchtitan's document masking). The block mask is built
-  once per micro-batch (`DocumentMask.prepare`, before the layers run) and shared by every layer.
-* ``per_document`` (CPU, and attention dropout, which FlexAttention lacks): one
-  ``scaled_dot_product_attention(is_causal=True)`` per document slice, i.e. each document alone.
+  see (another document, or above the diagonal) are skipped, so time follows the documents, not s²
+  (Dong et al. 2024, "Flex Attention"; torchtitan's document masking); the block mask holds tile indices,
+  ``[b, 1, s/128, s/128]`` int32 (1 MiB per sequence at s = 64k, where the dense mask is 4 GiB). It is
+  built once per micro-batch (`DocumentMask.prepare`, before the layers run) and shared by every layer.
+* ``per_document`` (CPU; on CUDA with attention dropout, which FlexAttention lacks, or a head dim above
+  256): one ``scaled_dot_product_attention(is_causal=True)`` per document slice, i.e. each document alone.
+  A Python loop over the documents: inside a compiled region it runs eagerly (``torch.compiler.disable``).
 
 Offsets: `document_attention` takes the positions of its query and key blocks within the sequence
 (``q_offset``, ``kv_offset``), so a caller holding a slice of the sequence (a context-parallel ring step)
@@ -156,8 +158,11 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     Returns:
         ``[b, heads, s_q, hn]`` in q's dtype (and the log-sum-exp with ``return_lse``).
     Raises:
-        ValueError: an unknown backend, or ``dropout_p > 0`` with ``flex``.
+        ValueError: an unknown backend, ``dropout_p > 0`` with ``flex``, or a block reaching past the sequence.
     """
+    if q_offset + q.shape[2] > mask.seq_length or kv_offset + k.shape[2] > mask.seq_length:
+        raise ValueError(f"document_attention: queries [{q_offset}, {q_offset + q.shape[2]}) and keys [{kv_offset}, "
+                         f"{kv_offset + k.shape[2]}) must lie in the mask's sequence of {mask.seq_length} positions")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend is None:
         backend = document_backend(q.device, head_dim=q.shape[-1], dropout_p=dropout_p)

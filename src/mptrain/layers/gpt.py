@@ -29,8 +29,8 @@ from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.attention import check_attention_backend, rotary_dim
 from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
 from mptrain.layers.context import LayerContext, layer_context
-from mptrain.layers.document_mask import DocumentMask, document_backend
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
+from mptrain.layers.document_mask import DocumentMask, document_backend
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.linear import column_parallel_linear
