@@ -103,6 +103,22 @@ def test_document_attention_equals_the_dense_mask_on_shifted_blocks(backend, mon
     assert unseen == 2 * 3 * (20 + 5)  # (0, 20, 20, 20): every query; (10, 10, 15, 20): queries 10..14
 
 
+def test_an_explicit_core_plugin_takes_the_document_mask_in_dense_form():
+    from types import SimpleNamespace
+
+    from mptrain_plugins.attention import SlidingWindowAttention
+
+    core = SlidingWindowAttention(config=SimpleNamespace(attention_dropout=0.0),
+                                  context=SimpleNamespace(sequence_parallel=False))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(40, 2, 3, 8) for _ in range(3))  # [s, b, heads, hn]
+    mask = DocumentMask(CU)
+    want = document_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), mask)  # [b, heads, s, hn]
+    got = core(q, k, v, mask).view(40, 2, 3, 8).permute(1, 2, 0, 3)
+    assert (got - want).abs().max().item() <= 1e-6
+    assert torch.equal(core(q, k, v, mask), core(q, k, v, mask.dense()))
+
+
 def collate_dense(cu: torch.Tensor) -> torch.Tensor:
     """The data path's dense mask of the token rows whose EODs end the documents of ``cu``."""
     s = cu.shape[1] - 1
