@@ -71,7 +71,7 @@ def _dense_attention(q, k, v, masked):
 
 CU = torch.tensor([[0, 5, 17, 18] + [40] * 37, [0] + [40] * 40])  # b = 2, s = 40; one sequence is one document
 BLOCKS = [(0, 40, 0, 40), (10, 20, 0, 20), (20, 20, 0, 20), (0, 20, 20, 20), (16, 8, 8, 16), (10, 10, 15, 20)]
-"""(q0, nq, k0, nk): query and key blocks; the last two hold queries that see none of the block's keys."""
+"""(q0, nq, k0, nk): query and key blocks; (0, 20, 20, 20) and (10, 10, 15, 20) hold queries that see none of their keys."""
 
 
 @pytest.mark.parametrize("backend", ["per_document", "flex"])
@@ -85,7 +85,7 @@ def test_document_attention_equals_the_dense_mask_on_shifted_blocks(backend, mon
     q, k, v = (torch.randn(2, 3, 40, 8) for _ in range(3))
     mask = DocumentMask(CU)
     dense = mask.dense()  # [b, 1, s, s], True = masked
-    assert torch.equal(dense, collate_dense(CU))
+    assert torch.equal(dense, _collate_dense(CU))
     unseen = 0
     for q0, nq, k0, nk in BLOCKS:
         want, want_lse = _dense_attention(q[:, :, q0:q0 + nq], k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk],
@@ -119,7 +119,7 @@ def test_an_explicit_core_plugin_takes_the_document_mask_in_dense_form():
     assert torch.equal(core(q, k, v, mask), core(q, k, v, mask.dense()))
 
 
-def collate_dense(cu: torch.Tensor) -> torch.Tensor:
+def _collate_dense(cu: torch.Tensor) -> torch.Tensor:
     """The data path's dense mask of the token rows whose EODs end the documents of ``cu``."""
     s = cu.shape[1] - 1
     tokens = np.ones((cu.shape[0], s + 1), dtype=np.int64)
