@@ -239,3 +239,52 @@ def test_kernel_categories_of_the_profile_split():
         "Command Buffer Full": "other",
     }
     assert {name: profile_report.kernel_category(name) for name in cases} == cases
+
+
+def test_x8_suite_rows_calls_and_needs(tmp_path, monkeypatch, capsys):
+    """The 8-GPU suite (no process starts): its rows, one `-m` job for the layout sweep, device calls that keep
+    a config with its megatron-core run and stay within the budget, and a row whose override names a key the
+    config schema lacks marked ``needs`` with that key (the schema decides, here a schema without one key)."""
+    import x8
+
+    cfgs = bc.suite("x8", 8)
+    names = [c.name for c in cfgs]
+    # design 1, sweep 4, interleaved 2, scaling 2 × (1 + 3 × 3 + HSDP) = 22, CP 6, EP 3
+    assert len(names) == len(set(names)) == 38 and names[0] == "x8_seed_fp16_tp2pp4"
+    seed = cfgs[0]
+    assert (seed.layout, seed.precision, seed.warmup + seed.iters) == ("tp2pp4dp1", "fp16", 50)
+    by_name = {c.name: c for c in cfgs}
+    assert by_name["x8_gpt6.7b_tp4pp2vpp2"].layout == "tp4pp2vpp2dp1"
+    assert by_name["x8_s128k_cp4"].layout == "tp1pp1cp4dp1" and by_name["x8_moe_tp2ep4"].layout == "tp2pp1dp4ep4"
+    assert [c.gpus for c in cfgs if c.name.startswith("x8_gpt1.3b_n")] == [1] + [2] * 4 + [4] * 4 + [8] * 4 + [8]
+    assert [c.name for c in bc.suite("x8", 2) if c.name.startswith("x8_gpt1.3b_n")] == [
+        "x8_gpt1.3b_n1_ddp", "x8_gpt1.3b_n2_ddp", "x8_gpt1.3b_n2_zero1", "x8_gpt1.3b_n2_zero2", "x8_gpt1.3b_n2_zero3"]
+
+    assert x8.needs(["model=tiny", "parallel.use_distributed_optimizer=true", "parallel.no_such_key=1"]) == [
+        "parallel.no_such_key"]
+    monkeypatch.setattr(x8, "schema_keys", lambda: frozenset(
+        k for k in x8.schema_keys.__wrapped__() if k != "parallel.expert_model_parallel_size"))
+    jobs = run_bench.plan(cfgs, suite_name="x8", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)
+    needing = {j["cfg"].name for j in jobs if j["needs"] == ["parallel.expert_model_parallel_size"]}
+    assert needing == {"x8_moe_ep8", "x8_moe_tp2ep4"}
+    assert all(x8.estimate_s(j) == 0 for j in jobs if j["needs"]) and x8.estimate_s(jobs[0]) > 0
+
+    (sweep,) = [j for j in jobs if j["kind"] == "sweep"]
+    assert sweep["argv"][sweep["argv"].index(str(ROOT / "bench" / "mptrain_entry.py")) + 1] == "-m"
+    assert "parallel=tp1pp8,tp2pp4,tp4pp2,tp8pp1" in sweep["argv"] and not any(a.startswith("schedule=") for a in sweep["argv"])
+    calls = x8.split_calls(jobs)
+    assert [i for call in calls for i in call] == list(range(len(jobs)))  # every job once, in suite order
+    call_of = {i: k for k, call in enumerate(calls) for i in call}
+    peers = [i for i, j in enumerate(jobs) if j["kind"] == "peer"]
+    assert len(peers) == 6
+    for i in peers:  # megatron-core runs in the call of mptrain's run of the same config (the sweep's, for its layouts)
+        (ours,) = [k for k, j in enumerate(jobs) if j["kind"] in ("mptrain", "sweep")
+                   and jobs[i]["cfg"].name in [c.name for c in j.get("cfgs") or [j["cfg"]]]]
+        assert call_of[i] == call_of[ours]
+    for call in calls:
+        assert sum(x8.estimate_s(jobs[i]) for i in call) <= x8.CALL_BUDGET_S or len(x8.units([jobs[i] for i in call])) == 1
+    assert run_bench.main(["--suite", "x8", "--plan", "--out", str(tmp_path / "r.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("## call ") == len(x8.split_calls(run_bench.plan(
+        bc.suite("x8", 8), suite_name="x8", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)))
+    assert "--suite x8 --call 1 --out $OUT/results.jsonl" in out
