@@ -174,7 +174,7 @@ def planner_prediction(cfg: BenchConfig, variant: str) -> dict:
         rec = plan_layout(c, layout, c.hardware, vocab_size=vocab)
     except Exception as err:  # noqa: BLE001 -- a refusal is the column's value, the row still runs
         return {"planned_error": str(err).splitlines()[0][:200] if str(err) else type(err).__name__}
-    return {"planned_mem_gib": round(rec["memory_gib"]["total"], 2), "planned_step_s": round(rec["step_time_s"], 4)}
+    return {"planned_mem_gib": float(f"{rec['memory_gib']['total']:.4g}"), "planned_step_s": float(f"{rec['step_time_s']:.4g}")}
 
 
 def does_not_fit(cfg: BenchConfig, prediction: dict, gpu_mem_gib: Optional[float]) -> Optional[str]:
