@@ -215,6 +215,7 @@ class BenchConfig:
     sweep: Optional[str] = None  # configs with the same sweep name run as one `-m` job over `parallel=`
     fit_check: bool = True  # skip when the planner's memory exceeds the GPU's (keys it models only)
     profile: tuple = ()  # variants also run once profiled (a separate run: kernel time by category)
+    baseline: Optional[str] = None  # config whose tokens/s/GPU of the same call this row is divided by
 
     @property
     def shape(self) -> ModelShape:
@@ -410,16 +411,19 @@ def _x8(gpus: int) -> list:
     rows += [BenchConfig(f"x8_gpt6.7b_tp{tp}pp{pp}vpp2", "gpt_6.7b", 8, tp, pp, 1, 16, "bf16", warmup=3, iters=6,
                          vpp=2, **{**d, "peer": True})
              for tp, pp in ((2, 4), (4, 2))]
-    # weak scaling: the same micro-batches per GPU on 1, 2, 4, 8 GPUs; ZeRO-n equals DDP on one GPU
+    # weak scaling: the same micro-batches per GPU on 1, 2, 4, 8 GPUs; ZeRO-n equals DDP on one GPU; each row
+    # divided by the one-GPU DDP row of its own call (efficiency)
     for model, short, mbs, m, recompute, warmup, iters in (("gpt_1.3b", "gpt1.3b", 4, 4, None, 3, 8),
                                                            ("gpt_6.7b", "gpt6.7b", 1, 16, "full", 2, 4)):
         for n in (1, 2, 4, 8):
             for sharding in ("ddp", "zero1", "zero2", "zero3") if n > 1 else ("ddp",):
                 rows.append(BenchConfig(f"x8_{short}_n{n}_{sharding}", model, n, 1, 1, mbs, m, "bf16", warmup=warmup,
                                         iters=iters, recompute=recompute, overrides=SHARDING[sharding],
-                                        fit_check=sharding in PLANNED_SHARDING, **d))
+                                        fit_check=sharding in PLANNED_SHARDING,
+                                        baseline=None if n == 1 else f"x8_{short}_n1_ddp", **d))
         rows.append(BenchConfig(f"x8_{short}_n8_hsdp2x4", model, 8, 1, 1, mbs, m, "bf16", warmup=warmup, iters=iters,
-                                recompute=recompute, overrides=SHARDING["hsdp2x4"], fit_check=False, **d))
+                                recompute=recompute, overrides=SHARDING["hsdp2x4"], fit_check=False,
+                                baseline=f"x8_{short}_n1_ddp", **d))
     # context parallelism: one sequence per step on cp GPUs (dp 1); 128k recomputes every layer to fit
     for model, recompute in (("gpt_1.3b_s32k", None), ("gpt_1.3b_s128k", "full")):
         rows += [BenchConfig(f"x8_{model.split('_')[-1]}_cp{cp}", model, cp, 1, 1, 1, 1, "bf16", warmup=2, iters=4,
@@ -431,9 +435,9 @@ def _x8(gpus: int) -> list:
                profile=("default",), **d)
     rows += [
         BenchConfig("x8_moe_ep1", "moe_mixtral_small", tp=1, **moe),
-        BenchConfig("x8_moe_ep8", "moe_mixtral_small", tp=1, ep=8, **moe),
+        BenchConfig("x8_moe_ep8", "moe_mixtral_small", tp=1, ep=8, baseline="x8_moe_ep1", **moe),
         BenchConfig("x8_moe_tp2ep4", "moe_mixtral_small", tp=2, ep=4, overrides=("parallel.sequence_parallel=true",),
-                    **moe),
+                    baseline="x8_moe_ep1", **moe),
     ]
     return [c for c in rows if c.gpus <= gpus]
 

@@ -137,6 +137,18 @@ def skip_record(train: list) -> dict:
     return {"skipped_iters": skipped, "skips_only_at_start": only_at_start, "loss_falls": falls}
 
 
+def compare_baseline(row: dict, job: dict, ours: dict) -> None:
+    """``baseline_config`` and ``vs_baseline`` (tokens/s/GPU ÷ the baseline's, same variant, same call: the weak-
+    scaling efficiency, or an EP row against ep 1) of a row whose config names a `BenchConfig.baseline`;
+    ``vs_baseline`` None when the baseline has no row of this call."""
+    cfg = next((c for c in job.get("cfgs") or [job["cfg"]] if c is not None and c.name == row["config"]), None)
+    if cfg is None or not cfg.baseline:
+        return
+    ref = ours.get((cfg.baseline, row["variant"]))
+    ratio = row["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"] if ref and ref.get("tokens_per_s_per_gpu") else None
+    row.update(baseline_config=cfg.baseline, vs_baseline=_round(ratio, 4))
+
+
 def compare_losses(row: dict, reference: Optional[dict]) -> None:
     """Add ``loss_max_abs_diff_vs_base``: how far a variant's per-iteration lm_loss is from the ``base``
     variant's (eager) of the same config in the same call. Left out without a reference (and on the
@@ -584,6 +596,7 @@ def main(argv: Optional[list] = None) -> int:
     summary = []
     predict = args.suite == "x8"  # the planner's columns beside each row (and its memory's skip)
     base_rows: dict = {}  # config name -> its mptrain "base" row of this call
+    ours: dict = {}  # (config, variant) -> its mptrain row of this call
     for job in jobs:
         name = job["cfg"].name if job["cfg"] else job["kind"]
         left = args.budget_s - (time.time() - t_start) - 5
@@ -621,6 +634,8 @@ def main(argv: Optional[list] = None) -> int:
                 if row["variant"] == "base":
                     base_rows[row["config"]] = row
                 compare_losses(row, base_rows.get(row["config"]))
+                ours[(row["config"], row["variant"])] = row
+                compare_baseline(row, job, ours)
         if job["kind"] == "profile" and status == "ok":
             print("\n".join(job["profile_file"].read_text().splitlines()[:14]), flush=True)
         with open(out, "a") as f:
@@ -635,14 +650,15 @@ def main(argv: Optional[list] = None) -> int:
             print(f"    {status} in {secs:.0f}s", flush=True)
     print(f"=== SUMMARY call_id={call_id} gpu={env.get('gpu_name')} total {time.time() - t_start:.0f}s")
     print(f"{'trainer':14s} {'config':26s} {'variant':12s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peakGiB':>8s} "
-          f"{'loss 1st/last':>15s} {'dloss':>8s} status")
+          f"{'loss 1st/last':>15s} {'dloss':>8s} {'planGiB':>8s} {'plan s':>7s} {'vs base':>7s} status")
     for r in summary:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         losses = r.get("loss_first_last") or [None, None]
         loss = "/".join("-" if v is None else f"{v:.4f}" for v in losses)
         print(f"{r['trainer']:14s} {r['config']:26s} {r['variant']:12s} {str(r['tokens_per_s_per_gpu']):>10s} "
               f"{str(r['tflops_per_gpu']):>8s} {mfu:>6s} {str(r['peak_mem_gib']):>8s} {loss:>15s} "
-              f"{str(r.get('loss_max_abs_diff_vs_base', '-')):>8s} {r['status']}")
+              f"{str(r.get('loss_max_abs_diff_vs_base', '-')):>8s} {str(r.get('planned_mem_gib', '-')):>8s} "
+              f"{str(r.get('planned_step_s', '-')):>7s} {str(r.get('vs_baseline', '-')):>7s} {r['status']}")
     return 0
 
 

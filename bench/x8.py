@@ -108,19 +108,48 @@ def units(jobs: list) -> list:
     return out
 
 
-def split_calls(jobs: list, budget_s: float = CALL_BUDGET_S) -> list:
-    """Lists of job indices, one per device call: units in order, a new call when the next unit would take the
-    call past ``budget_s`` (a unit alone longer than that gets its own call)."""
-    calls: list = []
-    spent = budget_s
+def _cfgs(job: dict) -> list:
+    return [c for c in job.get("cfgs") or [job["cfg"]] if c is not None]
+
+
+def blocks(jobs: list, budget_s: float = CALL_BUDGET_S) -> list:
+    """`units` with each unit whose config names a `BenchConfig.baseline` joined to the block before it when that
+    block holds the baseline and the two fit one call together (a baseline and its rows measured on one machine)."""
+    out: list = []
     for unit in units(jobs):
-        cost = sum(estimate_s(jobs[i]) for i in unit)
-        if calls and spent + cost <= budget_s:
-            calls[-1] += unit
-            spent += cost
+        baselines = {c.baseline for i in unit for c in _cfgs(jobs[i]) if c.baseline}
+        last = {c.name for i in out[-1] for c in _cfgs(jobs[i])} if out else set()
+        if baselines and baselines <= last and sum(estimate_s(jobs[i]) for i in out[-1] + unit) <= budget_s:
+            out[-1] += unit
         else:
-            calls.append(list(unit))
-            spent = cost
+            out.append(list(unit))
+    return out
+
+
+def split_calls(jobs: list, budget_s: float = CALL_BUDGET_S) -> list:
+    """Lists of job indices, one per device call: each of the `blocks`, in suite order, goes to the first call
+    it fits (estimated seconds within ``budget_s``), else opens a call (a block alone longer than that gets its
+    own). A block whose config names a baseline that the call lacks brings the baseline's mptrain run into that
+    call, first (ratios are taken within one call, on one machine), so a baseline may run in several calls."""
+    first_run = {}
+    for i, job in enumerate(jobs):
+        if job["kind"] in ("mptrain", "sweep"):
+            for c in _cfgs(job):
+                first_run.setdefault(c.name, i)
+    calls: list = []
+    for block in blocks(jobs, budget_s):
+        wanted = dict.fromkeys(c.baseline for i in block for c in _cfgs(jobs[i]) if c.baseline in first_run)
+        extra = [first_run[b] for b in wanted if first_run[b] not in block]
+
+        def cost(call: list) -> float:
+            return sum(estimate_s(jobs[i]) for i in call + block + [i for i in extra if i not in call])
+
+        call = next((c for c in calls if cost(c) <= budget_s), None)
+        if call is None:
+            call = []
+            calls.append(call)
+        call[:0] = [i for i in extra if i not in call]  # the baseline first: its row divides the rows after it
+        call += block
     return calls
 
 
