@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Run mptrain and the megatron-core peer on the same configs in one run; append JSON rows.
 
-    python3 bench/run_bench.py --suite quick|full|ceiling --out $OUT/results.jsonl --call-id ID \
+    python3 bench/run_bench.py --suite quick|full|ceiling|small|fp8|x8 --out $OUT/results.jsonl --call-id ID \
         [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
+        [--plan] [--call K] [--dry-run-cpu]
+
+``--plan`` splits the selected jobs into device calls by estimated seconds and prints them, ``--call K`` runs
+the K-th, ``--dry-run-cpu`` runs the selected rows' first steps on CPU with a stand-in model (`bench/x8.py`).
+A row whose override names a key the config schema lacks is recorded as ``needs: <key>`` without running.
 
 For each config of `bench/configs.py` (in priority order) it runs
   * mptrain: ``torchrun --standalone --nproc_per_node=N bench/mptrain_entry.py <overrides>`` (train.py
@@ -560,8 +565,6 @@ def main(argv: Optional[list] = None) -> int:
             return 2
         chosen = tuple(sorted(chosen, key=lambda v: v != "base"))  # base first: the loss reference of the others
         configs = [dataclasses.replace(c, variants=chosen) for c in configs]
-    if args.dry_run_cpu:
-        configs = [cpu_config(c) for c in configs]
     out = Path(args.out).resolve()
     log_dir = out.parent / "bench_logs" / call_id
     jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers,
@@ -576,7 +579,10 @@ def main(argv: Optional[list] = None) -> int:
             print(f"run_bench: --call {args.call}: the plan has calls 1..{len(calls)} (--plan lists them)", file=sys.stderr)
             return 2
         jobs = [jobs[i] for i in calls[args.call - 1]]
-    if args.dry_run_cpu:
+    if args.dry_run_cpu:  # the selected configs again, on the stand-in model (the calls are the real configs')
+        names = {c.name for j in jobs for c in j.get("cfgs") or [j["cfg"]] if c is not None}
+        jobs = plan([cpu_config(c) for c in configs if c.name in names], suite_name=args.suite, log_dir=log_dir,
+                    python=args.python, trainers=trainers, probe=False, reference=False)
         log_dir.mkdir(parents=True, exist_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         env = {"gpu_name": None, "time_utc": call_id}

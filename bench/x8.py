@@ -17,8 +17,9 @@ and the CPU dry run.
 * CPU dry run: every runnable row with its model replaced by an 8-layer, 8-head stand-in (``tiny_x8``,
   ``moe_tiny_x8`` with 8 experts; the layout kept), micro batch 1, 1 warm-up + 1 timed iteration, gloo. Rows
   of one world size run one after another in one launch (`bench/x8_rows.py`: the sweeps' reuse of the default
-  process group), a sweep as its own ``-m`` launch of `bench/mptrain_entry.py`, so 2 cores start Python 8
-  times per world size, not per row. megatron-core and the profiled runs are GPU-only and listed as such.
+  process group), smallest world first (the baselines), a sweep as its own ``-m`` launch of
+  `bench/mptrain_entry.py`, so 2 cores start Python once per rank and world size, not per row. megatron-core and
+  the profiled runs are GPU-only and listed as such.
 """
 
 from __future__ import annotations
@@ -252,9 +253,10 @@ def run_cpu(jobs: list, *, rb, python: str, log_dir: Path, env: dict, call_id: s
             print(f"# {name} [{job['trainer']}]: GPU only (not run on CPU)")
     launches = [cpu_rows_job([j for j in runnable if j["kind"] == "mptrain" and j["cfg"].gpus == w], w,
                              python=python, log_dir=log_dir, torchrun=rb.torchrun)
-                for w in sorted({j["cfg"].gpus for j in runnable if j["kind"] == "mptrain"}, reverse=True)]
+                for w in sorted({j["cfg"].gpus for j in runnable if j["kind"] == "mptrain"})]
     launches += [j for j in runnable if j["kind"] == "sweep"]
     failures = 0
+    ours: dict = {}  # (config, variant) -> row: the baselines (one-GPU rows first: launches by world size)
     with open(out, "a") as f:
         for launch in launches:
             what = f"world {launch['world']}: {len(launch['jobs'])} rows" if launch["kind"] == "rows" else "sweep"
@@ -268,11 +270,14 @@ def run_cpu(jobs: list, *, rb, python: str, log_dir: Path, env: dict, call_id: s
                     rows = rb.failed_rows(job, env=env, call_id=call_id, status="failed", detail=f"{err!r} (rc={rc})")
                     print(f"    FAILED {job['cfg'].name}: {err!r}; log {launch['log']}", flush=True)
                 for row in rows:
+                    if row["status"] == "ok":
+                        ours[(row["config"], row["variant"])] = row
+                        rb.compare_baseline(row, job, ours)
                     row.update(planner_prediction(job["cfg"] if row["config"] == job["cfg"].name else
                                                   next(c for c in job["cfgs"] if c.name == row["config"]), job["variant"]))
                     f.write(json.dumps(row) + "\n")
                     print(f"    {row['status']}: {row['config']} {row['layout']} loss {row.get('loss_first_last')} "
-                          f"skipped {row.get('skipped_iters')} planned {row.get('planned_mem_gib')} GiB "
+                          f"skipped {row.get('skipped_iters')} vs baseline {row.get('vs_baseline', '-')} planned {row.get('planned_mem_gib')} GiB "
                           f"{row.get('planned_step_s')} s {row.get('planned_error', '')}", flush=True)
             print(f"    ({secs:.0f} s)", flush=True)
     print(f"=== CPU dry run: {len(runnable)} jobs in {len(launches)} launches, {failures} failed, "

@@ -228,6 +228,7 @@ def test_kernel_categories_of_the_profile_split():
     CUTLASS kernels before GEMM, compiled Triton kernels apart from eager elementwise ones)."""
     cases = {
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "nccl send/recv (all-to-all, p2p)",
         "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention (flash/mem-efficient)",
         "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
         "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32": "gemm",
