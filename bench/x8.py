@@ -7,10 +7,12 @@ and the CPU dry run.
 
 * ``needs``: a row whose Hydra overrides name a key that the config schema (`mptrain.config.schema.Config`)
   does not have is not run; its row says ``needs: <key>`` and it runs once the key exists.
-* Calls: the jobs in suite order, a config's mptrain and megatron-core jobs (and a sweep's jobs) kept in one
-  call, packed while the estimated seconds stay within `CALL_BUDGET_S` (a device command is capped at 600 s).
-  Estimates (`estimate_s`) are assumptions to be replaced by the first call's wall times: start-up, compile,
-  and iterations at `ASSUMED_MFU` of the dense bf16 peak through the pipeline bubble.
+* Calls (`split_calls`): a config's mptrain and megatron-core jobs (a sweep's jobs) stay in one call, a baseline
+  (`BenchConfig.baseline`: the row's ``vs_baseline`` divisor) with its rows where they fit, else re-run first in
+  each call that needs it; blocks go first-fit, in suite order, into calls of at most `CALL_BUDGET_S` estimated
+  seconds (a device command is capped at 600 s). Estimates (`estimate_s`) are assumptions to be replaced by the
+  first call's wall times: start-up, compile, and iterations at `ASSUMED_MFU` of the dense bf16 peak through
+  the pipeline bubble.
 * The planner's columns: `mptrain.planner` on the row's own config (``planned_mem_gib``: the busiest stage's
   total; ``planned_step_s``: its assumed-hardware step time), and the skip of a row whose planned memory
   exceeds the GPU's (rows with `BenchConfig.fit_check`, the sharding the planner models).
