@@ -607,7 +607,8 @@ def main(argv: Optional[list] = None) -> int:
         name = job["cfg"].name if job["cfg"] else job["kind"]
         left = args.budget_s - (time.time() - t_start) - 5
         rows: list = []
-        prediction = planner_prediction(job["cfg"], job["variant"]) if predict and job["kind"] == "mptrain" else {}
+        prediction = (planner_prediction(job["cfg"], job["variant"]) if predict and job["kind"] == "mptrain"
+                      and not job.get("needs") else {})
         unfit = does_not_fit(job["cfg"], prediction, env.get("gpu_mem_gib")) if job["kind"] in ("mptrain", "peer") else None
         if job.get("needs") or unfit:
             status, secs = ("needs: " + ", ".join(job["needs"])) if job.get("needs") else f"skipped: {unfit}", 0.0
