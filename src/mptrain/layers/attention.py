@@ -31,12 +31,21 @@ per-document SDPA elsewhere) whatever ``model.attention_backend`` says; no ``s Ã
 
 Spec tree (``model.transformer_layer.submodules.self_attention``, kind `SELF_ATTENTION`): ``linear_qkv``
 (column-parallel), ``core_attention`` (kind `CORE_ATTENTION`, interface `CoreAttention`; default
-`DotProductAttention`, which reads ``model.attention_backend``), ``linear_proj`` (row-parallel).
+`DotProductAttention`, which reads ``model.attention_backend``), ``linear_proj`` (row-parallel), and with
+``model.qk_layernorm`` ``q_layernorm`` / ``k_layernorm`` (kind `mptrain.layers.norms.NORM` over hn).
+
+QK norm (``model.qk_layernorm``; Megatron-core ``SelfAttention``'s ``q_layernorm`` / ``k_layernorm``, Qwen3's
+``q_norm`` / ``k_norm``): after the QKV split and before RoPE, each query head ``[.., hn]`` and each key head is
+normalised over hn by one norm each, weights ``[hn]`` shared by all heads. The weights are replicated over TP but a
+TP rank normalises only its own heads, so their grads are partial sums over TP, all-reduced as the
+sequence-parallel norms' are (``ShardSpec.sequence_parallel_grad``; Megatron's ``finalize_model_grads`` does the
+same for ``q_layernorm`` / ``k_layernorm``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Optional, Protocol
@@ -51,6 +60,7 @@ from mptrain.layers.context import LayerContext
 from mptrain.layers.document_mask import DocumentMask, document_attention
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
+from mptrain.layers.norms import NORM
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
 from mptrain.layers.spec import (COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule,
                                  with_returned_bias)
@@ -238,7 +248,7 @@ def fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop=None):
 
 
 class SelfAttention(torch.nn.Module):
-    """Column-parallel QKV -> (RoPE) -> core attention on np/tp heads -> row-parallel projection.
+    """Column-parallel QKV -> (QK norm) -> (RoPE) -> core attention on np/tp heads -> row-parallel projection.
 
     Args:
         config: ModelConfig. context: `LayerContext` (groups, sequence_parallel, init, ...), handed
@@ -278,6 +288,14 @@ class SelfAttention(torch.nn.Module):
         self.linear_proj = build_module(f"{KEY}.submodules.linear_proj", submodule(node, "linear_proj"),
                                         ROW_PARALLEL_LINEAR, input_size=self.np * self.hn, output_size=config.hidden_size,
                                         name=f"{prefix}.linear_proj", input_is_parallel=True, scaled_init=True, **common)
+        self.q_layernorm = self.k_layernorm = None
+        if getattr(config, "qk_layernorm", False):
+            # each TP rank normalises its own heads: the replicated weights' grads are partial sums over TP, which
+            # the norm's spec asks finalize_model_grads to all-reduce, as under sequence parallelism (module docstring)
+            heads_split = dataclasses.replace(context, sequence_parallel=tp > 1)
+            norm = dict(hidden_size=self.hn, config=config, eps=config.layernorm_epsilon, context=heads_split)
+            self.q_layernorm = build_module(f"{KEY}.submodules.q_layernorm", submodule(node, "q_layernorm"), NORM, **norm)
+            self.k_layernorm = build_module(f"{KEY}.submodules.k_layernorm", submodule(node, "k_layernorm"), NORM, **norm)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
@@ -297,6 +315,8 @@ class SelfAttention(torch.nn.Module):
         q, k, v = torch.split(qkv, [self.np // self.ng, 1, 1], dim=3)
         q = q.reshape(s, b, self.np_local, self.hn)  # [s, b, np/tp, hn]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, hn]
+        if self.q_layernorm is not None:  # over hn, before RoPE (Qwen3's order)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         start = 0 if kv_cache is None else kv_cache.length  # absolute position of x's first row
         if self.rope:
             cos, sin = rope_cos_sin(start + s, self.rotary_dim, self.rotary_base, x.device, scaling=self.rope_scaling)

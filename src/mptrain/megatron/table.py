@@ -309,6 +309,7 @@ ROWS: tuple = (
     Row("--rope-scaling-factor", "model.rope_scaling_factor"),
     switch("--disable-bias-linear", "model.add_bias_linear", set=False),
     switch("--add-qkv-bias", "model.add_qkv_bias"),
+    switch("--qk-layernorm", "model.qk_layernorm"),
     switch("--attention-softmax-in-fp32", "model.attention_softmax_in_fp32"),
     Row("--recompute-granularity", "model.recompute_granularity"),
     Row("--recompute-method", "model.recompute_method"),
