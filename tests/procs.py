@@ -37,6 +37,12 @@ def _context():
     return _CTX
 
 
+def forkserver():
+    """The preloaded forkserver's `multiprocessing` context, for a library function that takes one (its processes
+    then start with torch, Hydra and mptrain imported: `mptrain.check.run_check`'s ranks)."""
+    return _context()
+
+
 def _child(args: list, cwd: str, env: dict, out_path: str, err_path: str) -> None:
     """Forkserver child: become ``python *args`` (never returns; exits with the script's status)."""
     import atexit
