@@ -13,7 +13,8 @@ run, and the exit status of ``sys.exit`` / an uncaught exception (1, traceback o
 What it does not reproduce: interpreter start-up itself (a module's import-time failure before
 ``main`` would look the same, but the preloaded modules are not re-imported: source edited during
 the test run is not seen; the forkserver starts at the first call). Tests about the launcher or
-signal delivery to a fresh interpreter keep `subprocess` (tests/test_torchrun.py, test_watchdog.py).
+signal delivery to a fresh interpreter keep `subprocess` (tests/test_torchrun.py, test_watchdog.py); their
+torchrun workers come warm from tests/warm_python.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The user's commands as real processes: `torchrun ... train.py` and `python train.py`.
 
-Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only. A 4-process
+Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only: torchrun's agent
+is a fresh interpreter, its workers are forked with torch imported (tests/warm_python.py). A 4-process
 `parallel=tp2pp2` torchrun job equal to `python train.py parallel=tp1pp1`, layout and run folder included, is
 tests/test_e2e_multinode.py's launch (two agents of 2 processes each).
 """
