@@ -266,6 +266,32 @@ def test_check_dry_run_on_meta_matches_planner():
         assert f["measured"]["num_params"] == f["planned_num_params"]
 
 
+def _check_rank(rank, world, cfg, vocab_size):
+    from mptrain.check import dry_run_rank
+    from mptrain.training.validate import validate_config
+
+    return dry_run_rank(rank, world, cfg, validate_config(cfg, world), vocab_size)
+
+
+def test_check_plans_the_experts_of_an_expert_parallel_rank():
+    """ep2 on 2 ranks under ZeRO-1: each rank holds 2 of the 4 experts, whose main params are not sharded (expert-DP
+    is 1) while the dense ones are over DP 2; check's measured objects equal the plan."""
+    from mptrain.check import format_report
+    from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
+
+    cfg = _cfg(["model=moe_tiny", "parallel.expert_model_parallel_size=2", "parallel.use_distributed_optimizer=true",
+                "precision=bf16", "world_size=2", "train.micro_batch_size=2", "train.global_batch_size=8"])
+    vocab = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)
+    facts = run_distributed(_check_rank, 2, cfg, vocab)  # check's own rank step, on the pool's processes
+    text, worst = format_report(cfg, facts)
+    assert worst < 0.02, text  # the ZeRO-1 pieces' bucket padding: under check's 2 %
+    experts = 4 * 2 * 3 * 64 * 64  # layers × 2 local experts × SwiGLU fc1 + fc2
+    for f in facts:
+        assert f["measured"]["num_params"] == f["planned_num_params"]
+        dense = f["measured"]["numel"] - experts
+        assert f["planned"]["main_params"] == 4 * (dense / 2 + experts)
+
+
 def test_a_layout_within_the_headroom_is_tight_not_fitting():
     """The planned total leaves `hardware.memory_headroom_gib` free to fit (the CUDA context, NCCL buffers and the
     allocator's fragmentation are not in the formulas); one that fits the GPU only inside it is `tight`."""
