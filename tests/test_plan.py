@@ -266,6 +266,26 @@ def test_check_dry_run_on_meta_matches_planner():
         assert f["measured"]["num_params"] == f["planned_num_params"]
 
 
+@pytest.mark.parametrize("capacity, padded, ep, rows", [
+    (None, False, 1, 256),  # dropless: T·k = 128 tokens × 2
+    (0.5, False, 1, 128),  # each of the 4 experts keeps at most ceil(256/4 · 0.5) = 32 rows
+    (2.0, False, 1, 256),  # a capacity above the load: every row
+    (0.5, True, 1, 128),  # padded to capacity: exactly 4 × 32 rows
+    (2.0, True, 1, 512),  # padded: 4 × min(128, T) rows, most of them padding
+    (2.0, True, 2, 256),  # the expert-parallel dispatchers do not pad: the capacity bound
+])
+def test_routed_rows_follow_the_capacity(capacity, padded, ep, rows):
+    from types import SimpleNamespace
+
+    from mptrain.config.model import ModelConfig
+    from mptrain.planner.moe import routed_rows
+
+    model = ModelConfig(seq_length=64, num_moe_experts=4, moe_router_topk=2, moe_expert_capacity_factor=capacity,
+                        moe_pad_expert_input_to_capacity=padded)
+    cfg = SimpleNamespace(model=model, train=SimpleNamespace(micro_batch_size=2))
+    assert routed_rows(cfg, tp=1, ep=ep, etp=1) == rows  # s 64 × b 2 = 128 tokens a rank, top-2 of 4 experts
+
+
 def _check_rank(rank, world, cfg, vocab_size):
     from mptrain.check import dry_run_rank
     from mptrain.training.validate import validate_config
