@@ -118,6 +118,41 @@ def test_layer_scope_is_its_own_reason():
     ]
 
 
+def _moe_notes(rank, world):
+    from mptrain.groups import build_groups
+    from mptrain.layers.gpt import GPTModel
+
+    g = build_groups(1, 1)
+    try:
+        out = []
+        for scope, on in (("chunk", True), ("layer", True), ("chunk", None)):
+            cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, compile_layers=on,
+                              compile_scope=scope, num_moe_experts=2, moe_router_topk=2, activation="swiglu",
+                              add_bias_linear=False)
+            model = GPTModel(cfg, g, parallel=ParallelConfig(), pre_process=True, post_process=True,
+                             layer_numbers=[0], vocab_size=32)
+            out.append(compile_note([model]))
+        return out
+    finally:
+        g.destroy()
+
+
+def test_moe_layers_run_eagerly_and_the_line_says_why():
+    """An MoE model compiles its layers around the MoE layers, which run eagerly: the kernels: line says so under
+    either scope (the chunk graph falls back to layer graphs), and says nothing of MoE when nothing compiles."""
+    from harness import run_distributed
+    from mptrain.layers.compile import MOE_EAGER
+
+    assert MOE_EAGER == ("MoE layers run eagerly between graphs (their token dispatch's row counts and split sizes "
+                         "depend on the routing)")
+    assert run_distributed(_moe_notes, 1)[0] == [
+        f" compile=layer (chunk graph: {MOE_EAGER}; model.compile_layers=true)",
+        f" compile=layer (chunk graph: model.compile_scope=layer; {MOE_EAGER}; model.compile_layers=true)",
+        " compile=off (default: eager on cpu; model.compile_layers=true compiles)",
+    ]
+    assert chunk_compile_blocker(ModelConfig(num_moe_experts=2), sequence_parallel=False) == MOE_EAGER
+
+
 class _FakeSizevars:
     @staticmethod
     def statically_known_leq(a, b):

@@ -106,6 +106,26 @@ def test_swiglu_gqa_run_logs_tflops_of_the_formula(tmp_path):
         assert r["tflops_per_gpu"] != pytest.approx(r["tokens_per_s"] * _old_formula(m, V_PAD) / 1e12, rel=0.05)
 
 
+def test_moe_run_logs_tflops_of_the_active_parameters(tmp_path):
+    """MFU's FLOPs of an MoE model: the router, k of the E experts and the shared expert per token, as the planner's."""
+    import dataclasses
+
+    run_dir = tmp_path / "run"
+    keys = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16",
+            "model.make_vocab_size_divisible_by=64", f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.train_iters=2", "train.eval_interval=null",
+            f"run.dir={run_dir}"] + [f"model.{k}={v}" for k, v in MODELS["moe"].items()]
+    run_distributed(run_job, 1, keys)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["split"] == "train"]
+    m = ModelConfig(**{**TINY, **MODELS["moe"]})
+    per_token = flops_per_token(m, padded_vocab_size=V_PAD)
+    every_expert = flops_per_token(dataclasses.replace(m, moe_router_topk=m.num_moe_experts), padded_vocab_size=V_PAD)
+    assert len(rows) == 2 and every_expert > 1.1 * per_token
+    for r in rows:
+        assert r["tflops_per_gpu"] == pytest.approx(r["tokens_per_s"] * per_token / 1e12, rel=1e-9)
+
+
 def test_planner_and_bench_use_the_same_function():
     from omegaconf import OmegaConf
 

@@ -6,7 +6,8 @@
   whole on each) compute the tp1pp1 math per step (DESIGN.md §3 tolerances), aux and z losses, expert-bias
   update, shared expert and its gate included;
 - full recomputation replays the same routing (input jitter included): every row equals the plain run's;
-- resume is bitwise, the expert bias crossing the checkpoint.
+- resume is bitwise, the expert bias crossing the checkpoint; an ep2 checkpoint resumes at ep1, ep4, tp2 x ep2 and
+  pp2 x ep2 and continues as the straight run.
 """
 
 from __future__ import annotations
@@ -140,6 +141,34 @@ def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference,
     assert [r["iteration"] for r in resumed] == [3]
     for key in ("lm_loss", "grad_norm", "moe_aux_loss"):
         assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
+
+
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory):
+    """A checkpoint of iteration 2 written at ep2 (world 2) by the clipped reference's run."""
+    ckpt = tmp_path_factory.mktemp("ep2") / "ckpt"
+    _run(ckpt.parent, "ep2", 2, FULL + ["train.clip_grad=0.05", "train.train_iters=3", f"checkpoint.save={ckpt}",
+                                        "parallel.expert_model_parallel_size=2", "train.exit_interval=2"])
+    return ckpt
+
+
+# each resumed layout re-cuts the global expert axis: 1 expert a rank (ep4), 2 experts a rank with their FFN split
+# over the TP ranks (tp2 x ep2, etp = tp), or the layers split over two stages (pp2 x ep2)
+RESUME_LAYOUTS = {
+    "ep4": ["parallel=tp1pp1", "parallel.expert_model_parallel_size=4"],
+    "tp2_sp_ep2": ["parallel=tp2pp1", "parallel.sequence_parallel=true", "parallel.expert_model_parallel_size=2"],
+    "pp2_ep2": ["parallel=tp1pp2", "parallel.expert_model_parallel_size=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_an_ep2_checkpoint_resumes_in_other_expert_layouts(tmp_path, clipped_reference, ep2_checkpoint, layout):
+    resumed = _run(tmp_path, layout, 4, FULL + RESUME_LAYOUTS[layout] + [
+        "train.clip_grad=0.05", "train.train_iters=3", f"checkpoint.load={ep2_checkpoint}"])
+    assert [r["iteration"] for r in resumed] == [3]
+    for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
+    assert resumed[0]["moe_tokens_per_expert_max"] == clipped_reference[2]["moe_tokens_per_expert_max"]
 
 
 def test_full_recompute_replays_the_same_routing(tmp_path):

@@ -52,7 +52,7 @@ def _measure_rank(rank, world, cfg, vocab_size):
         measured = measured_rank_bytes(chunks, optimizer)
         layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
                             cfg.parallel.use_distributed_optimizer, "none", derived.sequence_parallel,
-                            derived.schedule, derived.num_microbatches)
+                            derived.schedule, derived.num_microbatches, ep=groups.ep_size, edp=groups.edp_size)
         rp = rank_params(cfg.model, layout_config(cfg, layout).parallel, vocab_size=vocab_size,
                          pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
         zero1_state = optimizer.optimizer_state_bytes() if cfg.parallel.use_distributed_optimizer else None
@@ -80,6 +80,12 @@ CASES = [  # (model overrides, world, layout overrides)
      ["parallel=tp2pp1", "parallel.sequence_parallel=true", "precision=bf16"]),
     (["model=moe_tiny"], 2, ["parallel=tp2pp1", "parallel.sequence_parallel=true",
                              "parallel.expert_tensor_parallel_size=1", "precision=fp32"]),
+    # expert parallelism: 2 of the 4 experts a rank; under ZeRO-1 their state sharded over expert-DP (2 ranks),
+    # the dense weights' over DP (4 ranks)
+    (["model=moe_tiny"], 2, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "precision=bf16"]),
+    (["model=moe_tiny", "model.moe_shared_expert_intermediate_size=32"], 4,
+     ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "precision=bf16",
+      "parallel.use_distributed_optimizer=true"]),
 ]
 
 
@@ -173,11 +179,13 @@ def test_json_output_schema_and_table():
     parts = {"weights", "grads", "main_params", "optimizer_state", "activations", "logits", "optimizer_workspace",
              "total"}
     for r in records:
-        assert {"tp", "pp", "vpp", "dp", "use_distributed_optimizer", "recompute", "memory_gib", "fits", "tight",
-                "bubble_fraction", "comm_bytes"} <= set(r)
+        assert {"tp", "pp", "vpp", "dp", "ep", "edp", "use_distributed_optimizer", "recompute", "memory_gib", "fits",
+                "tight", "bubble_fraction", "comm_bytes", "parameters"} <= set(r)
         assert r["tp"] * r["pp"] * r["dp"] == 4 and r["recompute"] in ("none", "selective", "full")
         assert r["vpp"] is None or r["vpp"] > 1
-        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding"}
+        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding", "ep", "edp"}
+        assert (r["ep"], r["edp"], r["comm_bytes"]["ep"], r["comm_bytes"]["edp"]) == (1, r["dp"], 0, 0)  # dense
+        assert r["parameters"]["total"] == r["parameters"]["active"]
         assert isinstance(r["fits"], bool) and 0.0 <= r["bubble_fraction"] < 1.0
         # the default headroom: 4 of the 80 GiB stay free for what the formulas leave out
         assert r["fits"] == (r["memory_gib"]["total"] <= 76)
@@ -214,6 +222,37 @@ def test_an_moe_plan_says_what_its_formulas_leave_out():
     assert not any(MOE_ASSUMPTION in r["assumptions"] for r in _plan(["model=tiny", "world_size=2"]))
 
 
+def test_the_search_splits_the_experts_and_counts_the_token_dispatch():
+    """moe_tiny (4 MoE layers, E 4, top-2, h 64, s 64) on 4 ranks: every ep dividing E and the world is searched; the
+    dispatch sends each micro-batch's T·k rows through every MoE layer 4 times (dispatch and combine, forward and
+    backward), (ep - 1)/ep of them to other ranks; the expert grads reduce over expert-DP."""
+    from mptrain.plan import format_table, parameters_line
+
+    args = ["model=moe_tiny", "precision=bf16", "world_size=4", "train.micro_batch_size=2", "train.global_batch_size=8"]
+    records = _plan(args)
+    assert {(r["tp"], r["ep"], r["edp"]) for r in records if r["pp"] == 1} == {
+        (1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}  # etp = tp: edp = 4 / (tp·ep)
+    plain = {r["ep"]: r for r in records if (r["tp"], r["pp"], r["recompute"], r["use_distributed_optimizer"]) ==
+             (1, 1, "none", False)}
+    rows = 64 * 2 * 2  # s·b·k: one micro-batch (8 / (2·dp 4)) of each rank
+    for ep, r in plain.items():
+        assert r["comm_bytes"]["ep"] == 4 * 4 * rows * 64 * 2 * (ep - 1) / ep  # layers, passes, rows, h, bf16
+    experts = 4 * 4 * 3 * 64 * 64  # layers × E × SwiGLU fc1 [2f, h] + fc2 [h, f], f = h = 64
+    # the expert grads of a rank: E/ep experts, all-reduced over edp = 4/ep ranks; the dense rest over dp 4
+    assert plain[2]["comm_bytes"]["edp"] == 2 * (1 / 2) * experts / 2 * 4
+    assert plain[4]["comm_bytes"]["edp"] == 0
+    weights = {ep: r["memory_gib"]["weights"] * 2**30 / 2 for ep, r in plain.items()}  # bf16 elements
+    assert weights[1] - weights[2] == weights[2] - weights[4] + experts / 4 == experts / 2
+    gathered = {r["ep"]: r for r in _plan([*args, "model.moe_token_dispatcher_type=allgather"])
+                if (r["tp"], r["pp"], r["recompute"], r["use_distributed_optimizer"]) == (1, 1, "none", False)}
+    # every rank gathers the group's 128 tokens and reduce-scatters them back, plus the forward's probs and map
+    assert gathered[4]["comm_bytes"]["ep"] == 4 * (4 * 3 * 128 * 64 * 2 + 3 * 128 * 4 * 5)
+    assert parameters_line(records) == ("parameters: 332,416 total, 234,112 active per token (router, top-k experts, "
+                                        "shared expert: what FLOPs and MFU count)")
+    assert records[0]["parameters"]["total"] - records[0]["parameters"]["active"] == experts / 2  # 2 of 4 unused
+    assert format_table(records, gpu_memory_gib=80).splitlines()[1].split()[5:7] == ["ep", "zero1"]
+
+
 def test_check_dry_run_on_meta_matches_planner():
     from mptrain.check import format_report, run_check
 
@@ -225,6 +264,52 @@ def test_check_dry_run_on_meta_matches_planner():
     assert worst < 1e-9 and "worst" in text  # no DP padding at dp 1: exact
     for f in facts:
         assert f["measured"]["num_params"] == f["planned_num_params"]
+
+
+@pytest.mark.parametrize("capacity, padded, ep, rows", [
+    (None, False, 1, 256),  # dropless: T·k = 128 tokens × 2
+    (0.5, False, 1, 128),  # each of the 4 experts keeps at most ceil(256/4 · 0.5) = 32 rows
+    (2.0, False, 1, 256),  # a capacity above the load: every row
+    (0.5, True, 1, 128),  # padded to capacity: exactly 4 × 32 rows
+    (2.0, True, 1, 512),  # padded: 4 × min(128, T) rows, most of them padding
+    (2.0, True, 2, 256),  # the expert-parallel dispatchers do not pad: the capacity bound
+])
+def test_routed_rows_follow_the_capacity(capacity, padded, ep, rows):
+    from types import SimpleNamespace
+
+    from mptrain.config.model import ModelConfig
+    from mptrain.planner.moe import routed_rows
+
+    model = ModelConfig(seq_length=64, num_moe_experts=4, moe_router_topk=2, moe_expert_capacity_factor=capacity,
+                        moe_pad_expert_input_to_capacity=padded)
+    cfg = SimpleNamespace(model=model, train=SimpleNamespace(micro_batch_size=2))
+    assert routed_rows(cfg, tp=1, ep=ep, etp=1) == rows  # s 64 × b 2 = 128 tokens a rank, top-2 of 4 experts
+
+
+def _check_rank(rank, world, cfg, vocab_size):
+    from mptrain.check import dry_run_rank
+    from mptrain.training.validate import validate_config
+
+    return dry_run_rank(rank, world, cfg, validate_config(cfg, world), vocab_size)
+
+
+def test_check_plans_the_experts_of_an_expert_parallel_rank():
+    """ep2 on 2 ranks under ZeRO-1: each rank holds 2 of the 4 experts, whose main params are not sharded (expert-DP
+    is 1) while the dense ones are over DP 2; check's measured objects equal the plan."""
+    from mptrain.check import format_report
+    from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
+
+    cfg = _cfg(["model=moe_tiny", "parallel.expert_model_parallel_size=2", "parallel.use_distributed_optimizer=true",
+                "precision=bf16", "world_size=2", "train.micro_batch_size=2", "train.global_batch_size=8"])
+    vocab = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)
+    facts = run_distributed(_check_rank, 2, cfg, vocab)  # check's own rank step, on the pool's processes
+    text, worst = format_report(cfg, facts)
+    assert worst < 0.02, text  # the ZeRO-1 pieces' bucket padding: under check's 2 %
+    experts = 4 * 2 * 3 * 64 * 64  # layers × 2 local experts × SwiGLU fc1 + fc2
+    for f in facts:
+        assert f["measured"]["num_params"] == f["planned_num_params"]
+        dense = f["measured"]["numel"] - experts
+        assert f["planned"]["main_params"] == 4 * (dense / 2 + experts)
 
 
 def test_a_layout_within_the_headroom_is_tight_not_fitting():

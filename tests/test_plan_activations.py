@@ -14,7 +14,7 @@ from harness import run_distributed
 S, B, H, A, V = 32, 2, 64, 4, 128
 
 
-def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout, shape):
+def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout, shape, ep=1):
     import torch
 
     from mptrain.config.model import ModelConfig
@@ -25,8 +25,8 @@ def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout, shape):
     m = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V,
                     recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
                     recompute_num_layers=1 if recompute == "full" else None, hidden_dropout=dropout, **shape)
-    chunk = build_model_chunks(m, ParallelConfig(tensor_model_parallel_size=groups.tp_size, sequence_parallel=sp),
-                               groups, vocab_size=V)[0]
+    chunk = build_model_chunks(m, ParallelConfig(tensor_model_parallel_size=groups.tp_size, sequence_parallel=sp,
+                                                 expert_model_parallel_size=ep), groups, vocab_size=V)[0]
     model = chunk if dtype_name == "fp32" else Float16Module(chunk, torch.bfloat16, is_first_stage=True,
                                                               is_last_stage=True)
     model.train()
@@ -45,15 +45,15 @@ def _saved_bytes(groups, layers, dtype_name, recompute, sp, dropout, shape):
     return sum(seen.values())
 
 
-def measure_saved_bytes(rank, world, dtype_name, recompute, sp, dropout, shape=None):
-    """Bytes one transformer layer saves per micro-batch on this rank (tp = world); ``shape``: more
-    ModelConfig keys (ffn size, activation, query groups)."""
+def measure_saved_bytes(rank, world, dtype_name, recompute, sp, dropout, shape=None, ep=1):
+    """Bytes one transformer layer saves per micro-batch on this rank (tp = world / ep); ``shape``: more
+    ModelConfig keys (ffn size, activation, query groups, MoE keys)."""
     from mptrain.groups import build_groups
 
-    groups = build_groups(world, 1)
+    groups = build_groups(world // ep, 1, expert_model_parallel_size=ep)
     try:
-        four = _saved_bytes(groups, 4, dtype_name, recompute, sp, dropout, shape or {})
-        two = _saved_bytes(groups, 2, dtype_name, recompute, sp, dropout, shape or {})
+        four = _saved_bytes(groups, 4, dtype_name, recompute, sp, dropout, shape or {}, ep)
+        two = _saved_bytes(groups, 2, dtype_name, recompute, sp, dropout, shape or {}, ep)
         return (four - two) / 2
     finally:
         groups.destroy()
@@ -126,3 +126,32 @@ def test_hidden_dropout_masks(tp, sp):
     # CPU's dropout saves its mask in the activation dtype (2 bytes in bf16); CUDA's is a bool (the planner's default)
     expected = layer_activation_bytes(cfg, layout, dropout_mask_bytes=2)
     assert measured == pytest.approx([expected] * tp, rel=0.03)  # as above: 3 %
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, activation="swiglu", add_bias_linear=False)
+
+
+@pytest.mark.parametrize("shape, tp, ep", [
+    ({**MOE, "moe_shared_expert_intermediate_size": 64}, 1, 1),
+    # GeLU experts twice as wide, 8 experts, one each (pre-softmax: k = 1 has a gradient)
+    ({**MOE, "activation": "gelu", "num_moe_experts": 8, "moe_router_topk": 1, "moe_router_pre_softmax": True,
+      "moe_ffn_hidden_size": 128}, 1, 1),
+    ({**MOE, "moe_shared_expert_intermediate_size": 64}, 2, 1),  # SP: each rank routes its shard; experts split (etp 2)
+    (MOE, 1, 2),  # 2 experts a rank: the rows that arrive depend on the routing, their mean is the sent rows
+])
+def test_moe_layer_activation_bytes_match_measurement(shape, tp, ep):
+    """Every layer MoE: the router's input and scores, the permutation, the experts' rows and intermediates and the
+    shared expert (`mptrain.planner.moe`) in place of the dense MLP's saved tensors."""
+    from mptrain.config.model import ModelConfig
+    from mptrain.planner.config import PlanConfig
+    from mptrain.planner.memory import PlanLayout, layer_activation_bytes
+
+    sp = tp > 1
+    measured = run_distributed(measure_saved_bytes, tp * ep, "bf16", None, sp, 0.0, shape, ep)
+    cfg = PlanConfig()
+    cfg.model = ModelConfig(num_layers=4, hidden_size=H, num_attention_heads=A, seq_length=S, vocab_size=V, **shape)
+    cfg.precision.name, cfg.train.micro_batch_size = "bf16", B
+    layout = PlanLayout(tp, 1, None, ep, False, "none", sp, "no_pipelining", 1, ep=ep, edp=1)
+    expected = layer_activation_bytes(cfg, layout)
+    # uniform routing: the mean over the EP ranks (each holds what its experts received); 3 % as above
+    assert sum(measured) / len(measured) == pytest.approx(expected, rel=0.03), (measured, expected)

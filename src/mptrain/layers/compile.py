@@ -10,6 +10,10 @@ null | torch.compile's modes).
   compiled chunk") and activation recomputation is a recomputed region of it (`mptrain.layers.random.checkpoint`).
   It falls back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`: MoE layers, which
   run eagerly).
+* MoE layers (`mptrain.layers.moe.MoELayer`) run eagerly under either scope (``torch.compiler.disable`` on their
+  forward, `MOE_EAGER`): the rows their token dispatch sends, and the split sizes of its collectives, depend on
+  the routing (host integers under expert parallelism or a capacity factor), which a static graph cannot hold.
+  The rest of each layer (norms, attention, residuals) compiles, and the ``kernels:`` line says so.
 * ``layer``: each layer of the block is compiled in place (its ``compile``; `TransformerLayer`
   compiles its body, so parameter names stay), and the cross entropy's passes one by one (`compile_pass`).
 
@@ -39,6 +43,9 @@ COMPILE_SCOPES = ("chunk", "layer")
 """``model.compile_scope``: one graph per model chunk, or one per TransformerLayer (`ModelConfig.compile_scope`)."""
 COMPILE_MODES = ("auto", None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """``model.compile_mode``: ``auto``, null (Inductor's default) and torch.compile's modes."""
+MOE_EAGER = ("MoE layers run eagerly between graphs (their token dispatch's row counts and split sizes depend on "
+             "the routing)")
+"""What the ``kernels:`` line says of a compiled MoE model (module docstring)."""
 
 
 def check_compile(model) -> None:
@@ -76,8 +83,14 @@ def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
     MoE layers run eagerly (`mptrain.layers.moe.MoELayer`: routed row counts), so a model with them is not one graph.
     ``config``, ``sequence_parallel`` (the effective one): what a rule would read.
     """
-    if config.num_moe_experts is not None:
-        return "MoE layers run eagerly between graphs"
+    return eager_regions(config)
+
+
+def eager_regions(config) -> Optional[str]:
+    """What runs eagerly inside the compiled regions of a model of ``config``, and why (`MOE_EAGER` for a model
+    with MoE layers); None when everything compiles."""
+    if getattr(config, "num_moe_experts", None) is not None:
+        return MOE_EAGER
     return None
 
 
@@ -106,6 +119,8 @@ class CompilePlan:
         why: why ``compile_layers`` is on or off (`resolve_compile_layers`).
         cuda: the chunk lives on a CUDA device (Inductor generates Triton kernels: `apply_compile` installs
             `mptrain.layers.inductor_choices` there).
+        eager: what runs eagerly inside the compiled regions, and why (`eager_regions`); None when compiling
+            nothing or everything.
     """
 
     compile_layers: bool
@@ -114,6 +129,7 @@ class CompilePlan:
     blocker: Optional[str]
     why: str = ""
     cuda: bool = False
+    eager: Optional[str] = None
 
     @property
     def fused_cross_entropy(self) -> bool:
@@ -135,7 +151,8 @@ def plan_compile(config, groups, device: torch.device, sequence_parallel: bool) 
     chunk = compile_layers and blocker is None
     return CompilePlan(compile_layers=compile_layers, chunk=chunk,
                        mode=compile_mode_for(config, groups, device, chunk), blocker=blocker, why=why,
-                       cuda=torch.device(device).type == "cuda")
+                       cuda=torch.device(device).type == "cuda",
+                       eager=eager_regions(config) if compile_layers else None)
 
 
 def apply_compile(model: torch.nn.Module, plan: CompilePlan) -> None:
@@ -171,7 +188,8 @@ def compile_pass(fn: Callable) -> Callable:
 
 
 def compile_reason(models) -> str:
-    """`` compile=chunk (...)`` / `` compile=layer (chunk graph: <why not>)`` / `` compile=off (<why>)`` for
+    """`` compile=chunk (...)`` / `` compile=layer (chunk graph: <why not>[; <what runs eagerly>])`` /
+    `` compile=off (<why>)`` for
     the start-up log's ``kernels:`` line, from the chunks' ``compile_plan`` (`GPTModel`'s: what was chosen
     and why); a user's provider without a plan: from ``config.compile_layers`` and the chunks'
     ``compiled_chunk``, ``compile_mode``, ``compile_blocker``; empty when that says nothing is compiled.
@@ -190,8 +208,10 @@ def compile_reason(models) -> str:
     if all(getattr(m, "compiled_chunk", False) for m in models):
         modes = dict.fromkeys(str(getattr(m, "compile_mode", None) or "default") for m in models)
         return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)}{why})"
-    blockers = dict.fromkeys(str(getattr(m, "compile_blocker", "")) for m in models)
-    return f" compile=layer (chunk graph: {'; '.join(b for b in blockers if b) or 'n/a'}{why})"
+    # the chunk graph's blockers, then what runs eagerly inside the layer graphs (said once)
+    notes = dict.fromkeys([str(getattr(m, "compile_blocker", "")) for m in models]
+                          + [p.eager for p in plans if isinstance(p, CompilePlan) and p.eager])
+    return f" compile=layer (chunk graph: {'; '.join(b for b in notes if b) or 'n/a'}{why})"
 
 
 def compile_seconds() -> float:

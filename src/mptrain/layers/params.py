@@ -24,7 +24,8 @@ Mixture-of-Experts layers (the layers ``moe_layer_freq`` marks when ``num_moe_ex
 `mptrain.layers.moe`) replace fc1 / fc2 by, with E experts, top-k, f_e the expert width
 (``moe_ffn_hidden_size``), f_s the shared expert's width:
     router weight E·h                                          (replicated over TP)
-    experts E·(h·k'·f_e + f_e·h), k' = 2 for SwiGLU else 1     (split over ETP = TP)
+    experts E·(h·k'·f_e + f_e·h), k' = 2 for SwiGLU else 1     (E/ep on each expert-parallel rank, each
+                                                                split over ETP, null = TP)
     shared expert h·k'·f_s + f_s·h (split over TP), its gate h  (replicated)
 A token multiplies the router, k of the E experts and the shared expert: the *active* weights
 (`layer_matmul_weights`, `active_parameters`); every expert is a parameter (`layer_params`,
@@ -156,20 +157,32 @@ def _layer_norms(m) -> int:
     return 2 * norm_params(m) + (2 * norm_params(m, hn) if getattr(m, "qk_layernorm", False) else 0)
 
 
-def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None, etp: Optional[int] = None) -> int:
+def layer_expert_params(m, *, layer_number: Optional[int], etp: int = 1, ep: int = 1) -> int:
+    """Routed-expert elements of one layer on one rank: E/ep whole experts split over ``etp`` (0 for a dense layer).
+
+    These are the expert-parallel weights (`mptrain.layers.sharding.ShardSpec.expert_parallel` once ep > 1): their
+    grads reduce over the expert-data-parallel group and ZeRO-1 shards them there (`mptrain.planner.memory`)."""
+    if not _is_moe_layer(m, layer_number):
+        return 0
+    return moe_mlp_weights(m, active=False)[1] // (etp * ep)
+
+
+def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None, etp: Optional[int] = None,
+                 ep: int = 1) -> int:
     """Elements of one transformer layer on one TP rank of ``tp`` (module docstring's table).
 
     Column-parallel weights and biases are split over TP; the row-parallel biases and the norms
     are replicated. At ``tp=1`` this is the layer's whole parameter count. ``layer_number`` (global,
-    0-based): an MoE layer counts its router, all its experts (split over ``etp``, None = tp) and its shared
-    expert instead of fc1 / fc2.
+    0-based): an MoE layer counts its router, its experts (E/``ep`` of them on an expert-parallel rank, each
+    split over ``etp``, None = tp: `layer_expert_params`) and its shared expert instead of fc1 / fc2.
     """
     h, np_, ng, hn, f, k = _widths(m)
     qkv_bias = (np_ + 2 * ng) * hn // tp if not m.add_bias_linear and getattr(m, "add_qkv_bias", False) else 0
     if _is_moe_layer(m, layer_number):  # MoE layers have no other linear biases (mptrain.layers.moe.config)
         attention = sum(out * inp for (out, inp), _ in layer_linear_shapes(m)[:2]) // tp + qkv_bias
-        replicated, experts, shared = moe_mlp_weights(m, active=False)
-        return attention + replicated + experts // (etp or tp) + shared // tp + _layer_norms(m)
+        replicated, _, shared = moe_mlp_weights(m, active=False)
+        experts = layer_expert_params(m, layer_number=layer_number, etp=etp or tp, ep=ep)
+        return attention + replicated + experts + shared // tp + _layer_norms(m)
     weights = layer_matmul_weights(m) // tp
     biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else qkv_bias  # QKV only: Qwen2
     return weights + biases + _layer_norms(m)

@@ -1,7 +1,8 @@
 """The layout planner: per-rank parameter counts, memory, communication, ranking.
 
-`params.py` (per-rank elements), `memory.py` (bytes per stage), `layouts.py` (enumeration, comm,
-bubble, ranking), `config.py` (the `plan` primary config). Entry points: `python -m mptrain.plan`,
+`params.py` (per-rank elements), `memory.py` (bytes per stage), `moe.py` (an MoE layer's routed
+activations and token-dispatch traffic), `layouts.py` (enumeration, comm, bubble, ranking), `config.py`
+(the `plan` primary config). Entry points: `python -m mptrain.plan`,
 `python -m mptrain.check`. docs/PLANNER.md explains the formulas and the measured constants.
 """
 

@@ -16,11 +16,16 @@ all-gather (k−1)/k·n). Reported for the busiest pipeline stage of each group.
     dp   all-reduce of the grad buffer; ZeRO-1: reduce-scatter of it + all-gather of the updated
          params in the buffer dtype (distrib_optimizer.py gathers a buffer-dtype scratch).
     embedding  tied embedding with pp > 1: all-reduce of its grad over the 2 stages.
+    ep   MoE token dispatch over the etp × ep ranks, per MoE layer and micro-batch (`mptrain.planner.moe`).
+    edp  ep > 1: the expert grads' buffer over the expert-data-parallel group, as dp (the dense part stays in dp).
 Bubble (Narayanan et al. 2021 §2.2): (pp − 1) / (vpp·m + pp − 1) of the step.
 Step time (ASSUMED hardware, `hardware.*`): FLOPs of DESIGN.md §2 (`mptrain.layers.params`; plus
 the transformer layers' extra forward for full recompute, the attention-core forward for selective)
-/ (GPUs × peak × assumed_mfu) / (1 − bubble) + TP time (never overlapped) + DP time (unless overlap_grad_reduce) + PP time, each at the
-bandwidth of its link (intra-node when the group fits in one node of gpus_per_node).
+/ (GPUs × peak × assumed_mfu) / (1 − bubble) + TP time (never overlapped) + DP and expert-DP time (unless
+overlap_grad_reduce) + PP time + the MoE dispatch's time (never overlapped), each at the bandwidth of its link
+(intra-node when the group fits in one node of gpus_per_node).
+Expert parallelism is searched too: for an MoE model every ep that divides num_moe_experts and that the trainer
+accepts with the layout (the expert grid etp × ep × pp tiles the world; ep > 1 needs etp = tp).
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ from mptrain.training.validate import check_layout_free, derive_layout, validate
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config
-from mptrain.layers.params import flops_per_iteration
+from mptrain.layers.params import active_parameters, count_parameters, flops_per_iteration
 from mptrain.planner.config import HardwareConfig
 from mptrain.planner.memory import (GIB, PARAM_BYTES, PlanLayout, grad_bytes_per_element, planner_assumptions,
                                     stage_memory)
+from mptrain.planner.moe import dispatch_bytes_per_layer, expert_data_parallel_size, is_moe_model, moe_layer_share
 from mptrain.planner.params import all_rank_params
 
 RECOMPUTE = ("none", "selective", "full")
@@ -54,7 +60,9 @@ def layout_config(cfg, layout: PlanLayout):
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
     p.virtual_pipeline_model_parallel_size = layout.vpp
     p.use_distributed_optimizer, p.sequence_parallel = layout.use_distributed_optimizer, layout.sequence_parallel
-    p.name = f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp else "")
+    p.expert_model_parallel_size = layout.ep
+    p.name = (f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp else "")
+              + (f"ep{layout.ep}" if layout.ep > 1 else ""))
     m = c.model
     m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
     m.recompute_activations = False  # the layout's granularity is the whole choice
@@ -65,8 +73,16 @@ def layout_config(cfg, layout: PlanLayout):
     return c
 
 
+def expert_parallel_options(cfg, world_size: int) -> list:
+    """The ``expert_model_parallel_size`` values to try: the divisors of ``model.num_moe_experts`` that divide the
+    world (1 alone for a dense model); the trainer's checks then keep those the layout takes."""
+    if not is_moe_model(cfg.model):
+        return [1]
+    return [d for d in _divisors(cfg.model.num_moe_experts) if world_size % d == 0]
+
+
 def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_parallel=(False, True)) -> list:
-    """Every (tp, pp, vpp, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``.
+    """Every (tp, pp, vpp, ep, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``.
 
     Raises:
         ConfigError: a key no layout changes is wrong (`check_layout_free`, run once for all candidates).
@@ -74,24 +90,29 @@ def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_para
     cfg = as_config(cfg)
     loss_scaler = check_layout_free(cfg)
     out = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            for vpp in (None, *(v for v in vpp_options if pp > 1)):
-                for distopt in (False, True):
-                    for recompute in RECOMPUTE:
-                        for sp in sequence_parallel:
-                            if (sp and tp == 1) or (distopt and world_size // (tp * pp) == 1):
-                                continue
-                            probe = PlanLayout(tp, pp, vpp, world_size // (tp * pp), distopt, recompute, sp, "auto", 0)
-                            c = layout_config(cfg, probe)
-                            try:
-                                derived = derive_layout(c, world_size, loss_scaler=loss_scaler)
-                                check_model_config(c.model, c.parallel)
-                            except ConfigError:
-                                continue
-                            out.append(dataclasses.replace(probe, schedule=derived.schedule,
-                                                           num_microbatches=derived.num_microbatches))
+    for tp, pp, vpp, ep in _grid(world_size, vpp_options, expert_parallel_options(cfg, world_size)):
+        for distopt in (False, True):
+            for recompute in RECOMPUTE:
+                for sp in sequence_parallel:
+                    if (sp and tp == 1) or (distopt and world_size // (tp * pp) == 1):
+                        continue
+                    probe = PlanLayout(tp, pp, vpp, world_size // (tp * pp), distopt, recompute, sp, "auto", 0, ep=ep)
+                    c = layout_config(cfg, probe)
+                    try:
+                        derived = derive_layout(c, world_size, loss_scaler=loss_scaler)
+                        check_model_config(c.model, c.parallel)
+                    except ConfigError:
+                        continue
+                    out.append(dataclasses.replace(probe, schedule=derived.schedule,
+                                                   num_microbatches=derived.num_microbatches,
+                                                   edp=derived.expert_data_parallel_size))
     return out
+
+
+def _grid(world_size: int, vpp_options, ep_options) -> list:
+    """(tp, pp, vpp, ep) of the search: tp × pp dividing the world, vpp for pp > 1, ep from ``ep_options``."""
+    return [(tp, pp, vpp, ep) for tp in _divisors(world_size) for pp in _divisors(world_size // tp)
+            for vpp in (None, *(v for v in vpp_options if pp > 1)) for ep in ep_options]
 
 
 def bubble_fraction(layout: PlanLayout) -> float:
@@ -117,7 +138,8 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
     per_layer = (4 + (2 if layout.recompute == "full" else 0)) * 2 * _ring(t) * sbh_bytes
     p2p = sbh_bytes / (t if layout.sequence_parallel else 1)
     grad_b = grad_bytes_per_element(cfg)
-    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0}
+    dispatch = dispatch_bytes_per_layer(cfg, tp=t, ep=layout.ep, act_bytes=act, recompute=layout.recompute)
+    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "ep": 0.0, "edp": 0.0}
     for r, rp in enumerate(ranks):
         tp_bytes = mb * (len(rp.layers) * per_layer + 2 * _ring(t) * sbh_bytes * (rp.has_embedding + rp.has_output))
         chunks_fwd = layout.pp * v - 1  # virtual stages that send forward: all but the last
@@ -126,13 +148,16 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
             virtual = c * layout.pp + r
             sends += (virtual < chunks_fwd) + (virtual > 0)
         pp_bytes = mb * sends * p2p if layout.pp > 1 else 0.0
-        grad_buf = rp.numel * grad_b
+        experts = rp.expert_numel if layout.ep > 1 else 0  # their own buffers, over expert-DP
         # all-reduce: 2(d-1)/d; ZeRO-1: reduce-scatter (d-1)/d + all-gather (d-1)/d, both in the buffer dtype
-        dp_bytes = 2 * _ring(layout.dp) * grad_buf
+        dp_bytes = 2 * _ring(layout.dp) * (rp.numel - experts) * grad_b
+        edp_bytes = 2 * _ring(layout.expert_dp) * experts * grad_b
+        ep_bytes = mb * len(rp.layers) * moe_layer_share(m, rp.layers) * dispatch
         emb = 0.0
         if layout.pp > 1 and not m.untie_embeddings_and_output_weights and (rp.has_embedding or rp.has_output):
             emb = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, t) // t * h * grad_b
-        for key, val in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes), ("embedding", emb)):
+        for key, val in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes), ("embedding", emb), ("ep", ep_bytes),
+                         ("edp", edp_bytes)):
             out[key] = max(out[key], float(val))
     return out
 
@@ -156,9 +181,12 @@ def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: HardwareConfig, *, voca
     compute /= 1.0 - bubble_fraction(layout)
     # TP ranks are adjacent, DP ranks stride tp, PP ranks stride tp·dp (groups.py rank order).
     tp_time = comm["tp"] / _bandwidth(hw, layout.tp)
-    dp_time = 0.0 if cfg.parallel.overlap_grad_reduce else comm["dp"] / _bandwidth(hw, layout.tp * layout.dp)
+    dp_time = 0.0 if cfg.parallel.overlap_grad_reduce else (comm["dp"] + comm["edp"]) / _bandwidth(hw, layout.tp * layout.dp)
     pp_time = comm["pp"] / _bandwidth(hw, world)
-    return compute + tp_time + dp_time + pp_time
+    # the expert grid's tp_ep group: etp × ep adjacent ranks (etp fastest, then ep; groups.py)
+    etp = cfg.parallel.expert_tensor_parallel_size or layout.tp
+    ep_time = comm["ep"] / _bandwidth(hw, etp * layout.ep)
+    return compute + tp_time + dp_time + pp_time + ep_time
 
 
 FIT_ORDER = ("yes", "tight", "no")
@@ -175,9 +203,14 @@ def fit_verdict(total_gib: float, hw: HardwareConfig) -> str:
 
 
 def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int) -> dict:
-    """One JSON record: layout keys, memory_gib (parts of the peak stage + total), fits (with the headroom kept),
-    tight (fits the GPU only within the headroom: `fit_verdict`), bubble, comm, and ``assumptions`` (lines:
-    what the numbers assume for a user optimizer or schedule; empty for built-ins)."""
+    """One JSON record: layout keys (ep and edp: the expert grid's expert-parallel and expert-data-parallel sizes),
+    memory_gib (parts of the peak stage + total), fits (with the headroom kept), tight (fits the GPU only within
+    the headroom: `fit_verdict`), bubble, comm, ``parameters`` (``total``: every expert counted; ``active``: the
+    weights one token uses, what FLOPs and MFU count; equal for a dense model) and ``assumptions`` (lines: what the
+    numbers assume for a user optimizer or schedule, or an MoE model's routing; empty for built-ins)."""
+    if layout.ep > 1 and layout.edp is None:  # a layout given by hand: its expert-DP size from the grid
+        layout = dataclasses.replace(layout, edp=expert_data_parallel_size(cfg, tp=layout.tp, pp=layout.pp,
+                                                                           dp=layout.dp, ep=layout.ep))
     c = layout_config(cfg, layout)
     ranks = all_rank_params(c.model, c.parallel, vocab_size=vocab_size)
     stages = [stage_memory(c, layout, rp, pp_rank=r, vocab_size=vocab_size) for r, rp in enumerate(ranks)]
@@ -189,6 +222,8 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
         "pp": layout.pp,
         "vpp": layout.vpp,
         "dp": layout.dp,
+        "ep": layout.ep,
+        "edp": layout.expert_dp,
         "use_distributed_optimizer": layout.use_distributed_optimizer,
         "recompute": layout.recompute,
         "sequence_parallel": layout.sequence_parallel,
@@ -202,6 +237,8 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
         "bubble_fraction": bubble_fraction(layout),
         "comm_bytes": comm,
         "step_time_s": step_time_s(c, layout, comm, hw, vocab_size=vocab_size),
+        "parameters": {"total": count_parameters(c.model, vocab_size=vocab_size),
+                       "active": active_parameters(c.model, vocab_size=vocab_size)},
         "assumptions": planner_assumptions(c, layout),
     }
 

@@ -18,6 +18,9 @@ Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimiz
                     SGD: 4 × ... with momentum, 0 without; read from ``optim._target_``; another class:
                     assumed 2 (noted in the plan). (Rajbhandari et al. 2020, ZeRO §3: 2+2+12 bytes.)
     Bucket padding (< dp elements per bucket) and Adam's scalar `step` tensors are ignored (< 0.01 %).
+    Expert parallelism (ep > 1): the rank's routed-expert elements X_r (`RankParams.expert_numel`, E/ep experts
+    per MoE layer) are sharded by ZeRO-1 over the expert-data-parallel group instead: main params and optimizer
+    state of (N_r − X_r)/dp + X_r/edp elements.
 
 Activations per micro-batch per transformer layer (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and Table 2):
@@ -55,6 +58,9 @@ Recomputation in Large Transformer Models", arXiv 2205.05198, §4.1 eq. 1-2 and 
                                         pipeline stage (the stage's share of FP8 layers), and
                                         a linear the size rule keeps bf16 saves its bf16 input
                                         (`fp8_linears`, `FP8_TENSORWISE_16BIT_DELTA`).
+    MoE layers (`mptrain.planner.moe`, MEASURED too): the router's input, scores and permutation, the experts'
+    rows and intermediates for the routed rows (uniform routing) and the shared expert, in place of the
+    dense fc1 input and MLP split term; a stage's layers are weighted by their MoE share.
 Logits (last stage; read from layers/cross_entropy.py): the fp32 softmax saved for backward,
 4·s·b·V/t per in-flight micro-batch, plus a transient (bytes(activation) + 4)·s·b·V/t during the
 cross-entropy forward (the logits and one fp32 temporary alive at once); the final norm's input and
@@ -77,6 +83,7 @@ from mptrain import components
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.fp8 import fp8_recipe_from, gemm_runs_in_fp8
 from mptrain.layers.params import layer_linear_shapes
+from mptrain.planner.moe import MOE_MEASURED, moe_layer_share, moe_mlp_activation_bytes
 from mptrain.planner.params import RankParams
 
 GIB = 2**30
@@ -115,6 +122,15 @@ class PlanLayout:
     sequence_parallel: bool
     schedule: str
     num_microbatches: int
+    ep: int = 1
+    """expert_model_parallel_size: ranks that split each MoE layer's experts."""
+    edp: Optional[int] = None
+    """The expert-data-parallel size (`mptrain.planner.moe.expert_data_parallel_size`); None = dp."""
+
+    @property
+    def expert_dp(self) -> int:
+        """The group the expert-parallel weights' grads reduce over (dp where the experts are not split)."""
+        return self.edp or self.dp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +196,11 @@ def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
     """weights, grads, main_params, optimizer_state (bytes) of one rank (module docstring)."""
     n = rp.numel
     half = cfg.precision.name != "fp32"
-    owned = n / layout.dp if layout.use_distributed_optimizer else n
+    owned = n
+    if layout.use_distributed_optimizer:
+        # ep > 1: the expert-parallel weights are ZeRO-1-sharded over expert-DP, the rest over DP
+        experts = rp.expert_numel if layout.ep > 1 else 0
+        owned = (n - experts) / layout.dp + experts / layout.expert_dp
     main = owned * 4 if (half or layout.use_distributed_optimizer) else 0.0
     return {
         "weights": n * PARAM_BYTES[cfg.precision.name] + fp8_weight_cast_bytes(cfg, layout, rp),
@@ -223,9 +243,9 @@ def inflight_microbatches(schedule: str, *, pp: int, vpp: Optional[int], m: int,
     return INFLIGHT.get(schedule, INFLIGHT["gpipe"])(pp, vpp, m, pp_rank)
 
 
-MOE_ASSUMPTION = ("MoE: parameters count every expert; activations of an MoE layer are planned as a dense MLP of "
-                  "width ffn_hidden_size (the k routed copies of each token and the routing buffers are not counted)")
-"""The plan's note on an MoE model (``model.num_moe_experts``): what its memory formulas do not model yet."""
+MOE_ASSUMPTION = ("MoE: activations and all-to-all traffic assume uniform routing (each rank's experts receive the "
+                  "average T·k rows; a more popular expert's rank holds more); with a capacity factor, the capacity bound")
+"""The plan's note on an MoE model (``model.num_moe_experts``): what its formulas assume (`mptrain.planner.moe`)."""
 
 
 def planner_assumptions(cfg, layout: PlanLayout) -> list[str]:
@@ -243,8 +263,22 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     Args:
         dropout_mask_bytes: bytes per dropout-mask element (1 on CUDA; the activation size on CPU).
         layers: the global indices of the layers averaged over (a pipeline stage's; default: the whole
-            model); under precision=fp8 their FP8 share weights in the FP8 savings.
+            model); under precision=fp8 their FP8 share weights in the FP8 savings, and their MoE share weights
+            the MoE layer's bytes (`mptrain.planner.moe`) against the dense layer's.
     """
+    m = cfg.model
+    layers = range(m.num_layers) if layers is None else layers
+    kw = dict(recompute=recompute, dropout_mask_bytes=dropout_mask_bytes, layers=layers)
+    share = moe_layer_share(m, layers)
+    dense = _one_layer_bytes(cfg, layout, moe=False, **kw) if share < 1 else 0.0
+    moe = _one_layer_bytes(cfg, layout, moe=True, **kw) if share > 0 else 0.0
+    return (1 - share) * dense + share * moe
+
+
+def _one_layer_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str], dropout_mask_bytes: int,
+                     layers: Sequence[int], moe: bool) -> float:
+    """`layer_activation_bytes` of a dense layer, or with ``moe`` of an MoE layer (the MLP's fc1 input and split
+    term replaced by `moe_mlp_activation_bytes`; its experts never compute in FP8)."""
     m = cfg.model
     recompute = layout.recompute if recompute is None else recompute
     s, b, h, a, t = m.seq_length, cfg.train.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
@@ -252,19 +286,28 @@ def layer_activation_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str] 
     scale = PARAM_BYTES[cfg.precision.name] / 2  # constants are in 16-bit bytes
     ffn_per_h = (m.ffn_hidden_size or 4 * h) / h  # f/h
     attention = MEASURED["split_selective_attention_16bit" if recompute == "selective" else "split_attention_16bit"]
-    split = (attention + MEASURED["split_mlp_per_ffn_16bit"][m.activation] * ffn_per_h) * scale
+    mlp_split = 0.0 if moe else MEASURED["split_mlp_per_ffn_16bit"][m.activation] * ffn_per_h
+    split = (attention + mlp_split) * scale
     norms = MEASURED["norm_inputs_16bit"] * scale
-    linear_inputs = MEASURED["linear_inputs_16bit"] * scale
+    # an MoE layer's router saves the norm output the dense fc1 would: counted in its MoE bytes
+    linear_inputs = (MEASURED["linear_inputs_16bit"] - (MOE_MEASURED["mlp_input_16bit"] if moe else 0.0)) * scale
     fraction = _fp8_layer_fraction(cfg, layers)
     for name in fp8_linears(cfg, t) if fraction else ():  # their 1-byte casts (module docstring)
+        if moe and name in ("fc1", "fc2"):
+            continue
         d_inputs, d_split = FP8_TENSORWISE_16BIT_DELTA[name]
         linear_inputs += fraction * d_inputs
         split += fraction * d_split * (ffn_per_h if name == "fc2" else 1.0)
     masks = MEASURED["hidden_dropout_masks"] * dropout_mask_bytes if m.hidden_dropout > 0 else 0.0
     lse = 4 * a * s * b / t if recompute != "selective" else 0.0  # SDPA's fp32 logsumexp [b, a/t, s]
+    experts = 0.0
+    if moe:
+        experts = moe_mlp_activation_bytes(cfg, tp=t, ep=layout.ep, sequence_parallel=layout.sequence_parallel,
+                                           act_bytes=PARAM_BYTES[cfg.precision.name],
+                                           split_mlp_per_ffn_16bit=MEASURED["split_mlp_per_ffn_16bit"])
     if layout.sequence_parallel:
-        return sbh * ((norms + split + masks) / t + linear_inputs) + lse
-    return sbh * (norms + linear_inputs + masks + split / t) + lse
+        return sbh * ((norms + split + masks) / t + linear_inputs) + lse + experts
+    return sbh * (norms + linear_inputs + masks + split / t) + lse + experts
 
 
 LINEAR_NAMES = ("qkv", "proj", "fc1", "fc2")  # the order of `layer_linear_shapes`

@@ -9,7 +9,10 @@ of make_vocab_size_divisible_by × tp) and, with a tied embedding and pp > 1, th
 of the word embedding (Megatron-LM megatron/core/models/common/language_module/language_module.py).
 
 Per-layer elements (weights, biases, norms split or replicated over TP) come from
-`mptrain.layers.params.layer_params`, the one home of the per-layer count.
+`mptrain.layers.params.layer_params`, the one home of the per-layer count. MoE layers: each
+expert-parallel rank holds E/ep of the experts, each split over ETP (`layer_expert_params`); those
+elements are counted apart (``expert_numel``) because their grads reduce, and ZeRO-1 shards them,
+over the expert-data-parallel group rather than the data-parallel one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Optional
 
 from mptrain.layers.embedding import padded_vocab_size, vocab_range
 from mptrain.layers.gpt import pipeline_layer_ranges
-from mptrain.layers.params import layer_params, norm_params
+from mptrain.layers.params import layer_expert_params, layer_params, norm_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,7 @@ class RankParams:
         layers: global layer indices held (all virtual chunks), sorted.
         has_embedding: first stage (word embedding lives here).
         has_output: last stage (final norm, output layer / tied copy, cross entropy).
+        expert_numel: of ``numel``, the routed experts' elements (expert-parallel weights; 0 for a dense model).
     """
 
     numel: int
@@ -40,6 +44,12 @@ class RankParams:
     layers: tuple
     has_embedding: bool
     has_output: bool
+    expert_numel: int = 0
+
+    @property
+    def dense_numel(self) -> int:
+        """Elements whose grads reduce over the data-parallel group: ``numel`` less ``expert_numel``."""
+        return self.numel - self.expert_numel
 
 
 def stage_layers(m, parallel, *, pp_rank: int) -> tuple:
@@ -58,7 +68,8 @@ def rank_params(m, parallel, *, vocab_size: int, pp_rank: int, tp_rank: int = 0)
     """Parameter elements of the rank at (tp_rank, pp_rank) of the layout ``parallel``.
 
     Args:
-        m: ModelConfig. parallel: ParallelConfig (tp, pp, vpp, uneven split keys).
+        m: ModelConfig. parallel: ParallelConfig (tp, pp, vpp, uneven split keys, expert_model_parallel_size,
+            expert_tensor_parallel_size).
         vocab_size: V, unpadded (``model.vocab_size`` or the tokenizer's).
         pp_rank, tp_rank: the rank's coordinates (tp_rank only matters for the valid vocab rows).
     Raises:
@@ -71,8 +82,10 @@ def rank_params(m, parallel, *, vocab_size: int, pp_rank: int, tp_rank: int = 0)
     v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     start, end = vocab_range(v_pad, tp_rank, tp)
     rows_alloc, rows_valid = end - start, max(0, min(end, vocab_size) - start)
-    etp = parallel.expert_tensor_parallel_size  # MoE layers: experts split over etp (null: tp)
-    numel = counted = sum(layer_params(m, tp=tp, layer_number=n, etp=etp) for n in layers)
+    etp = parallel.expert_tensor_parallel_size or tp  # MoE layers: experts split over etp (null: tp)
+    ep = parallel.expert_model_parallel_size  # ... and E/ep of them on this rank
+    numel = counted = sum(layer_params(m, tp=tp, layer_number=n, etp=etp, ep=ep) for n in layers)
+    experts = sum(layer_expert_params(m, layer_number=n, etp=etp, ep=ep) for n in layers)
     if first:
         pos = (m.max_position_embeddings or m.seq_length) * h if m.position_embedding_type == "learned_absolute" else 0
         numel += rows_alloc * h + pos
@@ -85,7 +98,8 @@ def rank_params(m, parallel, *, vocab_size: int, pp_rank: int, tp_rank: int = 0)
             counted += rows_valid * h
         elif pp > 1:  # the tied embedding's copy on the last stage: allocated, not counted (a replica)
             numel += rows_alloc * h
-    return RankParams(numel=numel, num_params=counted, layers=layers, has_embedding=first, has_output=last)
+    return RankParams(numel=numel, num_params=counted, layers=layers, has_embedding=first, has_output=last,
+                      expert_numel=experts)
 
 
 def all_rank_params(m, parallel, *, vocab_size: int, tp_rank: int = 0) -> list:

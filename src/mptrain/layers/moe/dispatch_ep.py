@@ -32,7 +32,6 @@ Source: NVIDIA/Megatron-LM ``megatron/core/transformer/moe/token_dispatcher.py``
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -127,11 +126,37 @@ def _check_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.
         raise ValueError(f"dispatch: routing_map must be bool, got {routing_map.dtype}")
 
 
-def _local_experts(num_moe_experts: int, groups: ParallelGroups) -> tuple[int, int]:
-    """(first global expert of this rank, E_local)."""
-    check_num_experts(num_moe_experts, groups.ep_size)
-    local = num_moe_experts // groups.ep_size
-    return groups.ep_rank * local, local
+class ExpertGridDispatcher:
+    """What both expert-parallel dispatchers hold: E, k, the groups, this rank's local experts
+    ``[first_expert, first_expert + num_local_experts)``, and the state ``dispatch`` leaves for the ``combine``
+    that reverses it (`_take_state`).
+
+    Args:
+        num_moe_experts: E.
+        topk: k (``moe_router_topk``), the most experts a token is routed to.
+        groups: the `ParallelGroups` (its expert grid).
+    Raises:
+        ConfigError: E not divisible by ep.
+    """
+
+    def __init__(self, num_moe_experts: int, topk: int, groups: ParallelGroups) -> None:
+        check_num_experts(num_moe_experts, groups.ep_size)
+        self.num_experts, self.topk = num_moe_experts, topk
+        self.groups = groups
+        self.num_local_experts = num_moe_experts // groups.ep_size
+        self.first_expert = groups.ep_rank * self.num_local_experts
+        self._state = None
+
+    def _take_state(self):
+        """The state of the last ``dispatch``, once (the next ``combine`` needs a new dispatch).
+
+        Raises:
+            RuntimeError: no dispatch since the last combine.
+        """
+        st, self._state = self._state, None
+        if st is None:
+            raise RuntimeError("combine() needs the dispatch() it reverses")
+        return st
 
 
 # --- all-to-all ---------------------------------------------------------------------------------
@@ -147,7 +172,7 @@ class _AllToAllState:
     probs_dtype: torch.dtype
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(ExpertGridDispatcher):
     """Variable all-to-all over EP, then all-gather over ETP (Megatron ``MoEAlltoAllTokenDispatcher``).
 
     dispatch: (1) per-expert counts of this rank ``[E]``, all-gathered over etp × ep -> ``[etp, ep, E]``
@@ -159,19 +184,8 @@ class AllToAllDispatcher:
     combine mirrors it: reorder back, reduce-scatter over ETP (sums the ETP partial outputs, in the
     probs' dtype as Megatron), all-to-all back over EP, and add each row into its token.
 
-    Args:
-        num_moe_experts: E.
-        topk: k (``moe_router_topk``), the most experts a token is routed to.
-        groups: the `ParallelGroups` (its ``ep_group``, ``etp_group``, ``tp_ep_group`` and ranks).
-    Raises:
-        ConfigError: E not divisible by ep.
+    Arguments as `ExpertGridDispatcher`'s; it uses the groups' ``ep_group``, ``etp_group``, ``tp_ep_group`` and ranks.
     """
-
-    def __init__(self, num_moe_experts: int, topk: int, groups: ParallelGroups) -> None:
-        self.num_experts, self.topk = num_moe_experts, topk
-        self.groups = groups
-        self.first_expert, self.num_local_experts = _local_experts(num_moe_experts, groups)
-        self._state: Optional[_AllToAllState] = None
 
     def _splits(self, routing_map: torch.Tensor) -> tuple[list, list, list, list, list]:
         """(own counts [E], input_splits [ep], output_splits [ep], etp_splits [etp], chunk_sizes) as host ints."""
@@ -224,10 +238,8 @@ class AllToAllDispatcher:
         Raises:
             RuntimeError: called without a dispatch before it.
         """
-        st, g = self._state, self.groups
-        if st is None:
-            raise RuntimeError("combine() needs the dispatch() it reverses")
-        self._state = None
+        st: _AllToAllState = self._take_state()
+        g = self.groups
         y = expert_output
         if self.num_local_experts > 1:
             order = self._expert_major()
@@ -247,7 +259,7 @@ class _AllGatherState:
     probs_dtype: torch.dtype
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(ExpertGridDispatcher):
     """All-gather over etp × ep, keep the local experts' rows (Megatron ``MoEAllGatherTokenDispatcher``).
 
     dispatch: all-gather hidden ``[T, h] -> [P·T, h]``, probs and the routing map over the tp_ep group
@@ -256,19 +268,8 @@ class AllGatherDispatcher:
     then reduce-scatter back to ``[T, h]`` (summing the other experts' ranks and the ETP partial sums;
     in the probs' dtype as Megatron).
 
-    Args:
-        num_moe_experts: E.
-        topk: k (``moe_router_topk``), the most experts a token is routed to.
-        groups: the `ParallelGroups` (its ``tp_ep_group`` and ``ep_rank``).
-    Raises:
-        ConfigError: E not divisible by ep.
+    Arguments as `ExpertGridDispatcher`'s; it uses the groups' ``tp_ep_group``.
     """
-
-    def __init__(self, num_moe_experts: int, topk: int, groups: ParallelGroups) -> None:
-        self.num_experts, self.topk = num_moe_experts, topk
-        self.groups = groups
-        self.first_expert, self.num_local_experts = _local_experts(num_moe_experts, groups)
-        self._state: Optional[_AllGatherState] = None
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor,
                  routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -294,15 +295,12 @@ class AllGatherDispatcher:
         Raises:
             RuntimeError: called without a dispatch before it.
         """
-        st = self._state
-        if st is None:
-            raise RuntimeError("combine() needs the dispatch() it reverses")
-        self._state = None
+        st: _AllGatherState = self._take_state()
         y = unpermute(expert_output, st.perm)
         if self.groups.etp_size * self.groups.ep_size > 1:
             y = reduce_scatter_to_sequence_parallel_region(y.to(st.probs_dtype), self.groups.tp_ep_group)
         return y.to(expert_output.dtype)
 
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "Permutation", "PermuteRows", "permute", "sort_chunks",
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "ExpertGridDispatcher", "Permutation", "PermuteRows", "permute", "sort_chunks",
            "unpermute"]
