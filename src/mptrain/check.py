@@ -64,7 +64,8 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
     groups = build_groups(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
                           derived.virtual_pipeline_model_parallel_size,
                           expert_model_parallel_size=derived.expert_model_parallel_size,
-                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size)
+                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
+                          context_parallel_size=derived.context_parallel_size)
     try:
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, meta_groups(groups), derived, vocab_size=vocab_size)
         # as `training.run.build`: precision=fp8 adds the block linears' cached FP8 weight casts

@@ -346,7 +346,7 @@ def _collective_bytes(built, counters: IterationCounters) -> dict:
     per_iteration = {"dp": 0, "embedding": 0}
     for chunk in built.chunks:
         for buf in chunk.grad_buffers:
-            per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
+            per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_cp_size)
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:
                 param = dict(chunk.module.named_parameters())[name]

@@ -295,6 +295,7 @@ def _init(cfg: Config, env, derived) -> ParallelGroups:
         derived.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=derived.expert_model_parallel_size,
         expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
+        context_parallel_size=derived.context_parallel_size,
         device=device,
     )
 
