@@ -69,3 +69,20 @@ def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references):
     })
     for name, rows in runs.items():
         _assert_same(rows, references["rope"])
+
+
+def test_resume_at_cp2_is_bitwise_and_a_cp2_checkpoint_resumes_at_cp1(tmp_path, references):
+    from train_utils import without_timing
+
+    common = CP2 + ROPE + ["parallel.use_distributed_optimizer=true"]  # ZeRO-1 shards Adam's state over dp × cp
+    ckpt = tmp_path / "ckpt"
+    split = common + [f"checkpoint.save={ckpt}"]
+    runs = _run(tmp_path, 2, {"straight": common, "split": split + ["train.exit_interval=2"]})
+    assert [r["iteration"] for r in runs["split"]] == [1, 2]
+    resumed = _run(tmp_path, 2, {"split": split + [f"checkpoint.load={ckpt}"]})["split"]
+    assert without_timing(resumed) == without_timing(runs["straight"])  # bitwise, the rows of both halves
+    _assert_same(runs["straight"], references["rope"])
+    at_cp1 = _run(tmp_path, 1, {"cp1": ROPE + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"]})["cp1"]
+    assert [r["iteration"] for r in at_cp1] == [3]
+    for key in ("lm_loss", "grad_norm"):
+        assert at_cp1[0][key] == pytest.approx(references["rope"][2][key], rel=1e-5), key
