@@ -89,3 +89,17 @@ def test_context_parallel_rules():
     with pytest.raises(ConfigError, match="needs parallel.cp_comm_type=all_gather"):
         check_context_parallel(ParallelConfig(context_parallel_size=2), model, mask)
     check_context_parallel(ParallelConfig(context_parallel_size=2, cp_comm_type="all_gather"), model, mask)
+
+
+def test_start_up_validation_names_cp_in_one_line():
+    from mptrain.training.validate import validate_config
+    from train_utils import compose
+
+    base = ["model=tiny", "train.global_batch_size=4", "train.micro_batch_size=2"]
+    with pytest.raises(ConfigError, match=r"^parallel: world size 6 is not divisible by tensor_model_parallel_size × "
+                                          r"context_parallel_size × pipeline_model_parallel_size = 1 × 4 × 1 = 4;"):
+        validate_config(compose(base + ["parallel.context_parallel_size=4"]), 6)
+    with pytest.raises(ConfigError, match=r"^model.seq_length=60 is not divisible by 2 × parallel.context_parallel_size"):
+        validate_config(compose(base + ["parallel.context_parallel_size=4", "model.seq_length=60"]), 4)
+    derived = validate_config(compose(base + ["parallel.context_parallel_size=2", "parallel=tp2pp1"]), 8)
+    assert (derived.context_parallel_size, derived.data_parallel_size, derived.num_microbatches) == (2, 2, 1)
