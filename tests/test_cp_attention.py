@@ -32,7 +32,7 @@ def _reference(seq: int):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_task(rank, world, seq, comm_type):
+def _cp_task(rank, world, seq, comm_type, kernel=None):
     from mptrain.groups import build_groups
     from mptrain.layers.cp_attention import all_gather_attention, ring_attention
 
@@ -41,7 +41,7 @@ def _cp_task(rank, world, seq, comm_type):
         local = [slice_sequence(t, 2, world, groups.cp_rank).clone() for t in _full(seq)]
         q, k, v = (t.requires_grad_() for t in local[:3])
         if comm_type == "p2p":
-            out = ring_attention(q, k, v, groups)
+            out = ring_attention(q, k, v, groups, kernel)
         else:  # all_gather takes [s, b, heads, d]
             out = all_gather_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), groups)
         out.backward(local[3])
@@ -54,12 +54,12 @@ def _cp_task(rank, world, seq, comm_type):
 def test_cp_attention_equals_causal_attention(world):
     seq = 8 * world
     ref = _reference(seq)
-    for comm_type in ("p2p", "all_gather"):
-        results = run_distributed(_cp_task, world, seq, comm_type)
+    for comm_type, kernel in (("p2p", None), ("p2p", "matmul"), ("all_gather", None)):
+        results = run_distributed(_cp_task, world, seq, comm_type, kernel)
         for r, got in enumerate(results):
             for name, g, want in zip(("out", "dq", "dk", "dv"), got, ref):
                 expect = slice_sequence(want, 2, world, r)
-                torch.testing.assert_close(g, expect, rtol=1e-5, atol=1e-5, msg=f"{comm_type} rank {r} {name}")
+                torch.testing.assert_close(g, expect, rtol=1e-5, atol=1e-5, msg=f"{comm_type} {kernel} rank {r} {name}")
 
 
 def test_chunks_are_load_balanced():

@@ -23,7 +23,10 @@ The exchange of K/V never waits for the block it overlaps; the accumulator's sen
 and this rank's queries attend with a mask built from the global positions (or the rows of a dense
 document mask, `data.reset_attention_mask`). Exact and simple; the gathered K/V cost s/sl times the memory.
 
-The blocks are computed in fp32 (scores ``[b, np, rows, cols]`` of one block at a time).
+Block kernels (`block_kernel`): ATen's flash-attention ops, which return the log-sum-exp and take the final
+(out, lse) in their backward (on CPU any float dtype; on CUDA fp16 / bf16 with head dims up to 256); elsewhere
+(fp32 or wide heads on CUDA) the block is two fp32 matmuls around an explicit softmax (`block_forward`,
+`block_backward`: scores ``[b, np, rows, cols]`` of one block at a time). Merging and accumulation are fp32.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mptrain.layers.context_parallel import local_positions
+from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.mappings import gather_from_sequence_parallel_region
 
 _KV_TAG, _DKV_TAG = 61, 62  # distinct tags: the K/V and the dK/dV hops between one pair of ranks never mix
+_FLASH_MAX_HEAD_DIM = 256  # flash-attention 2 (CUDA): head dims up to 256, multiples of 8
 
 
 def _expand(x: torch.Tensor, rep: int) -> torch.Tensor:
@@ -83,6 +88,43 @@ def block_backward(q, k, v, dout, lse, delta, causal: bool):
     return dq, dk, dv
 
 
+def block_kernel(q: torch.Tensor) -> str:
+    """The block kernel for q's device, dtype and head dim: "cpu_flash", "cuda_flash" or "matmul" (module docstring)."""
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    d = q.shape[-1]
+    if q.device.type == "cuda" and q.dtype in HALF_DTYPES and d <= _FLASH_MAX_HEAD_DIM and d % 8 == 0:
+        return "cuda_flash"
+    return "matmul"
+
+
+def _fwd(kernel: str, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's (out, lse) in fp32; q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` (equal head counts)."""
+    if kernel == "matmul":
+        return block_forward(q, k, v, causal)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kernel == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
+    return out.float(), lse.float()
+
+
+def _bwd(kernel: str, q, k, v, dout, out, lse, delta, causal: bool):
+    """One block's (dq, dk, dv) in fp32 from the final ``out`` (q's dtype), ``lse`` and ``delta`` (fp32; the flash
+    kernels compute delta themselves from ``out``)."""
+    if kernel == "matmul":
+        return block_backward(q, k, v, dout.float(), lse, delta, causal)
+    q, k, v, dout, out, lse = (t.contiguous() for t in (q, k, v, dout, out, lse))
+    if kernel == "cpu_flash":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
+    else:
+        none = torch.empty(0, dtype=torch.int64, device=q.device)  # no varlen offsets, no dropout RNG state
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, none, none, q.shape[2], k.shape[2], 0.0, causal, none, none)
+    return tuple(g.float() for g in grads)
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold a block's (out, lse) into the running ones, in place (fp32; module docstring)."""
     new = torch.logaddexp(lse, block_lse)
@@ -125,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
     """q ``[b, np, sl, d]``, k, v ``[b, ng, sl, d]`` -> out ``[b, np, sl, d]`` in q's dtype (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring):
+    def forward(ctx, q, k, v, ring: _Ring, kernel: str):
         rep, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -133,30 +175,31 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
             rows, cols, causal = _step_rows_cols(step, ring, half)
-            o, l = block_forward(q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep), causal)
+            o, l = _fwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep), causal)
             merge(out[:, :, rows], lse[:, :, rows], o, l)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        ctx.ring = ring
+        ctx.ring, ctx.kernel = ring, kernel
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
+        ring, kernel = ctx.ring, ctx.kernel
         rep, half = q.shape[1] // k.shape[1], q.shape[2] // 2
-        dout = dout.float()
-        delta = (dout * out).sum(dim=-1)  # [b, np, sl]
+        dout = dout.to(q.dtype)
+        delta = (dout.float() * out.float()).sum(dim=-1)  # [b, np, sl]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         incoming = None  # the dK/dV accumulator of the block this rank holds, on its way from the previous rank
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
             rows, cols, causal = _step_rows_cols(step, ring, half)
-            bq, bk, bv = block_backward(q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep),
-                                        dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
+            bq, bk, bv = _bwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep),
+                              dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
             dq[:, :, rows] += bq
             acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
             acc[0][:, :, cols] = _fold(bk, rep)
@@ -171,16 +214,18 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[1]
         _wait(incoming[0])  # after cp hops the accumulator of this rank's own block is back, whole
         dkv = incoming[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 @torch.compiler.disable  # point-to-point exchanges inside an autograd Function: eager only
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups,
+                   kernel: Optional[str] = None) -> torch.Tensor:
     """``cp_comm_type=p2p``: q ``[b, np, sl, d]``, k, v ``[b, ng, sl, d]`` (RoPE applied) -> ``[b, np, sl, d]``.
 
+    ``kernel``: the block kernel ("cpu_flash", "cuda_flash", "matmul"); None = `block_kernel` (q's device and dtype).
     Collective over ``groups.cp_group`` (every CP rank calls it for the same layer, forward and backward).
     """
-    return _RingAttention.apply(q, k, v, _Ring(groups))
+    return _RingAttention.apply(q, k, v, _Ring(groups), kernel or block_kernel(q))
 
 
 def _global_order(x: torch.Tensor, cp: int) -> torch.Tensor:
