@@ -67,7 +67,7 @@ def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references):
         "cp2pp2": CP2 + ROPE + ["parallel=tp1pp2"],
         "cp2dp2_zero1": CP2 + ROPE + ["parallel.use_distributed_optimizer=true"],
     })
-    for name, rows in runs.items():
+    for rows in runs.values():
         _assert_same(rows, references["rope"])
 
 
