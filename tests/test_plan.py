@@ -177,7 +177,7 @@ def test_json_output_schema_and_table():
                 "bubble_fraction", "comm_bytes"} <= set(r)
         assert r["tp"] * r["pp"] * r["dp"] == 4 and r["recompute"] in ("none", "selective", "full")
         assert r["vpp"] is None or r["vpp"] > 1
-        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding"}
+        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding", "cp"}
         assert isinstance(r["fits"], bool) and 0.0 <= r["bubble_fraction"] < 1.0
         # the default headroom: 4 of the 80 GiB stay free for what the formulas leave out
         assert r["fits"] == (r["memory_gib"]["total"] <= 76)

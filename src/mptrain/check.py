@@ -74,7 +74,7 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
         p = cfg.parallel
         layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
                             p.use_distributed_optimizer, recompute_granularity(cfg.model) or "none",
-                            derived.sequence_parallel, derived.schedule, derived.num_microbatches)
+                            derived.sequence_parallel, derived.schedule, derived.num_microbatches, cp=groups.cp_size)
         c = layout_config(cfg, layout)
         rp = rank_params(cfg.model, c.parallel, vocab_size=vocab_size, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
         planned = model_state_bytes(cfg, layout, rp)
