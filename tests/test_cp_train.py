@@ -22,9 +22,11 @@ def _jobs(rank, world, jobs):
 
 
 def _run(tmp: Path, world: int, named: dict) -> dict:
+    """{name: train rows}, and {name + "/valid": valid rows} for the jobs that evaluated."""
     jobs = [BASE + overrides + [f"run.dir={tmp / name}"] for name, overrides in named.items()]
     run_distributed(_jobs, world, jobs, timeout_s=300)
-    return {name: read_rows(tmp / name) for name in named}
+    rows = {name: read_rows(tmp / name) for name in named}
+    return {**rows, **{f"{name}/valid": read_rows(tmp / name, "valid") for name in named if EVAL[0] in named[name]}}
 
 
 def _assert_same(rows, ref, rel=1e-5):
@@ -39,23 +41,28 @@ def _assert_same(rows, ref, rel=1e-5):
 ROPE = ["model.position_embedding_type=rope"]
 RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 CP2 = ["parallel.context_parallel_size=2"]
+EVAL = ["train.eval_interval=3", "train.eval_iters=1"]
 MASK = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp1")
-    return _run(tmp, 1, {"learned": [], "rope": ROPE, "mask": MASK})
+    return _run(tmp, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK})
 
 
 def test_cp2_world2_equals_cp1(tmp_path, references):
     runs = _run(tmp_path, 2, {
-        "p2p": CP2,
+        "p2p": CP2 + EVAL,
         "p2p_rope_recompute": CP2 + ROPE + RECOMPUTE,
         "all_gather_rope": CP2 + ROPE + ["parallel.cp_comm_type=all_gather"],
         "all_gather_mask": CP2 + MASK + ["parallel.cp_comm_type=all_gather"],
     })
     _assert_same(runs["p2p"], references["learned"])
+    valid, ref_valid = runs["p2p/valid"], references["learned/valid"]
+    assert [r["iteration"] for r in valid] == [0, 3] == [r["iteration"] for r in ref_valid]
+    for r, q in zip(valid, ref_valid):  # evaluation at cp2: the whole sequences' loss
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5)
     _assert_same(runs["p2p_rope_recompute"], references["rope"])
     _assert_same(runs["all_gather_rope"], references["rope"])
     _assert_same(runs["all_gather_mask"], references["mask"])
