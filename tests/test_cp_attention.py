@@ -34,7 +34,7 @@ def _reference(seq: int):
 
 def _cp_task(rank, world, seq, comm_type, kernel=None):
     from mptrain.groups import build_groups
-    from mptrain.layers.cp_attention import all_gather_attention, ring_attention
+    from mptrain.layers.cp_attention import a2a_attention, all_gather_attention, ring_attention
 
     groups = build_groups(1, 1, context_parallel_size=world)
     try:
@@ -42,7 +42,9 @@ def _cp_task(rank, world, seq, comm_type, kernel=None):
         q, k, v = (t.requires_grad_() for t in local[:3])
         if comm_type == "p2p":
             out = ring_attention(q, k, v, groups, kernel)
-        else:  # all_gather takes [s, b, heads, d]
+        elif comm_type == "a2a":  # a2a and all_gather take [s, b, heads, d]
+            out = a2a_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), groups)
+        else:
             out = all_gather_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), groups)
         out.backward(local[3])
         return out.detach(), q.grad, k.grad, v.grad
@@ -54,7 +56,8 @@ def _cp_task(rank, world, seq, comm_type, kernel=None):
 def test_cp_attention_equals_causal_attention(world):
     seq = 8 * world
     ref = _reference(seq)
-    for comm_type, kernel in (("p2p", None), ("p2p", "matmul"), ("all_gather", None)):
+    a2a = (("a2a", None),) if NG % world == 0 else ()  # a2a splits the K/V heads over cp
+    for comm_type, kernel in (("p2p", None), ("p2p", "matmul"), ("all_gather", None), *a2a):
         results = run_distributed(_cp_task, world, seq, comm_type, kernel)
         for r, got in enumerate(results):
             for name, g, want in zip(("out", "dq", "dk", "dv"), got, ref):
@@ -89,6 +92,10 @@ def test_context_parallel_rules():
     with pytest.raises(ConfigError, match="needs parallel.cp_comm_type=all_gather"):
         check_context_parallel(ParallelConfig(context_parallel_size=2), model, mask)
     check_context_parallel(ParallelConfig(context_parallel_size=2, cp_comm_type="all_gather"), model, mask)
+    gqa = ModelConfig(seq_length=64, num_attention_heads=8, num_query_groups=2)
+    with pytest.raises(ConfigError, match="parallel.cp_comm_type=a2a splits each TP rank's heads"):
+        check_context_parallel(ParallelConfig(context_parallel_size=4, cp_comm_type="a2a"), gqa)
+    check_context_parallel(ParallelConfig(context_parallel_size=2, cp_comm_type="a2a"), gqa)
 
 
 def test_start_up_validation_names_cp_in_one_line():

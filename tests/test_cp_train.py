@@ -56,6 +56,7 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
         "p2p": CP2 + EVAL,
         "p2p_rope_recompute": CP2 + ROPE + RECOMPUTE,
         "all_gather_rope": CP2 + ROPE + ["parallel.cp_comm_type=all_gather"],
+        "a2a_rope": CP2 + ROPE + ["parallel.cp_comm_type=a2a"],
         "all_gather_mask": CP2 + MASK + ["parallel.cp_comm_type=all_gather"],
     })
     _assert_same(runs["p2p"], references["learned"])
@@ -65,6 +66,7 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5)
     _assert_same(runs["p2p_rope_recompute"], references["rope"])
     _assert_same(runs["all_gather_rope"], references["rope"])
+    _assert_same(runs["a2a_rope"], references["rope"])
     _assert_same(runs["all_gather_mask"], references["mask"])
 
 

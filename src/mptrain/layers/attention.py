@@ -45,7 +45,7 @@ from mptrain.config.model import SelfAttentionSubmodules, recompute_granularity
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
 from mptrain.layers.context_parallel import local_positions
-from mptrain.layers.cp_attention import all_gather_attention, ring_attention
+from mptrain.layers.cp_attention import a2a_attention, all_gather_attention, ring_attention
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
@@ -203,8 +203,10 @@ class DotProductAttention(torch.nn.Module):
         ``[b, np/tp, s/cp, hn]``. Attention dropout is 0 here (`context_parallel.check_context_parallel`)."""
         if self.cp_comm_type == "all_gather":
             return all_gather_attention(q, k, v, self.groups, attention_mask)
+        if self.cp_comm_type == "a2a":
+            return a2a_attention(q, k, v, self.groups)
         if attention_mask is not None:
-            raise ValueError("ring attention (parallel.cp_comm_type=p2p) is causal only; use cp_comm_type=all_gather")
+            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type} is causal only; use cp_comm_type=all_gather")
         return ring_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), self.groups)
 
     def _use_unfused(self, q: torch.Tensor) -> bool:

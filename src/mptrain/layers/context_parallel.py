@@ -17,8 +17,8 @@ import torch
 
 from mptrain.errors import ConfigError, check_choice
 
-CP_COMM_TYPES = ("p2p", "all_gather")
-"""``parallel.cp_comm_type``: the ring (Megatron's default) or one all-gather of K/V."""
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""``parallel.cp_comm_type``: the ring (Megatron's default), one all-gather of K/V, or all-to-all over heads (Ulysses)."""
 
 
 def check_context_parallel(parallel, model, data=None) -> None:
@@ -29,7 +29,8 @@ def check_context_parallel(parallel, model, data=None) -> None:
             under sequence parallelism, whose s/cp tp does not divide);
             cp > 1 with an MoE model (its aux-loss and dispatch statistics are not reduced over CP), or with
             attention dropout (the ring's blocks draw no dropout mask), or with data.reset_attention_mask under
-            p2p (the ring computes causal blocks only; cp_comm_type=all_gather takes the dense mask).
+            p2p / a2a (causal only; cp_comm_type=all_gather takes the dense mask); a2a with heads (query or K/V,
+            per TP rank) that cp does not divide.
     """
     cp = parallel.context_parallel_size
     if cp is None or cp < 1:
@@ -55,9 +56,17 @@ def check_context_parallel(parallel, model, data=None) -> None:
     if model.attention_dropout:
         raise ConfigError(f"parallel.context_parallel_size={cp} needs model.attention_dropout=0 (got "
                           f"{model.attention_dropout}): the CP attention draws no dropout mask")
-    if data is not None and data.reset_attention_mask and parallel.cp_comm_type == "p2p":
+    if data is not None and data.reset_attention_mask and parallel.cp_comm_type != "all_gather":
         raise ConfigError(f"data.reset_attention_mask=true with parallel.context_parallel_size={cp} needs "
-                          "parallel.cp_comm_type=all_gather (the p2p ring computes causal blocks only)")
+                          f"parallel.cp_comm_type=all_gather (cp_comm_type={parallel.cp_comm_type} computes causal "
+                          "attention only)")
+    if parallel.cp_comm_type == "a2a":
+        heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
+        if (heads // tp) % cp or (groups // tp) % cp:
+            raise ConfigError(
+                f"parallel.cp_comm_type=a2a splits each TP rank's heads over context_parallel_size={cp}: "
+                f"model.num_attention_heads={heads} and num_query_groups={groups} over tp={tp} give "
+                f"{heads // tp} and {groups // tp}, which {cp} must divide; use cp_comm_type=p2p or another cp")
 
 
 def chunk_bounds(seq_length: int, cp_size: int, cp_rank: int) -> tuple[tuple[int, int], tuple[int, int]]:

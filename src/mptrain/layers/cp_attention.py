@@ -19,6 +19,11 @@ The backward pass (FlashAttention-2's block backward with the final out and lse)
 sends each block's dK/dV accumulator along with it; after cp hops it is back on its owner, whole.
 The exchange of K/V never waits for the block it overlaps; the accumulator's send overlaps the next block.
 
+``a2a`` (DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all turns each of q, k, v from ``[sl, b, heads, d]``
+into ``[s, b, heads/cp, d]`` (this rank's share of the heads, the whole sequence), plain causal attention runs on
+it, and the inverse all-to-all brings the context back to ``[sl, b, heads, d]``; the heads of a TP rank (query and
+K/V) must split over cp. The backward of each all-to-all is the reverse exchange.
+
 ``all_gather``: K/V of every CP rank gathered (backward: their grads reduce-scattered), put in global order,
 and this rank's queries attend with a mask built from the global positions (or the rows of a dense
 document mask, `data.reset_attention_mask`). Exact and simple; the gathered K/V cost s/sl times the memory.
@@ -40,7 +45,7 @@ import torch.nn.functional as F
 
 from mptrain.layers.context_parallel import local_positions
 from mptrain.layers.dtypes import HALF_DTYPES
-from mptrain.layers.mappings import gather_from_sequence_parallel_region
+from mptrain.layers.mappings import all_to_all, gather_from_sequence_parallel_region
 
 _KV_TAG, _DKV_TAG = 61, 62  # distinct tags: the K/V and the dK/dV hops between one pair of ranks never mix
 _FLASH_MAX_HEAD_DIM = 256  # flash-attention 2 (CUDA): head dims up to 256, multiples of 8
@@ -208,7 +213,8 @@ class _RingAttention(torch.autograd.Function):
                 _wait(incoming[0])
                 acc += incoming[1]
             # the accumulator travels with its block: to the next rank, which holds this block at the next step
-            incoming = ring.exchange(acc, _DKV_TAG)
+            # (acc stays referenced beside its exchange until that is waited for)
+            incoming = (*ring.exchange(acc, _DKV_TAG), acc)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
@@ -228,13 +234,54 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups,
     return _RingAttention.apply(q, k, v, _Ring(groups), kernel or block_kernel(q))
 
 
-def _global_order(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """K/V gathered per rank ``[cp·sl, ...]`` (rank r: chunks r, 2cp−1−r) -> the sequence in order ``[s, ...]``."""
-    chunks = x.chunk(2 * cp, dim=0)  # gathered chunk 2r is sequence chunk r, 2r + 1 is chunk 2cp − 1 − r
+def _rank_order(cp: int) -> list:
+    """``order[j]`` = the chunk of the rank-by-rank concatenation ``[cp·sl, ...]`` (rank r: chunks r, 2cp−1−r)
+    that is chunk j of the sequence."""
     order = [0] * (2 * cp)
     for r in range(cp):
         order[r], order[2 * cp - 1 - r] = 2 * r, 2 * r + 1
-    return torch.cat([chunks[i] for i in order], dim=0)
+    return order
+
+
+def _global_order(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """The ranks' slices concatenated ``[cp·sl, ...]`` -> the sequence in order ``[s, ...]``."""
+    chunks = x.chunk(2 * cp, dim=0)
+    return torch.cat([chunks[i] for i in _rank_order(cp)], dim=0)
+
+
+def _rank_major(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Inverse of `_global_order`: the sequence ``[s, ...]`` -> the ranks' slices concatenated ``[cp·sl, ...]``."""
+    chunks = x.chunk(2 * cp, dim=0)
+    where = {c: j for j, c in enumerate(_rank_order(cp))}  # concatenation chunk c is sequence chunk where[c]
+    return torch.cat([chunks[where[c]] for c in range(2 * cp)], dim=0)
+
+
+def _heads_to_sequence(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[sl, b, heads, d]`` -> ``[s, b, heads/cp, d]``: head group j goes to CP rank j, tokens come back in order."""
+    sl, b, heads, d = x.shape
+    parts = x.reshape(sl, b, cp, heads // cp, d).permute(2, 0, 1, 3, 4).reshape(cp * sl, b, heads // cp, d)
+    return _global_order(all_to_all(parts.contiguous(), group), cp)
+
+
+def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """Inverse of `_heads_to_sequence`: ``[s, b, heads/cp, d]`` -> ``[sl, b, heads, d]``."""
+    s, b, h_local, d = x.shape
+    back = all_to_all(_rank_major(x, cp).contiguous(), group)  # [cp·sl, ...]: chunk j = head group j, my tokens
+    return back.reshape(cp, s // cp, b, h_local, d).permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h_local, d)
+
+
+@torch.compiler.disable  # collectives with uneven autograd: eager only
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups) -> torch.Tensor:
+    """``cp_comm_type=a2a``: q ``[sl, b, np, d]``, k, v ``[sl, b, ng, d]`` -> ``[b, np, sl, d]`` (causal SDPA on
+    np/cp heads of the whole sequence). np and ng (this TP rank's) divide by cp (`check_context_parallel`).
+    Collective over ``groups.cp_group``."""
+    cp, group = groups.cp_size, groups.cp_group
+    qs, ks, vs = (_heads_to_sequence(t, group, cp) for t in (q, k, v))  # [s, b, heads/cp, d]
+    rep = qs.shape[2] // ks.shape[2]
+    qh = qs.permute(1, 2, 0, 3)
+    kh, vh = _expand(ks.permute(1, 2, 0, 3), rep), _expand(vs.permute(1, 2, 0, 3), rep)
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [b, np/cp, s, d]
+    return _sequence_to_heads(out.permute(2, 0, 1, 3), group, cp).permute(1, 2, 0, 3)
 
 
 @torch.compiler.disable  # collectives with uneven autograd: eager only

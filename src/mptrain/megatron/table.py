@@ -139,16 +139,16 @@ def context_parallel_size(values: list) -> list:
 
 
 def cp_comm_type(values: list) -> list:
-    """parallel.cp_comm_type: Megatron's list (one type per layer) must name one type, p2p (mptrain's default)
-    or all_gather (``allgather`` in Megatron's help text)."""
+    """parallel.cp_comm_type: Megatron's list (one type per layer) must name one type, p2p (mptrain's default),
+    all_gather (``allgather`` in Megatron's help text) or a2a; a2a+p2p (hierarchical) has no equivalent."""
     kinds = {"allgather": "all_gather"}
     types = {kinds.get(v, v) for v in values}
     if types == {"p2p"}:
         return []
-    if types == {"all_gather"}:
-        return ["parallel.cp_comm_type=all_gather"]
-    raise Uncarried(NO_EQUIVALENT, f"--cp-comm-type {' '.join(values)}: mptrain's context parallelism is p2p or "
-                                   "all_gather, one type for every layer")
+    if len(types) == 1 and types <= {"all_gather", "a2a"}:
+        return [f"parallel.cp_comm_type={types.pop()}"]
+    raise Uncarried(NO_EQUIVALENT, f"--cp-comm-type {' '.join(values)}: mptrain's context parallelism is p2p, "
+                                   "all_gather or a2a, one type for every layer")
 
 
 def moe_layer_freq(values: list) -> list:
@@ -369,7 +369,7 @@ ROWS: tuple = (
     Row("--context-parallel-size", convert=context_parallel_size,
         why="parallel.context_parallel_size (1: nothing to set)"),
     Row("--cp-comm-type", convert=cp_comm_type,
-        why="parallel.cp_comm_type: p2p (nothing to set) or all_gather; a2a and a2a+p2p have no equivalent"),
+        why="parallel.cp_comm_type: p2p (nothing to set), all_gather or a2a; a2a+p2p has no equivalent"),
     Row("--expert-model-parallel-size", "parallel.expert_model_parallel_size"),
     Row("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size"),
     switch("--overlap-param-gather", "parallel.overlap_param_gather"),
