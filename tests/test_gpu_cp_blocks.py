@@ -28,15 +28,15 @@ def test_cuda_flash_blocks_equal_the_fp32_matmul_blocks():
     for kernel in ("cuda_flash", "matmul"):
         out = torch.zeros(q.shape, dtype=torch.float32, device="cuda")
         lse = torch.full(q.shape[:3], float("-inf"), device="cuda")
-        o, l = _fwd(kernel, q, own_k, own_v, True)
+        o, l, meta = _fwd(kernel, q, own_k, own_v, True)
         merge(out, lse, o, l)
-        o, l = _fwd(kernel, q[:, :, c:], other_k, other_v, False)
+        o, l, _ = _fwd(kernel, q[:, :, c:], other_k, other_v, False)
         merge(out[:, :, c:], lse[:, :, c:], o, l)
         final = out.to(torch.bfloat16)
         delta = (dout.float() * final.float()).sum(-1)
-        own = _bwd(kernel, q, own_k, own_v, dout, final, lse, delta, True)
+        own = _bwd(kernel, q, own_k, own_v, dout, final, lse, delta, True, meta)
         tail = _bwd(kernel, q[:, :, c:], other_k, other_v, dout[:, :, c:], final[:, :, c:], lse[:, :, c:],
-                    delta[:, :, c:], False)
+                    delta[:, :, c:], False, meta)
         results[kernel] = (out, lse, *own, *tail)
     for name, a, e in zip(("out", "lse", "dq", "dk", "dv", "dq_tail", "dk_other", "dv_other"),
                           results["cuda_flash"], results["matmul"]):

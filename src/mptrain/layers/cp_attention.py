@@ -103,30 +103,32 @@ def block_kernel(q: torch.Tensor) -> str:
     return "matmul"
 
 
-def _fwd(kernel: str, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's (out, lse) in fp32; q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` (equal head counts)."""
+def _fwd(kernel: str, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+    """One block's (out, lse) in fp32 and, for the CUDA kernel, the forward's (cum_seq_q, cum_seq_k, rng_state,
+    unused) that its backward takes back; q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` (equal head counts)."""
     if kernel == "matmul":
-        return block_forward(q, k, v, causal)
+        return (*block_forward(q, k, v, causal), None)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[:2]
-    return out.float(), lse.float()
+        return out.float(), lse.float(), None
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+    return res[0].float(), res[1].float(), (res[2], res[3], res[6], res[7])
 
 
-def _bwd(kernel: str, q, k, v, dout, out, lse, delta, causal: bool):
+def _bwd(kernel: str, q, k, v, dout, out, lse, delta, causal: bool, meta: Optional[tuple] = None):
     """One block's (dq, dk, dv) in fp32 from the final ``out`` (q's dtype), ``lse`` and ``delta`` (fp32; the flash
-    kernels compute delta themselves from ``out``)."""
+    kernels compute delta themselves from ``out``). ``meta``: a CUDA forward's metadata (`_fwd`; without dropout
+    or variable lengths every block's is alike: PyTorch's own ring passes one forward's to every block)."""
     if kernel == "matmul":
         return block_backward(q, k, v, dout.float(), lse, delta, causal)
     q, k, v, dout, out, lse = (t.contiguous() for t in (q, k, v, dout, out, lse))
     if kernel == "cpu_flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
     else:
-        none = torch.empty(0, dtype=torch.int64, device=q.device)  # no varlen offsets, no dropout RNG state
+        cum_q, cum_k, seed, offset = meta
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, none, none, q.shape[2], k.shape[2], 0.0, causal, none, none)
+            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset)
     return tuple(g.float() for g in grads)
 
 
@@ -177,15 +179,18 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # [2, b, ng, sl, d]: one message per hop
+        meta = None
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
             rows, cols, causal = _step_rows_cols(step, ring, half)
-            o, l = _fwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep), causal)
+            o, l, block_meta = _fwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep),
+                                    _expand(kv[1][:, :, cols], rep), causal)
+            meta = meta or block_meta
             merge(out[:, :, rows], lse[:, :, rows], o, l)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        ctx.ring, ctx.kernel = ring, kernel
+        ctx.ring, ctx.kernel, ctx.meta = ring, kernel, meta
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -204,7 +209,7 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
             rows, cols, causal = _step_rows_cols(step, ring, half)
             bq, bk, bv = _bwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep),
-                              dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal)
+                              dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal, ctx.meta)
             dq[:, :, rows] += bq
             acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
             acc[0][:, :, cols] = _fold(bk, rep)
