@@ -134,10 +134,15 @@ def test_switches_no_forms_precision_and_blends():
     assert t.overrides[:2] == ["precision=fp8", "optim=adamw"]  # fp8 runs on bf16 params: --bf16 does not undo it
     assert {"model.add_bias_linear=false", "checkpoint.load_optim=false", "data.prefixes=[0.3,/a/x,0.7,/b/y]",
             "model.recompute_num_layers=1"} <= set(t.overrides)
-    t = translate(["--fp8-format", "e4m3", "--context-parallel-size", "2", "--attention-backend", "unfused"])
+    t = translate(["--fp8-format", "e4m3", "--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p",
+                   "--attention-backend", "unfused"])
     assert [(u[0], u[2]) for u in t.uncarried] == [("--fp8-format", "no equivalent yet"),
-                                                  ("--context-parallel-size", "no equivalent yet")]
-    assert "model.attention_backend=unfused" in t.overrides
+                                                  ("--cp-comm-type", "no equivalent yet")]
+    assert {"model.attention_backend=unfused", "parallel.context_parallel_size=2"} <= set(t.overrides)
+    t = translate(["--context-parallel-size", "4", "--cp-comm-type", "allgather", "allgather"])
+    assert {"parallel.context_parallel_size=4", "parallel.cp_comm_type=all_gather"} <= set(t.overrides)
+    assert [n[0] for n in translate(["--cp-comm-type", "p2p"]).nothing] == ["--cp-comm-type p2p"]
+    assert "parallel.cp_comm_type=a2a" in translate(["--cp-comm-type", "a2a"]).overrides
 
 
 def test_unknown_argument_by_name_or_uncarried():

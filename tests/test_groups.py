@@ -322,3 +322,53 @@ def test_num_experts_rule():
     with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=2 splits the experts of MoE layers, "
                                           "and model.num_moe_experts is null"):
         check_num_experts(None, 2)
+
+
+def test_context_parallel_world16_tp2_cp2_pp2():
+    """Megatron's rank order tp-cp-dp-pp (the module docstring's worked example): dp = 16 / (2·2·2) = 2."""
+    g = rank_groups(16, 2, 2, context_parallel_size=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["pp"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert g["mp"] == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    assert g["embedding"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    # the expert grid folds cp into expert-data-parallel: edp = 16 / (etp 2 · ep 1 · pp 2) = 4 = dp × cp
+    assert g["edp"] == g["dp_cp"]
+    from mptrain.groups import cp_rank_of
+
+    for r in range(16):
+        t, d, p = rank_coordinates(r, 16, 2, 2, 2)
+        c = cp_rank_of(r, 2, 2)
+        assert g["cp"][p * 4 + d * 2 + t][c] == r and g["dp"][p * 4 + c * 2 + t][d] == r
+        assert g["dp_cp"][p * 2 + t][d * 2 + c] == r  # dp_cp_rank = dp_rank · cp + cp_rank
+
+
+def test_context_parallel_size_must_divide_the_world():
+    from mptrain.groups import validate_layout
+
+    with pytest.raises(ConfigError, match=r"^parallel: world size 6 is not divisible by tensor_model_parallel_size × "
+                                          r"context_parallel_size × pipeline_model_parallel_size = 1 × 4 × 1 = 4"):
+        validate_layout(6, 1, 1, context_parallel_size=4)
+    assert validate_layout(8, 2, 1, context_parallel_size=2) == 2
+
+
+def _cp_groups(rank, world):
+    groups = build_groups(1, 2, context_parallel_size=2)
+    try:
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=groups.cp_group)
+        u = torch.tensor([float(rank)])
+        dist.all_reduce(u, group=groups.dp_cp_group)
+        return groups.ranks["cp"], t.item(), groups.cp_rank, groups.dp_cp_size, u.item(), groups.dp_rank
+    finally:
+        groups.destroy()
+
+
+def test_gloo_world4_cp2_pp2():
+    out = run_distributed(_cp_groups, 4)
+    assert [o[0] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o[1] for o in out] == [1.0, 1.0, 5.0, 5.0]
+    assert [o[2] for o in out] == [0, 1, 0, 1]
+    assert [o[3] for o in out] == [2] * 4 and [o[4] for o in out] == [1.0, 1.0, 5.0, 5.0] and [o[5] for o in out] == [0] * 4

@@ -183,7 +183,7 @@ def test_json_output_schema_and_table():
                 "tight", "bubble_fraction", "comm_bytes", "parameters"} <= set(r)
         assert r["tp"] * r["pp"] * r["dp"] == 4 and r["recompute"] in ("none", "selective", "full")
         assert r["vpp"] is None or r["vpp"] > 1
-        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding", "ep", "edp"}
+        assert set(r["memory_gib"]) == parts and set(r["comm_bytes"]) == {"tp", "pp", "dp", "embedding", "ep", "edp", "cp"}
         assert (r["ep"], r["edp"], r["comm_bytes"]["ep"], r["comm_bytes"]["edp"]) == (1, r["dp"], 0, 0)  # dense
         assert r["parameters"]["total"] == r["parameters"]["active"]
         assert isinstance(r["fits"], bool) and 0.0 <= r["bubble_fraction"] < 1.0

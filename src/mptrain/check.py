@@ -64,7 +64,8 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
     groups = build_groups(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
                           derived.virtual_pipeline_model_parallel_size,
                           expert_model_parallel_size=derived.expert_model_parallel_size,
-                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size)
+                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
+                          context_parallel_size=derived.context_parallel_size)
     try:
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, meta_groups(groups), derived, vocab_size=vocab_size)
         # as `training.run.build`: precision=fp8 adds the block linears' cached FP8 weight casts
@@ -74,7 +75,7 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
         layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
                             p.use_distributed_optimizer, recompute_granularity(cfg.model) or "none",
                             derived.sequence_parallel, derived.schedule, derived.num_microbatches,
-                            ep=groups.ep_size, edp=groups.edp_size)
+                            ep=groups.ep_size, edp=groups.edp_size, cp=groups.cp_size)
         c = layout_config(cfg, layout)
         rp = rank_params(cfg.model, c.parallel, vocab_size=vocab_size, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
         planned = model_state_bytes(cfg, layout, rp)

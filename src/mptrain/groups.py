@@ -1,8 +1,10 @@
-"""torch.distributed initialisation and the TP / PP / DP / MP / embedding process groups.
+"""torch.distributed initialisation and the TP / CP / PP / DP / MP / embedding process groups.
 
-Rank layout (Megatron's order "tp-dp-pp": TP varies fastest, then DP, then PP)::
+Rank layout (Megatron's order "tp-cp-dp-pp": TP varies fastest, then CP, then DP, then PP)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)       i.e. arange(world).view(pp, dp, tp)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))   i.e. arange(world).view(pp, dp, cp, tp)
+
+With context_parallel_size = 1 (the default) this is Megatron's "tp-dp-pp" grid ``view(pp, dp, tp)``.
 
 Worked example (Megatron ``parallel_state.py``; checked by ``tests/test_groups.py``):
 16 GPUs, tensor_model_parallel_size=2, pipeline_model_parallel_size=4 => data-parallel size 2::
@@ -16,8 +18,21 @@ Worked example (Megatron ``parallel_state.py``; checked by ``tests/test_groups.p
 
 TP groups are contiguous ranks (one node, NVLink); PP is the outermost axis (across nodes).
 
+Context parallelism (Megatron-core ``parallel_state.py``; checked by ``tests/test_groups.py``): the CP
+ranks of one group hold slices of the same sequences and replicate every weight, so weight grads (and
+ZeRO-1's shards) span the data-parallel-with-context group DP × CP (Megatron's
+``get_data_parallel_group(with_context_parallel=True)``). Worked example, 16 GPUs, tp=2, cp=2, pp=2
+=> dp = 16 / (2 × 2 × 2) = 2::
+
+    TP     [0,1] [2,3] [4,5] ... [14,15]                              (last axis)
+    CP     [0,2] [1,3] [4,6] [5,7] [8,10] [9,11] [12,14] [13,15]      (cp axis)
+    DP     [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]      (dp axis: the data sampler's)
+    DP_CP  [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]              (dp × cp, cp fastest: grads reduce here)
+    PP     [0,8] [1,9] ... [7,15]                                     (first axis)
+    MP     [0,1,8,9] [2,3,10,11] [4,5,12,13] [6,7,14,15]              (tp × pp, one (dp, cp) index)
+
 Expert layers (mixture of experts) use a second grid over the same ranks, Megatron-core's expert
-RankGenerator (order "tp-ep-dp-pp", cp = 1): ETP varies fastest, then EP, then expert-data-parallel
+RankGenerator (order "tp-ep-dp-pp", cp folded into the expert-data-parallel axis): ETP varies fastest, then EP, then expert-data-parallel
 (EDP), then PP, with EDP = world / (etp × ep × pp)::
 
     rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))    i.e. arange(world).view(pp, edp, ep, etp)
@@ -53,7 +68,10 @@ import torch.distributed as dist
 
 from mptrain.errors import ConfigError, launch_rank_and_world
 
-DENSE_GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding")
+DENSE_GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp")
+"""... "cp": the context-parallel ranks of one sequence; "dp_cp": dp × cp (dense grads and ZeRO-1 shards)."""
+SHARED_DENSE_KINDS = ("cp", "dp_cp")
+"""Dense kinds that take the handles of an equal kind built before them (at cp = 1, DP_CP = DP)."""
 EXPERT_GROUP_KINDS = ("ep", "etp", "edp", "tp_ep")
 """The expert grid's groups: expert-model-parallel, expert-tensor-parallel, expert-data-parallel, and
 etp × ep (the token dispatcher's group; Megatron's ``_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP``)."""
@@ -224,18 +242,21 @@ def validate_layout(
     *,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
     world_size_flag: str = TORCHRUN_WORLD_SIZE_FLAG,
 ) -> int:
-    """Check a layout and return the data-parallel size (``world_size_flag``: `TORCHRUN_WORLD_SIZE_FLAG`).
+    """Check a layout and return the data-parallel size world / (tp × cp × pp) (``world_size_flag``:
+    `TORCHRUN_WORLD_SIZE_FLAG`).
 
     The expert grid (`expert_layout`) must tile the same world: etp × ep × pp divides it
     (Megatron ``initialize_model_parallel``); ``expert_tensor_parallel_size=None`` means tp.
 
     Raises:
-        ConfigError: sizes below 1, world size not divisible by tp x pp or by etp x ep x pp, or a
-            virtual pipeline without pp > 1 (one line with the numbers and the fix).
+        ConfigError: sizes below 1, world size not divisible by tp x pp, by tp x cp x pp or by etp x ep x pp,
+            or a virtual pipeline without pp > 1 (one line with the numbers and the fix).
     """
     tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
+    cp = context_parallel_size
     if tp < 1 or pp < 1 or world_size < 1:
         raise ConfigError(
             f"parallel: tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp} and world size "
@@ -256,9 +277,19 @@ def validate_layout(
                 f"parallel: virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
                 "(got 1); set virtual_pipeline_model_parallel_size=null or pick parallel=tp1pp2vpp2"
             )
+    if cp < 1:
+        raise ConfigError(f"parallel.context_parallel_size={cp} must be >= 1 (1 = no context parallelism)")
+    if world_size % (tp * cp * pp) != 0:
+        multiples = [tp * cp * pp * k for k in (1, 2)]
+        raise ConfigError(
+            f"parallel: world size {world_size} is not divisible by tensor_model_parallel_size × "
+            f"context_parallel_size × pipeline_model_parallel_size = {tp} × {cp} × {pp} = {tp * cp * pp}; run with "
+            f"{world_size_flag}={multiples[0]} or {multiples[1]}, or set parallel.context_parallel_size to a divisor "
+            f"of {world_size // (tp * pp)}"
+        )
     expert_layout(world_size, tp, pp, expert_model_parallel_size, expert_tensor_parallel_size,
                   world_size_flag=world_size_flag)
-    return world_size // (tp * pp)
+    return world_size // (tp * cp * pp)
 
 
 def expert_layout(
@@ -324,31 +355,37 @@ def check_num_experts(num_moe_experts: Optional[int], expert_model_parallel_size
 
 
 def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int, *,
-                expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None) -> dict:
+                expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
+                context_parallel_size: int = 1) -> dict:
     """The rank lists of every group kind, as Megatron builds them (pure; no torch.distributed).
 
-    Dense ranks are laid out as ``arange(world).view(pp, dp, tp)``, expert ranks as
-    ``arange(world).view(pp, edp, ep, etp)`` (see the module docstring).
+    Dense ranks are laid out as ``arange(world).view(pp, dp, cp, tp)``, expert ranks as
+    ``arange(world).view(pp, edp, ep, etp)`` (see the module docstring). Groups of one kind are listed
+    with the remaining axes in Megatron's order, the fastest one (tp, then cp, dp, pp) varying fastest.
 
     Returns:
-        {"tp", "pp", "dp", "mp", "embedding", "ep", "etp", "edp", "tp_ep": [...]}, each a list of rank
-        lists, groups in Megatron's order. "mp" is tp x pp for one dp index; "embedding" is
-        [first, last] of each PP group ([first] when pp == 1); "tp_ep" is etp x ep (etp fastest).
+        {"tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "ep", "etp", "edp", "tp_ep": [...]}, each a list
+        of rank lists, groups in Megatron's order. "mp" is tp x pp for one (dp, cp) index; "embedding" is
+        [first, last] of each PP group ([first] when pp == 1); "dp_cp" is dp x cp (cp fastest); "tp_ep" is
+        etp x ep (etp fastest).
     Raises:
         ConfigError: see `validate_layout`.
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    dp = validate_layout(world_size, tp, pp)
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    dp = validate_layout(world_size, tp, pp, context_parallel_size=cp)
     etp, ep, edp = expert_layout(world_size, tp, pp, expert_model_parallel_size, expert_tensor_parallel_size)
-    grid = torch.arange(world_size).view(pp, dp, tp)
+    grid = torch.arange(world_size).view(pp, dp, cp, tp)
     tp_groups = grid.reshape(-1, tp).tolist()
-    dp_groups = grid.transpose(1, 2).reshape(-1, dp).tolist()
-    pp_groups = grid.permute(1, 2, 0).reshape(-1, pp).tolist()
-    mp_groups = grid.permute(1, 0, 2).reshape(dp, pp * tp).tolist()
+    cp_groups = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()  # groups ordered (pp, dp, tp)
+    dp_groups = grid.permute(0, 2, 3, 1).reshape(-1, dp).tolist()  # groups ordered (pp, cp, tp)
+    dp_cp_groups = grid.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()  # groups ordered (pp, tp); cp fastest inside
+    pp_groups = grid.permute(1, 2, 3, 0).reshape(-1, pp).tolist()
+    mp_groups = grid.permute(1, 2, 0, 3).reshape(dp * cp, pp * tp).tolist()
     embedding_groups = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in pp_groups]
     expert = torch.arange(world_size).view(pp, edp, ep, etp)
     return {
         "tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups, "embedding": embedding_groups,
+        "cp": cp_groups, "dp_cp": dp_cp_groups,
         "etp": expert.reshape(-1, etp).tolist(),
         "ep": expert.permute(0, 1, 3, 2).reshape(-1, ep).tolist(),  # groups ordered (pp, edp, etp)
         "edp": expert.permute(0, 2, 3, 1).reshape(-1, edp).tolist(),  # groups ordered (pp, ep, etp)
@@ -356,10 +393,15 @@ def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model
     }
 
 
-def rank_coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank in the ``view(pp, dp, tp)`` grid."""
-    dp = world_size // (tp * pp)
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def rank_coordinates(rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank in the ``view(pp, dp, cp, tp)`` grid (`cp_rank` gives cp's)."""
+    dp = world_size // (tp * cp * pp)
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+
+def cp_rank_of(rank: int, tp: int, cp: int) -> int:
+    """The cp coordinate of a global rank in the ``view(pp, dp, cp, tp)`` grid."""
+    return (rank // tp) % cp
 
 
 def expert_rank_coordinates(rank: int, world_size: int, etp: int, ep: int, pp: int) -> tuple[int, int, int, int]:
@@ -392,6 +434,10 @@ class ParallelGroups:
     all_groups: tuple = ()  # every ProcessGroup created, for teardown
     device: torch.device = torch.device("cpu")
     host_group: Any = None  # a gloo group over all ranks when the default one is not gloo (NCCL); None: the default
+    cp_size: int = 1
+    """Context-parallel size: the ranks that hold slices of one sequence (``parallel.context_parallel_size``)."""
+    cp_rank: int = 0
+    """This rank's index in its CP group: it holds chunks cp_rank and 2·cp − 1 − cp_rank of each sequence."""
 
     # --- host flags -----------------------------------------------------------------------
     def any_rank(self, flag: bool) -> bool:
@@ -422,6 +468,26 @@ class ParallelGroups:
     @property
     def embedding_group(self):
         return self.handles["embedding"]
+
+    # --- context parallelism ------------------------------------------------------------------
+    @property
+    def cp_group(self):
+        """The ranks that hold slices of the same sequences (attention exchanges K/V here)."""
+        return self.handles.get("cp")
+
+    @property
+    def dp_cp_group(self):
+        """Data-parallel with context: dp × cp, the replicas of every dense weight (grads and ZeRO-1 shards)."""
+        return self.handles.get("dp_cp", self.handles["dp"]) if self.cp_size > 1 else self.handles["dp"]
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """Index in `dp_cp_group`: dp_rank · cp + cp_rank (cp fastest, Megatron's order)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     # --- expert grid (MoE layers) ----------------------------------------------------------
     @property
@@ -553,14 +619,15 @@ def build_groups(
     *,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
     device: torch.device = torch.device("cpu"),
 ) -> ParallelGroups:
     """Create the process groups of a layout on the initialised default group (collective on all ranks).
 
     Every rank calls `torch.distributed.new_group` for every group in the same order (required
-    by torch), and keeps the handles of the groups it belongs to. An expert kind whose rank lists
-    equal those of a kind already built (ETP = TP, EDP = DP when ep = 1 and etp = tp) takes that
-    kind's handles instead of new groups.
+    by torch), and keeps the handles of the groups it belongs to. An expert kind or a kind of
+    `SHARED_DENSE_KINDS` whose rank lists equal those of a kind already built (ETP = TP, EDP = DP when
+    ep = 1, etp = tp and cp = 1; DP_CP = DP when cp = 1) takes that kind's handles instead of new groups.
 
     Raises:
         ConfigError: invalid layout (before any collective; every rank raises the same error).
@@ -569,15 +636,19 @@ def build_groups(
     vpp = virtual_pipeline_model_parallel_size
     expert = {"expert_model_parallel_size": expert_model_parallel_size,
               "expert_tensor_parallel_size": expert_tensor_parallel_size}
-    dp = validate_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, vpp, **expert)
-    lists = rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, **expert)
+    cp = context_parallel_size
+    dp = validate_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, vpp,
+                         context_parallel_size=cp, **expert)
+    lists = rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                        context_parallel_size=cp, **expert)
     ranks: dict = {kind: None for kind in GROUP_KINDS}
     handles: dict = {kind: None for kind in GROUP_KINDS}
     created = []
     built: dict = {}  # kind -> {tuple(group ranks): handle}, for the kinds built so far
     for kind in GROUP_KINDS:
         # only an expert kind shares an equal kind's handles: each dense kind keeps its own communicators
-        same = next((k for k in built if lists[k] == lists[kind]), None) if kind in EXPERT_GROUP_KINDS else None
+        shared = kind in EXPERT_GROUP_KINDS or kind in SHARED_DENSE_KINDS
+        same = next((k for k in built if lists[k] == lists[kind]), None) if shared else None
         built[kind] = {}
         for group_ranks in lists[kind]:
             if same is not None:
@@ -592,7 +663,8 @@ def build_groups(
     if dist.get_backend() != "gloo":  # host-memory flags travel over gloo (`ParallelGroups.any_rank`)
         host_group = dist.new_group(list(range(world_size)), backend="gloo")
         created.append(host_group)
-    tp_rank, dp_rank, pp_rank = rank_coordinates(rank, world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
+    tp_rank, dp_rank, pp_rank = rank_coordinates(rank, world_size, tensor_model_parallel_size,
+                                                 pipeline_model_parallel_size, cp)
     return ParallelGroups(
         world_size=world_size,
         rank=rank,
@@ -608,4 +680,6 @@ def build_groups(
         all_groups=tuple(created),
         device=device,
         host_group=host_group,
+        cp_size=cp,
+        cp_rank=cp_rank_of(rank, tensor_model_parallel_size, cp),
     )

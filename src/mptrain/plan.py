@@ -1,22 +1,24 @@
 """`python -m mptrain.plan [training overrides] world_size=N [hardware.gpu_memory_gib=80] [format=table|json]`
 
 Plan before you launch: for every layout `train.py` would accept at `world_size`
-(tp, pp, vpp, dp, distributed optimizer, recomputation none/selective/full, sequence parallelism, and for an
-MoE model expert parallelism ep, which divides model.num_moe_experts),
+(tp, cp, pp, vpp, dp, distributed optimizer, recomputation none/selective/full, sequence parallelism; cp > 1
+for sequences long enough, `mptrain.planner.layouts.cp_options`; for an MoE model expert parallelism ep, which
+divides model.num_moe_experts),
 the per-GPU memory of the busiest pipeline stage (weights, grads, fp32 main params, optimizer
 state, activations of the schedule's in-flight micro-batches, logits), whether it fits
 `hardware.gpu_memory_gib` leaving `hardware.memory_headroom_gib` free (tight: only within that headroom), the bytes each rank sends per step by group, the pipeline bubble and an
 assumed-hardware step time; fitting layouts first, then the fastest. Formulas and measured
 constants: `mptrain.planner.memory` / docs/PLANNER.md.
 
-`format=json` prints a JSON list (every layout, ranked) with the keys `tp`, `pp`, `vpp`, `dp`, `ep`, `edp`
+`format=json` prints a JSON list (every layout, ranked) with the keys `tp`, `cp`, `pp`, `vpp`, `dp`, `ep`, `edp`
 (expert-data-parallel size), `use_distributed_optimizer`, `recompute`, `memory_gib` (weights, grads, main_params,
 optimizer_state, activations, logits, optimizer_workspace, total), `fits`, `tight`, `bubble_fraction`,
-`comm_bytes` (tp, pp, dp, embedding, ep: the MoE token dispatch, edp: the expert grads), and also
+`comm_bytes` (tp, pp, dp, embedding, ep: the MoE token dispatch, edp: the expert grads, cp: the ring's), and also
 `sequence_parallel`, `schedule`, `num_microbatches`, `peak_stage`, `stage_total_gib`, `step_time_s`,
-`parameters` (total, active: per token, what FLOPs and MFU count), `assumptions` (lines saying
-what a user optimizer's state or a user schedule's in-flight micro-batches were assumed to be, or how an MoE
-model's tokens were assumed to route; the table prints them as `assumed: ...` lines).
+`parameters` (total, active: per token, what FLOPs and MFU count), `cp_ring_vs_attention_s` (a layer's ring and
+attention seconds per micro-batch), `assumptions` (lines saying what a user optimizer's state or a user
+schedule's in-flight micro-batches were assumed to be, or how an MoE model's tokens were assumed to route; the
+table prints them as `assumed: ...` lines).
 A ConfigError prints one line and exits 1.
 """
 
@@ -95,10 +97,10 @@ def _fit(record: dict) -> str:
 def format_table(records: list, *, top=None, gpu_memory_gib: float, memory_headroom_gib: float = 0.0) -> str:
     """A fixed-width table of the ranked records (GiB; comm in GB sent per rank per step); ``fits`` is yes, tight
     (within ``memory_headroom_gib`` of the GPU's memory) or no."""
-    head = (f"{'#':>3} {'tp':>2} {'pp':>2} {'vpp':>3} {'dp':>3} {'ep':>2} {'zero1':>5} {'recomp':>9} {'sp':>3} "
-            f"{'sched':>16} {'m':>4} | {'weights':>7} {'grads':>6} {'main':>6} {'optim':>6} {'acts':>7} {'logits':>6} "
-            f"{'total':>7} {'fits':>5} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} {'ep GB':>6} "
-            f"{'step s':>7}")
+    head = (f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>2} {'vpp':>3} {'dp':>3} {'ep':>2} {'zero1':>5} {'recomp':>9} "
+            f"{'sp':>3} {'sched':>16} {'m':>4} | {'weights':>7} {'grads':>6} {'main':>6} {'optim':>6} {'acts':>7} "
+            f"{'logits':>6} {'total':>7} {'fits':>5} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} "
+            f"{'ep GB':>6} {'cp GB':>6} {'step s':>7}")
     lines = [f"per-GPU memory of the busiest stage (GiB) vs {gpu_memory_gib:g} GiB, of which a layout leaves "
              f"hardware.memory_headroom_gib={memory_headroom_gib:g} free to fit (tight: it does not); "
              "comm = GB sent per rank per step (dp: grads over DP and expert-DP; ep: the MoE token dispatch)",
@@ -106,13 +108,14 @@ def format_table(records: list, *, top=None, gpu_memory_gib: float, memory_headr
     for i, r in enumerate(records[:top] if top else records, 1):
         mem, comm = r["memory_gib"], r["comm_bytes"]
         lines.append(
-            f"{i:>3} {r['tp']:>2} {r['pp']:>2} {r['vpp'] or '-':>3} {r['dp']:>3} {r['ep']:>2} "
+            f"{i:>3} {r['tp']:>2} {r['cp']:>2} {r['pp']:>2} {r['vpp'] or '-':>3} {r['dp']:>3} {r['ep']:>2} "
             f"{_yes(r['use_distributed_optimizer']):>5} "
             f"{r['recompute']:>9} {_yes(r['sequence_parallel'])[:3]:>3} {r['schedule']:>16} {r['num_microbatches']:>4} | "
             f"{mem['weights']:>7.2f} {mem['grads']:>6.2f} {mem['main_params']:>6.2f} {mem['optimizer_state']:>6.2f} "
             f"{mem['activations']:>7.2f} {mem['logits']:>6.2f} {mem['total']:>7.2f} {_fit(r):>5} | "
             f"{r['bubble_fraction']:>6.3f} {comm['tp'] / 1e9:>7.2f} {comm['pp'] / 1e9:>6.2f} "
-            f"{(comm['dp'] + comm['edp']) / 1e9:>6.2f} {comm['ep'] / 1e9:>6.2f} {r['step_time_s']:>7.3f}")
+            f"{(comm['dp'] + comm['edp']) / 1e9:>6.2f} {comm['ep'] / 1e9:>6.2f} {comm['cp'] / 1e9:>6.2f} "
+            f"{r['step_time_s']:>7.3f}")
     shown = min(len(records), top or len(records))
     lines.append(f"{shown} of {len(records)} layouts shown ({sum(r['fits'] for r in records)} fit, "
                  f"{sum(r['tight'] for r in records)} tight); "

@@ -25,13 +25,18 @@ ITERATION_STRIDE = 1_000_003  # a prime far above the pp stride (100) and tp off
 
 
 def rng_key(groups) -> str:
-    return f"rng/tp{groups.tp_rank}_pp{groups.pp_rank}_dp{groups.dp_rank}"
+    """``rng/tp<t>_pp<p>_dp<d>``, with ``_cp<c>`` under context parallelism (each CP rank is its own process)."""
+    cp = getattr(groups, "cp_size", 1)
+    return f"rng/tp{groups.tp_rank}_pp{groups.pp_rank}_dp{groups.dp_rank}" + (f"_cp{groups.cp_rank}" if cp > 1 else "")
 
 
 def layout_of(groups) -> dict:
-    """The layout facts that decide whether saved RNG states apply (also saved for humans)."""
-    return {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size,
-            "vpp": groups.vpp_size}
+    """The layout facts that decide whether saved RNG states apply (also saved for humans); ``cp`` only when > 1."""
+    layout = {"world_size": groups.world_size, "tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size,
+              "vpp": groups.vpp_size}
+    if getattr(groups, "cp_size", 1) > 1:
+        layout["cp"] = groups.cp_size
+    return layout
 
 
 def capture(rng_tracker) -> dict:

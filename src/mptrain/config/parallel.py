@@ -8,7 +8,7 @@ from typing import Optional
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """The layout. Data-parallel size = world size / (tp × pp); expert layers use a second grid over the same
+    """The layout. Data-parallel size = world size / (tp × cp × pp); expert layers use a second grid over the same
     ranks, expert-data-parallel size = world size / (expert_tensor_parallel_size × expert_model_parallel_size × pp)."""
 
     name: str = "tp1pp1"
@@ -47,6 +47,15 @@ class ParallelConfig:
     """Layers on the first stage for an uneven split; null = even."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Layers on the last stage for an uneven split; null = even."""
+    context_parallel_size: int = 1
+    """CP: ranks that split every sequence (Megatron's name). Rank order tp-cp-dp-pp; each CP rank holds chunks
+    r and 2·cp − 1 − r of 2·cp equal chunks (causal load balance), so 2·cp must divide model.seq_length;
+    dense grads and ZeRO-1 shards span dp × cp. Data-parallel size = world / (tp × cp × pp)."""
+    cp_comm_type: str = "p2p"
+    """How attention reaches the other CP ranks' keys and values (Megatron's name): ``p2p`` (ring attention:
+    K/V blocks passed around the CP ring, the next block's exchange overlapped with this block's attention,
+    log-sum-exp merging), ``all_gather`` (one all-gather of K/V, then attention over the whole sequence) or ``a2a``
+    (DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split around plain attention)."""
     expert_model_parallel_size: int = 1
     """EP: ranks that split each MoE layer's experts (model.num_moe_experts / ep experts per rank); 1 = every
     rank holds every expert. Megatron's name: carved out of the ranks of one pipeline stage, rank order

@@ -72,7 +72,7 @@ class _BucketState:
 
 
 class DistributedDataParallel(torch.nn.Module):
-    """Wrap one model chunk for data parallelism over ``groups.dp_group``.
+    """Wrap one model chunk for data parallelism over ``groups.dp_cp_group`` (dp × cp; the DP group at cp = 1).
 
     Args:
         module: the model chunk (``Float16Module(GPTModel)`` or any nn.Module).
@@ -134,7 +134,7 @@ class DistributedDataParallel(torch.nn.Module):
                 named,
                 dtype=dtype,
                 bucket_size=bucket_size,
-                dp_size=groups.edp_size if expert else groups.dp_size,
+                dp_size=groups.edp_size if expert else groups.dp_cp_size,
                 pad_for_dp=use_distributed_optimizer,
                 own_bucket=tied,
                 device=device,

@@ -130,8 +130,8 @@ class DistributedOptimizer(OptimizerWrapper):
         return entries
 
     def _grad_stats_groups(self) -> list:
-        # DP shards differ: SUM over DP (the pieces of one replica) then over MP (TP x PP).
-        return [self.groups.dp_group, self.groups.mp_group]
+        # DP × CP shards differ: SUM over DP × CP (the pieces of one replica) then over MP (TP x PP).
+        return [self.groups.dp_cp_group, self.groups.mp_group]
 
     def _expert_stats_groups(self) -> list:
         # expert weights are sharded over expert-DP, and each EP rank holds other experts: EDP x EP x MP tiles the grid

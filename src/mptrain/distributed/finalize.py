@@ -110,8 +110,8 @@ def finalize_model_grads(
         total = torch.as_tensor(num_tokens).detach().to(dtype=torch.float64, device=groups.device).clone().reshape(())
     if groups.pp_size > 1:
         dist.broadcast(total, src=groups.last_pp_rank, group=groups.pp_group)
-    if groups.dp_size > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.dp_group)
+    if groups.dp_cp_size > 1:  # CP ranks count the loss tokens of their own slices
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.dp_cp_group)
     if scale_grads:
         factor = token_scale(total, max_tokens)
         for chunk in model_chunks:

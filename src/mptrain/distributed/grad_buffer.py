@@ -136,10 +136,11 @@ class GradBuffer:
 
     def reduction(self, groups) -> tuple:
         """(group, rank, size) this buffer's grads are reduced (and ZeRO-1-sharded) over: the expert-data-parallel
-        group for expert-parallel weights (Megatron's separate expert buffers), else the data-parallel group."""
+        group for expert-parallel weights (Megatron's separate expert buffers), else the data-parallel-with-context
+        group dp × cp (the CP ranks replicate every weight; = the data-parallel group at cp = 1)."""
         if self.expert:
             return groups.edp_group, groups.edp_rank, groups.edp_size
-        return groups.dp_group, groups.dp_rank, groups.dp_size
+        return groups.dp_cp_group, groups.dp_cp_rank, groups.dp_cp_size
 
     # --- lookups ---------------------------------------------------------------------------
     def __contains__(self, param: torch.Tensor) -> bool:

@@ -57,6 +57,8 @@ from mptrain.components import ComponentKind
 from mptrain.config.model import SelfAttentionSubmodules, recompute_granularity
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
+from mptrain.layers.context_parallel import local_positions
+from mptrain.layers.cp_attention import a2a_attention, all_gather_attention, ring_attention
 from mptrain.layers.document_mask import DocumentMask, document_attention
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
@@ -172,6 +174,7 @@ class DotProductAttention(torch.nn.Module):
         self.attention_backend = config.attention_backend
         self.sequence_parallel, self.rng_tracker = context.sequence_parallel, rng_tracker
         self.tp_rank, self.tp_size = context.groups.tp_rank, context.groups.tp_size
+        self.groups, self.cp_comm_type = context.groups, context.cp_comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -185,6 +188,8 @@ class DotProductAttention(torch.nn.Module):
         at tp = 1 SDPA draws its mask from the current generator inside its kernel.
         """
         s, b, np_local, hn = q.shape
+        if getattr(self.groups, "cp_size", 1) > 1:  # s = s/cp tokens of each sequence: K/V live on the CP ranks
+            return self._context_parallel(q, k, v, attention_mask).permute(2, 0, 1, 3).reshape(s, b, np_local * hn)
         rep = np_local // k.shape[2]
         q = q.permute(1, 2, 0, 3)  # [b, np/tp, s, hn]
         k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, ng/tp, s, hn]
@@ -211,6 +216,17 @@ class DotProductAttention(torch.nn.Module):
                     q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                     dropout_p=dropout_p, is_causal=attention_mask is None)
         return out.permute(2, 0, 1, 3).reshape(s, b, np_local * hn)  # [s, b, np/tp · hn]
+
+    def _context_parallel(self, q, k, v, attention_mask) -> torch.Tensor:
+        """CP core (`mptrain.layers.cp_attention`): q ``[s/cp, b, np/tp, hn]``, k, v ``[s/cp, b, ng/tp, hn]`` ->
+        ``[b, np/tp, s/cp, hn]``. Attention dropout is 0 here (`context_parallel.check_context_parallel`)."""
+        if self.cp_comm_type == "all_gather":
+            return all_gather_attention(q, k, v, self.groups, attention_mask)
+        if self.cp_comm_type == "a2a":
+            return a2a_attention(q, k, v, self.groups)
+        if attention_mask is not None:
+            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type} is causal only; use cp_comm_type=all_gather")
+        return ring_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), self.groups)
 
     def _use_unfused(self, q: torch.Tensor) -> bool:
         if self.attention_backend == "auto":
@@ -319,9 +335,13 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         start = 0 if kv_cache is None else kv_cache.length  # absolute position of x's first row
         if self.rope:
-            cos, sin = rope_cos_sin(start + s, self.rotary_dim, self.rotary_base, x.device, scaling=self.rope_scaling)
+            cp = getattr(self.groups, "cp_size", 1)
+            cos, sin = rope_cos_sin(start + s * cp, self.rotary_dim, self.rotary_base, x.device, scaling=self.rope_scaling)
             if start:
                 cos, sin = cos[start:], sin[start:]  # the new positions' angles
+            if cp > 1:  # this rank's two chunks of the sequence: their global positions' angles
+                pos = local_positions(s * cp, cp, self.groups.cp_rank, device=x.device)
+                cos, sin = cos[pos], sin[pos]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             if attention_mask is not None:

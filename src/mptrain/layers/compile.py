@@ -148,6 +148,9 @@ def plan_compile(config, groups, device: torch.device, sequence_parallel: bool) 
     compile_layers, why = resolve_compile_layers(config, device)
     blocker = (chunk_compile_blocker(config, sequence_parallel) if config.compile_scope == "chunk"
                else "model.compile_scope=layer")
+    if blocker is None and getattr(groups, "cp_size", 1) > 1:
+        # the CP attention's K/V exchanges run eagerly (`mptrain.layers.cp_attention`): a graph break in each layer
+        blocker = "context parallelism: the CP attention runs eagerly between graphs"
     chunk = compile_layers and blocker is None
     return CompilePlan(compile_layers=compile_layers, chunk=chunk,
                        mode=compile_mode_for(config, groups, device, chunk), blocker=blocker, why=why,

@@ -49,6 +49,8 @@ class LayerContext:
         tp_comm_overlap: ``parallel.tp_comm_overlap``: inside compiled layers, Inductor splits the
             SP all-gather / reduce-scatter and their GEMMs into per-rank steps
             (`mptrain.layers.mappings.enable_tp_comm_overlap`, turned on once per process by the trainer).
+        cp_comm_type: ``parallel.cp_comm_type``: how the attention core reaches the keys and values of the
+            other context-parallel ranks when ``groups.cp_size > 1`` (`mptrain.layers.cp_attention`).
     """
 
     groups: Any
@@ -59,6 +61,7 @@ class LayerContext:
     async_tensor_model_parallel_allreduce: bool = True
     gradient_accumulation_fusion: bool = True
     tp_comm_overlap: bool = False
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
         if self.device is None:  # frozen: the one assignment, at construction
@@ -76,4 +79,5 @@ def layer_context(parallel, groups, *, init: ParamInit, params_dtype: torch.dtyp
         params_dtype=params_dtype, device=device,
         async_tensor_model_parallel_allreduce=bool(parallel.async_tensor_model_parallel_allreduce),
         gradient_accumulation_fusion=bool(parallel.gradient_accumulation_fusion),
-        tp_comm_overlap=bool(parallel.tp_comm_overlap))
+        tp_comm_overlap=bool(parallel.tp_comm_overlap),
+        cp_comm_type=str(getattr(parallel, "cp_comm_type", "p2p")))

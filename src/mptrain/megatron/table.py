@@ -133,13 +133,22 @@ def attention_backend(values: list) -> list:
     return []
 
 
-def only_one(flag: str, what: str) -> Callable:
-    """A size whose value 1 is mptrain's layout (nothing to set) and any other value has no equivalent."""
-    def convert(values: list) -> list:
-        if values[0] == "1":
-            return []
-        raise Uncarried(NO_EQUIVALENT, f"{flag} {values[0]}: {what}")
-    return convert
+def context_parallel_size(values: list) -> list:
+    """parallel.context_parallel_size=N; 1 is mptrain's default (nothing to set)."""
+    return [] if values[0] == "1" else [f"parallel.context_parallel_size={values[0]}"]
+
+
+def cp_comm_type(values: list) -> list:
+    """parallel.cp_comm_type: Megatron's list (one type per layer) must name one type, p2p (mptrain's default),
+    all_gather (``allgather`` in Megatron's help text) or a2a; a2a+p2p (hierarchical) has no equivalent."""
+    kinds = {"allgather": "all_gather"}
+    types = {kinds.get(v, v) for v in values}
+    if types == {"p2p"}:
+        return []
+    if len(types) == 1 and types <= {"all_gather", "a2a"}:
+        return [f"parallel.cp_comm_type={types.pop()}"]
+    raise Uncarried(NO_EQUIVALENT, f"--cp-comm-type {' '.join(values)}: mptrain's context parallelism is p2p, "
+                                   "all_gather or a2a, one type for every layer")
 
 
 def moe_layer_freq(values: list) -> list:
@@ -358,8 +367,10 @@ ROWS: tuple = (
     switch("--accumulate-allreduce-grads-in-fp32", "parallel.grad_reduce_in_fp32", default=_grad_reduce_in_fp32),
     switch("--grad-reduce-in-bf16", "parallel.grad_reduce_in_fp32", set=False),
     Row("--ddp-bucket-size", "parallel.bucket_size"),
-    Row("--context-parallel-size", convert=only_one("--context-parallel-size", "mptrain has no context parallelism yet"),
-        why="1: nothing to set; larger: no context parallelism yet"),
+    Row("--context-parallel-size", convert=context_parallel_size,
+        why="parallel.context_parallel_size (1: nothing to set)"),
+    Row("--cp-comm-type", convert=cp_comm_type,
+        why="parallel.cp_comm_type: p2p (nothing to set), all_gather or a2a; a2a+p2p has no equivalent"),
     Row("--expert-model-parallel-size", "parallel.expert_model_parallel_size"),
     Row("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size"),
     switch("--overlap-param-gather", "parallel.overlap_param_gather"),

@@ -18,14 +18,24 @@ all-gather (k−1)/k·n). Reported for the busiest pipeline stage of each group.
     embedding  tied embedding with pp > 1: all-reduce of its grad over the 2 stages.
     ep   MoE token dispatch over the etp × ep ranks, per MoE layer and micro-batch (`mptrain.planner.moe`).
     edp  ep > 1: the expert grads' buffer over the expert-data-parallel group, as dp (the dense part stays in dp).
+    cp   per micro-batch and layer (context parallelism, `ring_bytes_per_layer`): the K/V of the rank's s/cp tokens
+         (2·b·(s/cp)·(ng/t)·d in the activation dtype) hops cp − 1 times forward (again under full recompute)
+         and cp − 1 times backward, and the fp32 dK/dV accumulator cp times (p2p; all_gather moves the same
+         volume through its all-gather and reduce-scatter).
+    The dense grads reduce over dp × cp (`dp` above uses that group's size).
 Bubble (Narayanan et al. 2021 §2.2): (pp − 1) / (vpp·m + pp − 1) of the step.
 Step time (ASSUMED hardware, `hardware.*`): FLOPs of DESIGN.md §2 (`mptrain.layers.params`; plus
 the transformer layers' extra forward for full recompute, the attention-core forward for selective)
 / (GPUs × peak × assumed_mfu) / (1 − bubble) + TP time (never overlapped) + DP and expert-DP time (unless
 overlap_grad_reduce) + PP time + the MoE dispatch's time (never overlapped), each at the bandwidth of its link
-(intra-node when the group fits in one node of gpus_per_node).
+(intra-node when the group fits in one node of gpus_per_node), + the ring time a layer's attention does not
+hide: per layer and micro-batch max(0, ring − attention), ring = `ring_bytes_per_layer` at the CP group's link,
+attention = its FLOPs (12·h·s·(b·s)/(t·cp), forward and backward, causal counted in full as DESIGN.md §2) at the
+assumed rate (`ring_vs_attention_s`).
 Expert parallelism is searched too: for an MoE model every ep that divides num_moe_experts and that the trainer
 accepts with the layout (the expert grid etp × ep × pp tiles the world; ep > 1 needs etp = tp).
+CP candidates: cp = 1, the configured parallel.context_parallel_size, and every cp that leaves a rank at least
+`CP_MIN_TOKENS` tokens of each sequence (shorter slices send ring messages too small to hide).
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ from mptrain.planner.moe import dispatch_bytes_per_layer, expert_data_parallel_s
 from mptrain.planner.params import all_rank_params
 
 RECOMPUTE = ("none", "selective", "full")
+CP_MIN_TOKENS = 4096
+"""Tokens of each sequence a CP rank keeps at least for the planner to try that cp (module docstring)."""
 
 
 def _divisors(n: int) -> list:
@@ -58,11 +70,12 @@ def layout_config(cfg, layout: PlanLayout):
     c = copy.deepcopy(cfg)
     p = c.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
+    p.context_parallel_size = layout.cp
     p.virtual_pipeline_model_parallel_size = layout.vpp
     p.use_distributed_optimizer, p.sequence_parallel = layout.use_distributed_optimizer, layout.sequence_parallel
     p.expert_model_parallel_size = layout.ep
-    p.name = (f"tp{layout.tp}pp{layout.pp}" + (f"vpp{layout.vpp}" if layout.vpp else "")
-              + (f"ep{layout.ep}" if layout.ep > 1 else ""))
+    p.name = (f"tp{layout.tp}" + (f"cp{layout.cp}" if layout.cp > 1 else "") + f"pp{layout.pp}"
+              + (f"vpp{layout.vpp}" if layout.vpp else "") + (f"ep{layout.ep}" if layout.ep > 1 else ""))
     m = c.model
     m.recompute_granularity = None if layout.recompute == "none" else layout.recompute
     m.recompute_activations = False  # the layout's granularity is the whole choice
@@ -81,8 +94,16 @@ def expert_parallel_options(cfg, world_size: int) -> list:
     return [d for d in _divisors(cfg.model.num_moe_experts) if world_size % d == 0]
 
 
+def cp_options(cfg, world_size: int) -> list:
+    """The context-parallel sizes the planner tries (module docstring): 1, the configured one, and each divisor of
+    the world that leaves a rank `CP_MIN_TOKENS` tokens of each sequence."""
+    s = cfg.model.seq_length
+    long = {d for d in _divisors(world_size) if d > 1 and s // d >= CP_MIN_TOKENS}
+    return sorted({1, cfg.parallel.context_parallel_size} | long)
+
+
 def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_parallel=(False, True)) -> list:
-    """Every (tp, pp, vpp, ep, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``.
+    """Every (tp, cp, pp, vpp, ep, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``.
 
     Raises:
         ConfigError: a key no layout changes is wrong (`check_layout_free`, run once for all candidates).
@@ -90,13 +111,15 @@ def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_para
     cfg = as_config(cfg)
     loss_scaler = check_layout_free(cfg)
     out = []
-    for tp, pp, vpp, ep in _grid(world_size, vpp_options, expert_parallel_options(cfg, world_size)):
+    for tp, cp, pp, vpp, ep in _grid(world_size, vpp_options, cp_options(cfg, world_size),
+                                     expert_parallel_options(cfg, world_size)):
+        dp = world_size // (tp * cp * pp)
         for distopt in (False, True):
             for recompute in RECOMPUTE:
                 for sp in sequence_parallel:
-                    if (sp and tp == 1) or (distopt and world_size // (tp * pp) == 1):
+                    if (sp and tp == 1) or (distopt and dp * cp == 1):
                         continue
-                    probe = PlanLayout(tp, pp, vpp, world_size // (tp * pp), distopt, recompute, sp, "auto", 0, ep=ep)
+                    probe = PlanLayout(tp, pp, vpp, dp, distopt, recompute, sp, "auto", 0, ep=ep, cp=cp)
                     c = layout_config(cfg, probe)
                     try:
                         derived = derive_layout(c, world_size, loss_scaler=loss_scaler)
@@ -109,9 +132,11 @@ def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_para
     return out
 
 
-def _grid(world_size: int, vpp_options, ep_options) -> list:
-    """(tp, pp, vpp, ep) of the search: tp × pp dividing the world, vpp for pp > 1, ep from ``ep_options``."""
-    return [(tp, pp, vpp, ep) for tp in _divisors(world_size) for pp in _divisors(world_size // tp)
+def _grid(world_size: int, vpp_options, cp_options, ep_options) -> list:
+    """(tp, cp, pp, vpp, ep) of the search: tp × cp × pp dividing the world (cp from ``cp_options``), vpp for
+    pp > 1, ep from ``ep_options``."""
+    return [(tp, cp, pp, vpp, ep) for tp in _divisors(world_size) for pp in _divisors(world_size // tp)
+            for cp in cp_options if world_size % (tp * pp * cp) == 0
             for vpp in (None, *(v for v in vpp_options if pp > 1)) for ep in ep_options]
 
 
@@ -139,7 +164,8 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
     p2p = sbh_bytes / (t if layout.sequence_parallel else 1)
     grad_b = grad_bytes_per_element(cfg)
     dispatch = dispatch_bytes_per_layer(cfg, tp=t, ep=layout.ep, act_bytes=act, recompute=layout.recompute)
-    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "ep": 0.0, "edp": 0.0}
+    ring = ring_bytes_per_layer(cfg, layout)
+    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "ep": 0.0, "edp": 0.0, "cp": 0.0}
     for r, rp in enumerate(ranks):
         tp_bytes = mb * (len(rp.layers) * per_layer + 2 * _ring(t) * sbh_bytes * (rp.has_embedding + rp.has_output))
         chunks_fwd = layout.pp * v - 1  # virtual stages that send forward: all but the last
@@ -150,16 +176,41 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
         pp_bytes = mb * sends * p2p if layout.pp > 1 else 0.0
         experts = rp.expert_numel if layout.ep > 1 else 0  # their own buffers, over expert-DP
         # all-reduce: 2(d-1)/d; ZeRO-1: reduce-scatter (d-1)/d + all-gather (d-1)/d, both in the buffer dtype
-        dp_bytes = 2 * _ring(layout.dp) * (rp.numel - experts) * grad_b
+        dp_bytes = 2 * _ring(layout.dp * layout.cp) * (rp.numel - experts) * grad_b  # dense grads: over dp × cp
         edp_bytes = 2 * _ring(layout.expert_dp) * experts * grad_b
         ep_bytes = mb * len(rp.layers) * moe_layer_share(m, rp.layers) * dispatch
         emb = 0.0
         if layout.pp > 1 and not m.untie_embeddings_and_output_weights and (rp.has_embedding or rp.has_output):
             emb = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, t) // t * h * grad_b
+        cp_bytes = mb * len(rp.layers) * ring
         for key, val in (("tp", tp_bytes), ("pp", pp_bytes), ("dp", dp_bytes), ("embedding", emb), ("ep", ep_bytes),
-                         ("edp", edp_bytes)):
+                         ("edp", edp_bytes), ("cp", cp_bytes)):
             out[key] = max(out[key], float(val))
     return out
+
+
+def ring_bytes_per_layer(cfg, layout: PlanLayout) -> float:
+    """Bytes a CP rank sends per layer per micro-batch, forward and backward (module docstring); 0 at cp = 1."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    m = cfg.model
+    heads = m.num_attention_heads
+    d = m.kv_channels or m.hidden_size // heads
+    kv_elements = 2 * cfg.train.micro_batch_size * (m.seq_length // cp) * (m.num_query_groups or heads) // layout.tp * d
+    act = PARAM_BYTES[cfg.precision.name]
+    forwards = 2 if layout.recompute == "full" else 1
+    return (forwards + 1) * (cp - 1) * kv_elements * act + cp * kv_elements * 4
+
+
+def ring_vs_attention_s(cfg, layout: PlanLayout, hw: HardwareConfig) -> tuple[float, float]:
+    """(ring seconds, attention seconds) per layer per micro-batch on a rank (module docstring); (0, 0) at cp = 1."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    m = cfg.model
+    s, b, h = m.seq_length, cfg.train.micro_batch_size, m.hidden_size
+    attention = 12 * h * s * (b * s) / (layout.tp * layout.cp) / (hw.peak_tflops * 1e12 * hw.assumed_mfu)
+    return ring_bytes_per_layer(cfg, layout) / _bandwidth(hw, layout.tp * layout.cp), attention
 
 
 def step_flops(cfg, layout: PlanLayout, *, vocab_size: int) -> int:
@@ -176,17 +227,21 @@ def _bandwidth(hw: HardwareConfig, group_span: int) -> float:
 
 def step_time_s(cfg, layout: PlanLayout, comm: dict, hw: HardwareConfig, *, vocab_size: int) -> float:
     """Assumed-hardware step time (module docstring); for ranking, not a measurement."""
-    world = layout.tp * layout.pp * layout.dp
+    world = layout.tp * layout.cp * layout.pp * layout.dp
     compute = step_flops(cfg, layout, vocab_size=vocab_size) / (world * hw.peak_tflops * 1e12 * hw.assumed_mfu)
     compute /= 1.0 - bubble_fraction(layout)
-    # TP ranks are adjacent, DP ranks stride tp, PP ranks stride tp·dp (groups.py rank order).
+    # TP ranks are adjacent, CP ranks stride tp, DP ranks tp·cp, PP ranks tp·cp·dp (groups.py rank order).
     tp_time = comm["tp"] / _bandwidth(hw, layout.tp)
-    dp_time = 0.0 if cfg.parallel.overlap_grad_reduce else (comm["dp"] + comm["edp"]) / _bandwidth(hw, layout.tp * layout.dp)
+    dp_span = layout.tp * layout.cp * layout.dp
+    dp_time = 0.0 if cfg.parallel.overlap_grad_reduce else (comm["dp"] + comm["edp"]) / _bandwidth(hw, dp_span)
     pp_time = comm["pp"] / _bandwidth(hw, world)
     # the expert grid's tp_ep group: etp × ep adjacent ranks (etp fastest, then ep; groups.py)
     etp = cfg.parallel.expert_tensor_parallel_size or layout.tp
     ep_time = comm["ep"] / _bandwidth(hw, etp * layout.ep)
-    return compute + tp_time + dp_time + pp_time + ep_time
+    ring, attention = ring_vs_attention_s(cfg, layout, hw)
+    layers = cfg.model.num_layers / layout.pp
+    cp_time = layout.num_microbatches * layers * max(0.0, ring - attention)  # what the attention does not hide
+    return compute + tp_time + dp_time + pp_time + ep_time + cp_time
 
 
 FIT_ORDER = ("yes", "tight", "no")
@@ -224,6 +279,7 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
         "dp": layout.dp,
         "ep": layout.ep,
         "edp": layout.expert_dp,
+        "cp": layout.cp,
         "use_distributed_optimizer": layout.use_distributed_optimizer,
         "recompute": layout.recompute,
         "sequence_parallel": layout.sequence_parallel,
@@ -239,6 +295,7 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
         "step_time_s": step_time_s(c, layout, comm, hw, vocab_size=vocab_size),
         "parameters": {"total": count_parameters(c.model, vocab_size=vocab_size),
                        "active": active_parameters(c.model, vocab_size=vocab_size)},
+        "cp_ring_vs_attention_s": list(ring_vs_attention_s(c, layout, hw)),
         "assumptions": planner_assumptions(c, layout),
     }
 

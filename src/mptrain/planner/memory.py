@@ -1,7 +1,9 @@
 """Per-GPU memory of one layout: model states (formulas) + activations (formula with measured constants).
 
 Units: bytes everywhere in this module (the report converts to GiB = 2**30 bytes).
-Legend: s = seq_length, b = micro_batch_size, h = hidden_size, a = num_attention_heads,
+Legend: s = seq_length / context_parallel_size (the tokens of each sequence a rank holds; CP keeps no s × s
+term: the ring attention saves q, k, v, out and the log-sum-exp as SDPA does), b = micro_batch_size, h = hidden_size,
+a = num_attention_heads,
 t = tensor_model_parallel_size, V = padded vocab, N_r = parameter elements of rank r (`params.py`).
 
 Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimizer` allocates):
@@ -126,6 +128,8 @@ class PlanLayout:
     """expert_model_parallel_size: ranks that split each MoE layer's experts."""
     edp: Optional[int] = None
     """The expert-data-parallel size (`mptrain.planner.moe.expert_data_parallel_size`); None = dp."""
+    cp: int = 1
+    """context_parallel_size: each rank keeps s/cp tokens of every sequence; ZeRO-1 shards over dp × cp."""
 
     @property
     def expert_dp(self) -> int:
@@ -198,9 +202,9 @@ def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
     half = cfg.precision.name != "fp32"
     owned = n
     if layout.use_distributed_optimizer:
-        # ep > 1: the expert-parallel weights are ZeRO-1-sharded over expert-DP, the rest over DP
+        # ZeRO-1 shards the dense weights over dp × cp; ep > 1: the expert-parallel ones over expert-DP
         experts = rp.expert_numel if layout.ep > 1 else 0
-        owned = (n - experts) / layout.dp + experts / layout.expert_dp
+        owned = (n - experts) / (layout.dp * layout.cp) + experts / layout.expert_dp
     main = owned * 4 if (half or layout.use_distributed_optimizer) else 0.0
     return {
         "weights": n * PARAM_BYTES[cfg.precision.name] + fp8_weight_cast_bytes(cfg, layout, rp),
@@ -281,7 +285,8 @@ def _one_layer_bytes(cfg, layout: PlanLayout, *, recompute: Optional[str], dropo
     term replaced by `moe_mlp_activation_bytes`; its experts never compute in FP8)."""
     m = cfg.model
     recompute = layout.recompute if recompute is None else recompute
-    s, b, h, a, t = m.seq_length, cfg.train.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
+    # context parallelism: every per-token activation holds s/cp tokens (the ring keeps no s × s term either)
+    s, b, h, a, t = m.seq_length // layout.cp, cfg.train.micro_batch_size, m.hidden_size, m.num_attention_heads, layout.tp
     sbh = s * b * h
     scale = PARAM_BYTES[cfg.precision.name] / 2  # constants are in 16-bit bytes
     ffn_per_h = (m.ffn_hidden_size or 4 * h) / h  # f/h
@@ -365,7 +370,7 @@ def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: 
         # the stage's own FP8 share: the first stage, which holds the most micro-batches, may be all bf16 layers
         return inflight * layers_per_unit * layer_activation_bytes(cfg, layout, layers=rp.layers)
     group = max(1, m.recompute_num_layers or 1)
-    sbh = m.seq_length * cfg.train.micro_batch_size * m.hidden_size
+    sbh = m.seq_length // layout.cp * cfg.train.micro_batch_size * m.hidden_size
     checkpoint_input = PARAM_BYTES[cfg.precision.name] * sbh / (layout.tp if layout.sequence_parallel else 1)
     saved = inflight * (layers_per_unit / group) * checkpoint_input
     # one group's full activations while it is recomputed: the group with the fewest FP8 layers (uniform groups)
@@ -379,7 +384,7 @@ def stage_activation_bytes(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: 
 def logits_bytes(cfg, layout: PlanLayout, *, vocab_size: int, inflight_last: int) -> float:
     """Last stage: saved fp32 softmax per in-flight micro-batch + the cross-entropy transient + final norm."""
     m = cfg.model
-    s, b = m.seq_length, cfg.train.micro_batch_size
+    s, b = m.seq_length // layout.cp, cfg.train.micro_batch_size
     v_pad = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, layout.tp)
     sbv = s * b * v_pad / layout.tp
     act = PARAM_BYTES[cfg.precision.name]
@@ -390,9 +395,10 @@ def optimizer_workspace_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
     """Distributed optimizer step: one bucket-sized fp32 scratch + this rank's shard of it (distrib_optimizer.py)."""
     if not layout.use_distributed_optimizer:
         return 0.0  # fused Adam on CUDA allocates no temporaries; MixedPrecision's .float() aliases fp32 grads
-    bucket = cfg.parallel.bucket_size or max(40_000_000, 1_000_000 * layout.dp)
+    dp = layout.dp * layout.cp  # the grad buffers reduce (and ZeRO-1 shards) over dp × cp
+    bucket = cfg.parallel.bucket_size or max(40_000_000, 1_000_000 * dp)
     elements = min(bucket, rp.numel)
-    return 4 * elements * (1 + 1 / layout.dp)
+    return 4 * elements * (1 + 1 / dp)
 
 
 def stage_memory(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int, vocab_size: int) -> MemoryParts:

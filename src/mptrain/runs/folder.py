@@ -40,12 +40,13 @@ def default_run_dir(cfg: Any) -> str:
 
     The layout part is the degrees the run uses, not the ``parallel=`` option's name: a preset overridden key by
     key (``parallel.tensor_model_parallel_size=2``) names the layout it runs. Unchanged presets spell the same.
-    ``ep<E>`` appears when expert_model_parallel_size > 1, ``etp<K>`` when expert_tensor_parallel_size is set
+    ``cp<C>`` (after tp) appears when context_parallel_size > 1, ``ep<E>`` when expert_model_parallel_size > 1, ``etp<K>`` when expert_tensor_parallel_size is set
     and differs from tp (null means tp)."""
     par = cfg.parallel
     tp, vpp = par.tensor_model_parallel_size, par.virtual_pipeline_model_parallel_size
     ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
-    layout = (f"tp{tp}pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
+    cp = getattr(par, "context_parallel_size", 1)
+    layout = (f"tp{tp}" + (f"cp{cp}" if cp > 1 else "") + f"pp{par.pipeline_model_parallel_size}" + (f"vpp{vpp}" if vpp else "")
               + (f"ep{ep}" if ep > 1 else "") + (f"etp{etp}" if etp is not None and etp != tp else ""))
     return f"outputs/{cfg.model.name}-{layout}-{cfg.precision.name}"
 

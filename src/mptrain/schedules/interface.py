@@ -89,8 +89,10 @@ class ScheduleSpec:
 
     @property
     def tensor_shape(self) -> tuple[int, int, int]:
-        """``[s/tp if sequence_parallel else s, micro_batch_size, hidden_size]``: what p2p sends and receives."""
-        return pipeline_tensor_shape(self.seq_length, self.micro_batch_size, self.hidden_size,
+        """``[s/tp if sequence_parallel else s, micro_batch_size, hidden_size]``: what p2p sends and receives
+        (s = seq_length / cp: a context-parallel rank holds s/cp tokens of each sequence)."""
+        seq = self.seq_length // getattr(self.groups, "cp_size", 1)
+        return pipeline_tensor_shape(seq, self.micro_batch_size, self.hidden_size,
                                      tp_size=self.groups.tp_size, sequence_parallel=self.sequence_parallel)
 
     @property

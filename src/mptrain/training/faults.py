@@ -153,7 +153,7 @@ def install_fault_hooks(built: Any, *, attempt: int) -> list:
     if dbg.fail_rank is not None:
         injector = FaultInjector(rank=groups.rank, fail_rank=dbg.fail_rank, fail_iteration=dbg.fail_iteration,
                                  fail_where=dbg.fail_where, fail_kind=dbg.fail_kind, attempt=attempt)
-    poisoned = dbg.nonfinite_grad_rank is not None and dbg.nonfinite_grad_rank in groups.ranks["dp"]
+    poisoned = dbg.nonfinite_grad_rank is not None and dbg.nonfinite_grad_rank in (groups.ranks.get("dp_cp") or groups.ranks["dp"])
     sleep_s = dbg.sleep_seconds if dbg.sleep_rank == groups.rank else 0
     if injector is None and not poisoned and not sleep_s > 0:
         return []

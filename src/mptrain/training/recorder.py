@@ -65,6 +65,8 @@ def attention_note(cfg, device) -> str:
         return ""
     if cfg.data.create_attention_mask_in_dataloader:
         return " attention=dense [b,1,s,s] mask (data.create_attention_mask_in_dataloader=true)"
+    if cfg.parallel.context_parallel_size > 1:
+        return " attention=dense [b,1,s,s] mask, this CP rank's query rows (context parallelism: cp_comm_type=all_gather)"
     model = cfg.model
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     return describe_document_attention(device, head_dim=head_dim, dropout_p=model.attention_dropout)
@@ -362,7 +364,7 @@ def _collective_bytes(built, counters: IterationCounters) -> dict:
     per_iteration = {"dp": 0, "embedding": 0}
     for chunk in built.chunks:
         for buf in chunk.grad_buffers:
-            per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
+            per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_cp_size)
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:
                 param = dict(chunk.module.named_parameters())[name]

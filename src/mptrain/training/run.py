@@ -49,7 +49,7 @@ from mptrain.distributed.distrib_optimizer import build_optimizer_wrapper
 from mptrain.precision.optimizer import TooManySkippedStepsError
 from mptrain.precision.scaler import build_loss_scaler
 from mptrain.schedules import ScheduleSpec, ScheduleStats, build_schedule
-from mptrain.training.batch import CheckedProvider
+from mptrain.training.batch import CheckedProvider, uses_document_offsets
 from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
@@ -142,8 +142,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     # precision=fp8: the block linears' GEMMs in FP8 (a compute mode: parameters and checkpoints unchanged)
     fp8 = apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers)
     with_mask = bool(cfg.data.reset_attention_mask)
-    # document boundaries as offsets (no [b, 1, s, s] mask) unless the dense mask is asked for
-    offsets = with_mask and not cfg.data.create_attention_mask_in_dataloader
+    # document boundaries as offsets (no [b, 1, s, s] mask) unless the dense mask is asked for (or CP needs it)
+    offsets = uses_document_offsets(cfg)
     needs = groups.tp_rank == 0 and (groups.is_first_stage or groups.is_last_stage or with_mask)
     provider = build_provider(  # data._target_ (collective: every rank builds it here)
         cfg.data,
@@ -298,6 +298,7 @@ def _init(cfg: Config, env, derived) -> ParallelGroups:
         derived.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=derived.expert_model_parallel_size,
         expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
+        context_parallel_size=derived.context_parallel_size,
         device=device,
     )
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
 from mptrain.groups import ParallelGroups
+from mptrain.layers.context_parallel import slice_batch
 from mptrain.layers.document_mask import DocumentMask
 from mptrain.layers.moe import set_aux_loss_scale
 from mptrain.precision.module import unwrap
@@ -68,6 +69,8 @@ def make_forward_step(
                     device=device,
                     document_offsets=document_offsets,
                 )
+            # context parallelism: this rank's two chunks of every sequence (whole-sequence labels, shifted before)
+            batch = slice_batch(batch, groups.cp_size, groups.cp_rank)
         mask = None if batch is None else batch["attention_mask"]
         if batch is not None and batch["cu_seqlens"] is not None:
             mask = DocumentMask(batch["cu_seqlens"])
@@ -91,14 +94,15 @@ def make_forward_step(
 
 
 def loss_totals(reports: list, groups: ParallelGroups, device: torch.device) -> torch.Tensor:
-    """``[Σ loss_sum, Σ num_tokens]`` (float64, on ``device``) over micro-batches and DP ranks, on every
-    rank of the PP group: one DP all-reduce on the last stage and one PP broadcast, no host sync."""
+    """``[Σ loss_sum, Σ num_tokens]`` (float64, on ``device``) over micro-batches and DP × CP ranks (a CP rank
+    holds part of each sequence), on every rank of the PP group: one DP × CP all-reduce on the last stage and one
+    PP broadcast, no host sync."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     if groups.is_last_stage:
         for report in reports:
             totals += report["lm_loss"].to(torch.float64)
-        if groups.dp_size > 1:
-            dist.all_reduce(totals, group=groups.dp_group)
+        if groups.dp_cp_size > 1:
+            dist.all_reduce(totals, group=groups.dp_cp_group)
     if groups.pp_size > 1:
         dist.broadcast(totals, src=groups.last_pp_rank, group=groups.pp_group)
     return totals

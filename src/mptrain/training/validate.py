@@ -34,6 +34,7 @@ from mptrain.distributed.param_gather import check_overlap_param_gather
 from mptrain.errors import ConfigError
 from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, check_num_experts, expert_layout, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
+from mptrain.layers.context_parallel import check_context_parallel
 from mptrain.layers.fp8 import check_fp8_config
 from mptrain.layers.gpt import check_model_components, check_model_config
 from mptrain.optim.builders import check_optimizer
@@ -56,7 +57,7 @@ class DerivedLayout:
         world_size: processes in the job.
         tensor_model_parallel_size, pipeline_model_parallel_size: as configured.
         virtual_pipeline_model_parallel_size: model chunks per pipeline rank; None when 1 / unset.
-        data_parallel_size: world_size / (tp × pp).
+        data_parallel_size: world_size / (tp × cp × pp).
         expert_model_parallel_size, expert_tensor_parallel_size, expert_data_parallel_size: the expert grid
             (ep as configured; etp with null resolved to tp; edp = world_size / (etp × ep × pp)).
         num_microbatches: global_batch_size / (micro_batch_size × dp), micro-batches per DP rank
@@ -80,6 +81,7 @@ class DerivedLayout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     expert_data_parallel_size: int = 1
+    context_parallel_size: int = 1
 
 
 def _positive(key: str, value: Optional[int], *, allow_none: bool = False) -> None:
@@ -106,12 +108,15 @@ def check_parallel_sizes(cfg: Config, world_size: int, *,
     _positive("parallel.virtual_pipeline_model_parallel_size", vpp, allow_none=True)
     _positive("parallel.expert_model_parallel_size", par.expert_model_parallel_size)
     _positive("parallel.expert_tensor_parallel_size", par.expert_tensor_parallel_size, allow_none=True)
-    # world size vs tp × pp and etp × ep × pp, vpp vs pp: the rules live in groups.py
-    validate_layout(world_size, tp, pp, vpp, expert_model_parallel_size=par.expert_model_parallel_size,
-                    expert_tensor_parallel_size=par.expert_tensor_parallel_size, world_size_flag=world_size_flag)
+    # context parallelism's own rules (size, comm type, seq_length vs 2·cp, what it cannot run with)
+    check_context_parallel(par, cfg.model, cfg.data)
+    # world size vs tp × pp, tp × cp × pp and etp × ep × pp, vpp vs pp: the rules live in groups.py
+    dp = validate_layout(world_size, tp, pp, vpp, expert_model_parallel_size=par.expert_model_parallel_size,
+                         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+                         context_parallel_size=par.context_parallel_size, world_size_flag=world_size_flag)
     # model.num_moe_experts: the MoE model's key (null or absent: a dense model)
     check_num_experts(getattr(cfg.model, "num_moe_experts", None), par.expert_model_parallel_size)
-    return tp, pp, (vpp if vpp is not None and vpp > 1 else None), world_size // (tp * pp)
+    return tp, pp, (vpp if vpp is not None and vpp > 1 else None), dp
 
 
 def check_batch(cfg: Config, dp: int) -> int:
@@ -338,4 +343,5 @@ def derive_layout(cfg: Any, world_size: int, *, loss_scaler: str,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         expert_data_parallel_size=edp,
+        context_parallel_size=c.parallel.context_parallel_size,
     )
