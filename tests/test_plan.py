@@ -250,7 +250,7 @@ def test_the_search_splits_the_experts_and_counts_the_token_dispatch():
     assert parameters_line(records) == ("parameters: 332,416 total, 234,112 active per token (router, top-k experts, "
                                         "shared expert: what FLOPs and MFU count)")
     assert records[0]["parameters"]["total"] - records[0]["parameters"]["active"] == experts / 2  # 2 of 4 unused
-    assert format_table(records, gpu_memory_gib=80).splitlines()[1].split()[5:7] == ["ep", "zero1"]
+    assert format_table(records, gpu_memory_gib=80).splitlines()[1].split()[6:8] == ["ep", "zero1"]
 
 
 def test_check_dry_run_on_meta_matches_planner():
