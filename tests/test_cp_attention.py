@@ -91,7 +91,10 @@ def test_context_parallel_rules():
     mask = DataConfig(reset_attention_mask=True)
     with pytest.raises(ConfigError, match="needs parallel.cp_comm_type=all_gather"):
         check_context_parallel(ParallelConfig(context_parallel_size=2), model, mask)
-    check_context_parallel(ParallelConfig(context_parallel_size=2, cp_comm_type="all_gather"), model, mask)
+    with pytest.raises(ConfigError, match="needs data.create_attention_mask_in_dataloader=true"):
+        check_context_parallel(ParallelConfig(context_parallel_size=2, cp_comm_type="all_gather"), model, mask)
+    dense = DataConfig(reset_attention_mask=True, create_attention_mask_in_dataloader=True)
+    check_context_parallel(ParallelConfig(context_parallel_size=2, cp_comm_type="all_gather"), model, dense)
     gqa = ModelConfig(seq_length=64, num_attention_heads=8, num_query_groups=2)
     with pytest.raises(ConfigError, match="parallel.cp_comm_type=a2a splits each TP rank's heads"):
         check_context_parallel(ParallelConfig(context_parallel_size=4, cp_comm_type="a2a"), gqa)

@@ -42,7 +42,8 @@ ROPE = ["model.position_embedding_type=rope"]
 RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 CP2 = ["parallel.context_parallel_size=2"]
 EVAL = ["train.eval_interval=3", "train.eval_iters=1"]
-MASK = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true"]
+MASK = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true",
+        "data.create_attention_mask_in_dataloader=true"]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ def check_context_parallel(parallel, model, data=None) -> None:
             under sequence parallelism, whose s/cp tp does not divide);
             cp > 1 with an MoE model (its aux-loss and dispatch statistics are not reduced over CP), or with
             attention dropout (the ring's blocks draw no dropout mask), or with data.reset_attention_mask under
-            p2p / a2a (causal only; cp_comm_type=all_gather takes the dense mask); a2a with heads (query or K/V,
+            p2p / a2a (causal only; cp_comm_type=all_gather takes the dense mask) or without
+            data.create_attention_mask_in_dataloader (the offsets are not split over CP); a2a with heads (query or K/V,
             per TP rank) that cp does not divide.
     """
     cp = parallel.context_parallel_size
@@ -60,6 +61,11 @@ def check_context_parallel(parallel, model, data=None) -> None:
         raise ConfigError(f"data.reset_attention_mask=true with parallel.context_parallel_size={cp} needs "
                           f"parallel.cp_comm_type=all_gather (cp_comm_type={parallel.cp_comm_type} computes causal "
                           "attention only)")
+    if data is not None and data.reset_attention_mask and not data.create_attention_mask_in_dataloader:
+        # the all_gather attention slices the dense mask's query rows; document offsets are not split over CP yet
+        raise ConfigError(f"data.reset_attention_mask=true with parallel.context_parallel_size={cp} needs "
+                          "data.create_attention_mask_in_dataloader=true (CP attention takes the dense [b,1,s,s] "
+                          "mask's rows, not document offsets)")
     if parallel.cp_comm_type == "a2a":
         heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
         if (heads // tp) % cp or (groups // tp) % cp:

@@ -44,11 +44,9 @@ class BatchError(DataError):
 
 def uses_document_offsets(cfg) -> bool:
     """Whether batches carry ``cu_seqlens`` (no ``[b, 1, s, s]`` mask): ``data.reset_attention_mask`` without
-    ``data.create_attention_mask_in_dataloader``, at context_parallel_size 1. Under context parallelism the
-    documents travel as the dense mask, whose query rows each CP rank slices (cp_comm_type=all_gather, the one CP
-    attention that takes a mask: `mptrain.layers.context_parallel.check_context_parallel`)."""
-    return (bool(cfg.data.reset_attention_mask) and not cfg.data.create_attention_mask_in_dataloader
-            and cfg.parallel.context_parallel_size == 1)
+    ``data.create_attention_mask_in_dataloader`` (which context parallelism requires:
+    `mptrain.layers.context_parallel.check_context_parallel`)."""
+    return bool(cfg.data.reset_attention_mask) and not cfg.data.create_attention_mask_in_dataloader
 
 
 def check_batch(batch: Any, *, micro_batch_size: int, seq_length: int, vocab_size: int, with_attention_mask: bool,

@@ -65,8 +65,6 @@ def attention_note(cfg, device) -> str:
         return ""
     if cfg.data.create_attention_mask_in_dataloader:
         return " attention=dense [b,1,s,s] mask (data.create_attention_mask_in_dataloader=true)"
-    if cfg.parallel.context_parallel_size > 1:
-        return " attention=dense [b,1,s,s] mask, this CP rank's query rows (context parallelism: cp_comm_type=all_gather)"
     model = cfg.model
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     return describe_document_attention(device, head_dim=head_dim, dropout_p=model.attention_dropout)
