@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from mptrain.checkpoint.reshard import flat_piece_chunks, tensor_chunks
+from mptrain.checkpoint.reshard import flat_piece_chunks, param_chunks, tensor_chunks
 from mptrain.layers.random import RNGStatesTracker
 from mptrain.layers.sharding import collect_shard_specs, replicated_spec
 from mptrain.optim.lr_scheduler import LRScheduler
@@ -118,12 +118,12 @@ def model_chunks(records: list, *, tensor_keys: set | None = None) -> list:
     for r in records:
         if tensor_keys is None:
             if r.saved_here:
-                out += tensor_chunks(f"model/{r.ckpt_name}", r.spec, r.param.data)
+                out += param_chunks(f"model/{r.ckpt_name}", r.spec, r.param.data)
             continue
         key = f"model/{r.ckpt_name}"
         if r.param.dtype == torch.float32 and f"main/{r.ckpt_name}" in tensor_keys:
             key = f"main/{r.ckpt_name}"
-        out += tensor_chunks(key, r.spec, r.param.data)
+        out += param_chunks(key, r.spec, r.param.data)
     return out
 
 
