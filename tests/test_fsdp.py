@@ -1,0 +1,62 @@
+"""ZeRO-2 / ZeRO-3 (``parallel.data_parallel_sharding_strategy``, FSDP2) compute the one-process math (DESIGN.md §3).
+
+Each pool task trains several layouts one after another (one task per world size: suite time); every job runs the
+tiny model in fp32 for a few steps with two micro-batches per DP rank (gradient accumulation), and its per-step
+lm_loss and grad_norm equal the single-process run's within rel 1e-5: sharding changes only the summation order
+of the DP reduction (a reduce-scatter instead of an all-reduce) and of the grad norm's partial sums.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_distributed
+from train_utils import read_rows, run_job
+
+STEPS = 4
+BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
+        "train.micro_batch_size=2", "run.progress_bar=false"]
+Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
+
+
+def _jobs(rank: int, world: int, jobs: list) -> None:
+    """Pool task: the training jobs ``[overrides]`` one after another."""
+    for overrides in jobs:
+        run_job(rank, world, BASE + overrides)
+
+
+def _train(tmp_path, world: int, jobs: dict) -> dict:
+    """{name: metrics rows} of ``jobs`` ({name: overrides}) trained in one pool task of ``world`` ranks."""
+    run_distributed(_jobs, world, [o + [f"run.dir={tmp_path / n}"] for n, o in jobs.items()], timeout_s=300)
+    return {n: read_rows(tmp_path / n) for n in jobs}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("ref"), 1, {"tp1pp1": ["parallel=tp1pp1"]})["tp1pp1"]
+
+
+def _assert_same(rows: list, ref: list, name: str) -> None:
+    assert [r["iteration"] for r in rows] == list(range(1, STEPS + 1)), name
+    for r, q in zip(rows, ref):
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5), (name, r["iteration"], r["lm_loss"], q["lm_loss"])
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (name, r["iteration"], r["grad_norm"],
+                                                                          q["grad_norm"])
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"], name  # it trained
+
+
+def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference):
+    runs = _train(tmp_path, 2, {"dp2_z2": ["parallel=tp1pp1", Z2], "dp2_z3": ["parallel=tp1pp1", Z3]})
+    for name, rows in runs.items():
+        _assert_same(rows, reference, name)
+
+
+def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
+    # tp2 x dp2 with SP (norm grads all-reduced over TP on the shards), pp2 x dp2 (the tied embedding's copies
+    # reduced over the embedding group on the shards), interleaved pp2 vpp2 x dp2
+    runs = _train(tmp_path, 4, {"tp2dp2_sp_z3": ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3],
+                                "tp2dp2_z2": ["parallel=tp2pp1", Z2],
+                                "pp2dp2_z3": ["parallel=tp1pp2", Z3],
+                                "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2]})
+    for name, rows in runs.items():
+        _assert_same(rows, reference, name)
