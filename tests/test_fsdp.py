@@ -45,10 +45,23 @@ def _assert_same(rows: list, ref: list, name: str) -> None:
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"], name  # it trained
 
 
+FP16_OVERFLOW = ["parallel=tp1pp1", "precision=fp16", "loss_scaler.initial_scale=1024", "loss_scaler.hysteresis=1",
+                 "debug.nonfinite_grad_rank=0", "debug.nonfinite_grad_iteration=2"]
+
+
 def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference):
-    runs = _train(tmp_path, 2, {"dp2_z2": ["parallel=tp1pp1", Z2], "dp2_z3": ["parallel=tp1pp1", Z3]})
-    for name, rows in runs.items():
-        _assert_same(rows, reference, name)
+    """fp32 against the one-process run; fp16 with an overflow injected into rank 0's grads at iteration 2
+    against DDP (no_shard) with the same injection: the same steps skipped, the same loss scales."""
+    runs = _train(tmp_path, 2, {"dp2_z2": ["parallel=tp1pp1", Z2], "dp2_z3": ["parallel=tp1pp1", Z3],
+                                "fp16_ddp": FP16_OVERFLOW, "fp16_z3": FP16_OVERFLOW + [Z3]})
+    for name in ("dp2_z2", "dp2_z3"):
+        _assert_same(runs[name], reference, name)
+    ddp, z3 = runs["fp16_ddp"], runs["fp16_z3"]
+    assert [r["skipped_iter"] for r in z3] == [r["skipped_iter"] for r in ddp] == [False, True, False, False]
+    assert [r["loss_scale"] for r in z3] == [r["loss_scale"] for r in ddp] == [1024.0, 512.0, 512.0, 512.0]
+    assert z3[1]["grad_norm"] is None and z3[-1]["skipped_iters_total"] == 1
+    for r, q in zip(z3, ddp):  # fp16 compute alike (params cast from the same fp32 values), fp32 reduction
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-4), (r, q)
 
 
 def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
