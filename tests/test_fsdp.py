@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from harness import run_distributed
-from train_utils import read_rows, run_job
+from train_utils import read_rows, run_job, without_timing
 
 STEPS = 4
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
@@ -25,10 +25,12 @@ def _jobs(rank: int, world: int, jobs: list) -> None:
         run_job(rank, world, BASE + overrides)
 
 
-def _train(tmp_path, world: int, jobs: dict) -> dict:
-    """{name: metrics rows} of ``jobs`` ({name: overrides}) trained in one pool task of ``world`` ranks."""
-    run_distributed(_jobs, world, [o + [f"run.dir={tmp_path / n}"] for n, o in jobs.items()], timeout_s=300)
-    return {n: read_rows(tmp_path / n) for n in jobs}
+def _train(tmp_path, world: int, jobs) -> dict:
+    """{name: metrics rows} of ``jobs`` ({name: overrides}, or [(name, overrides)] where a name may come back: a
+    resumed job appends to its run folder) trained in one pool task of ``world`` ranks."""
+    jobs = list(jobs.items()) if isinstance(jobs, dict) else list(jobs)
+    run_distributed(_jobs, world, [o + [f"run.dir={tmp_path / n}"] for n, o in jobs], timeout_s=300)
+    return {n: read_rows(tmp_path / n) for n, _ in jobs}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +54,16 @@ FP16_OVERFLOW = ["parallel=tp1pp1", "precision=fp16", "loss_scaler.initial_scale
 def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference):
     """fp32 against the one-process run; fp16 with an overflow injected into rank 0's grads at iteration 2
     against DDP (no_shard) with the same injection: the same steps skipped, the same loss scales."""
-    runs = _train(tmp_path, 2, {"dp2_z2": ["parallel=tp1pp1", Z2], "dp2_z3": ["parallel=tp1pp1", Z3],
-                                "fp16_ddp": FP16_OVERFLOW, "fp16_z3": FP16_OVERFLOW + [Z3]})
+    ckpt = tmp_path / "ckpt"
+    runs = _train(tmp_path, 2, [("dp2_z2", ["parallel=tp1pp1", Z2]), ("dp2_z3", ["parallel=tp1pp1", Z3]),
+                                ("fp16_ddp", FP16_OVERFLOW), ("fp16_z3", FP16_OVERFLOW + [Z3]),
+                                # ZeRO-3 saved after iteration 2 and resumed to 4
+                                ("z3_split", ["parallel=tp1pp1", Z3, "train.exit_interval=2", f"checkpoint.save={ckpt}"]),
+                                ("z3_split", ["parallel=tp1pp1", Z3, f"checkpoint.load={ckpt}", "train.seed=999"])])
     for name in ("dp2_z2", "dp2_z3"):
         _assert_same(runs[name], reference, name)
+    # resume is bitwise: the floats read back from JSON are equal
+    assert without_timing(runs["z3_split"]) == without_timing(runs["dp2_z3"])
     ddp, z3 = runs["fp16_ddp"], runs["fp16_z3"]
     assert [r["skipped_iter"] for r in z3] == [r["skipped_iter"] for r in ddp] == [False, True, False, False]
     assert [r["loss_scale"] for r in z3] == [r["loss_scale"] for r in ddp] == [1024.0, 512.0, 512.0, 512.0]
