@@ -8,6 +8,8 @@ of the DP reduction (a reduce-scatter instead of an all-reduce) and of the grad 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness import run_distributed
@@ -34,8 +36,15 @@ def _train(tmp_path, world: int, jobs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("ref"), 1, {"tp1pp1": ["parallel=tp1pp1"]})["tp1pp1"]
+def reference_run(tmp_path_factory):
+    """(rows, run folder) of the one-process run."""
+    tmp = tmp_path_factory.mktemp("ref")
+    return _train(tmp, 1, {"tp1pp1": ["parallel=tp1pp1"]})["tp1pp1"], tmp / "tp1pp1"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
 
 
 def _assert_same(rows: list, ref: list, name: str) -> None:
@@ -51,9 +60,10 @@ FP16_OVERFLOW = ["parallel=tp1pp1", "precision=fp16", "loss_scaler.initial_scale
                  "debug.nonfinite_grad_rank=0", "debug.nonfinite_grad_iteration=2"]
 
 
-def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference):
+def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run):
     """fp32 against the one-process run; fp16 with an overflow injected into rank 0's grads at iteration 2
     against DDP (no_shard) with the same injection: the same steps skipped, the same loss scales."""
+    reference, reference_dir = reference_run
     ckpt = tmp_path / "ckpt"
     runs = _train(tmp_path, 2, [("dp2_z2", ["parallel=tp1pp1", Z2]), ("dp2_z3", ["parallel=tp1pp1", Z3]),
                                 ("fp16_ddp", FP16_OVERFLOW), ("fp16_z3", FP16_OVERFLOW + [Z3]),
@@ -70,6 +80,25 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference):
     assert z3[1]["grad_norm"] is None and z3[-1]["skipped_iters_total"] == 1
     for r, q in zip(z3, ddp):  # fp16 compute alike (params cast from the same fp32 values), fp32 reduction
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-4), (r, q)
+    _assert_holds_half(tmp_path / "dp2_z3", reference_dir)
+
+
+def _assert_holds_half(run_dir, reference_dir) -> None:
+    """The start-up line names the strategy; layout.json records it, and each of the two ranks holds half of the
+    one-process run's params, grads and Adam state (the shards tile each TP-local tensor exactly)."""
+    log = (run_dir / "train.log").read_text()
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=2) | this rank holds params" in log, log
+    ref = json.loads((reference_dir / "layout.json").read_text())["ranks"][0]
+    ranks = json.loads((run_dir / "layout.json").read_text())["ranks"]
+    assert ref["data_parallel_sharding_strategy"] == "no_shard" and ref["grad_bytes"] == ref["param_bytes"]
+    assert [r["data_parallel_sharding_strategy"] for r in ranks] == ["optim_grads_params"] * 2
+    assert sum(r["param_bytes"] for r in ranks) == ref["param_bytes"]  # fp32 shards, no padding stored
+    assert sum(r["grad_bytes"] for r in ranks) == ref["grad_bytes"]
+    for r in ranks:
+        assert r["param_bytes"] == pytest.approx(ref["param_bytes"] / 2, rel=0.05)
+        # Adam's moments of the shards (+ a 4-byte step per tensor on each rank)
+        assert r["optimizer_state_bytes"] == pytest.approx(ref["optimizer_state_bytes"] / 2, rel=0.05)
+        assert r["main_param_dtype"] is None and r["param_dtype"] == "float32"  # fp32: the shards are stepped
 
 
 def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
@@ -81,3 +110,39 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
                                 "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2]})
     for name, rows in runs.items():
         _assert_same(rows, reference, name)
+
+
+# --- the key's rules (no process) -----------------------------------------------------------------
+@pytest.mark.parametrize("overrides,words", [
+    (["parallel.data_parallel_sharding_strategy=no_shard", "parallel.use_distributed_optimizer=true"],
+     ["data_parallel_sharding_strategy=no_shard", "use_distributed_optimizer=true"]),
+    (["parallel.data_parallel_sharding_strategy=zero3"], ["data_parallel_sharding_strategy", "'zero3'", "optim_grads"]),
+    ([Z3, "model.num_moe_experts=4"], ["optim_grads_params", "model.num_moe_experts=4"]),
+    ([Z2, "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+      "parallel.overlap_param_gather=true"], ["overlap_param_gather", "optim_grads"]),
+])
+def test_refused_before_any_collective(overrides, words):
+    from train_utils import compose
+
+    from mptrain.config.schema import as_config
+    from mptrain.errors import ConfigError
+    from mptrain.training.validate import validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(as_config(compose(BASE + overrides)), 2)
+    message = str(err.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_strategy_resolution():
+    from types import SimpleNamespace
+
+    from mptrain.distributed.strategy import sharding_strategy
+
+    def par(strategy, zero1=False):
+        return SimpleNamespace(data_parallel_sharding_strategy=strategy, use_distributed_optimizer=zero1)
+
+    assert sharding_strategy(par(None)) == "no_shard" and sharding_strategy(par(None, True)) == "optim"
+    assert sharding_strategy(par("optim")) == "optim"  # use_distributed_optimizer's other spelling
+    assert sharding_strategy(par("optim_grads_params", True), 4) == "optim_grads_params"  # Megatron-FSDP sets both
+    assert sharding_strategy(par("optim_grads_params"), 1) == "no_shard"  # nothing to shard at dp 1

@@ -18,6 +18,8 @@ import torch
 
 from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import config_to_container
+from mptrain.distributed.held_bytes import aliases_param, held_bytes, strategy_line
+from mptrain.distributed.strategy import sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.embedding import padded_vocab_size
@@ -181,6 +183,9 @@ class Recorder:
             self.log(batch_size_line(self.cfg.train, d.data_parallel_size, seq_length=self.cfg.model.seq_length))
         if built is not None:
             self.log(kernels_line(built))
+            self.log(strategy_line(sharding_strategy(self.cfg.parallel), sharding_strategy(self.cfg.parallel,
+                                   d.data_parallel_size), d.data_parallel_size,
+                                   held_bytes(built.chunks, built.trainer.optimizer)))
             fp8 = getattr(built, "fp8", None)
             if fp8 is not None and fp8.warning() is not None:
                 self.log(fp8.warning())
@@ -296,14 +301,21 @@ class Recorder:
             counters.bytes_sent[kind] = nbytes
         counters.samples_read = built.provider.samples_read
         pieces = built.trainer.optimizer.sharded_state_dict().params  # the wrapper's own listing of its state
-        copies = [p.main for p in pieces if p.main is not None]
-        has_copy = bool(copies)
+        # fp32 main params that are tensors of their own (ZeRO-2 / ZeRO-3's alias FSDP's fp32 shards)
+        copies = [p.main for p in pieces if p.main is not None and not aliases_param(p.main, p.param)]
+        # FSDP chunks hold fp32 shards and compute in their compute dtype (bf16 / fp16: the shards are the masters)
+        param_dtype = getattr(built.chunks[0], "compute_dtype", None) or next(built.chunks[0].module.parameters()).dtype
+        has_copy = bool(copies) or param_dtype != torch.float32
         state_bytes = tensor_bytes([p.state for p in pieces]) + tensor_bytes(copies)
+        held = held_bytes(built.chunks, built.trainer.optimizer)
         return RankFacts.build(
             g,
+            data_parallel_sharding_strategy=sharding_strategy(built.cfg.parallel, g.dp_size),
+            param_bytes=held.params,
+            grad_bytes=held.grads,
             layers=[n for c in built.chunks for n in unwrap(c).layer_numbers],
             num_params=num_params,
-            param_dtype=next(built.chunks[0].module.parameters()).dtype,
+            param_dtype=param_dtype,
             main_param_dtype=torch.float32 if has_copy else None,
             optimizer_state_bytes=state_bytes,
             schedule=self.derived.schedule,
