@@ -146,3 +146,16 @@ def test_strategy_resolution():
     assert sharding_strategy(par("optim")) == "optim"  # use_distributed_optimizer's other spelling
     assert sharding_strategy(par("optim_grads_params", True), 4) == "optim_grads_params"  # Megatron-FSDP sets both
     assert sharding_strategy(par("optim_grads_params"), 1) == "no_shard"  # nothing to shard at dp 1
+
+
+def test_megatron_fsdp_arguments_translate(capsys):
+    from mptrain.from_megatron import main
+
+    args = ["--world-size", "4", "--", "--num-layers", "2", "--use-distributed-optimizer", "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy", "optim_grads_params"]
+    assert main(args) == 0
+    assert "parallel.data_parallel_sharding_strategy=optim_grads_params" in capsys.readouterr().out
+    # without --use-megatron-fsdp Megatron does not read the strategy: not written (it would contradict ZeRO-1)
+    assert main(args[:6] + args[7:]) == 0
+    out, err = capsys.readouterr()
+    assert "data_parallel_sharding_strategy" not in out and "--data-parallel-sharding-strategy" in err
