@@ -88,6 +88,7 @@ def _assert_holds_half(run_dir, reference_dir) -> None:
     one-process run's params, grads and Adam state (the shards tile each TP-local tensor exactly)."""
     log = (run_dir / "train.log").read_text()
     assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=2) | this rank holds params" in log, log
+    assert "norm=mptrain.layers.norms.LayerNorm (" in log and "FSDPLayerNorm" not in log, log  # the norm's own class
     ref = json.loads((reference_dir / "layout.json").read_text())["ranks"][0]
     ranks = json.loads((run_dir / "layout.json").read_text())["ranks"]
     assert ref["data_parallel_sharding_strategy"] == "no_shard" and ref["grad_bytes"] == ref["param_bytes"]

@@ -23,9 +23,11 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
 * ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
   parallelism whatever the strategy (torchtitan: 1F1B interleaves forwards and backwards of micro-batches, so
   re-gathering per micro-batch costs two all-gathers each and cannot follow FSDP's prefetch order);
-* gradient accumulation: `no_sync` (every backward but a chunk's last) turns FSDP's gradient sync off, keeps the
-  params gathered and tells FSDP the backward is not the last one: grads accumulate unsharded in fp32 and are
-  reduce-scattered once, after the last micro-batch (torch's pipelining stages do the same).
+* gradient accumulation (`no_sync` around every backward but a chunk's last): without PP each micro-batch's
+  backward reduce-scatters each unit's grads as it finishes and the fp32 shards accumulate (torchtitan's default:
+  no full-size grad is ever held, the reduce-scatter hides behind the backward); under PP the stage's params stay
+  gathered and its grads accumulate unsharded in fp32, reduce-scattered once after the last micro-batch (torch's
+  pipelining stages do the same: 1F1B's interleaved forwards and backwards would re-gather every micro-batch).
 
 Gradient accumulation fusion (``parallel.gradient_accumulation_fusion``) does not apply: FSDP owns the grads.
 """
@@ -120,13 +122,15 @@ class FullyShardedDataParallel(torch.nn.Module):
     # --- gradient sync ---------------------------------------------------------------------
     def _set_sync(self, sync: bool) -> None:
         root = self.module
-        root.set_requires_gradient_sync(sync)
-        root.set_reshard_after_backward(sync)  # keep the params gathered between accumulated backwards
+        if self.groups.pp_size > 1:  # module docstring: keep the stage gathered, reduce once per step
+            root.set_requires_gradient_sync(sync)
+            root.set_reshard_after_backward(sync)
         root.set_is_last_backward(sync)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Inside, backwards accumulate unsharded fp32 grads and reduce nothing (all but the last micro-batch)."""
+        """Around every backward but the last micro-batch's: FSDP does not finalise the step's reductions; under
+        PP the params stay gathered and the grads accumulate unsharded (fp32), reduce-scattered after the last."""
         self._set_sync(False)
         try:
             yield
