@@ -66,11 +66,14 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run):
     reference, reference_dir = reference_run
     ckpt = tmp_path / "ckpt"
     runs = _train(tmp_path, 2, [("dp2_z2", ["parallel=tp1pp1", Z2]), ("dp2_z3", ["parallel=tp1pp1", Z3]),
+                                # full recompute: the layers' forwards run again inside the backward
+                                ("dp2_z3_recompute", ["parallel=tp1pp1", Z3, "model.recompute_granularity=full",
+                                                      "model.recompute_method=uniform", "model.recompute_num_layers=1"]),
                                 ("fp16_ddp", FP16_OVERFLOW), ("fp16_z3", FP16_OVERFLOW + [Z3]),
                                 # ZeRO-3 saved after iteration 2 and resumed to 4
                                 ("z3_split", ["parallel=tp1pp1", Z3, "train.exit_interval=2", f"checkpoint.save={ckpt}"]),
                                 ("z3_split", ["parallel=tp1pp1", Z3, f"checkpoint.load={ckpt}", "train.seed=999"])])
-    for name in ("dp2_z2", "dp2_z3"):
+    for name in ("dp2_z2", "dp2_z3", "dp2_z3_recompute"):
         _assert_same(runs[name], reference, name)
     # resume is bitwise: the floats read back from JSON are equal
     assert without_timing(runs["z3_split"]) == without_timing(runs["dp2_z3"])
