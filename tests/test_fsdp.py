@@ -108,12 +108,19 @@ def _assert_holds_half(run_dir, reference_dir) -> None:
 def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
     # tp2 x dp2 with SP (norm grads all-reduced over TP on the shards), pp2 x dp2 (the tied embedding's copies
     # reduced over the embedding group on the shards), interleaved pp2 vpp2 x dp2
-    runs = _train(tmp_path, 4, {"tp2dp2_sp_z3": ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3],
+    # evaluation in between (forward only: ZeRO-2 leaves the params gathered) changes nothing in training
+    evaluate = ["train.eval_interval=2", "train.eval_iters=1"]
+    runs = _train(tmp_path, 4, {"tp2dp2_sp_z3": ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate],
                                 "tp2dp2_z2": ["parallel=tp2pp1", Z2],
                                 "pp2dp2_z3": ["parallel=tp1pp2", Z3],
-                                "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2]})
+                                "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2, *evaluate]})
     for name, rows in runs.items():
         _assert_same(rows, reference, name)
+    for name in ("tp2dp2_sp_z3", "pp2vpp2dp2_z2"):
+        valid = read_rows(tmp_path / name, "valid")
+        assert [r["iteration"] for r in valid] == [0, 2, 4], name
+        # iteration 0: the untrained model; both layouts evaluate the same batches
+        assert valid[0]["lm_loss"] == pytest.approx(read_rows(tmp_path / "tp2dp2_sp_z3", "valid")[0]["lm_loss"], rel=1e-5)
 
 
 # --- the key's rules (no process) -----------------------------------------------------------------

@@ -119,6 +119,13 @@ class FullyShardedDataParallel(torch.nn.Module):
     def set_input_tensor(self, tensor) -> None:
         self.module.set_input_tensor(tensor)
 
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix; FSDP's DTensor shards), as the DDP wrapper's."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
     # --- gradient sync ---------------------------------------------------------------------
     def _set_sync(self, sync: bool) -> None:
         root = self.module

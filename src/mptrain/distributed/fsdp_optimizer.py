@@ -108,7 +108,7 @@ class FullyShardedOptimizer(OptimizerWrapper):
         """Nothing to copy while ``main`` aliases the shard; a shard FSDP re-allocated (its lazy init pads a shard
         whose storage changed) gets the values, and ``main`` follows it from then on."""
         for e in self.entries:
-            local, _, _ = local_shard(e.model_param)
+            local = e.model_param.to_local()
             if local.numel() and local.data_ptr() != e.main.data_ptr():
                 local.view(-1).copy_(e.main)
                 e.main.data = local.view(-1)
