@@ -416,3 +416,18 @@ def test_resolve_load_dir(tmp_path):
     folder, note = atomic.resolve_load_dir(str(tmp_path))
     assert folder == tmp_path / "iter_0000004"
     assert note == f"checkpoint: {tmp_path}/latest names iteration 8, which is not complete; loading iteration 4"
+
+
+def test_zero3_checkpoint_holds_what_ddp_writes(saved):
+    """A ZeRO-3 fp16 checkpoint (fp32 FSDP shards in memory) holds the keys and dtypes a DDP fp16 one holds: model/ in
+    fp16, main/ and the moments in fp32 (exports and other layouts read it alike)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def tensors(src):
+        md = FileSystemReader(str(saved(src) / "iter_0000006")).read_metadata().state_dict_metadata
+        return {k: v.properties.dtype for k, v in md.items() if hasattr(v, "properties")}
+
+    zero3, ddp = tensors("tp2pp1-dp2-zero3-fp16"), tensors("tp2pp2-fp16")
+    assert zero3 == ddp
+    assert {d for k, d in ddp.items() if k.startswith("model/")} == {torch.float16}
+    assert {d for k, d in ddp.items() if k.startswith("main/")} == {torch.float32}
