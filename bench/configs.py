@@ -13,12 +13,14 @@ Suites (`suite(name, gpus)`): ``quick`` (a harness smoke test: 2 timed iteration
 real shapes), ``full`` (configs a-d against megatron-core, ordered by priority so that a time budget cuts the
 least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`),
 ``fp8`` (mptrain bf16 / fp8 tensorwise / fp8 rowwise, each beside the plain-PyTorch GPT in the same
-precision: torchao's ``convert_to_float8_training`` on its block linears).
+precision: torchao's ``convert_to_float8_training`` on its block linears), ``x8`` (the 8-GPU table:
+`bench/x8.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
 from mptrain.config.model import ModelConfig
@@ -27,6 +29,8 @@ from mptrain.layers.params import DEFAULT_PEAK_TFLOPS
 from mptrain.layers.params import flops_per_iteration as model_flops_per_iteration
 
 PEAK_TFLOPS_BF16_DENSE = DEFAULT_PEAK_TFLOPS  # H100 / H200 SXM dense bf16, used for every precision
+CONF_MODEL = Path(__file__).resolve().parents[1] / "conf" / "model"
+MOE_PRESETS = ("moe_mixtral_small", "moe_tiny")  # presets whose FLOPs need their whole YAML (`preset_model_config`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,7 @@ MODEL_SHAPES = {
     "tiny": ModelShape(4, 64, 4, 64, 1000),  # CPU tests only (vocab = data=mock's default)
     "gpt_350m": ModelShape(24, 1024, 16, 2048, 50257),
     "gpt_6.7b": ModelShape(32, 4096, 32, 2048, 50257),
+    "moe_mixtral_small": ModelShape(12, 1024, 16, 2048, 32000),  # MoE: FLOPs from the whole preset
 }
 
 # Bench-only shapes of the single-GPU table (no conf/model preset of their own): name -> (the preset
@@ -59,6 +64,13 @@ BENCH_SHAPES = {
     # Shakespeare corpus (data=shakespeare) feed the same model
     "gpt_6x384_v257": ("gpt_125m", ModelShape(6, 384, 6, 256, 257)),
     "gpt_8l_h4096": ("gpt_6.7b", ModelShape(8, 4096, 32, 2048, 50257)),  # gpt_6.7b's width, 8 layers: one GPU
+    # context parallelism's long sequences (learned positions: max_position_embeddings follows seq_length)
+    "gpt_1.3b_s32k": ("gpt_1.3b", ModelShape(24, 2048, 16, 32768, 50257)),
+    "gpt_1.3b_s128k": ("gpt_1.3b", ModelShape(24, 2048, 16, 131072, 50257)),
+    # the CPU dry run's stand-ins (`bench/x8.py`): 8 layers and 8 heads, so that every layout of the
+    # 8-GPU table (tp 8, pp 8, pp 4 × vpp 2, cp 8: 64 = 2 · 8 · 4 tokens) divides them
+    "tiny_x8": ("tiny", ModelShape(8, 64, 8, 64, 1000)),
+    "moe_tiny_x8": ("moe_tiny", ModelShape(4, 64, 4, 64, 1000)),
 }
 
 # mptrain variants: name -> extra Hydra overrides (each measured change is a variant); an item
@@ -196,6 +208,14 @@ class BenchConfig:
     dropout: float = 0.0  # hidden and attention dropout, on both sides
     recompute: Optional[str] = None  # full (every layer) | selective (the attention core), on both sides
     reference_per_variant: bool = False  # the reference in each variant's precision (`REFERENCE_VARIANTS`)
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved 1F1B, both trainers)
+    cp: int = 1  # context parallelism (parallel.context_parallel_size, p2p ring); dp = gpus / (tp × cp × pp)
+    ep: int = 1  # expert parallelism (parallel.expert_model_parallel_size)
+    overrides: tuple = ()  # further Hydra overrides of mptrain (e.g. a sharding strategy)
+    sweep: Optional[str] = None  # configs with the same sweep name run as one `-m` job over `parallel=`
+    fit_check: bool = True  # skip when the planner's memory exceeds the GPU's (keys it models only)
+    profile: tuple = ()  # variants also run once profiled (a separate run: kernel time by category)
+    baseline: Optional[str] = None  # config whose tokens/s/GPU of the same call this row is divided by
 
     @property
     def shape(self) -> ModelShape:
@@ -208,7 +228,7 @@ class BenchConfig:
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.cp * self.pp)
 
     @property
     def global_batch_size(self) -> int:
@@ -220,7 +240,10 @@ class BenchConfig:
 
     @property
     def layout(self) -> str:
-        return f"tp{self.tp}pp{self.pp}dp{self.dp}"
+        vpp = f"vpp{self.vpp}" if self.vpp else ""
+        cp = f"cp{self.cp}" if self.cp > 1 else ""
+        ep = f"ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}pp{self.pp}{vpp}{cp}dp{self.dp}{ep}"
 
     @property
     def precision_label(self) -> str:
@@ -241,18 +264,32 @@ def model_config(shape: ModelShape) -> ModelConfig:
                        vocab_size=shape.vocab_size)
 
 
+def preset_model_config(preset: str, shape: ModelShape) -> ModelConfig:
+    """The `ModelConfig` of ``conf/model/<preset>.yaml`` at `shape`'s sizes (every key of the preset: an MoE
+    preset's experts, router top-k, SwiGLU and grouped-query attention count in its FLOPs)."""
+    from omegaconf import OmegaConf
+
+    yaml = OmegaConf.load(CONF_MODEL / f"{preset}.yaml")
+    keys = {k: v for k, v in OmegaConf.to_container(yaml).items() if k != "defaults"}
+    keys.update(num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+                seq_length=shape.seq_length, vocab_size=shape.vocab_size)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), keys))
+
+
 def flops_per_iteration(cfg: BenchConfig) -> int:
-    """FLOPs of one iteration of `cfg` (`mptrain.layers.params.flops_per_iteration`; exact integer)."""
+    """FLOPs of one iteration of `cfg` (`mptrain.layers.params.flops_per_iteration`; exact integer). A plain GPT
+    preset counts as `model_config` (GeLU, MHA, f = 4h); an MoE preset with all its keys (active experts)."""
     s = cfg.shape
-    return model_flops_per_iteration(model_config(s), padded_vocab_size=padded_vocab(s.vocab_size, cfg.tp),
+    m = preset_model_config(cfg.preset, s) if cfg.preset in MOE_PRESETS else model_config(s)
+    return model_flops_per_iteration(m, padded_vocab_size=padded_vocab(s.vocab_size, cfg.tp),
                                      tokens_per_iteration=cfg.tokens_per_iteration)
 
 
 def _validate(cfg: BenchConfig) -> BenchConfig:
-    if cfg.gpus % (cfg.tp * cfg.pp) != 0:
-        raise ValueError(f"bench config {cfg.name}: gpus={cfg.gpus} is not a multiple of tp×pp={cfg.tp * cfg.pp}")
-    if cfg.precision not in ("bf16", "fp32") or (cfg.tf32 and cfg.precision != "fp32"):
-        raise ValueError(f"bench config {cfg.name}: precision={cfg.precision} tf32={cfg.tf32}; use bf16, or fp32 with/without tf32")
+    if cfg.gpus % (cfg.tp * cfg.cp * cfg.pp) != 0:
+        raise ValueError(f"bench config {cfg.name}: gpus={cfg.gpus} is not a multiple of tp×cp×pp={cfg.tp * cfg.cp * cfg.pp}")
+    if cfg.precision not in ("bf16", "fp16", "fp32") or (cfg.tf32 and cfg.precision != "fp32"):
+        raise ValueError(f"bench config {cfg.name}: precision={cfg.precision} tf32={cfg.tf32}; use bf16, fp16, or fp32 with/without tf32")
     unknown = set(cfg.variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"bench config {cfg.name}: unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
@@ -346,7 +383,66 @@ def _fp8(gpus: int) -> list:
     return [c for c in configs if c.gpus <= gpus]
 
 
-SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small, "fp8": _fp8}
+# ZeRO stages and HSDP as mptrain's keys (Megatron's names); ZeRO-1 is the distributed optimizer
+SHARDING = {
+    "ddp": (),
+    "zero1": ("parallel.use_distributed_optimizer=true",),
+    "zero2": ("parallel.data_parallel_sharding_strategy=optim_grads",),
+    "zero3": ("parallel.data_parallel_sharding_strategy=optim_grads_params",),
+    "hsdp2x4": ("parallel.data_parallel_sharding_strategy=optim_grads_params", "parallel.data_parallel_shard_size=4"),
+}
+PLANNED_SHARDING = ("ddp", "zero1")  # the ones `mptrain.planner` models (its memory decides a skip)
+
+
+def _x8(gpus: int) -> list:
+    """The 8-GPU table, in the order of its calls (`bench/x8.py` splits it): every row runs the plain command
+    (variant ``default``: compiled on CUDA), bf16 unless the row says otherwise, megatron-core beside the rows
+    whose layout it has (its local layer spec: no SP, no CP, no ZeRO-2/3, no MoE here)."""
+    d = dict(variants=("default",), peer=False)
+    rows = [
+        # the design's command: 50 iterations, fp16 with the dynamic loss scaler (skips only at the start)
+        BenchConfig("x8_seed_fp16_tp2pp4", "seed_2.8b", 8, 2, 4, 4, 16, "fp16", warmup=5, iters=45, **d),
+    ]
+    # the design's layout sweep, one `-m` job over parallel= (dp 1 everywhere: one global batch of 32)
+    rows += [BenchConfig(f"x8_gpt1.3b_tp{tp}pp{pp}", "gpt_1.3b", 8, tp, pp, 2, 16, "bf16", warmup=3, iters=8,
+                         sweep="layouts", **{**d, "peer": True})
+             for tp, pp in ((1, 8), (2, 4), (4, 2), (8, 1))]
+    # interleaved 1F1B at gpt_6.7b against megatron-core's interleaved schedule
+    rows += [BenchConfig(f"x8_gpt6.7b_tp{tp}pp{pp}vpp2", "gpt_6.7b", 8, tp, pp, 1, 16, "bf16", warmup=3, iters=6,
+                         vpp=2, **{**d, "peer": True})
+             for tp, pp in ((2, 4), (4, 2))]
+    # weak scaling: the same micro-batches per GPU on 1, 2, 4, 8 GPUs; ZeRO-n equals DDP on one GPU; each row
+    # divided by the one-GPU DDP row of its own call (efficiency)
+    for model, short, mbs, m, recompute, warmup, iters in (("gpt_1.3b", "gpt1.3b", 4, 4, None, 3, 8),
+                                                           ("gpt_6.7b", "gpt6.7b", 1, 16, "full", 2, 4)):
+        for n in (1, 2, 4, 8):
+            for sharding in ("ddp", "zero1", "zero2", "zero3") if n > 1 else ("ddp",):
+                rows.append(BenchConfig(f"x8_{short}_n{n}_{sharding}", model, n, 1, 1, mbs, m, "bf16", warmup=warmup,
+                                        iters=iters, recompute=recompute, overrides=SHARDING[sharding],
+                                        fit_check=sharding in PLANNED_SHARDING,
+                                        baseline=None if n == 1 else f"x8_{short}_n1_ddp", **d))
+        rows.append(BenchConfig(f"x8_{short}_n8_hsdp2x4", model, 8, 1, 1, mbs, m, "bf16", warmup=warmup, iters=iters,
+                                recompute=recompute, overrides=SHARDING["hsdp2x4"], fit_check=False,
+                                baseline=f"x8_{short}_n1_ddp", **d))
+    # context parallelism: one sequence per step on cp GPUs (dp 1); 128k recomputes every layer to fit
+    for model, recompute in (("gpt_1.3b_s32k", None), ("gpt_1.3b_s128k", "full")):
+        rows += [BenchConfig(f"x8_{model.split('_')[-1]}_cp{cp}", model, cp, 1, 1, 1, 1, "bf16", warmup=2, iters=4,
+                             cp=cp, recompute=recompute, fit_check=False, **d)
+                 for cp in (2, 4, 8)]
+    # expert parallelism (MoE bench model): ep 1 (every rank all 8 experts), ep 8, tp 2 (SP) × ep 4; each
+    # also profiled (a separate run) for the all-to-all share of the step
+    moe = dict(gpus=8, pp=1, micro_batch_size=4, num_microbatches=2, precision="bf16", warmup=3, iters=8,
+               profile=("default",), **d)
+    rows += [
+        BenchConfig("x8_moe_ep1", "moe_mixtral_small", tp=1, **moe),
+        BenchConfig("x8_moe_ep8", "moe_mixtral_small", tp=1, ep=8, baseline="x8_moe_ep1", **moe),
+        BenchConfig("x8_moe_tp2ep4", "moe_mixtral_small", tp=2, ep=4, overrides=("parallel.sequence_parallel=true",),
+                    baseline="x8_moe_ep1", **moe),
+    ]
+    return [c for c in rows if c.gpus <= gpus]
+
+
+SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small, "fp8": _fp8, "x8": _x8}
 
 
 def suite(name: str, gpus: int, only: Optional[list] = None) -> list:
@@ -400,7 +496,14 @@ def mptrain_overrides(cfg: BenchConfig, variant: str, run_dir: str) -> list:
     if cfg.precision == "fp32":
         o.append(f"precision.allow_tf32={'true' if cfg.tf32 else 'false'}")
     if cfg.pp > 1:
-        o.append("schedule=1f1b")
+        o.append("schedule=interleaved_1f1b" if cfg.vpp else "schedule=1f1b")
+    if cfg.vpp:
+        o.append(f"parallel.virtual_pipeline_model_parallel_size={cfg.vpp}")
+    if cfg.cp > 1:
+        o += [f"parallel.context_parallel_size={cfg.cp}", "parallel.cp_comm_type=p2p"]
+    if cfg.ep > 1:
+        o.append(f"parallel.expert_model_parallel_size={cfg.ep}")
+    o += list(cfg.overrides)
     if cfg.recompute == "full":
         o += ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
     elif cfg.recompute is not None:
@@ -434,4 +537,6 @@ def peer_args(cfg: BenchConfig, out_file: str) -> list:
     ]
     if cfg.tf32:
         a.append("--tf32")
+    if cfg.vpp:
+        a += ["--vpp", str(cfg.vpp)]
     return a

@@ -117,7 +117,8 @@ def _run_profiled(cfg, hydra_main):
 
 
 @hydra.main(version_base="1.3", config_path=str(ROOT / "conf"), config_name="config")
-def main(cfg) -> None:
+def main(cfg):
+    """train.py's task function plus the peak record; returns the job's summary (a sweep's summary.md records it)."""
     from mptrain.training.run import hydra_main
 
     if INDUCTOR:
@@ -130,6 +131,7 @@ def main(cfg) -> None:
         raise SystemExit(f"--bench-inductor-choices: {CHOICES!r} is not 'stock'")
     summary = _run_profiled(cfg, hydra_main) if PROFILE_FILE else hydra_main(cfg)
     _write_peak((summary or {}).get("run_dir") or cfg.run.dir)
+    return summary
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pathlib import Path
 # Kernel-name patterns -> a time-split category (first match wins; attention before GEMM because
 # the memory-efficient attention kernels are CUTLASS kernels too).
 KERNEL_CATEGORIES = (
+    # NCCL's all-to-all (MoE token dispatch) and pipeline p2p are grouped send/recv kernels
+    ("nccl send/recv (all-to-all, p2p)", ("nccldevkernel_sendrecv", "ncclkernel_sendrecv")),
     ("nccl", ("nccl",)),
     ("attention (flash/mem-efficient)", ("fmha", "flash", "attention", "efficient")),
     ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "nvjet", "gemv", "matmul")),

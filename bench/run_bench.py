@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 """Run mptrain and the megatron-core peer on the same configs in one run; append JSON rows.
 
-    python3 bench/run_bench.py --suite quick|full|ceiling --out $OUT/results.jsonl --call-id ID \
+    python3 bench/run_bench.py --suite quick|full|ceiling|small|fp8|x8 --out $OUT/results.jsonl --call-id ID \
         [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
+        [--plan] [--call K] [--dry-run-cpu]
+
+``--plan`` splits the selected jobs into device calls by estimated seconds and prints them, ``--call K`` runs
+the K-th, ``--dry-run-cpu`` runs the selected rows' first steps on CPU with a stand-in model (`bench/x8.py`).
+A row whose override names a key the config schema lacks is recorded as ``needs: <key>`` without running.
 
 For each config of `bench/configs.py` (in priority order) it runs
   * mptrain: ``torchrun --standalone --nproc_per_node=N bench/mptrain_entry.py <overrides>`` (train.py
@@ -43,6 +48,8 @@ from configs import (  # noqa: E402
     PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, reference_env,
     reference_variants, suite,
     variant_env, variant_flags, variant_precision)
+from x8 import (  # noqa: E402
+    cpu_config, does_not_fit, job_needs, planner_prediction, print_plan, run_cpu, split_calls)
 
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -116,10 +123,35 @@ def mptrain_row(cfg: BenchConfig, variant: str, metrics_rows: list, peaks: list,
         loss_first_last=[train[0].get("lm_loss"), train[-1].get("lm_loss")] if train else None,
         lm_loss=[_round(r.get("lm_loss"), 6) for r in train],
     )
+    row.update(skip_record(train))
     theirs = [r["tflops_per_gpu"] for r in timed if r.get("tflops_per_gpu")]
     # the trainer's own TFLOP/s (same formula): a cross-check of the recomputed number, not used in it
     row["metrics_tflops_per_gpu_mean"] = _round(sum(theirs) / len(theirs), 2) if theirs else None
     return row
+
+
+def skip_record(train: list) -> dict:
+    """The loss scaler's skipped iterations of a run's train rows and what the 8-GPU table asks of them:
+    ``skipped_iters`` (iteration numbers), ``skips_only_at_start`` (every skipped iteration precedes every
+    stepped one) and ``loss_falls`` (the last stepped iteration's lm_loss below the first's; None with fewer
+    than 2 stepped iterations)."""
+    skipped = [r["iteration"] for r in train if r.get("skipped_iter")]
+    stepped = [r for r in train if not r.get("skipped_iter") and r.get("lm_loss") is not None]
+    only_at_start = not skipped or not stepped or max(skipped) < min(r["iteration"] for r in stepped)
+    falls = stepped[-1]["lm_loss"] < stepped[0]["lm_loss"] if len(stepped) > 1 else None
+    return {"skipped_iters": skipped, "skips_only_at_start": only_at_start, "loss_falls": falls}
+
+
+def compare_baseline(row: dict, job: dict, ours: dict) -> None:
+    """``baseline_config`` and ``vs_baseline`` (tokens/s/GPU ÷ the baseline's, same variant, same call: the weak-
+    scaling efficiency, or an EP row against ep 1) of a row whose config names a `BenchConfig.baseline`;
+    ``vs_baseline`` None when the baseline has no row of this call."""
+    cfg = next((c for c in job.get("cfgs") or [job["cfg"]] if c is not None and c.name == row["config"]), None)
+    if cfg is None or not cfg.baseline:
+        return
+    ref = ours.get((cfg.baseline, row["variant"]))
+    ratio = row["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"] if ref and ref.get("tokens_per_s_per_gpu") else None
+    row.update(baseline_config=cfg.baseline, vs_baseline=_round(ratio, 4))
 
 
 def compare_losses(row: dict, reference: Optional[dict]) -> None:
@@ -182,6 +214,12 @@ def failed_row(cfg: Optional[BenchConfig], *, trainer: str, variant: str, env: d
     return row
 
 
+def failed_rows(job: dict, *, env: dict, call_id: str, status: str, detail: str) -> list:
+    """`failed_row` for each config of `job` (a sweep has several)."""
+    return [failed_row(cfg, trainer=job["trainer"], variant=job["variant"], env=env, call_id=call_id, status=status,
+                       detail=detail) for cfg in job.get("cfgs") or [job["cfg"]]]
+
+
 # --------------------------------------------------------------------------------------- plan
 def torchrun(python: str, nproc: int, script: Path, args: list) -> list:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
@@ -199,7 +237,18 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
     if suite_name == "ceiling":
         jobs.append(dict(kind="ceiling", cfg=None, trainer="torch-ceiling", variant="all", timeout_s=420,
                          argv=[python, str(HERE / "peer" / "torch_ceiling.py")]))
+    swept: set = set()
     for cfg in configs:
+        if cfg.sweep:  # the sweep's configs as one `-m` job per variant, then their peers
+            if cfg.sweep in swept:
+                continue
+            swept.add(cfg.sweep)
+            group = [c for c in configs if c.sweep == cfg.sweep]
+            if "mptrain" in trainers:
+                jobs += [sweep_job(group, variant, python=python, log_dir=log_dir) for variant in cfg.variants]
+            if "megatron-core" in trainers:
+                jobs += [peer_job(c, python=python, log_dir=log_dir) for c in group if c.peer]
+            continue
         if "mptrain" in trainers:
             for variant in cfg.variants:
                 tag = f"{cfg.name}-{variant}"
@@ -210,7 +259,7 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                 jobs.append(dict(kind="mptrain", cfg=cfg, trainer="mptrain", variant=variant, run_dir=run_dir,
                                  timeout_s=timeout_s, env=variant_env(variant),
                                  argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py", args)))
-                if variant in profile:  # a separate run: a profiled run's timings are not benchmark numbers
+                if variant in profile or variant in cfg.profile:  # a separate run: a profiled run's timings are not benchmark numbers
                     prof_args = variant_flags(variant) + mptrain_overrides(cfg, variant, str(run_dir) + "-profile")
                     prof_file = log_dir / f"profile_{tag}.txt"
                     jobs.append(dict(kind="profile", cfg=cfg, trainer="mptrain-profile", variant=variant,
@@ -223,17 +272,44 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                                  timeout_s=cfg.timeout_s + (60 if "fp8" in ref_variant else 0), env=reference_env(cfg),
                                  argv=[python, str(HERE / "peer" / "torch_ceiling.py"), ref_variant]))
         if "megatron-core" in trainers and cfg.peer:
-            result_file = log_dir / f"peer_{cfg.name}.jsonl"
-            jobs.append(dict(kind="peer", cfg=cfg, trainer="megatron-core", variant="base", result_file=result_file,
-                             timeout_s=cfg.timeout_s,
-                             argv=torchrun(python, cfg.gpus, HERE / "peer" / "peer_megatron.py",
-                                           peer_args(cfg, str(result_file)))))
+            jobs.append(peer_job(cfg, python=python, log_dir=log_dir))
         if suite_name == "full" and cfg.name.startswith("b_"):  # the compiled reference right after config (b)
             jobs.append(dict(kind="ceiling", cfg=None, trainer="torch-ceiling", variant="compile_amp", timeout_s=200,
                              argv=[python, str(HERE / "peer" / "torch_ceiling.py"), "compile_amp"]))
     for i, job in enumerate(jobs):
         job["log"] = log_dir / f"{i:02d}_{job['trainer']}_{job['cfg'].name if job['cfg'] else job['kind']}_{job['variant']}.log"
+        job["needs"] = job_needs(job)
     return jobs
+
+
+def peer_job(cfg: BenchConfig, *, python: str, log_dir: Path) -> dict:
+    """The megatron-core job of `cfg`."""
+    result_file = log_dir / f"peer_{cfg.name}.jsonl"
+    return dict(kind="peer", cfg=cfg, trainer="megatron-core", variant="base", result_file=result_file,
+                timeout_s=cfg.timeout_s,
+                argv=torchrun(python, cfg.gpus, HERE / "peer" / "peer_megatron.py", peer_args(cfg, str(result_file))))
+
+
+def sweep_dir(root: Path, cfg: BenchConfig) -> Path:
+    """A sweep job's folder: ``<root>/parallel=<option>`` (the swept key, DESIGN.md §2)."""
+    return root / f"parallel=tp{cfg.tp}pp{cfg.pp}"
+
+
+def sweep_job(group: list, variant: str, *, python: str, log_dir: Path) -> dict:
+    """One ``train.py -m ... parallel=A,B,..`` job (`bench/mptrain_entry.py`) over the layouts of `group`, which
+    differ in tp and pp only; the schedule is left to ``auto`` (1F1B with pp > 1)."""
+    first = group[0]
+    same = [dataclasses.replace(c, name=first.name, tp=first.tp, pp=first.pp) for c in group]
+    if any(c != same[0] for c in same):
+        raise ValueError(f"sweep {first.sweep}: its configs differ in more than tp and pp")
+    root = log_dir / "runs" / f"{first.sweep}-{variant}"
+    layouts = ",".join(f"tp{c.tp}pp{c.pp}" for c in group)
+    args = [("parallel=" + layouts if a.startswith("parallel=") else a)
+            for a in mptrain_overrides(first, variant, str(root)) if not a.startswith("schedule=")]
+    timeout_s = sum(c.timeout_s for c in group) + (0 if "model.compile_layers=false" in VARIANTS[variant] else 90)
+    return dict(kind="sweep", cfg=first, cfgs=group, trainer="mptrain", variant=variant, run_dir=root,
+                timeout_s=timeout_s, env=variant_env(variant),
+                argv=torchrun(python, first.gpus, HERE / "mptrain_entry.py", ["-m", *variant_flags(variant), *args]))
 
 
 # --------------------------------------------------------------------------------------- running
@@ -297,6 +373,21 @@ def collect(job: dict, *, env: dict, call_id: str) -> list:
         rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
         peaks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("bench_rank*.json"))]
         return [mptrain_row(cfg, job["variant"], rows, peaks, env=env, call_id=call_id)]
+    if kind == "sweep":  # one row per layout: its job folder, or a failed row where it has none
+        rows = []
+        for c in job["cfgs"]:
+            d = sweep_dir(Path(job["run_dir"]), c)
+            try:
+                metrics = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()]
+                peaks = [json.loads(p.read_text()) for p in sorted(d.glob("bench_rank*.json"))]
+                rows.append(mptrain_row(c, job["variant"], metrics, peaks, env=env, call_id=call_id))
+            except (OSError, ValueError) as err:
+                rows.append(failed_row(c, trainer="mptrain", variant=job["variant"], env=env, call_id=call_id,
+                                       status="failed", detail=repr(err)))
+        summary = Path(job["run_dir"]) / "summary.md"
+        if summary.exists():
+            rows[0]["sweep_summary"] = summary.read_text()
+        return rows
     if kind == "peer":
         lines = [l for l in Path(job["result_file"]).read_text().splitlines() if l.strip()]
         return [peer_row(cfg, json.loads(lines[-1]), env=env, call_id=call_id)]
@@ -309,6 +400,15 @@ def collect(job: dict, *, env: dict, call_id: str) -> list:
     return []
 
 
+def prediction_of(row: dict, job: dict, prediction: dict, predict: bool) -> dict:
+    """The planner's columns of one row: the job's own prediction, or for a sweep's layout row its config's."""
+    if not predict or row["trainer"] != "mptrain":
+        return {}
+    if job["kind"] == "sweep":
+        return planner_prediction(next(c for c in job["cfgs"] if c.name == row["config"]), job["variant"])
+    return prediction
+
+
 def environment(python: str) -> dict:
     """GPU name and software versions, read in a child process (the parent never touches CUDA)."""
     code = (
@@ -317,6 +417,7 @@ def environment(python: str) -> dict:
         "     'gpu_count': torch.cuda.device_count()}\n"
         "if torch.cuda.is_available():\n"
         "    d['gpu_name'] = torch.cuda.get_device_name(0); d['nccl'] = '.'.join(map(str, torch.cuda.nccl.version()))\n"
+        "    d['gpu_mem_gib'] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)\n"
         "for mod in ('megatron.core', 'hydra', 'omegaconf'):\n"
         "    try:\n"
         "        m = __import__(mod, fromlist=['x']); d[mod.split('.')[-1] if mod != 'megatron.core' else 'megatron_core'] = getattr(m, '__version__', '?')\n"
@@ -407,7 +508,7 @@ def probe_sdpa(out_file: str) -> None:
 # --------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8", "x8"), default="quick")
     p.add_argument("--out", default=str(ROOT / "bench" / "results.jsonl"), help="JSONL file to append rows to")
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")
@@ -425,6 +526,13 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                    help="leave out the plain-PyTorch reference runs (an A/B of mptrain variants only)")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--plan", action="store_true",
+                   help="print the device calls (rows, needs, estimated minutes, command of each), run nothing")
+    p.add_argument("--call", type=int, default=None, metavar="K",
+                   help="run only the K-th device call of the plan (1-based; see --plan)")
+    p.add_argument("--dry-run-cpu", action="store_true",
+                   help="every runnable row's first steps on CPU (gloo) with a stand-in tiny model, layout kept "
+                        "(bench/x8.py); megatron-core and profiled runs are listed, not run")
     p.add_argument("--probe-sdpa", default=None, metavar="FILE", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -435,7 +543,8 @@ def main(argv: Optional[list] = None) -> int:
         probe_sdpa(args.probe_sdpa)
         return 0
     t_start = time.time()
-    gpus = args.gpus if args.gpus is not None else (detect_gpus() or (2 if args.dry_run else 0))
+    offline = args.dry_run or args.plan or args.dry_run_cpu
+    gpus = args.gpus if args.gpus is not None else (detect_gpus() or ((8 if args.suite == "x8" else 2) if offline else 0))
     if gpus < 1:
         print("run_bench: no GPU found (nvidia-smi -L); pass --gpus N, or --dry-run", file=sys.stderr)
         return 2
@@ -460,7 +569,25 @@ def main(argv: Optional[list] = None) -> int:
     log_dir = out.parent / "bench_logs" / call_id
     jobs = plan(configs, suite_name=args.suite, log_dir=log_dir, python=args.python, trainers=trainers,
                 profile=tuple(args.profile.split(",")) if args.profile else (),
-                probe=not args.only, reference=not args.no_reference)
+                probe=not args.only and args.call is None, reference=not args.no_reference)
+    calls = split_calls(jobs)
+    if args.plan:
+        print_plan(jobs, calls, suite=args.suite, gpus=gpus)
+        return 0
+    if args.call is not None:
+        if not 1 <= args.call <= len(calls):
+            print(f"run_bench: --call {args.call}: the plan has calls 1..{len(calls)} (--plan lists them)", file=sys.stderr)
+            return 2
+        jobs = [jobs[i] for i in calls[args.call - 1]]
+    if args.dry_run_cpu:  # the selected configs again, on the stand-in model (the calls are the real configs')
+        names = {c.name for j in jobs for c in j.get("cfgs") or [j["cfg"]] if c is not None}
+        jobs = plan([cpu_config(c) for c in configs if c.name in names], suite_name=args.suite, log_dir=log_dir,
+                    python=args.python, trainers=trainers, probe=False, reference=False)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        env = {"gpu_name": None, "time_utc": call_id}
+        return 1 if run_cpu(jobs, rb=sys.modules[__name__], python=args.python, log_dir=log_dir, env=env,
+                            call_id=call_id, out=out) else 0
     if args.dry_run:
         print(f"# suite={args.suite} gpus={gpus} call_id={call_id} out={out} ({len(jobs)} runs)")
         for job in jobs:
@@ -473,16 +600,24 @@ def main(argv: Optional[list] = None) -> int:
     print(f"=== run_bench suite={args.suite} gpus={gpus} call_id={call_id} env={json.dumps(env)}", flush=True)
     (log_dir / "env.json").write_text(json.dumps(env, indent=1))
     summary = []
+    predict = args.suite == "x8"  # the planner's columns beside each row (and its memory's skip)
     base_rows: dict = {}  # config name -> its mptrain "base" row of this call
+    ours: dict = {}  # (config, variant) -> its mptrain row of this call
     for job in jobs:
         name = job["cfg"].name if job["cfg"] else job["kind"]
         left = args.budget_s - (time.time() - t_start) - 5
         rows: list = []
-        if left < 40:
+        prediction = (planner_prediction(job["cfg"], job["variant"]) if predict and job["kind"] == "mptrain"
+                      and not job.get("needs") else {})
+        unfit = does_not_fit(job["cfg"], prediction, env.get("gpu_mem_gib")) if job["kind"] in ("mptrain", "peer") else None
+        if job.get("needs") or unfit:
+            status, secs = ("needs: " + ", ".join(job["needs"])) if job.get("needs") else f"skipped: {unfit}", 0.0
+            rows = failed_rows(job, env=env, call_id=call_id, status=status.split(":")[0], detail=status)
+            print(f"--- {job['trainer']} {name} [{job['variant']}]: {status}", flush=True)
+        elif left < 40:
             status, secs = f"skipped: {left:.0f}s of budget left", 0.0
             if job["kind"] not in ("probe", "profile"):
-                rows = [failed_row(job["cfg"], trainer=job["trainer"], variant=job["variant"], env=env, call_id=call_id,
-                                   status="skipped", detail=status)]
+                rows = failed_rows(job, env=env, call_id=call_id, status="skipped", detail=status)
         else:
             print(f"--- [t={time.time() - t_start:5.0f}s] {job['trainer']} {name} [{job['variant']}] (timeout "
                   f"{min(job['timeout_s'], left):.0f}s): {' '.join(job['argv'])}", flush=True)
@@ -496,16 +631,18 @@ def main(argv: Optional[list] = None) -> int:
             if status != "ok":
                 print(_tail(job["log"]), flush=True)
                 if job["kind"] not in ("probe", "profile"):
-                    rows = [failed_row(job["cfg"], trainer=job["trainer"], variant=job["variant"], env=env,
-                                       call_id=call_id, status=status.split(":")[0], detail=_tail(job["log"], 8))]
+                    rows = failed_rows(job, env=env, call_id=call_id, status=status.split(":")[0],
+                                       detail=_tail(job["log"], 8))
         env_prefix = "".join(f"{k}={v} " for k, v in (job.get("env") or {}).items())
         for row in rows:
             command = env_prefix + portable_command(job["argv"], python=args.python, out_dir=out.parent)
-            row.update(command=command, wall_s=round(secs, 1))
+            row.update(command=command, wall_s=round(secs, 1), **prediction_of(row, job, prediction, predict))
             if row["trainer"] == "mptrain" and row.get("status") == "ok":
                 if row["variant"] == "base":
                     base_rows[row["config"]] = row
                 compare_losses(row, base_rows.get(row["config"]))
+                ours[(row["config"], row["variant"])] = row
+                compare_baseline(row, job, ours)
         if job["kind"] == "profile" and status == "ok":
             print("\n".join(job["profile_file"].read_text().splitlines()[:14]), flush=True)
         with open(out, "a") as f:
@@ -520,14 +657,15 @@ def main(argv: Optional[list] = None) -> int:
             print(f"    {status} in {secs:.0f}s", flush=True)
     print(f"=== SUMMARY call_id={call_id} gpu={env.get('gpu_name')} total {time.time() - t_start:.0f}s")
     print(f"{'trainer':14s} {'config':26s} {'variant':12s} {'tok/s/GPU':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peakGiB':>8s} "
-          f"{'loss 1st/last':>15s} {'dloss':>8s} status")
+          f"{'loss 1st/last':>15s} {'dloss':>8s} {'planGiB':>8s} {'plan s':>7s} {'vs base':>7s} status")
     for r in summary:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         losses = r.get("loss_first_last") or [None, None]
         loss = "/".join("-" if v is None else f"{v:.4f}" for v in losses)
         print(f"{r['trainer']:14s} {r['config']:26s} {r['variant']:12s} {str(r['tokens_per_s_per_gpu']):>10s} "
               f"{str(r['tflops_per_gpu']):>8s} {mfu:>6s} {str(r['peak_mem_gib']):>8s} {loss:>15s} "
-              f"{str(r.get('loss_max_abs_diff_vs_base', '-')):>8s} {r['status']}")
+              f"{str(r.get('loss_max_abs_diff_vs_base', '-')):>8s} {str(r.get('planned_mem_gib', '-')):>8s} "
+              f"{str(r.get('planned_step_s', '-')):>7s} {str(r.get('vs_baseline', '-')):>7s} {r['status']}")
     return 0
 
 

@@ -31,6 +31,7 @@ LAUNCHERS = (
     ("harness", "run_distributed"),  # the persistent gloo process pool
     ("procs", "run_python"),  # `python ...` forked from the preloaded forkserver
     ("procs", "start_python"),
+    ("procs", "forkserver"),
     ("train_utils", "run_job"),  # a training job (a pool task)
     ("mptrain.training.run", "run"),  # a training job in this process
     ("mptrain.training.run", "hydra_main"),

@@ -13,13 +13,15 @@ run, and the exit status of ``sys.exit`` / an uncaught exception (1, traceback o
 What it does not reproduce: interpreter start-up itself (a module's import-time failure before
 ``main`` would look the same, but the preloaded modules are not re-imported: source edited during
 the test run is not seen; the forkserver starts at the first call). Tests about the launcher or
-signal delivery to a fresh interpreter keep `subprocess` (tests/test_torchrun.py, test_watchdog.py).
+signal delivery to a fresh interpreter keep `subprocess` (tests/test_torchrun.py, test_watchdog.py); their
+torchrun workers come warm from tests/warm_python.py.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,21 +39,38 @@ def _context():
     return _CTX
 
 
+def forkserver():
+    """The preloaded forkserver's `multiprocessing` context, for a library function that takes one (its processes
+    then start with torch, Hydra and mptrain imported: `mptrain.check.run_check`'s ranks)."""
+    return _context()
+
+
 def _child(args: list, cwd: str, env: dict, out_path: str, err_path: str) -> None:
     """Forkserver child: become ``python *args`` (never returns; exits with the script's status)."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    f = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(f, 0)
+    os.close(f)
+    become_python(args, cwd, env)
+
+
+def become_python(args: list, cwd: str, env: dict) -> None:
+    """In a process forked with torch imported, whose fds 0-2 are already the caller's: run ``python *args``
+    (a script, ``-m module`` or ``-c code``; ``-u`` is accepted, output is unbuffered anyway) with ``env`` and
+    ``cwd``, then exit with its status, as the interpreter would. Never returns."""
     import atexit
     import io
     import runpy
     import traceback
 
-    for fd, path in ((1, out_path), (2, err_path)):
-        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
+    args = list(args[1:] if args[:1] == ["-u"] else args)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
-    sys.stdin = open(os.devnull)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:  # read by torch at its import, which the forkserver already did
@@ -83,6 +102,9 @@ def _child(args: list, cwd: str, env: dict, out_path: str, err_path: str) -> Non
         else:
             print(exc.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # the interpreter prints it, then ends by SIGINT itself (the status says so)
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
@@ -91,6 +113,9 @@ def _child(args: list, cwd: str, env: dict, out_path: str, err_path: str) -> Non
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 

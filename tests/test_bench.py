@@ -228,6 +228,7 @@ def test_kernel_categories_of_the_profile_split():
     CUTLASS kernels before GEMM, compiled Triton kernels apart from eager elementwise ones)."""
     cases = {
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "nccl send/recv (all-to-all, p2p)",
         "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention (flash/mem-efficient)",
         "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
         "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32": "gemm",
@@ -239,3 +240,69 @@ def test_kernel_categories_of_the_profile_split():
         "Command Buffer Full": "other",
     }
     assert {name: profile_report.kernel_category(name) for name in cases} == cases
+
+
+def test_document_attention_bench_smoke(capsys):
+    import document_attention
+
+    rows = document_attention.main(["--smoke"])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == rows and [r["variant"] for r in rows] == ["causal", "documents", "dense"]
+    docs = rows[1]
+    assert docs["backend"] == "per_document" and docs["max_abs_diff"] == 0.0 and docs["documents"] > 1
+    assert all(r["time_ms"] > 0 and r["seq_length"] == 256 and "error" not in r for r in rows)
+    assert docs["time_vs_causal"] == docs["time_ms"] / rows[0]["time_ms"]
+
+
+def test_x8_suite_rows_calls_and_needs(tmp_path, monkeypatch, capsys):
+    """The 8-GPU suite (no process starts): its rows, one `-m` job for the layout sweep, device calls that keep
+    a config with its megatron-core run and stay within the budget, and a row whose override names a key the
+    config schema lacks marked ``needs`` with that key (the schema decides, here a schema without one key)."""
+    import x8
+
+    cfgs = bc.suite("x8", 8)
+    names = [c.name for c in cfgs]
+    # design 1, sweep 4, interleaved 2, scaling 2 × (1 + 3 × 4 + HSDP) = 28, CP 6, EP 3
+    assert len(names) == len(set(names)) == 44 and names[0] == "x8_seed_fp16_tp2pp4"
+    seed = cfgs[0]
+    assert (seed.layout, seed.precision, seed.warmup + seed.iters) == ("tp2pp4dp1", "fp16", 50)
+    by_name = {c.name: c for c in cfgs}
+    assert by_name["x8_gpt6.7b_tp4pp2vpp2"].layout == "tp4pp2vpp2dp1"
+    assert by_name["x8_s128k_cp4"].layout == "tp1pp1cp4dp1" and by_name["x8_moe_tp2ep4"].layout == "tp2pp1dp4ep4"
+    assert [c.gpus for c in cfgs if c.name.startswith("x8_gpt1.3b_n")] == [1] + [2] * 4 + [4] * 4 + [8] * 4 + [8]
+    assert [c.name for c in bc.suite("x8", 2) if c.name.startswith("x8_gpt1.3b_n")] == [
+        "x8_gpt1.3b_n1_ddp", "x8_gpt1.3b_n2_ddp", "x8_gpt1.3b_n2_zero1", "x8_gpt1.3b_n2_zero2", "x8_gpt1.3b_n2_zero3"]
+
+    assert x8.needs(["model=tiny", "parallel.use_distributed_optimizer=true", "parallel.no_such_key=1"]) == [
+        "parallel.no_such_key"]
+    without_ep = x8.schema_keys() - {"parallel.expert_model_parallel_size"}
+    monkeypatch.setattr(x8, "schema_keys", lambda: without_ep)
+    jobs = run_bench.plan(cfgs, suite_name="x8", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)
+    needing = {j["cfg"].name for j in jobs if j["needs"] == ["parallel.expert_model_parallel_size"]}
+    assert needing == {"x8_moe_ep8", "x8_moe_tp2ep4"}
+    assert all(x8.estimate_s(j) == 0 for j in jobs if j["needs"]) and x8.estimate_s(jobs[0]) > 0
+
+    (sweep,) = [j for j in jobs if j["kind"] == "sweep"]
+    assert sweep["argv"][sweep["argv"].index(str(ROOT / "bench" / "mptrain_entry.py")) + 1] == "-m"
+    assert "parallel=tp1pp8,tp2pp4,tp4pp2,tp8pp1" in sweep["argv"] and not any(a.startswith("schedule=") for a in sweep["argv"])
+    calls = x8.split_calls(jobs)
+    placed = [i for call in calls for i in call]
+    assert sorted(set(placed)) == list(range(len(jobs)))  # every job runs
+    again = {jobs[i]["cfg"].name for i in placed if placed.count(i) > 1}
+    assert again == {"x8_gpt6.7b_n1_ddp"}  # its rows span two calls: the baseline runs in both
+    calls_of = {i: {k for k, call in enumerate(calls) if i in call} for i in range(len(jobs))}
+    ours = {c.name: i for i, j in enumerate(jobs) if j["kind"] in ("mptrain", "sweep") for c in j.get("cfgs") or [j["cfg"]]}
+    peers = [i for i, j in enumerate(jobs) if j["kind"] == "peer"]
+    assert len(peers) == 6
+    for i in peers:  # megatron-core runs in the call of mptrain's run of the same config (the sweep's, for its layouts)
+        assert calls_of[i] == calls_of[ours[jobs[i]["cfg"].name]]
+    for call in calls:  # within the budget, and a baseline's run precedes the rows divided by it
+        assert sum(x8.estimate_s(jobs[i]) for i in call) <= x8.CALL_BUDGET_S
+        for pos, i in enumerate(call):
+            if jobs[i]["kind"] == "mptrain" and jobs[i]["cfg"].baseline:
+                assert ours[jobs[i]["cfg"].baseline] in call[:pos]
+    assert run_bench.main(["--suite", "x8", "--plan", "--out", str(tmp_path / "r.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("## call ") == len(x8.split_calls(run_bench.plan(
+        bc.suite("x8", 8), suite_name="x8", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)))
+    assert "--suite x8 --call 1 --out $OUT/results.jsonl" in out

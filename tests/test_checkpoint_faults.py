@@ -18,6 +18,7 @@ import pytest
 from harness import run_distributed
 from procs import run_python, start_python
 from train_utils import read_rows, run_job, without_timing
+from warm_python import warm_env
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model=tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=16", "train.eval_interval=null",
@@ -115,7 +116,8 @@ def injected_failure_job(tmp_path_factory):
            f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=2",
            "debug.fail_rank=2", "debug.fail_iteration=3"]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # the workers served warm (tests/warm_python.py; suite time)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=warm_env(_clean_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
 
     def wait():

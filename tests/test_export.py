@@ -139,7 +139,8 @@ def test_hf_gpt2_export_refuses_other_architectures(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("error: export --format hf-gpt2: the model is not a GPT-2: "
                                    "model.normalization='RMSNorm' (GPT-2: 'LayerNorm'), "
-                                   "model.activation='swiglu' (GPT-2: 'gelu'); use --format hf (Llama / Mistral / Qwen2) or --format safetensors")
+                                   "model.activation='swiglu' (GPT-2: 'gelu'); use --format hf (Llama / Mistral / Qwen2 / "
+                                   "Qwen3 / Mixtral / Qwen3-MoE) or --format safetensors")
 
 
 def test_imported_gpt2_is_a_training_starting_point(tmp_path):
@@ -250,14 +251,17 @@ def test_hf_export_copies_an_hf_tokenizer(tmp_path):
 @pytest.mark.parametrize("overrides, fmt, message", [
     (["model.apply_layernorm_1p=true"], "hf-gpt2",
      "error: export --format hf-gpt2: the model is not a GPT-2: model.apply_layernorm_1p=True (GPT-2: False); use "
-     "--format hf (Llama / Mistral / Qwen2) or --format safetensors"),
+     "--format hf (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE) or --format safetensors"),
     (["model.normalization=RMSNorm", "model.activation=swiglu", "model.position_embedding_type=rope",
       "model.rotary_percent=0.5", "model.add_bias_linear=false"], "hf",
      "error: export --format hf: no Hugging Face family expresses the model (GPT-2: model.normalization='RMSNorm' "
      "(GPT-2: 'LayerNorm'), model.activation='swiglu' (GPT-2: 'gelu'), model.position_embedding_type='rope' (GPT-2: "
      "'learned_absolute'), model.add_bias_linear=False (GPT-2: True); Llama: model.rotary_percent=0.5 (Llama: 1.0); Mistral: model.rotary_percent=0.5 (Mistral: "
      "1.0); Qwen2: model.rotary_percent=0.5 (Qwen2: 1.0), model.add_bias_linear=False, add_qkv_bias=False (Qwen2: "
-     "biases on qkv)); use --format safetensors"),
+     "biases on qkv); Qwen3: model.rotary_percent=0.5 (Qwen3: 1.0), model.qk_layernorm=False (Qwen3: True); Mixtral: "
+     "model.rotary_percent=0.5 (Mixtral: 1.0), model.num_moe_experts=None (Mixtral: experts); Qwen3-MoE: "
+     "model.rotary_percent=0.5 (Qwen3-MoE: 1.0), model.qk_layernorm=False (Qwen3-MoE: True), model.num_moe_experts=None "
+     "(Qwen3-MoE: experts)); use --format safetensors"),
 ])
 def test_hf_export_refuses_layernorm_1p_and_partial_rope(tmp_path, overrides, fmt, message):
     """What no family's config.json can say is refused before anything is written: LayerNorm weights stored as

@@ -3,7 +3,7 @@
 Each family is a tiny random model built by `transformers` from a config (no download): Llama with
 tied embeddings and the llama3 RoPE scaling (rope_theta 500000), Llama untied, Mistral (saved in
 bf16, head dim 16 = 2 x hidden / heads), Qwen2 with its QKV bias (saved as several safetensors shards),
-GPT-2. Shapes: 2 layers, hidden 32, 4 query heads in 2 K/V groups (GQA; GPT-2 multi-head), vocab 100
+Qwen3 (query / key norms, head dim 16), GPT-2 (the MoE families: test_hf_moe.py). Shapes: 2 layers, hidden 32, 4 query heads in 2 K/V groups (GQA; GPT-2 multi-head), vocab 100
 (padded to 128 / 256).
 Imported, mptrain's logits equal transformers' at tp1, tp2 and pp2; greedy decoding equals
 `generate`; export after import gives back the same tensors (keys, shapes, dtypes, values) and a
@@ -37,6 +37,7 @@ FAMILIES = {
     "llama_untied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=False)),
     "mistral_bf16": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=None, head_dim=16)),
     "qwen2_sharded": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=16)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu",
         bos_token_id=0, eos_token_id=EOS)),

@@ -86,7 +86,7 @@ def test_the_model_comes_from_the_saved_args(imported):
               "seq_length": 32, "max_position_embeddings": 32, "vocab_size": 128, "make_vocab_size_divisible_by": 64,
               "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.02, "layernorm_epsilon": 1e-5,
               "apply_layernorm_1p": False, "rotary_base": 10000, "rotary_percent": 1.0, "rope_scaling": False,
-              "rope_scaling_factor": 8.0, "add_qkv_bias": False, "kv_channels": None}
+              "rope_scaling_factor": 8.0, "add_qkv_bias": False, "qk_layernorm": False, "kv_channels": None}
     assert llama["config"]["model"] == {**shared, "num_query_groups": 2, "untie_embeddings_and_output_weights": False,
                                         "normalization": "RMSNorm", "activation": "swiglu",
                                         "position_embedding_type": "rope", "add_bias_linear": False}
@@ -225,13 +225,37 @@ def _one_line(capsys, *args: str) -> str:
     return err
 
 
-def test_what_cannot_be_imported_is_one_line(tmp_path, capsys):
-    out = str(tmp_path / "out")
+def test_query_key_norms_are_imported(imported, tmp_path):
+    """--qk-layernorm: each layer's q_layernorm / k_layernorm [hn] (replicated over TP: rank 0's copy) are
+    model.qk_layernorm's weights under the same names; the other tensors as without them."""
+    from mptrain.checkpoint.offline import load_full_state
+
+    norms = {"q": torch.linspace(0.5, 1.5, 8), "k": torch.linspace(1.5, 0.5, 8)}  # hn = kv_channels 8
 
     def qk_norm(state):
         state["args"].qk_layernorm = True
+        for name in [n for n in state["model"] if n.endswith("self_attention.linear_qkv.weight")]:
+            for p, weight in norms.items():
+                state["model"][name.replace("linear_qkv.weight", f"{p}_layernorm.weight")] = weight.clone()
     _rewrite_legacy(FIXTURES / "llama_legacy", tmp_path / "qk", qk_norm)
-    assert "trained with --qk-layernorm (qk_layernorm=True): mptrain has no query / key norm" in _one_line(
+    assert _cli("--import-megatron", str(tmp_path / "qk"), "--output", str(tmp_path / "out")) == 0
+    got, meta = load_full_state(str(tmp_path / "out"))
+    assert meta["config"]["model"]["qk_layernorm"] is True
+    want, _ = load_full_state(str(imported["llama_legacy"]))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(set(got) - set(want)) == [f"decoder.layers.{i}.self_attention.{p}_layernorm.weight"
+                                            for i in range(2) for p in ("k", "q")]
+    assert all(torch.equal(got[f"decoder.layers.{i}.self_attention.{p}_layernorm.weight"], norms[p])
+               for i in range(2) for p in "qk")
+
+
+def test_what_cannot_be_imported_is_one_line(tmp_path, capsys):
+    out = str(tmp_path / "out")
+
+    def qk_l2_norm(state):
+        state["args"].qk_l2_norm = True
+    _rewrite_legacy(FIXTURES / "llama_legacy", tmp_path / "qk", qk_l2_norm)
+    assert "trained with --qk-l2-norm (qk_l2_norm=True): mptrain's query / key norm is model.qk_layernorm's" in _one_line(
         capsys, "--import-megatron", str(tmp_path / "qk"), "--output", out)
     shutil.copytree(FIXTURES / "llama_legacy", tmp_path / "partial")
     shutil.rmtree(tmp_path / "partial" / "iter_0000010" / "mp_rank_01_001")

@@ -141,3 +141,27 @@ def test_moe_counts_every_expert_and_flops_the_active_ones():
     assert active_parameters(m, vocab_size=32000) == 12 * (layer + 2 * expert) + embeddings == 367_649_792
     per_token = 6 * (12 * (attention + 8 * h + 2 * expert) + 32000 * h) + 12 * 12 * h * 2048
     assert flops_per_token(m, padded_vocab_size=32000) == per_token
+
+
+@pytest.mark.parametrize("preset, model_type, total, active", [
+    ("mixtral_8x7b", "mixtral", 46_702_792_704, 12_879_925_248),
+    ("qwen3_30b_a3b", "qwen3_moe", 30_532_122_624, 3_353_032_704)])
+def test_moe_presets_count_the_hugging_face_models_parameters(preset, model_type, total, active):
+    """The MoE presets' parameter counts equal those of the transformers model their Hugging Face export describes
+    (built on the meta device from the family's config.json: no memory), Mixtral 8x7B's 46.7 B and Qwen3-30B-A3B's
+    30.5 B; active: the router, 2 of 8 / 8 of 128 experts per token."""
+    import yaml
+
+    transformers = pytest.importorskip("transformers")
+    from mptrain.hf import registry
+    from mptrain.layers.params import active_parameters, count_parameters
+
+    model = {k: v for k, v in yaml.safe_load((ROOT / "conf" / "model" / f"{preset}.yaml").read_text()).items()
+             if k != "defaults"}
+    m = ModelConfig(**model)
+    assert count_parameters(m, vocab_size=m.vocab_size) == total
+    assert active_parameters(m, vocab_size=m.vocab_size) == active
+    config = transformers.AutoConfig.for_model(**registry()[model_type].config_from_model(model))
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in hf.parameters()) == total

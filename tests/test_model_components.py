@@ -146,6 +146,23 @@ def test_user_core_attention_trains_like_builtin_at_tp2_sp(tmp_path):
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
 
 
+def test_qk_layernorm_trains_alike_at_tp2_and_tp1(tmp_path):
+    """model.qk_layernorm: a query and a key norm [hn] per layer; at tp2 without sequence parallelism each TP rank
+    normalises its own heads, so the replicated weights' grads are summed over TP: tp2 equals tp1 per step."""
+    base = ["model=tiny", "model.qk_layernorm=true", "model.normalization=RMSNorm", "model.position_embedding_type=rope",
+            "train.train_iters=3", "train.eval_interval=null"]
+    run_distributed(run_job, 1, base + ["parallel=tp1pp1", f"run.dir={tmp_path / 'tp1'}"])
+    run_distributed(run_job, 2, base + ["parallel=tp2pp1", f"run.dir={tmp_path / 'tp2'}"])
+    a, b = read_rows(tmp_path / "tp1"), read_rows(tmp_path / "tp2")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):  # fp32, same math, other reduction order: DESIGN.md §3 tolerances
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+    _, names, params, _ = run_distributed(_outputs, 1, ["model.qk_layernorm=true"])[0]
+    assert names["decoder.layers.0.self_attention.q_layernorm"] == "LayerNorm"  # model.normalization's class
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in params
+
+
 @pytest.mark.parametrize("overrides, expected", [
     ([f"{CORE}._target_=mptrain_plugins.no_such_module.Core"], f"{CORE}._target_=mptrain_plugins.no_such_module.Core"),
     ([f"{CORE}._target_=collections.OrderedDict"], f"{CORE}._target_=collections.OrderedDict is not a valid core attention: it lacks forward"),

@@ -15,7 +15,7 @@ import pytest
 
 from harness import run_distributed
 from mptrain.planner.config import compose_plan
-from procs import run_python
+from procs import forkserver, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 0.02  # required: within 2 % (the formulas ignore bucket padding and Adam's scalar `step` tensors)
@@ -218,7 +218,7 @@ def test_check_dry_run_on_meta_matches_planner():
     from mptrain.check import format_report, run_check
 
     cfg = _cfg(["model=tiny", "parallel=tp1pp2", "precision=bf16", "world_size=2"])
-    facts = run_check(cfg, 2)
+    facts = run_check(cfg, 2, mp_context=forkserver())
     assert [f["layers"] for f in facts] == [[0, 1], [2, 3]]
     assert [f["pp"] for f in facts] == [0, 1]
     text, worst = format_report(cfg, facts)
@@ -275,7 +275,7 @@ def test_check_report_says_what_it_measured_and_plans_the_rest():
 
     cfg = _cfg(["model=tiny", "model.num_layers=8", "parallel=tp1pp2", "parallel.virtual_pipeline_model_parallel_size=2",
                 "precision=bf16", "world_size=2", "train.micro_batch_size=1", "train.global_batch_size=8"])
-    facts = run_check(cfg, 2)
+    facts = run_check(cfg, 2, mp_context=forkserver())
     text, worst = format_report(cfg, facts)
     lines = text.splitlines()
     assert worst < 1e-9
@@ -379,7 +379,7 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
     from mptrain.check import format_report, run_check
 
     cfg = _cfg(["model=tiny", "parallel=tp2pp1", "precision=fp8", "model.ffn_hidden_size=1056", "world_size=2"])
-    facts = run_check(cfg, 2)
+    facts = run_check(cfg, 2, mp_context=forkserver())
     text, worst = format_report(cfg, facts)
     assert worst < 1e-9, text
     h, layers = cfg.model.hidden_size, cfg.model.num_layers
@@ -423,12 +423,8 @@ def test_bad_plan_numbers_are_one_line(override, line):
 ])
 def test_check_refuses_bad_keys_in_one_line(override, line):
     """`python -m mptrain.check ...`: the one line `train.py` / `plan` print, exit 1, before any process spawns."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "mptrain.check", override, "model=tiny"] +
-                         (["world_size=1"] if not override.startswith("world_size") else []),
-                         capture_output=True, text=True, timeout=120)
+    out = run_python(["-m", "mptrain.check", override, "model=tiny"] +
+                     (["world_size=1"] if not override.startswith("world_size") else []), timeout=120)
     assert out.returncode == 1, out.stderr[-2000:]
     assert out.stderr.splitlines() == [line]
 

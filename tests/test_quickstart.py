@@ -25,6 +25,7 @@ import torch
 
 from harness import run_distributed
 from train_utils import read_rows, run_job
+from warm_python import warm_env
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK_START = ["experiment=shakespeare_cpu", "train.train_iters=20", "train.eval_interval=null"]
@@ -95,7 +96,7 @@ def test_quick_start_checkpoint_feeds_generate_export_and_transformers(tmp_path,
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    return env
+    return warm_env(env)  # torchrun's workers served warm (tests/warm_python.py; suite time)
 
 
 def _launch(nproc: int, overrides: list, cwd: Path) -> list:

@@ -1,6 +1,7 @@
 """The user's commands as real processes: `torchrun ... train.py` and `python train.py`.
 
-Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only. A 4-process
+Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only: torchrun's agent
+is a fresh interpreter, its workers are forked with torch imported (tests/warm_python.py). A 4-process
 `parallel=tp2pp2` torchrun job equal to `python train.py parallel=tp1pp1`, layout and run folder included, is
 tests/test_e2e_multinode.py's launch (two agents of 2 processes each).
 """
@@ -18,6 +19,7 @@ import pytest
 from harness import run_distributed
 from procs import run_python
 from train_utils import read_rows, run_job, without_timing
+from warm_python import warm_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -28,7 +30,8 @@ TINY = ["model=tiny", "train.eval_interval=null", "train.global_batch_size=8", "
 def _run(cmd, timeout_s=240):
     if cmd[:2] == [sys.executable, "train.py"]:  # `python train.py`: a real process forked with torch imported (procs.py)
         return run_python(cmd[1:], cwd=ROOT, env=ENV, timeout=timeout_s)
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
+    # torchrun's workers served warm (tests/warm_python.py; suite time: ~4 s of imports each)
+    return subprocess.run(cmd, cwd=ROOT, env=warm_env(ENV), capture_output=True, text=True, timeout=timeout_s)
 
 
 SWEEP = [*TORCHRUN, "--nproc_per_node=2", "train.py", "-m", *TINY, "parallel=tp1pp1,tp2pp1,tp1pp2", "train.train_iters=3"]
@@ -243,10 +246,10 @@ def launches(tmp_path_factory):
              "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_iters=4",
              "train.eval_interval=2", "train.eval_iters=1", "train.step_timeout_s=1",
              f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"],
-            cwd=ROOT, env={**ENV, "SLOW_S": "3", "STALL_STEP": "4"}, capture_output=True, text=True, timeout=150)
+            cwd=ROOT, env=warm_env({**ENV, "SLOW_S": "3", "STALL_STEP": "4"}), capture_output=True, text=True, timeout=150)
 
     def invalid_config(launcher, nproc, overrides):
-        env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])}
+        env = warm_env({**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])})
         cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
         run_dir = root / f"invalid_config_{launcher}" / "r"
         return lambda: subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides,

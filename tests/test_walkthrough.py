@@ -23,6 +23,7 @@ import pytest
 
 from harness import run_distributed
 from train_utils import read_rows, run_job
+from warm_python import warm_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "WALKTHROUGH.md"
@@ -85,7 +86,8 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch, request):
         if rest[0] == "train.py":
             run_distributed(_train_task, world, str(tmp_path), rest[1:])
         elif rest[:2] == ["-m", "mptrain.generate"] and world > 1:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+            env = warm_env({**os.environ,  # its workers served warm (tests/warm_python.py; suite time)
+                            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
             launcher = str(Path(sys.executable).with_name("torchrun"))
             # runs while the next commands run (suite time: they read only what earlier commands wrote, and they
             # leave a core idle); its output takes its place in `printed` once it ended

@@ -97,8 +97,11 @@ def _worker(rank, world_size, port, cfg, derived, vocab_size, results) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_check(cfg, world_size: int, *, timeout_s: float = 600.0) -> list:
+def run_check(cfg, world_size: int, *, timeout_s: float = 600.0, mp_context=None) -> list:
     """Validate, then dry-run the layout on ``world_size`` spawned gloo processes; facts by rank.
+
+    ``mp_context``: the `multiprocessing` context that starts the ranks (None: "spawn", a fresh interpreter
+    each; a caller that holds a forkserver with torch imported passes it to skip the imports).
 
     Raises:
         ConfigError: the config is invalid (before any process is spawned).
@@ -113,7 +116,7 @@ def run_check(cfg, world_size: int, *, timeout_s: float = 600.0) -> list:
     derived = validate_config(cfg, world_size, world_size_flag="world_size")
     check_fp8_installed(cfg.precision)  # the dry run applies FP8 as the trainer does (torchao's modules)
     vocab_size = check_vocab_size(cfg.model.vocab_size, build_tokenizer(cfg.data).vocab_size)
-    ctx = mp.get_context("spawn")
+    ctx = mp_context or mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, cfg, derived, vocab_size, results), daemon=True)

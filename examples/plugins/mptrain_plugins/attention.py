@@ -7,7 +7,8 @@ Select it from the command line (no mptrain code changes)::
     python train.py ...core_attention._target_=mptrain_plugins.attention.SlidingWindowAttention \
         +model.transformer_layer.submodules.self_attention.submodules.core_attention.window=16
 
-context = softmax(Q Kᵀ / √hn + mask) · V, with mask = causal (or the batch's ``attention_mask``) and,
+context = softmax(Q Kᵀ / √hn + mask) · V, with mask = causal (or the batch's ``attention_mask``: its
+documents' dense form when it is a `mptrain.layers.document_mask.DocumentMask`) and,
 when ``window`` is set, also every key more than ``window - 1`` positions behind the query
 (sliding-window attention, Beltagy et al. 2020 "Longformer" §3.1; Mistral 7B). ``window=None``
 is exact causal attention, equal to the built-in core within fp32 rounding.
@@ -20,6 +21,8 @@ import math
 from typing import Optional
 
 import torch
+
+from mptrain.layers.document_mask import DocumentMask
 
 
 class SlidingWindowAttention(torch.nn.Module):
@@ -55,6 +58,8 @@ class SlidingWindowAttention(torch.nn.Module):
         masked = behind < 0  # causal: no future keys
         if self.window is not None:
             masked = masked | (behind >= self.window)
+        if isinstance(attention_mask, DocumentMask):  # data.reset_attention_mask: documents as offsets
+            attention_mask = attention_mask.dense()  # an explicit core takes the s × s form
         if attention_mask is not None:  # [b, 1, s, s] bool, True = masked (already causal)
             masked = masked | attention_mask
         probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)

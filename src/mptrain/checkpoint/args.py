@@ -29,7 +29,7 @@ ARCHITECTURE_KEYS = (
     "max_position_embeddings", "vocab_size", "untie_embeddings_and_output_weights", "normalization",
     "layernorm_epsilon", "activation", "position_embedding_type", "rotary_base", "rope_scaling", "rope_scaling_factor",
     "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_position_embeddings",
-    "add_bias_linear", "add_qkv_bias", "apply_layernorm_1p", "rotary_percent",
+    "add_bias_linear", "add_qkv_bias", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
     "num_moe_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",

@@ -49,6 +49,12 @@ class DataConfig:
     reset_position_ids: bool = False
     """Position ids restart at 0 after each EOD."""
     reset_attention_mask: bool = False
-    """Tokens after an EOD do not attend across it (the batch then carries a [b,1,s,s] mask)."""
+    """Tokens after an EOD do not attend across it. The batch carries the document boundaries as offsets
+    (cu_seqlens [b, s+1]) and attention skips other documents' blocks (FlexAttention on CUDA, per-document
+    SDPA on CPU); no [b,1,s,s] mask unless data.create_attention_mask_in_dataloader."""
     eod_mask_loss: bool = False
     """No loss where the input token is EOD (Megatron's rule)."""
+    create_attention_mask_in_dataloader: bool = False
+    """With reset_attention_mask: the batch carries the dense [b,1,s,s] mask instead of the offsets and
+    attention runs with it (the reference path; O(s^2) memory). Megatron's key; its default is true, whose
+    math is the same."""

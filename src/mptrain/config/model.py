@@ -44,6 +44,10 @@ class SelfAttentionSubmodules:
     the default reads model.attention_backend."""
     linear_proj: SpecNode = _node("mptrain.layers.linear.RowParallelLinear")
     """Output projection np·hn -> h, row-parallel (interface: RowParallelLinear)."""
+    q_layernorm: SpecNode = _node("mptrain.layers.norms.Norm")
+    """With model.qk_layernorm: the norm over hn of each query head (interface: mptrain.layers.norms.NormModule)."""
+    k_layernorm: SpecNode = _node("mptrain.layers.norms.Norm")
+    """With model.qk_layernorm: the norm over hn of each key head (interface: mptrain.layers.norms.NormModule)."""
 
 
 @dataclasses.dataclass
@@ -205,6 +209,10 @@ class ModelConfig:
     """Biases in the QKV / projection / MLP linears."""
     add_qkv_bias: bool = False
     """Biases in the QKV linear only, when add_bias_linear is false (Megatron's ``--add-qkv-bias``; Qwen2)."""
+    qk_layernorm: bool = False
+    """Megatron's --qk-layernorm: a norm (model.normalization, over the head dim hn) on each head's query and key
+    after the QKV projection, before RoPE (Qwen3; Dehghani et al. 2023 §3.1): weights
+    ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[hn]``, one per layer, replicated over TP."""
     attention_softmax_in_fp32: bool = True
     """Compute attention softmax in fp32 on the non-flash fp16/bf16 paths."""
     label_smoothing: float = 0.0

@@ -5,9 +5,12 @@ Megatron's `get_ltor_masks_and_position_ids` (`megatron/core/datasets/gpt_datase
   `eod_mask_loss` also 0 where the *input* token is EOD (Megatron masks on the inputs: the
   first token of the next document is not predicted from the previous one).
 - `reset_position_ids`: positions restart at 0 after each EOD in the inputs.
-- `reset_attention_mask`: tokens after an EOD cannot attend to tokens at or before it; the mask
-  is [b, 1, s, s] bool, True = masked (causal included). Otherwise `attention_mask` is None and
-  the model applies its causal mask.
+- `reset_attention_mask`: tokens after an EOD cannot attend to tokens at or before it. The boundaries
+  are `cu_seqlens` [b, s + 1] int64: per sequence 0, the position after each EOD, then s repeated
+  to the fixed width (`mptrain.layers.document_mask`, which attends with them without an s × s mask).
+  With `create_attention_mask` (Megatron's GPTDatasetConfig field; the trainer's
+  `data.create_attention_mask_in_dataloader`) also the dense mask: [b, 1, s, s] bool, True = masked
+  (causal included). Otherwise both are None and the model applies its causal mask.
 """
 
 from __future__ import annotations
@@ -25,20 +28,25 @@ def collate(
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
 ) -> dict[str, Optional[torch.Tensor]]:
     """Stack samples of s + 1 tokens into a micro-batch.
 
     Args:
         samples: b pairs (tokens int64 [s + 1], valid bool [s + 1]).
         eod: the tokenizer's end-of-document id.
+        create_attention_mask: with `reset_attention_mask`, also build the dense mask (module docstring).
     Returns:
         tokens [b, s] int64 (= sample[:-1]), labels [b, s] int64 (= sample[1:]), loss_mask [b, s]
-        float32, position_ids [b, s] int64, attention_mask None or [b, 1, s, s] bool (True = masked).
+        float32, position_ids [b, s] int64, cu_seqlens None or [b, s + 1] int64 (`reset_attention_mask`),
+        attention_mask None or [b, 1, s, s] bool (True = masked; `reset_attention_mask` and
+        `create_attention_mask`).
     """
     data = np.stack([t for t, _ in samples])  # [b, s+1]
     valid = np.stack([v for _, v in samples])  # [b, s+1]
     return collate_arrays(data, valid, eod=eod, reset_position_ids=reset_position_ids,
-                          reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
+                          reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+                          create_attention_mask=create_attention_mask)
 
 
 def read_samples(dataset, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +72,7 @@ def collate_arrays(
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
 ) -> dict[str, Optional[torch.Tensor]]:
     """`collate` of samples already stacked: data [b, s + 1] (any integer dtype), valid bool [b, s + 1]."""
     data = data.astype(np.int64, copy=False)
@@ -73,14 +82,16 @@ def collate_arrays(
     if eod_mask_loss:
         loss_mask[tokens == eod] = 0.0
     position_ids = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy()
-    allowed = None
+    allowed = cu_seqlens = None
     if reset_attention_mask:
+        cu_seqlens = document_offsets(tokens, eod)
+    if reset_attention_mask and create_attention_mask:
         allowed = np.broadcast_to(np.tril(np.ones((s, s), dtype=bool)), (b, s, s)).copy()  # [b, s(query), s(key)]
-    if reset_position_ids or reset_attention_mask:
+    if reset_position_ids or allowed is not None:
         for row in range(b):
             prev = 0
             for i in np.flatnonzero(tokens[row] == eod):
-                if reset_attention_mask:
+                if allowed is not None:
                     allowed[row, i + 1 :, : i + 1] = False
                 if reset_position_ids:
                     position_ids[row, i + 1 :] -= i + 1 - prev
@@ -91,4 +102,17 @@ def collate_arrays(
         "loss_mask": torch.from_numpy(loss_mask),
         "position_ids": torch.from_numpy(position_ids),
         "attention_mask": None if allowed is None else torch.from_numpy(~allowed[:, None]),
+        "cu_seqlens": None if cu_seqlens is None else torch.from_numpy(cu_seqlens),
     }
+
+
+def document_offsets(tokens: np.ndarray, eod: int) -> np.ndarray:
+    """cu_seqlens [b, s + 1] int64 of input tokens [b, s]: per row 0, i + 1 for each EOD at i < s - 1, then s
+    up to the fixed width (a document ends with its EOD; `mptrain.layers.document_mask`)."""
+    b, s = tokens.shape
+    cu = np.full((b, s + 1), s, dtype=np.int64)
+    cu[:, 0] = 0
+    for row in range(b):
+        starts = np.flatnonzero(tokens[row, :-1] == eod) + 1  # an EOD in the last position starts nothing
+        cu[row, 1:1 + len(starts)] = starts
+    return cu

@@ -79,8 +79,11 @@ class DatasetProvider(Protocol):
         loss_mask [b, s] float32: 1 where the label counts, 0 where not (the loss is the mean over
             the global batch's masked tokens);
         position_ids [b, s] int64: position of each token (0..s-1, or restarting after EOD);
-        attention_mask (optional) [b, 1, s, s] bool, True = masked, read only when
-            `data.reset_attention_mask=true` (else the model's causal mask is used).
+        cu_seqlens (optional) [b, s + 1] int64, the document boundaries (per sequence 0, each later
+            document's start, then s repeated: `mptrain.layers.document_mask`), read only when
+            `data.reset_attention_mask=true` (else the model's causal mask is used);
+        attention_mask (optional) [b, 1, s, s] bool, True = masked, read instead of cu_seqlens when
+            `data.create_attention_mask_in_dataloader=true` too.
     The reading rank (TP rank 0) checks every batch against this (shape, dtype, id range) before
     broadcasting it to its TP group; a mismatch ends the job with one line naming `data._target_`.
     Samples of the global batch of iteration i should depend only on the data config and i (not
@@ -285,7 +288,8 @@ class GPTDataProvider:
     Args (runtime, see `DatasetProvider`): tokenizer, seq_length, micro_batch_size,
         global_batch_size, dp_rank, dp_size, needs_data.
     Args (data.*): seed (sample order), split (train,valid,test weights: "969,30,1" or
-        [969, 30, 1]), cache_dir, reset_position_ids, reset_attention_mask, eod_mask_loss.
+        [969, 30, 1]), cache_dir, reset_position_ids, reset_attention_mask, eod_mask_loss,
+        create_attention_mask_in_dataloader (with reset_attention_mask: the dense [b, 1, s, s] mask too).
     Raises:
         ConfigError: inconsistent batch sizes, bad `data.*` keys (checked on every rank first).
         DataError: bad or missing data files (raised on every rank).
@@ -310,6 +314,7 @@ class GPTDataProvider:
         reset_position_ids: bool = False,
         reset_attention_mask: bool = False,
         eod_mask_loss: bool = False,
+        create_attention_mask_in_dataloader: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.seq_length, self.micro_batch_size, self.global_batch_size = seq_length, micro_batch_size, global_batch_size
@@ -317,7 +322,8 @@ class GPTDataProvider:
         self.seed, self.split = int(seed), split
         self.cache_root = Path(cache_dir) if cache_dir is not None else None
         self.flags = {"reset_position_ids": bool(reset_position_ids), "reset_attention_mask": bool(reset_attention_mask),
-                      "eod_mask_loss": bool(eod_mask_loss)}
+                      "eod_mask_loss": bool(eod_mask_loss),
+                      "create_attention_mask": bool(create_attention_mask_in_dataloader)}
         self.samples_read = 0
         """Training samples this rank has read (for layout.json)."""
         self.eval_samples_read = 0
@@ -450,12 +456,13 @@ class MockDataProvider(GPTDataProvider):
     def __init__(self, *, vocab_size: int = 1000, tokenizer: TokenizerProtocol, seq_length: int, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, needs_data: bool, seed: int = 1234, split: Any = "969,30,1",
                  cache_dir: Optional[str] = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 eod_mask_loss: bool = False) -> None:
+                 eod_mask_loss: bool = False, create_attention_mask_in_dataloader: bool = False) -> None:
         self.vocab_size = int(vocab_size)
         super().__init__(tokenizer=tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, needs_data=needs_data,
                          seed=seed, split=split, cache_dir=cache_dir, reset_position_ids=reset_position_ids,
-                         reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
+                         reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+                         create_attention_mask_in_dataloader=create_attention_mask_in_dataloader)
 
     def _check(self) -> None:
         if self.vocab_size > self.tokenizer.vocab_size:
@@ -494,14 +501,15 @@ class IndexedDataProvider(GPTDataProvider):
                  test_prefixes: Sequence = (), tokenizer: TokenizerProtocol, seq_length: int, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, needs_data: bool, seed: int = 1234, split: Any = "969,30,1",
                  cache_dir: Optional[str] = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 eod_mask_loss: bool = False) -> None:
+                 eod_mask_loss: bool = False, create_attention_mask_in_dataloader: bool = False) -> None:
         self.prefixes = list(prefixes or [])
         self.per_split = check_corpora(self.prefixes, list(train_prefixes or []), list(valid_prefixes or []),
                                        list(test_prefixes or []), required=self.requires_prefixes)
         super().__init__(tokenizer=tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, needs_data=needs_data,
                          seed=seed, split=split, cache_dir=cache_dir, reset_position_ids=reset_position_ids,
-                         reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
+                         reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+                         create_attention_mask_in_dataloader=create_attention_mask_in_dataloader)
 
     def _build_splits(self) -> dict[str, Any]:
         self._unrecorded: list[str] = []  # prefixes without a tokenizer record (Megatron's data): said in one line
@@ -580,13 +588,14 @@ class ShakespeareDataProvider(IndexedDataProvider):
     def __init__(self, *, corpus: Optional[str] = None, tokenizer: TokenizerProtocol, seq_length: int, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int, dp_size: int, needs_data: bool, seed: int = 1234, split: Any = "969,30,1",
                  cache_dir: Optional[str] = None, reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                 eod_mask_loss: bool = False) -> None:
+                 eod_mask_loss: bool = False, create_attention_mask_in_dataloader: bool = False) -> None:
         self.corpus = Path(corpus) if corpus else shipped_corpus()
         self.prefixes, self.per_split = [], None
         GPTDataProvider.__init__(self, tokenizer=tokenizer, seq_length=seq_length, micro_batch_size=micro_batch_size,
                          global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size, needs_data=needs_data,
                          seed=seed, split=split, cache_dir=cache_dir, reset_position_ids=reset_position_ids,
-                         reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss)
+                         reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+                         create_attention_mask_in_dataloader=create_attention_mask_in_dataloader)
 
     def _datasets(self) -> dict[str, Any]:
         from mptrain.data.preprocess import preprocess

@@ -23,13 +23,18 @@ class Family:
     ConfigError, one line, for what our model cannot express), ``config_from_model(model)`` (its config.json less
     vocab_size, bos / eos ids and dtype), ``problems(model)`` (what of our model it cannot express, ``model.KEY=value
     (Title: want)`` each), ``rules(model)`` (the `mptrain.hf.mapping.Rule` of each parameter of ours; an MoE family's
-    experts are more rules) and ``stored_name(name)`` (the rules' name of a tensor as a folder stores it).
+    experts are more rules), ``import_rules(model, names)`` (the rules that read a folder holding the tensors ``names``:
+    ``rules`` unless a family reads two layouts) and ``stored_name(name)`` (the rules' name of a tensor as a folder
+    stores it).
     """
 
     ignored, head = r"(?!)", "lm_head.weight"  # no buffers; Hugging Face's name of the output layer
 
     def stored_name(self, name: str) -> str:
         return name
+
+    def import_rules(self, model: dict, names) -> list:
+        return self.rules(model)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ def special_ids(meta: dict, eod: Optional[int], bos: Optional[int] = None) -> tu
 
 def _import_tensors(family, model: dict, tensors: io.HFTensors) -> dict:
     """{our name: (shape, dtype, loader)}; ConfigError (one line): a tensor missing, extra or of another shape."""
-    rules, want = {rule.ours: rule for rule in family.rules(model)}, offline.expected_shapes(model)
+    rules, want = {rule.ours: rule for rule in family.import_rules(model, tensors.names)}, offline.expected_shapes(model)
     needed = {src for rule in rules.values() for src in rule.hf}
     tied = set() if model["untie_embeddings_and_output_weights"] else {family.head}  # a saved tied head is allowed
     extra = sorted({n for n in tensors.names if not re.search(family.ignored, n)} - needed - tied)

@@ -1,7 +1,8 @@
 """Two-way tensor mappings between our tp1pp1 parameters and Hugging Face tensors. A `Rule` ties our ``ours`` to the
 Hugging Face tensors ``hf`` it is made of: ``to_hf(t)`` gives them, ``from_hf(ts)`` inverts it (reshapes, transposes,
-splits, concatenations: exact). An MoE family's experts are more rules (one per expert and projection; a grouped
-``[E, ...]`` weight of ours: one more kind, split on dim 0). Fused QKV (`mptrain.layers.attention`): our rows, per
+splits, concatenations: exact). An MoE family's grouped expert weights ``[E, ...]`` are `Experts` rules: one
+Hugging Face tensor per expert and part (Mixtral's ``experts.{e}.w1``, Qwen3-MoE's ``experts.{e}.gate_proj``), or
+transformers 5's fused ``experts.gate_up_proj [E, 2f, h]`` / ``down_proj [E, h, f]``, which are ours as they are. Fused QKV (`mptrain.layers.attention`): our rows, per
 query group g ``[q_{g,0..np/ng-1}, k_g, v_g]`` × hn, are viewed ``[ng, np/ng + 2, hn, ...]``; Hugging Face keeps q
 ``[np·hn]``, k and v ``[ng·hn]`` head-major, as three tensors (Llama) or one ``[q; k; v]`` (GPT-2's ``c_attn``, ng = np).
 Sources: transformers ``modeling_llama.py`` (``LlamaAttention``), ``modeling_gpt2.py`` (``Conv1D``); Megatron-LM
@@ -75,3 +76,17 @@ class GatedMLP(Rule):
 
     def from_hf(self, ts: list) -> torch.Tensor:
         return torch.cat(ts, dim=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts(Rule):
+    """Our grouped expert weight ``[E, parts·f, h]`` / ``[E, h, f]`` <-> one tensor per expert and part, ``hf`` expert-major
+    (``parts`` = 2: gate_0, up_0, gate_1, up_1, ...; our fc1 rows per expert are ``[gate; up]``, as `GatedMLP`'s)."""
+
+    parts: int = 1
+
+    def to_hf(self, t: torch.Tensor) -> tuple:
+        return tuple(part for expert in t.unbind(0) for part in expert.chunk(self.parts, dim=0))
+
+    def from_hf(self, ts: list) -> torch.Tensor:
+        return torch.stack([torch.cat(ts[e:e + self.parts], dim=0) for e in range(0, len(ts), self.parts)])

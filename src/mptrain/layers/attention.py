@@ -25,14 +25,27 @@ SDPA then runs its memory-efficient kernel, many times slower than the GEMMs the
 core there (`_unfused_attention`): two batched GEMMs around a half-precision softmax that accumulates
 in fp32 internally, which is what Megatron's ``FusedScaleMaskSoftmax`` computes.
 
+Document masking (``data.reset_attention_mask`` carried as document offsets): the mask is a
+`mptrain.layers.document_mask.DocumentMask` and the core runs `document_attention` (FlexAttention on CUDA,
+per-document SDPA elsewhere) whatever ``model.attention_backend`` says; no ``s × s`` tensor is made.
+
 Spec tree (``model.transformer_layer.submodules.self_attention``, kind `SELF_ATTENTION`): ``linear_qkv``
 (column-parallel), ``core_attention`` (kind `CORE_ATTENTION`, interface `CoreAttention`; default
-`DotProductAttention`, which reads ``model.attention_backend``), ``linear_proj`` (row-parallel).
+`DotProductAttention`, which reads ``model.attention_backend``), ``linear_proj`` (row-parallel), and with
+``model.qk_layernorm`` ``q_layernorm`` / ``k_layernorm`` (kind `mptrain.layers.norms.NORM` over hn).
+
+QK norm (``model.qk_layernorm``; Megatron-core ``SelfAttention``'s ``q_layernorm`` / ``k_layernorm``, Qwen3's
+``q_norm`` / ``k_norm``): after the QKV split and before RoPE, each query head ``[.., hn]`` and each key head is
+normalised over hn by one norm each, weights ``[hn]`` shared by all heads. The weights are replicated over TP but a
+TP rank normalises only its own heads, so their grads are partial sums over TP, all-reduced as the
+sequence-parallel norms' are (``ShardSpec.sequence_parallel_grad``; Megatron's ``finalize_model_grads`` does the
+same for ``q_layernorm`` / ``k_layernorm``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Optional, Protocol
@@ -44,8 +57,10 @@ from mptrain.components import ComponentKind
 from mptrain.config.model import SelfAttentionSubmodules, recompute_granularity
 from mptrain.errors import check_choice
 from mptrain.layers.context import LayerContext
+from mptrain.layers.document_mask import DocumentMask, document_attention
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.kv_cache import LayerKVCache
+from mptrain.layers.norms import NORM
 from mptrain.layers.random import checkpoint, dropout_slice, in_compiled_region
 from mptrain.layers.spec import (COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule,
                                  with_returned_bias)
@@ -116,8 +131,10 @@ class CoreAttention(Protocol):
     Built as ``target(*, config, layer_number, context, rng_tracker)`` (only the keywords it accepts;
     ``context``: the chunk's `LayerContext`). ``forward(query, key, value, attention_mask) -> context``:
         query ``[s, b, np/tp, hn]``; key, value ``[s, b, ng/tp, hn]`` (RoPE already applied; query head
-        i uses K/V group ``i // (np/ng)``); attention_mask ``[b, 1, s, s]`` bool, True = masked, or None
-        for plain causal; context ``[s, b, np/tp · hn]`` in the input dtype, heads in query order.
+        i uses K/V group ``i // (np/ng)``); attention_mask ``[b, 1, s, s]`` bool, True = masked, or a
+        `mptrain.layers.document_mask.DocumentMask` (``data.reset_attention_mask`` without the dense mask:
+        causal within documents, `document_attention` computes it), or None for plain causal; context
+        ``[s, b, np/tp · hn]`` in the input dtype, heads in query order.
     Scale 1/sqrt(hn) unless the core decides otherwise. Attention dropout (``config.attention_dropout``,
     only while ``self.training``) is inside a TP region: draw it in ``rng_tracker.fork()`` unless
     ``context.sequence_parallel`` (the trainer already runs the whole block in that fork). The trainer wraps
@@ -183,7 +200,9 @@ class DotProductAttention(torch.nn.Module):
         sliced = in_graph and self.tp_size > 1
         with self.rng_tracker.fork() if fork else contextlib.nullcontext():
             half = q.dtype in HALF_DTYPES
-            if half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
+            if isinstance(attention_mask, DocumentMask):  # per device: FlexAttention or per-document SDPA
+                out = document_attention(q, k, v, attention_mask, dropout_p=dropout_p)
+            elif half and self.softmax_in_fp32 and dropout_p > 0 and q.device.type != "cuda":
                 out = fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop)
             elif self._use_unfused(q) or sliced:
                 out = unfused_attention(q, k, v, attention_mask, dropout_p, drop)
@@ -229,15 +248,15 @@ def fp32_softmax_attention(q, k, v, attention_mask, dropout_p, drop=None):
 
 
 class SelfAttention(torch.nn.Module):
-    """Column-parallel QKV -> (RoPE) -> core attention on np/tp heads -> row-parallel projection.
+    """Column-parallel QKV -> (QK norm) -> (RoPE) -> core attention on np/tp heads -> row-parallel projection.
 
     Args:
         config: ModelConfig. context: `LayerContext` (groups, sequence_parallel, init, ...), handed
             to every child node. layer_number: global 0-based layer index. rng_tracker: RNGStatesTracker.
         submodules: the spec node's ``submodules`` (linear_qkv, core_attention, linear_proj); None =
             the default `mptrain.config.model.SelfAttentionSubmodules`.
-    forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, or None for
-    causal) -> ``[s(/tp), b, h]`` (projection bias added).
+    forward(x ``[s(/tp), b, h]``, attention_mask ``[b, 1, s, s]`` bool True = masked, a `DocumentMask`, or None
+    for causal) -> ``[s(/tp), b, h]`` (projection bias added).
     """
 
     def __init__(self, config, context: LayerContext, *, layer_number: int, rng_tracker, submodules=None) -> None:
@@ -269,6 +288,14 @@ class SelfAttention(torch.nn.Module):
         self.linear_proj = build_module(f"{KEY}.submodules.linear_proj", submodule(node, "linear_proj"),
                                         ROW_PARALLEL_LINEAR, input_size=self.np * self.hn, output_size=config.hidden_size,
                                         name=f"{prefix}.linear_proj", input_is_parallel=True, scaled_init=True, **common)
+        self.q_layernorm = self.k_layernorm = None
+        if getattr(config, "qk_layernorm", False):
+            # each TP rank normalises its own heads: the replicated weights' grads are partial sums over TP, which
+            # the norm's spec asks finalize_model_grads to all-reduce, as under sequence parallelism (module docstring)
+            heads_split = dataclasses.replace(context, sequence_parallel=tp > 1)
+            norm = dict(hidden_size=self.hn, config=config, eps=config.layernorm_epsilon, context=heads_split)
+            self.q_layernorm = build_module(f"{KEY}.submodules.q_layernorm", submodule(node, "q_layernorm"), NORM, **norm)
+            self.k_layernorm = build_module(f"{KEY}.submodules.k_layernorm", submodule(node, "k_layernorm"), NORM, **norm)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 kv_cache: Optional[LayerKVCache] = None) -> torch.Tensor:
@@ -288,6 +315,8 @@ class SelfAttention(torch.nn.Module):
         q, k, v = torch.split(qkv, [self.np // self.ng, 1, 1], dim=3)
         q = q.reshape(s, b, self.np_local, self.hn)  # [s, b, np/tp, hn]
         k, v = k.squeeze(3), v.squeeze(3)  # [s, b, ng/tp, hn]
+        if self.q_layernorm is not None:  # over hn, before RoPE (Qwen3's order)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         start = 0 if kv_cache is None else kv_cache.length  # absolute position of x's first row
         if self.rope:
             cos, sin = rope_cos_sin(start + s, self.rotary_dim, self.rotary_base, x.device, scaling=self.rope_scaling)

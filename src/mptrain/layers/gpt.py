@@ -30,6 +30,7 @@ from mptrain.layers.attention import check_attention_backend, rotary_dim
 from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
 from mptrain.layers.context import LayerContext, layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
+from mptrain.layers.document_mask import DocumentMask, document_backend
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
 from mptrain.layers.linear import column_parallel_linear
@@ -393,7 +394,12 @@ class GPTModel(torch.nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """See the class docstring; returns per-token loss ``[b, s]`` fp32 (last stage, labels),
         logits ``[b, s, V_pad/tp]`` (last stage, no labels) or hidden ``[s(/tp), b, h]``.
-        Under ``compile_scope=chunk`` one compiled graph (``compiled_chunk``)."""
+        Under ``compile_scope=chunk`` one compiled graph (``compiled_chunk``). A `DocumentMask` as
+        ``attention_mask`` gets what its backend reads built here, once for all layers and outside the graph."""
+        if isinstance(attention_mask, DocumentMask):
+            dropout_p = self.config.attention_dropout if self.training else 0.0
+            head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
+            attention_mask.prepare(document_backend(self.context.device, head_dim=head_dim, dropout_p=dropout_p))
         if self._compiled_forward is not None:
             return self._compiled_forward(input_ids, position_ids, attention_mask, labels, self.input_tensor)
         return self._forward(input_ids, position_ids, attention_mask, labels, self.input_tensor)

@@ -18,6 +18,7 @@ al. 2019 §3; megatron/core/transformer/attention.py and mlp.py):
     fc1 weight h·k·f, bias k·f                                 (column-parallel)
     fc2 weight f·h, bias h (replicated over TP)                (row-parallel)
     two norms, replicated: 2h each (LayerNorm) or h (RMSNorm)
+    with ``qk_layernorm`` two norms over hn, replicated: 2hn each (LayerNorm) or hn (RMSNorm)
 
 Mixture-of-Experts layers (the layers ``moe_layer_freq`` marks when ``num_moe_experts`` is set;
 `mptrain.layers.moe`) replace fc1 / fc2 by, with E experts, top-k, f_e the expert width
@@ -142,9 +143,17 @@ def model_matmul_weights(m) -> int:
     return sum(layer_matmul_weights(m, n) for n in range(m.num_layers))
 
 
-def norm_params(m) -> int:
-    """Parameters of one norm over h: 2h (LayerNorm: weight and bias) or h (RMSNorm)."""
-    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+def norm_params(m, width: Optional[int] = None) -> int:
+    """Parameters of one norm over h (or ``width``): 2h (LayerNorm: weight and bias) or h (RMSNorm)."""
+    width = width or m.hidden_size
+    return 2 * width if m.normalization == "LayerNorm" else width
+
+
+def _layer_norms(m) -> int:
+    """The norms of one layer: before attention and before the MLP, and with ``qk_layernorm`` the query and key
+    norms over hn."""
+    hn = m.kv_channels or m.hidden_size // m.num_attention_heads
+    return 2 * norm_params(m) + (2 * norm_params(m, hn) if getattr(m, "qk_layernorm", False) else 0)
 
 
 def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None, etp: Optional[int] = None) -> int:
@@ -156,15 +165,14 @@ def layer_params(m, *, tp: int = 1, layer_number: Optional[int] = None, etp: Opt
     expert instead of fc1 / fc2.
     """
     h, np_, ng, hn, f, k = _widths(m)
-    if _is_moe_layer(m, layer_number):
-        attention = sum(out * inp for (out, inp), _ in layer_linear_shapes(m)[:2]) // tp
+    qkv_bias = (np_ + 2 * ng) * hn // tp if not m.add_bias_linear and getattr(m, "add_qkv_bias", False) else 0
+    if _is_moe_layer(m, layer_number):  # MoE layers have no other linear biases (mptrain.layers.moe.config)
+        attention = sum(out * inp for (out, inp), _ in layer_linear_shapes(m)[:2]) // tp + qkv_bias
         replicated, experts, shared = moe_mlp_weights(m, active=False)
-        return attention + replicated + experts // (etp or tp) + shared // tp + 2 * norm_params(m)
+        return attention + replicated + experts // (etp or tp) + shared // tp + _layer_norms(m)
     weights = layer_matmul_weights(m) // tp
-    biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else 0
-    if not m.add_bias_linear and getattr(m, "add_qkv_bias", False):
-        biases = (np_ + 2 * ng) * hn // tp  # QKV bias only (Qwen2)
-    return weights + biases + 2 * norm_params(m)
+    biases = ((np_ + 2 * ng) * hn + k * f) // tp + 2 * h if m.add_bias_linear else qkv_bias  # QKV only: Qwen2
+    return weights + biases + _layer_norms(m)
 
 
 def count_parameters(model_cfg, *, vocab_size: int, convention: str = "real", tp: int = 1,

@@ -8,6 +8,7 @@ The tree lives under ``model.transformer_layer`` (schema: `mptrain.config.model.
         linear_qkv             linear.ColumnParallelLinear kind COLUMN_PARALLEL_LINEAR (here)
         core_attention         attention.DotProductAttention kind CORE_ATTENTION  (attention.py)
         linear_proj            linear.RowParallelLinear    kind ROW_PARALLEL_LINEAR (here)
+        q_layernorm, k_layernorm  norms.Norm (model.qk_layernorm)  kind NORM
       pre_mlp_layernorm        norms.Norm                  kind NORM
       mlp                      mlp.MLP                     kind MLP               (mlp.py)
         linear_fc1             linear.ColumnParallelLinear kind COLUMN_PARALLEL_LINEAR

@@ -169,7 +169,7 @@ TRANSFORMER_LAYER = ComponentKind(
     "transformer layer", methods=("forward",),
     runtime_keywords=("config", "context", "layer_number", "rng_tracker", "submodules"),
     interface=TransformerLayer)
-"""``forward(x [s(/tp), b, h], attention_mask [b, 1, s, s] bool | None) -> [s(/tp), b, h]``; parameters
+"""``forward(x [s(/tp), b, h], attention_mask [b, 1, s, s] bool | DocumentMask | None) -> [s(/tp), b, h]``; parameters
 named relative to ``decoder.layers.<n>`` (checkpoints address them by name)."""
 
 
@@ -243,7 +243,8 @@ def spec_kinds() -> dict:
         "_kind": TRANSFORMER_LAYER,
         "input_layernorm": {"_kind": NORM},
         "self_attention": {"_kind": SELF_ATTENTION, "linear_qkv": {"_kind": COLUMN_PARALLEL_LINEAR},
-                           "core_attention": {"_kind": CORE_ATTENTION}, "linear_proj": {"_kind": ROW_PARALLEL_LINEAR}},
+                           "core_attention": {"_kind": CORE_ATTENTION}, "linear_proj": {"_kind": ROW_PARALLEL_LINEAR},
+                           "q_layernorm": {"_kind": NORM}, "k_layernorm": {"_kind": NORM}},
         "pre_mlp_layernorm": {"_kind": NORM},
         "mlp": {"_kind": MLP_KIND, "linear_fc1": {"_kind": COLUMN_PARALLEL_LINEAR}, "activation": {"_kind": ACTIVATION},
                 "linear_fc2": {"_kind": ROW_PARALLEL_LINEAR}},

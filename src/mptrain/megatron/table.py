@@ -318,6 +318,7 @@ ROWS: tuple = (
     Row("--rope-scaling-factor", "model.rope_scaling_factor"),
     switch("--disable-bias-linear", "model.add_bias_linear", set=False),
     switch("--add-qkv-bias", "model.add_qkv_bias"),
+    switch("--qk-layernorm", "model.qk_layernorm"),
     switch("--attention-softmax-in-fp32", "model.attention_softmax_in_fp32"),
     Row("--recompute-granularity", "model.recompute_granularity"),
     Row("--recompute-method", "model.recompute_method"),
@@ -468,7 +469,8 @@ ROWS: tuple = (
     switch("--reset-attention-mask", "data.reset_attention_mask"),
     switch("--eod-mask-loss", "data.eod_mask_loss"),
     nothing("--no-create-attention-mask-in-dataloader",
-            "batches carry no attention mask for causal attention (one only with data.reset_attention_mask)"),
+            "the default (data.create_attention_mask_in_dataloader=false): no [b,1,s,s] mask; with "
+            "data.reset_attention_mask the batch carries document offsets"),
     uncarried("--no-mmap-bin-files", NOT_NEEDED, "the .bin files are always memory-mapped; the tokens read are the same", False),
     uncarried("--num-workers", NOT_NEEDED, "batches are read in the training process (a prefetch thread on CUDA), no worker processes"),
     uncarried("--tiktoken-pattern", NOT_NEEDED, "it configures Megatron's TikTokenizer, which --tokenizer-type does not select here"),

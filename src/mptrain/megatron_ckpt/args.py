@@ -47,8 +47,7 @@ UNSUPPORTED: tuple = (
     ("no_rope_freq", "--no-rope-freq", _set, "mptrain applies RoPE in every layer"),
     ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm", _on,
      "mptrain's residuals skip the norm (pre-LN)"),
-    ("qk_layernorm", "--qk-layernorm", _on, "mptrain has no query / key norm"),
-    ("qk_l2_norm", "--qk-l2-norm", _on, "mptrain has no query / key norm"),
+    ("qk_l2_norm", "--qk-l2-norm", _on, "mptrain's query / key norm is model.qk_layernorm's learned one"),
     ("num_experts", "--num-experts", _on, "mptrain has no mixture of experts yet"),
     ("multi_latent_attention", "--multi-latent-attention", _on, "mptrain has grouped-query attention only"),
     ("mtp_num_layers", "--mtp-num-layers", _on, "mptrain has no multi-token prediction"),
@@ -131,6 +130,7 @@ def model_from_args(args: Any, *, vocab_size: int, where: str) -> dict:
         "rope_scaling_factor": float(pick("rope_scaling_factor", default=8.0)),
         "add_bias_linear": bias,
         "add_qkv_bias": bool(pick("add_qkv_bias", default=False)) and not bias,  # Megatron sets it with add_bias_linear
+        "qk_layernorm": bool(pick("qk_layernorm", default=False)),  # q_layernorm / k_layernorm: our names, replicated
     }
 
 

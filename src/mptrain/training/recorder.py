@@ -22,6 +22,7 @@ from mptrain.distributed.held_bytes import aliases_param, held_bytes, strategy_l
 from mptrain.distributed.strategy import sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
+from mptrain.layers.document_mask import describe_document_attention
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.moe.experts import describe_experts
 from mptrain.layers.params import flops_per_iteration
@@ -41,8 +42,9 @@ def kernels_line(built) -> str:
     the inner optimizer the wrapper steps (`mptrain.optim.optimizer_kernel`: torch fused / foreach / for-loop, or
     apex's class), how it applies weight decay when it decays (`mptrain.optim.weight_decay_note`: torch's Adam
     is L2, Megatron's adam is AdamW), the
-    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`) and the MoE
-    experts' GEMMs (`mptrain.layers.moe.experts.describe_experts`: grouped_mm or the per-expert loop)."""
+    norm nodes of this rank's layers (``*_layernorm`` modules, `mptrain.layers.norms.describe_norm`), the MoE
+    experts' GEMMs (`mptrain.layers.moe.experts.describe_experts`: grouped_mm or the per-expert loop) and, with
+    ``data.reset_attention_mask``, how attention masks documents (`attention_note`)."""
     from mptrain.layers.norms import describe_norm
     from mptrain.optim import optimizer_kernel, weight_decay_note
 
@@ -53,7 +55,21 @@ def kernels_line(built) -> str:
     fp8 = getattr(built, "fp8", None)  # precision=fp8: what runs in FP8 (`mptrain.layers.fp8.Fp8Summary`)
     return (f"kernels: optimizer={optimizer_kernel(inner)}{weight_decay_note(inner)} "
             f"norm={', '.join(norms) or 'none on this rank'}"
-            f"{describe_experts(built.chunks)}{compile_note(built.chunks)}{fp8.describe() if fp8 is not None else ''}")
+            f"{describe_experts(built.chunks)}{attention_note(built.cfg, built.groups.device)}{compile_note(built.chunks)}"
+            f"{fp8.describe() if fp8 is not None else ''}")
+
+
+def attention_note(cfg, device) -> str:
+    """`` attention=documents (<backend>)`` with ``data.reset_attention_mask`` (training's backend on ``device``:
+    `mptrain.layers.document_mask.describe_document_attention`), `` attention=dense [b,1,s,s] mask (...)`` when
+    ``data.create_attention_mask_in_dataloader`` asks for it, else nothing (plain causal)."""
+    if not cfg.data.reset_attention_mask:
+        return ""
+    if cfg.data.create_attention_mask_in_dataloader:
+        return " attention=dense [b,1,s,s] mask (data.create_attention_mask_in_dataloader=true)"
+    model = cfg.model
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    return describe_document_attention(device, head_dim=head_dim, dropout_p=model.attention_dropout)
 
 
 def batch_size_line(train, data_parallel_size: int, *, seq_length: int, shown: int = 6) -> str:

@@ -151,6 +151,8 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     # precision=fp8: the block linears' GEMMs in FP8 (a compute mode: parameters and checkpoints unchanged)
     fp8 = apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers)
     with_mask = bool(cfg.data.reset_attention_mask)
+    # document boundaries as offsets (no [b, 1, s, s] mask) unless the dense mask is asked for
+    offsets = with_mask and not cfg.data.create_attention_mask_in_dataloader
     needs = groups.tp_rank == 0 and (groups.is_first_stage or groups.is_last_stage or with_mask)
     provider = build_provider(  # data._target_ (collective: every rank builds it here)
         cfg.data,
@@ -165,7 +167,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
     # the reading rank checks every batch against the config before the TP broadcast (training/batch.py)
     provider = CheckedProvider(provider, source=provider_target(cfg.data), micro_batch_size=cfg.train.micro_batch_size,
                                seq_length=cfg.model.seq_length, vocab_size=vocab_size, with_attention_mask=with_mask,
-                               device=groups.device)
+                               device=groups.device, document_offsets=offsets)
     timers = Timers(cfg.train.timing_log_level, groups.device)
     schedule_spec = ScheduleSpec(groups=groups, num_microbatches=derived.num_microbatches,
                                  seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size,
@@ -186,6 +188,7 @@ def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: i
             with_attention_mask=with_mask,
             device=groups.device,
             timers=timers,
+            document_offsets=offsets,
         ),
         finalize_model_grads=finalize_model_grads,
         device=groups.device,

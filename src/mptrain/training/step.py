@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mptrain.distributed.finalize import token_scale
 from mptrain.groups import ParallelGroups
+from mptrain.layers.document_mask import DocumentMask
 from mptrain.layers.moe import set_aux_loss_scale
 from mptrain.precision.module import unwrap
 from mptrain.precision.optimizer import StepStats
@@ -42,10 +43,14 @@ def make_forward_step(
     with_attention_mask: bool,
     device: torch.device,
     timers: Any = None,
+    document_offsets: bool = False,
 ) -> Callable:
     """The forward_step_func of the schedules: (data_iterator, model_chunk) -> (output, loss_func).
 
     Reading and broadcasting the batch runs under the "batch-generator" timer when `timers` is given.
+    With `with_attention_mask` (``data.reset_attention_mask``) the chunk gets the batch's ``[b, 1, s, s]``
+    mask, or with `document_offsets` (``data.create_attention_mask_in_dataloader=false``) a
+    `mptrain.layers.document_mask.DocumentMask` of its ``cu_seqlens``, one per micro-batch and chunk.
     """
     batch_timer = timers("batch-generator") if timers is not None else contextlib.nullcontext()
 
@@ -61,11 +66,15 @@ def make_forward_step(
                     seq_length=seq_length,
                     with_attention_mask=with_attention_mask,
                     device=device,
+                    document_offsets=document_offsets,
                 )
+        mask = None if batch is None else batch["attention_mask"]
+        if batch is not None and batch["cu_seqlens"] is not None:
+            mask = DocumentMask(batch["cu_seqlens"])
         output = model(
             batch["tokens"] if inner.pre_process else None,
             batch["position_ids"] if inner.pre_process else None,
-            batch["attention_mask"] if batch is not None else None,
+            mask,
             labels=batch["labels"] if inner.post_process else None,
         )
 

@@ -43,7 +43,8 @@ class GPT2(Family):
         out = [f"model.{key}={model.get(key)!r} (GPT-2: {want!r})" for key, want in (
             ("normalization", "LayerNorm"), ("activation", "gelu"), ("position_embedding_type", "learned_absolute"),
             ("untie_embeddings_and_output_weights", False), ("add_bias_linear", True),
-            ("apply_layernorm_1p", False)) if model.get(key, want) != want]  # 1p: weights stored as gamma - 1
+            ("apply_layernorm_1p", False), ("qk_layernorm", False), ("num_moe_experts", None))
+            if model.get(key, want) != want]  # 1p: weights stored as gamma - 1
         if model.get("num_query_groups") not in (None, heads):
             out.append(f"model.num_query_groups={model['num_query_groups']} (GPT-2: multi-head, = {heads})")
         if model.get("kv_channels") not in (None, h // heads):

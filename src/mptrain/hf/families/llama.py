@@ -1,8 +1,9 @@
-"""Llama (2 / 3 / 3.x) and its variants Mistral and Qwen2 (Qwen2.5): RMSNorm, SwiGLU, RoPE with ``llama3`` scaling (no
-permutation: ours rotates halves, as theirs), grouped-query attention (FusedQKV), gate / up (GatedMLP), tied or untied
-embeddings (names: docs/CHECKPOINTS.md). The variants differ in biases (Llama: every linear or none; Mistral: none;
-Qwen2: q, k, v only) and sliding-window keys (a window shorter than the positions is refused). Source: transformers
-``models/{llama,mistral,qwen2}/modeling_*.py``, Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
+"""Llama (2 / 3 / 3.x) and its variants Mistral, Qwen2 (2.5), Qwen3: RMSNorm, SwiGLU, RoPE with ``llama3`` scaling (ours
+rotates halves, as theirs), grouped-query attention (FusedQKV), gate / up (GatedMLP), tied or untied embeddings (names:
+docs/CHECKPOINTS.md). The variants differ in biases (Llama: every linear or none; Mistral, Qwen3: none; Qwen2: q, k, v),
+sliding-window keys (a window shorter than the positions is refused) and Qwen3's q / k norms (model.qk_layernorm); the
+MoE families (mixtral.py, qwen3_moe.py) subclass it. Source: transformers ``models/{llama,mistral,qwen2,qwen3}/``,
+Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,17 @@ class LlamaFamily(Family):
     title: str
     biases: tuple = ("none",)  # the `_bias_kind`s it expresses
     window: str = "key"  # config.json's sliding_window: "key", "opt_in" (Qwen2: with use_sliding_window), "" (none)
+    qk_norm: bool = False  # Qwen3's q_norm / k_norm: model.qk_layernorm
     ignored = r"rotary_emb\.inv_freq$"
+
+    def moe_problems(self, model: dict) -> list:  # what of our MoE keys it cannot express (dense: any expert)
+        experts = model.get("num_moe_experts")
+        return [] if experts is None else [f"model.num_moe_experts={experts} ({self.title}: dense, null)"]
+
+    def mlp_rules(self, model: dict, i: int, kinds: tuple) -> list:  # layer i's MLP (kinds: weight, bias)
+        ours, hf = f"decoder.layers.{i}.mlp", f"model.layers.{i}.mlp"
+        return [r for k in kinds for r in (GatedMLP(f"{ours}.linear_fc1.{k}", (f"{hf}.gate_proj.{k}", f"{hf}.up_proj.{k}")),
+                                           Rule(f"{ours}.linear_fc2.{k}", (f"{hf}.down_proj.{k}",)))]
 
     def model_from_config(self, cfg: dict, notes: list) -> dict:
         positions, (theta, scaling) = int(cfg.get("max_position_embeddings", 2048)), _rope(cfg)
@@ -60,7 +71,7 @@ class LlamaFamily(Family):
                      seq_length=positions, max_position_embeddings=positions, normalization="RMSNorm",
                      activation="swiglu", untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
                      position_embedding_type="rope", rotary_base=int(theta), rope_scaling=bool(scaling),
-                     add_bias_linear=bias == "all", add_qkv_bias=bias != "none")
+                     add_bias_linear=bias == "all", add_qkv_bias=bias != "none", qk_layernorm=self.qk_norm)
         return {**model, **{f"rope_scaling_{k}": scaling[k] for k in _SCALING if scaling}}
 
     def config_from_model(self, model: dict) -> dict:
@@ -81,8 +92,9 @@ class LlamaFamily(Family):
 
     def problems(self, model: dict) -> list:
         out = [f"model.{key}={model.get(key)!r} ({self.title}: {want!r})" for key, want in (("normalization", "RMSNorm"),
-               ("activation", "swiglu"), ("position_embedding_type", "rope"), ("rotary_percent", 1.0))
-               if model.get(key, want) != want]  # partial RoPE: Llama's attention rotates whole heads
+               ("activation", "swiglu"), ("position_embedding_type", "rope"), ("rotary_percent", 1.0),
+               ("qk_layernorm", self.qk_norm)) if model.get(key, want if key != "qk_layernorm" else False) != want]
+        out += self.moe_problems(model)  # partial RoPE: Llama's attention rotates whole heads
         if _bias_kind(model) not in self.biases:
             out.append(f"model.add_bias_linear={model.get('add_bias_linear')}, add_qkv_bias={model.get('add_qkv_bias')} "
                        f"({self.title}: biases on {' or '.join(self.biases)})")
@@ -99,11 +111,11 @@ class LlamaFamily(Family):
             out += [Rule(f"{ours}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
                     Rule(f"{ours}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)),
                     *(FusedQKV(f"{ours}.self_attention.linear_qkv.{k}", tuple(f"{hf}.self_attn.{p}_proj.{k}" for p in "qkv"),
-                               heads=heads, groups=ng) for k in qkv_kinds)]
-            for k in kinds:
-                out += [Rule(f"{ours}.self_attention.linear_proj.{k}", (f"{hf}.self_attn.o_proj.{k}",)),
-                        GatedMLP(f"{ours}.mlp.linear_fc1.{k}", (f"{hf}.mlp.gate_proj.{k}", f"{hf}.mlp.up_proj.{k}")),
-                        Rule(f"{ours}.mlp.linear_fc2.{k}", (f"{hf}.mlp.down_proj.{k}",))]
+                               heads=heads, groups=ng) for k in qkv_kinds),
+                    *(Rule(f"{ours}.self_attention.{p}_layernorm.weight", (f"{hf}.self_attn.{p}_norm.weight",))
+                      for p in ("q", "k") if self.qk_norm),
+                    *(Rule(f"{ours}.self_attention.linear_proj.{k}", (f"{hf}.self_attn.o_proj.{k}",)) for k in kinds),
+                    *self.mlp_rules(model, i, kinds)]
         if model.get("untie_embeddings_and_output_weights"):
             out.append(Rule("output_layer.weight", (self.head,)))
         return out
@@ -111,4 +123,5 @@ class LlamaFamily(Family):
 
 FAMILIES = (LlamaFamily("llama", "LlamaForCausalLM", "Llama", biases=("none", "all"), window=""),
             LlamaFamily("mistral", "MistralForCausalLM", "Mistral"),
-            LlamaFamily("qwen2", "Qwen2ForCausalLM", "Qwen2", biases=("qkv",), window="opt_in"))
+            LlamaFamily("qwen2", "Qwen2ForCausalLM", "Qwen2", biases=("qkv",), window="opt_in"),
+            LlamaFamily("qwen3", "Qwen3ForCausalLM", "Qwen3", window="opt_in", qk_norm=True))
