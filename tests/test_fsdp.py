@@ -170,3 +170,16 @@ def test_megatron_fsdp_arguments_translate(capsys):
     assert main(args[:6] + args[7:]) == 0
     out, err = capsys.readouterr()
     assert "data_parallel_sharding_strategy" not in out and "--data-parallel-sharding-strategy" in err
+
+
+def test_optim_is_use_distributed_optimizer():
+    """``optim`` spelled as the strategy is ZeRO-1 for every reader, the param all-gather's rules included."""
+    from train_utils import compose
+
+    from mptrain.config.schema import as_config
+    from mptrain.training.validate import validate_config
+
+    cfg = as_config(compose(BASE + ["parallel.data_parallel_sharding_strategy=optim", "parallel.overlap_grad_reduce=true",
+                                    "parallel.overlap_param_gather=true"]))
+    assert cfg.parallel.use_distributed_optimizer is True
+    assert validate_config(cfg, 2).data_parallel_size == 2

@@ -61,3 +61,9 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     """ETP: ranks that split each expert's FFN (the experts' tensor parallelism); null = tensor_model_parallel_size
     (Megatron's default). etp × ep × pp must divide the world size."""
+
+    def __post_init__(self) -> None:
+        # ``optim`` is use_distributed_optimizer=true's other spelling: one flag for every reader (the DDP wrapper,
+        # the param all-gather's rules, the planner); ``no_shard`` beside it is refused (mptrain.distributed.strategy)
+        if self.data_parallel_sharding_strategy == "optim":
+            self.use_distributed_optimizer = True
