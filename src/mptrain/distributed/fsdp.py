@@ -98,8 +98,11 @@ class FullyShardedDataParallel(torch.nn.Module):
         mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
         mesh = dp_mesh(groups)
-        for unit in _units(module):
+        self._reshard = reshard
+        units = _units(module)
+        for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        self._unit_params = {id(p) for unit in units for p in unit.parameters()}  # (sharded) the rest: the root's
         # the root: its params (final norm, a tied embedding) are used until the end of the forward
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         self.module = module
@@ -168,6 +171,20 @@ class FullyShardedDataParallel(torch.nn.Module):
         """Drop every sharded grad (the next backward starts from none)."""
         for _, param in self._params:
             param.grad = None
+
+    def dp_bytes_sent(self) -> tuple:
+        """(bytes per micro-batch, bytes per iteration) this rank sends over DP, from the collectives' sizes (ring
+        all-gather / reduce-scatter: (dp − 1)/dp of the whole tensor each; TP-local sizes). Without PP, per
+        micro-batch: each unit's params gathered in the compute dtype before its forward (ZeRO-3: the units but the
+        root again before their backward) and its fp32 grads reduce-scattered after its backward. Under PP, per
+        iteration: one gather (the stage stays gathered) and one reduce-scatter."""
+        dp = self.groups.dp_size
+        compute = self.compute_dtype.itemsize
+        unit = sum(p.numel() for _, p in self._params if id(p) in self._unit_params)
+        full = sum(p.numel() for _, p in self._params)
+        gathered = (full + (unit if self._reshard else 0)) * compute
+        sent = (gathered + full * 4) * (dp - 1) // dp
+        return (sent, 0) if self.groups.pp_size == 1 else (0, sent)
 
     # --- params ----------------------------------------------------------------------------
     def finish_param_sync(self) -> None:

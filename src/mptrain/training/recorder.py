@@ -18,6 +18,7 @@ import torch
 
 from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import config_to_container
+from mptrain.distributed.fsdp_optimizer import local_shard
 from mptrain.distributed.held_bytes import aliases_param, held_bytes, strategy_line
 from mptrain.distributed.strategy import sharding_strategy
 from mptrain.errors import ConfigError
@@ -366,22 +367,31 @@ def _collective_bytes(built, counters: IterationCounters) -> dict:
 
     Derived from the sizes of the collectives an iteration issues (ring algorithm, as NCCL's), not
     counted on the wire: DP = the grad buffers (all-reduce, or reduce-scatter + all-gather with
-    ZeRO-1: the same volume); embedding = the tied word-embedding grad; TP = per layer and
+    ZeRO-1: the same volume), or ZeRO-2 / ZeRO-3's gathers and reduce-scatters
+    (`FullyShardedDataParallel.dp_bytes_sent`); embedding = the tied word-embedding grad; TP = per layer and
     micro-batch two all-reduces of [s, b, h] forward and two backward (Megatron §3; with sequence
     parallelism all-gather + reduce-scatter, the same volume), plus the embedding's forward one.
     """
     g, cfg = built.groups, built.cfg
     per_iteration = {"dp": 0, "embedding": 0}
+    dp_per_microbatch = 0
     for chunk in built.chunks:
         for buf in chunk.grad_buffers:
             per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_size)
+        if hasattr(chunk, "dp_bytes_sent"):  # ZeRO-2 / ZeRO-3: FSDP's gathers and reduce-scatters
+            per_mb, per_it = chunk.dp_bytes_sent()
+            dp_per_microbatch += per_mb
+            per_iteration["dp"] += per_it
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:
                 param = dict(chunk.module.named_parameters())[name]
-                per_iteration["embedding"] += _ring_bytes(param.numel() * 4, 2)
+                # (under ZeRO-2 / ZeRO-3 the grad's local shard)
+                per_iteration["embedding"] += _ring_bytes(local_shard(param)[0].numel() * 4, 2)
     act_bytes = cfg.model.seq_length * cfg.train.micro_batch_size * cfg.model.hidden_size * built.trainer.dtype.itemsize
     layers = sum(len(unwrap(c).layer_numbers) for c in built.chunks)
     per_mb = 4 * layers + (1 if g.is_first_stage else 0)
-    return {"tp": _ring_bytes(act_bytes, g.tp_size) * per_mb * counters.microbatches,
-            **{kind: nbytes * counters.iterations for kind, nbytes in per_iteration.items()}}
+    out = {"tp": _ring_bytes(act_bytes, g.tp_size) * per_mb * counters.microbatches,
+           **{kind: nbytes * counters.iterations for kind, nbytes in per_iteration.items()}}
+    out["dp"] += dp_per_microbatch * counters.microbatches
+    return out
 
