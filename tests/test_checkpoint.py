@@ -56,6 +56,15 @@ def _expected(record, kind: str, like: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def _held(param, local_full: torch.Tensor) -> tuple:
+    """(the tensor ``param`` stores here, the part of ``local_full`` (its whole TP shard) it holds): the param itself
+    and all of it, or under ZeRO-2 / ZeRO-3 the local rows of the FSDP DTensor and those rows."""
+    from mptrain.distributed.fsdp_optimizer import local_shard
+
+    local, lo, hi = local_shard(param)
+    return local, local_full.reshape(-1)[lo:hi].view(local.shape)
+
+
 def _local_of(piece, local_full: torch.Tensor) -> torch.Tensor:
     """The part of a whole-shard tensor that a listed optimizer piece holds (a ZeRO-1 flat range or all of it)."""
     if piece.flat_range is not None:  # DistributedOptimizer: elements [lo, hi) of the flat shard
@@ -74,7 +83,8 @@ def _fill_synthetic(job) -> None:
     records = param_records(job.state.chunks)
     with torch.no_grad():
         for r in records:
-            r.param.copy_(_expected(r, "main", r.param).to(r.param.dtype))
+            local, want = _held(r.param, _expected(r, "main", r.param))
+            local.copy_(want.to(local.dtype))
         opt = job.state.optimizer
         for r, e in optimizer_pieces(opt.sharded_state_dict(), records):
             _stepped(e).copy_(_local_of(e, _expected(r, "main", r.param)))
@@ -95,8 +105,8 @@ def _check_synthetic(job, expect_scale) -> dict:
     records = param_records(job.state.chunks)
     n = 0
     for r in records:
-        want = _expected(r, "main", r.param).to(r.param.dtype)
-        assert torch.equal(r.param.data, want), f"model param {r.name} (ckpt {r.ckpt_name})"
+        local, want = _held(r.param, _expected(r, "main", r.param))
+        assert torch.equal(local, want.to(local.dtype)), f"model param {r.name} (ckpt {r.ckpt_name})"
         n += 1
     opt = job.state.optimizer
     listed = opt.sharded_state_dict()
@@ -210,6 +220,9 @@ SAVE_LAYOUTS = {
     "tp2pp1-dp2-zero1-fp32": (4, ["parallel=tp2pp1", "parallel.use_distributed_optimizer=true"], 2, 1),
     # SwiGLU fc1 is [gate; up] with ShardSpec.interleave=2 (two boxes per shard); GQA; untied output layer
     "tp2pp1-dp2-zero1-swiglu": (4, ["parallel=tp2pp1", "parallel.use_distributed_optimizer=true", *OTHER_ARCH], 2, 1),
+    # ZeRO-3: each rank holds rows of its TP shard (FSDP DTensors), its fp32 shards are the master weights
+    "tp2pp1-dp2-zero3-fp16": (4, ["parallel=tp2pp1", "parallel.data_parallel_sharding_strategy=optim_grads_params",
+                                  "precision=fp16"], 2, 1),
 }
 LOAD_LAYOUTS = {
     "tp1pp1-fp32": (1, ["parallel=tp1pp1"], 1, 1),
@@ -219,10 +232,15 @@ LOAD_LAYOUTS = {
     "tp1pp2vpp2-dp2-zero1": (4, ["parallel=tp1pp2vpp2", "parallel.use_distributed_optimizer=true"], 1, 2, 2),
     "tp2pp2-fp16-same": (4, ["parallel=tp2pp2", "precision=fp16"], 2, 2),
     "tp1pp2-swiglu-bf16": (2, ["parallel=tp1pp2", "precision=bf16", *OTHER_ARCH], 1, 2),
+    "tp1pp2-dp2-zero2-bf16": (4, ["parallel=tp1pp2", "parallel.data_parallel_sharding_strategy=optim_grads",
+                                  "precision=bf16"], 1, 2),
 }
 PAIRS = [("tp2pp2-fp16", "tp1pp1-fp32"), ("tp2pp2-fp16", "tp1pp2-fp16"), ("tp2pp2-fp16", "tp2pp1-dp2-zero1-fp16"),
          ("tp2pp2-fp16", "tp2pp2-fp16-same"), ("tp2pp1-dp2-zero1-fp32", "tp1pp1-fp16"),
-         ("tp2pp1-dp2-zero1-fp32", "tp1pp2vpp2-dp2-zero1"), ("tp2pp1-dp2-zero1-swiglu", "tp1pp2-swiglu-bf16")]
+         ("tp2pp1-dp2-zero1-fp32", "tp1pp2vpp2-dp2-zero1"), ("tp2pp1-dp2-zero1-swiglu", "tp1pp2-swiglu-bf16"),
+         # ZeRO-3 -> DDP on another layout, DDP -> ZeRO-2, ZeRO-3 -> ZeRO-2 on another layout
+         ("tp2pp1-dp2-zero3-fp16", "tp1pp1-fp16"), ("tp2pp2-fp16", "tp1pp2-dp2-zero2-bf16"),
+         ("tp2pp1-dp2-zero3-fp16", "tp1pp2-dp2-zero2-bf16")]
 
 
 @pytest.fixture(scope="module")
@@ -398,3 +416,18 @@ def test_resolve_load_dir(tmp_path):
     folder, note = atomic.resolve_load_dir(str(tmp_path))
     assert folder == tmp_path / "iter_0000004"
     assert note == f"checkpoint: {tmp_path}/latest names iteration 8, which is not complete; loading iteration 4"
+
+
+def test_zero3_checkpoint_holds_what_ddp_writes(saved):
+    """A ZeRO-3 fp16 checkpoint (fp32 FSDP shards in memory) holds the keys and dtypes a DDP fp16 one holds: model/ in
+    fp16, main/ and the moments in fp32 (exports and other layouts read it alike)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def tensors(src):
+        md = FileSystemReader(str(saved(src) / "iter_0000006")).read_metadata().state_dict_metadata
+        return {k: v.properties.dtype for k, v in md.items() if hasattr(v, "properties")}
+
+    zero3, ddp = tensors("tp2pp1-dp2-zero3-fp16"), tensors("tp2pp2-fp16")
+    assert zero3 == ddp
+    assert {d for k, d in ddp.items() if k.startswith("model/")} == {torch.float16}
+    assert {d for k, d in ddp.items() if k.startswith("main/")} == {torch.float32}

@@ -488,6 +488,9 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
                                        "keyword 'fp8_recipee'; it accepts: fold_into_fused_step, log_num_zeros; did you mean "
                                        "precision.fp8_recipe? remove the key (~precision.fp8_recipee where a preset "
                                        "sets it) or fix its name"),
+    ("parallel.data_parallel_sharding_strategy=optim_grads_params",
+     "parallel.data_parallel_sharding_strategy=optim_grads_params: the planner does not model ZeRO-2 / ZeRO-3 yet; "
+     "plan with parallel.data_parallel_sharding_strategy=optim (ZeRO-1) or no_shard"),
 ])
 def test_bad_plan_numbers_are_one_line(override, line):
     from mptrain.errors import ConfigError

@@ -54,6 +54,9 @@ def _layout_world4(rank, world_size, run_dir):
             optimizer_state_bytes=8 * (1000 + rank),
             schedule="1f1b",
             counters=counters,
+            data_parallel_sharding_strategy="optim",
+            param_bytes=2 * (1000 + rank),
+            grad_bytes=4 * (1000 + rank),
         )
         return gather_and_write_layout(run_dir, facts, rank=rank, world_size=world_size)
     finally:
@@ -76,6 +79,7 @@ def test_layout_gathered_to_rank0_world4_tp2pp2(tmp_path):
             "schedule": "1f1b", "max_inflight_microbatches": 2 - r // 2,
             "bytes_sent": {"tp": 10, "pp": 200 * (r + 1), "dp": 0, "embedding": 0},
             "samples_read": 8 if r % 2 == 0 else 0,
+            "data_parallel_sharding_strategy": "optim", "param_bytes": 2 * (1000 + r), "grad_bytes": 4 * (1000 + r),
         })
     assert layout["ranks"] == expected
     assert list(layout["ranks"][0]) == list(expected[0])  # key order of DESIGN.md §2

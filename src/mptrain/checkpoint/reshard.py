@@ -18,7 +18,9 @@ Three local forms map onto boxes:
   global expert axis ``[E, ...]``, then as above (Megatron's ``SequentialMLP.sharded_state_dict`` offsets);
 - a ZeRO-1 piece: elements ``[lo, hi)`` of the flattened local shard (`DistributedOptimizer`'s
   ``ShardEntry``), split by `flat_range_boxes` into at most ``2·ndim - 1`` boxes that are each
-  contiguous in the flat piece, then mapped like a TP shard.
+  contiguous in the flat piece, then mapped like a TP shard;
+- a ZeRO-2 / ZeRO-3 shard (an FSDP DTensor param, its main param and moments): rows of the TP-local tensor,
+  i.e. one flat range of it, mapped as a ZeRO-1 piece (`param_chunks`).
 
 Worked example: vocab 100, h 16, tp 2, make_vocab_size_divisible_by 64 → V_pad 128, rank 1 holds
 padded rows [64, 128) of which 36 are real: its chunk is offsets (64, 0), sizes (36, 16). Loaded at
@@ -141,6 +143,22 @@ def flat_piece_chunks(key: str, spec: ShardSpec, local_shape: tuple, lo: int, hi
         view = flat[flat_start - lo: flat_start - lo + n].view(sizes)
         out += global_chunks(key, spec, tuple(local_shape), offsets, view)
     return out
+
+
+def param_chunks(key: str, spec: ShardSpec, param: torch.Tensor) -> list:
+    """Chunks of a model param as this rank holds it: a plain tensor (`tensor_chunks`), or a DTensor sharded on
+    dim 0 over DP by FSDP (ZeRO-2 / ZeRO-3), whose local rows are a flat range of the TP-local tensor (the
+    DTensor's global shape), mapped like a ZeRO-1 piece (`flat_piece_chunks`). The views alias the local shard."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        return tensor_chunks(key, spec, param)
+    with torch.no_grad():
+        local = param.to_local()
+    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    lo = offsets[0] * math.prod(param.shape[1:]) if param.dim() > 0 else 0
+    return flat_piece_chunks(key, spec, tuple(param.shape), lo, lo + local.numel(), local.reshape(-1))
 
 
 def covered_elements(chunks: list) -> int:

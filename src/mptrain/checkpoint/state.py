@@ -26,11 +26,11 @@ builds it: `mptrain.training.checkpointing`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
-from mptrain.checkpoint.reshard import flat_piece_chunks, tensor_chunks
+from mptrain.checkpoint.reshard import flat_piece_chunks, param_chunks, tensor_chunks
 from mptrain.layers.random import RNGStatesTracker
 from mptrain.layers.sharding import collect_shard_specs, replicated_spec
 from mptrain.optim.lr_scheduler import LRScheduler
@@ -73,6 +73,9 @@ class ParamRecord:
     ckpt_name: str  # the global key it is saved / loaded under
     param: torch.nn.Parameter
     spec: object
+    # ZeRO-2 / ZeRO-3 of a bf16 / fp16 run: the param is FSDP's fp32 shard (the master weight); ``model/`` is
+    # written in this compute dtype and ``main/`` in fp32, as a DDP run of that precision writes them
+    save_dtype: Optional[torch.dtype] = None
 
     @property
     def saved_here(self) -> bool:
@@ -98,9 +101,11 @@ def param_records(chunks: list) -> list:
     for chunk in chunks:
         inner = unwrap(chunk)
         specs = collect_shard_specs(inner)
+        compute = getattr(chunk, "compute_dtype", None)  # a FullyShardedDataParallel chunk's
         for name, param in inner.named_parameters():
             spec = specs[name]
-            out.append(ParamRecord(name, EMBEDDING_KEY if spec.is_shared_copy else name, param, spec))
+            save_dtype = compute if compute is not None and compute != param.dtype else None
+            out.append(ParamRecord(name, EMBEDDING_KEY if spec.is_shared_copy else name, param, spec, save_dtype))
     for chunk in chunks:
         for name, buf in persistent_buffers(unwrap(chunk)):
             out.append(ParamRecord(name, name, buf, replicated_spec(buf)))
@@ -118,12 +123,15 @@ def model_chunks(records: list, *, tensor_keys: set | None = None) -> list:
     for r in records:
         if tensor_keys is None:
             if r.saved_here:
-                out += tensor_chunks(f"model/{r.ckpt_name}", r.spec, r.param.data)
+                chunks = param_chunks(f"model/{r.ckpt_name}", r.spec, r.param.data)
+                if r.save_dtype is not None:  # copies in the compute dtype (the save reads them; nothing loads them)
+                    chunks = [dataclasses.replace(c, view=c.view.to(r.save_dtype)) for c in chunks]
+                out += chunks
             continue
         key = f"model/{r.ckpt_name}"
         if r.param.dtype == torch.float32 and f"main/{r.ckpt_name}" in tensor_keys:
             key = f"main/{r.ckpt_name}"
-        out += tensor_chunks(key, r.spec, r.param.data)
+        out += param_chunks(key, r.spec, r.param.data)
     return out
 
 
@@ -157,7 +165,8 @@ def optimizer_save_items(state, records: list) -> tuple[list, dict]:
     for record, piece in optimizer_pieces(state, records):
         if not record.saved_here:
             continue
-        if piece.main is not None and piece.param.dtype != torch.float32:  # an fp32 model param is its main param
+        # an fp32 model param is its main param, unless it is FSDP's master shard of a half-precision run
+        if piece.main is not None and (piece.param.dtype != torch.float32 or record.save_dtype is not None):
             chunks += _piece_chunks(f"main/{record.ckpt_name}", record, piece, piece.main.detach())
         stepped = _stepped(piece)
         for key, value in piece.state.items():

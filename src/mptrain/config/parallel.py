@@ -32,7 +32,14 @@ class ParallelConfig:
     buffer's ``main_grad`` from the weight-grad GEMM (no transient ``param.grad``, no add pass).
     Megatron's name and default. Same math up to rounding (fp32 accumulation is kept)."""
     use_distributed_optimizer: bool = False
-    """ZeRO-1: shard fp32 main params and optimizer state over DP."""
+    """ZeRO-1: shard fp32 main params and optimizer state over DP (``data_parallel_sharding_strategy=optim``)."""
+    data_parallel_sharding_strategy: Optional[str] = None
+    """What data parallelism shards (Megatron-FSDP's name): ``no_shard`` (DDP), ``optim`` (ZeRO-1, the same as
+    use_distributed_optimizer=true), ``optim_grads`` (ZeRO-2: grads reduce-scattered, params sharded at rest and
+    kept gathered from a layer's forward to its backward), ``optim_grads_params`` (ZeRO-3: a layer's params
+    gathered for its forward and again for its backward). The last two run on torch's FSDP2 over the DP group,
+    one unit per layer, with fp32 master shards; at dp = 1 they run as no_shard. null = optim with
+    use_distributed_optimizer=true, else no_shard (`mptrain.distributed.strategy`)."""
     overlap_grad_reduce: bool = False
     """Launch DP bucket reductions during the last micro-batch's backward."""
     overlap_param_gather: bool = False
@@ -63,3 +70,9 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     """ETP: ranks that split each expert's FFN (the experts' tensor parallelism); null = tensor_model_parallel_size
     (Megatron's default). etp × ep × pp must divide the world size."""
+
+    def __post_init__(self) -> None:
+        # ``optim`` is use_distributed_optimizer=true's other spelling: one flag for every reader (the DDP wrapper,
+        # the param all-gather's rules, the planner); ``no_shard`` beside it is refused (mptrain.distributed.strategy)
+        if self.data_parallel_sharding_strategy == "optim":
+            self.use_distributed_optimizer = True

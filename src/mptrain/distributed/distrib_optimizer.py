@@ -37,6 +37,8 @@ from typing import Callable, Optional
 import torch
 
 from mptrain.components import build, extra_keys, resolve
+from mptrain.distributed.fsdp_optimizer import FullyShardedOptimizer
+from mptrain.distributed.strategy import NO_SHARD, OPTIM
 from mptrain.errors import ConfigError
 from mptrain.precision.optimizer import BUILTIN_WRAPPERS, OPTIMIZER_WRAPPER, MainParamEntry, OptimizerWrapper
 
@@ -175,11 +177,14 @@ class DistributedOptimizer(OptimizerWrapper):
         return total
 
 
-def wrapper_target(precision_cfg, use_distributed_optimizer: bool):
+def wrapper_target(precision_cfg, use_distributed_optimizer: bool, *, sharding_strategy: Optional[str] = None):
     """The wrapper class that runs, the one rule: ``precision._target_``, except that with
-    ``parallel.use_distributed_optimizer=true`` a built-in wrapper (FP32Optimizer / MixedPrecisionOptimizer)
-    is replaced by `DistributedOptimizer` (ZeRO-1 shards fp32 main params of any params dtype); a user
-    wrapper must then itself be a DistributedOptimizer subclass.
+    ``parallel.use_distributed_optimizer=true`` (strategy ``optim``) a built-in wrapper (FP32Optimizer /
+    MixedPrecisionOptimizer) is replaced by `DistributedOptimizer` (ZeRO-1 shards fp32 main params of any params
+    dtype), and under ``optim_grads`` / ``optim_grads_params`` by `FullyShardedOptimizer` (it steps FSDP's fp32
+    shards); a user wrapper must then itself subclass the one it replaces.
+
+    ``sharding_strategy`` (`mptrain.distributed.strategy.sharding_strategy`) overrides ``use_distributed_optimizer``.
 
     The keys a user added to the node with ``+`` are checked here, before anything is written: each must be a
     keyword of the target, and none may be one the trainer passes itself (``clip_grad`` comes from
@@ -199,25 +204,33 @@ def wrapper_target(precision_cfg, use_distributed_optimizer: bool):
     schema_keys = [f.name for f in dataclasses.fields(precision_cfg)] if dataclasses.is_dataclass(precision_cfg) else []
     target, _ = resolve("precision", {"_target_": precision_cfg._target_, **extras}, OPTIMIZER_WRAPPER,
                         schema_keys=schema_keys)
-    if not use_distributed_optimizer:
+    strategy = sharding_strategy or (OPTIM if use_distributed_optimizer else NO_SHARD)
+    if strategy == NO_SHARD:
         return target
+    sharded = DistributedOptimizer if strategy == OPTIM else FullyShardedOptimizer
     if target in BUILTIN_WRAPPERS:
-        return DistributedOptimizer
-    if isinstance(target, type) and issubclass(target, DistributedOptimizer):
+        return sharded
+    if isinstance(target, type) and issubclass(target, sharded):
         return target
-    raise ConfigError(f"precision._target_={precision_cfg._target_} is not a DistributedOptimizer, but "
-                      "parallel.use_distributed_optimizer=true shards the optimizer; subclass "
-                      "mptrain.distributed.DistributedOptimizer or set parallel.use_distributed_optimizer=false")
+    if strategy == OPTIM:
+        raise ConfigError(f"precision._target_={precision_cfg._target_} is not a DistributedOptimizer, but "
+                          "parallel.use_distributed_optimizer=true shards the optimizer; subclass "
+                          "mptrain.distributed.DistributedOptimizer or set parallel.use_distributed_optimizer=false")
+    raise ConfigError(f"precision._target_={precision_cfg._target_} is not a FullyShardedOptimizer, but "
+                      f"parallel.data_parallel_sharding_strategy={strategy} steps FSDP's shards; subclass "
+                      "mptrain.distributed.fsdp_optimizer.FullyShardedOptimizer or pick another strategy")
 
 
 def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, build_optimizer, model_chunks: list,
-                            groups, scaler, clip_grad: float, max_consecutive_skips: int):
+                            groups, scaler, clip_grad: float, max_consecutive_skips: int,
+                            sharding_strategy: Optional[str] = None):
     """The optimizer wrapper over this rank's DDP ``model_chunks`` (the one place it is built).
 
     The runtime offers ``build_optimizer`` (param groups -> inner optimizer), the flat ``params`` /
     ``specs`` / ``grad_fn`` (the DDP main grad of each param), ``model_chunks``, ``groups``, ``scaler``,
     ``clip_grad``, ``max_consecutive_skips``; a wrapper gets those its constructor takes (FP32Optimizer
-    and MixedPrecisionOptimizer the flat lists, DistributedOptimizer the chunks).
+    and MixedPrecisionOptimizer the flat lists, DistributedOptimizer and FullyShardedOptimizer the chunks);
+    ``sharding_strategy``: as `wrapper_target`.
     """
     params, specs, owner = [], [], {}
     for chunk in model_chunks:
@@ -225,7 +238,7 @@ def build_optimizer_wrapper(precision_cfg, *, use_distributed_optimizer: bool, b
             params.append(param)
             specs.append(chunk.specs[name])
             owner[param] = chunk
-    target = wrapper_target(precision_cfg, use_distributed_optimizer)
+    target = wrapper_target(precision_cfg, use_distributed_optimizer, sharding_strategy=sharding_strategy)
     node = {"_target_": target, **extra_keys(precision_cfg)}
     offered = dict(build_optimizer=build_optimizer, params=params, specs=specs, grad_fn=lambda p: owner[p].main_grad(p),
                    model_chunks=list(model_chunks), groups=groups, scaler=scaler, clip_grad=clip_grad,

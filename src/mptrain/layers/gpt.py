@@ -413,7 +413,10 @@ class GPTModel(torch.nn.Module):
         hidden = self.decoder(hidden, attention_mask)
         if not self.post_process:
             return hidden
-        logits = self.output_layer(hidden, self.output_weight())  # [s, b, V_pad/tp]
+        # its own weight is read inside its forward (where a data-parallel wrapper may gather it), the tied
+        # embedding's is passed in
+        own = self.output_layer.weight is not None
+        logits = self.output_layer(hidden, None if own else self.output_weight())  # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()  # [b, s, V_pad/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), group=self.groups.tp_group, vocab_size=self.vocab_size,

@@ -181,7 +181,8 @@ def Norm(hidden_size: int, *, config, eps: float, context: LayerContext) -> torc
 def describe_norm(module: torch.nn.Module) -> str:
     """``<class dotted path> (<kernel>)`` of a built norm node, for the start-up log; a user class
     without a ``kernel`` attribute is named by its class alone."""
-    cls = type(module)
+    # a module sharded by FSDP2 has a generated subclass (FSDP<Name>, FSDPModule first): name the norm's own class
+    cls = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed.fsdp"))
     kernel = getattr(cls, "kernel", None)
     path = f"{cls.__module__}.{cls.__qualname__}"
     return f"{path} ({kernel})" if kernel else path

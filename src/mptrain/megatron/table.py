@@ -261,6 +261,15 @@ def loss_scale(values: list) -> list:
     return ["loss_scaler=constant", f"loss_scaler.scale={values[0]}"]
 
 
+def sharding_strategy(values: list, *, use_megatron_fsdp: Optional[list] = None,
+                      use_custom_fsdp: Optional[list] = None) -> list:
+    """parallel.data_parallel_sharding_strategy=S under --use-megatron-fsdp (--use-custom-fsdp, its older name):
+    Megatron reads the strategy there only (mptrain's ZeRO-2 / ZeRO-3 run on torch's FSDP2)."""
+    if use_megatron_fsdp is None and use_custom_fsdp is None:
+        raise Uncarried(NOT_NEEDED, "without --use-megatron-fsdp Megatron does not read it")
+    return [f"parallel.data_parallel_sharding_strategy={hydra_value(values[0])}"]
+
+
 def _lr_decay_iters(args: dict) -> Optional[str]:
     """Megatron: unset --lr-decay-iters decays over the whole run (--train-iters)."""
     if "--lr-decay-samples" in args or "--train-iters" not in args:
@@ -363,6 +372,12 @@ ROWS: tuple = (
     switch("--tp-comm-overlap", "parallel.tp_comm_overlap"),
     switch("--no-gradient-accumulation-fusion", "parallel.gradient_accumulation_fusion", set=False),
     switch("--use-distributed-optimizer", "parallel.use_distributed_optimizer"),
+    Row("--data-parallel-sharding-strategy", convert=sharding_strategy, reads=("--use-megatron-fsdp", "--use-custom-fsdp"),
+        why="parallel.data_parallel_sharding_strategy (with --use-megatron-fsdp)"),
+    nothing("--use-megatron-fsdp", "parallel.data_parallel_sharding_strategy=optim_grads / optim_grads_params shards "
+            "on torch's FSDP2"),
+    nothing("--use-custom-fsdp", "parallel.data_parallel_sharding_strategy=optim_grads / optim_grads_params shards "
+            "on torch's FSDP2"),
     switch("--overlap-grad-reduce", "parallel.overlap_grad_reduce"),
     switch("--accumulate-allreduce-grads-in-fp32", "parallel.grad_reduce_in_fp32", default=_grad_reduce_in_fp32),
     switch("--grad-reduce-in-bf16", "parallel.grad_reduce_in_fp32", set=False),

@@ -4,7 +4,8 @@
       "layers": [0, 1], "num_params": 12345, "param_dtype": "float16",
       "main_param_dtype": "float32", "optimizer_state_bytes": 98760, "schedule": "1f1b",
       "max_inflight_microbatches": 2, "bytes_sent": {"tp": 0, "pp": 0, "dp": 0, "embedding": 0},
-      "samples_read": 8}, ...]}
+      "samples_read": 8, "data_parallel_sharding_strategy": "no_shard", "param_bytes": 49380,
+      "grad_bytes": 49380}, ...]}
 
 Written once after set-up (what each rank holds) and rewritten at the end of the run with what
 was observed (`bytes_sent` and `samples_read` per iteration, averaged over the run, via
@@ -112,6 +113,10 @@ class RankFacts:
         max_inflight_microbatches: most micro-batches whose activations were held at once.
         bytes_sent: bytes this rank sent per iteration, by group kind (tp, pp, dp, embedding).
         samples_read: samples this rank read from a dataset per iteration.
+        data_parallel_sharding_strategy: the strategy that ran (no_shard | optim | optim_grads |
+            optim_grads_params; `mptrain.distributed.strategy`).
+        param_bytes, grad_bytes: bytes of this rank's model params and grads (ZeRO-2 / ZeRO-3: its shards;
+            `mptrain.distributed.held_bytes`).
     """
 
     rank: int
@@ -128,6 +133,9 @@ class RankFacts:
     max_inflight_microbatches: int
     bytes_sent: dict
     samples_read: float | int
+    data_parallel_sharding_strategy: str = "no_shard"
+    param_bytes: int = 0
+    grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.bytes_sent) - set(BYTES_SENT_KINDS)
@@ -148,6 +156,9 @@ class RankFacts:
         optimizer_state_bytes: int,
         schedule: str,
         counters: IterationCounters,
+        data_parallel_sharding_strategy: str = "no_shard",
+        param_bytes: int = 0,
+        grad_bytes: int = 0,
     ) -> "RankFacts":
         """From a `ParallelGroups` (coordinates) and the run's counters."""
         return cls(
@@ -165,6 +176,9 @@ class RankFacts:
             max_inflight_microbatches=counters.max_inflight_microbatches,
             bytes_sent=counters.bytes_sent_per_iteration(),
             samples_read=counters.samples_read_per_iteration(),
+            data_parallel_sharding_strategy=data_parallel_sharding_strategy,
+            param_bytes=int(param_bytes),
+            grad_bytes=int(grad_bytes),
         )
 
 

@@ -18,6 +18,9 @@ import torch
 
 from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import config_to_container
+from mptrain.distributed.fsdp_optimizer import local_shard
+from mptrain.distributed.held_bytes import aliases_param, held_bytes, strategy_line
+from mptrain.distributed.strategy import sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.document_mask import describe_document_attention
@@ -197,6 +200,9 @@ class Recorder:
             self.log(batch_size_line(self.cfg.train, d.data_parallel_size, seq_length=self.cfg.model.seq_length))
         if built is not None:
             self.log(kernels_line(built))
+            self.log(strategy_line(sharding_strategy(self.cfg.parallel), sharding_strategy(self.cfg.parallel,
+                                   d.data_parallel_size), d.data_parallel_size,
+                                   held_bytes(built.chunks, built.trainer.optimizer)))
             fp8 = getattr(built, "fp8", None)
             if fp8 is not None and fp8.warning() is not None:
                 self.log(fp8.warning())
@@ -312,14 +318,21 @@ class Recorder:
             counters.bytes_sent[kind] = nbytes
         counters.samples_read = built.provider.samples_read
         pieces = built.trainer.optimizer.sharded_state_dict().params  # the wrapper's own listing of its state
-        copies = [p.main for p in pieces if p.main is not None]
-        has_copy = bool(copies)
+        # fp32 main params that are tensors of their own (ZeRO-2 / ZeRO-3's alias FSDP's fp32 shards)
+        copies = [p.main for p in pieces if p.main is not None and not aliases_param(p.main, p.param)]
+        # FSDP chunks hold fp32 shards and compute in their compute dtype (bf16 / fp16: the shards are the masters)
+        param_dtype = getattr(built.chunks[0], "compute_dtype", None) or next(built.chunks[0].module.parameters()).dtype
+        has_copy = bool(copies) or param_dtype != torch.float32
         state_bytes = tensor_bytes([p.state for p in pieces]) + tensor_bytes(copies)
+        held = held_bytes(built.chunks, built.trainer.optimizer)
         return RankFacts.build(
             g,
+            data_parallel_sharding_strategy=sharding_strategy(built.cfg.parallel, g.dp_size),
+            param_bytes=held.params,
+            grad_bytes=held.grads,
             layers=[n for c in built.chunks for n in unwrap(c).layer_numbers],
             num_params=num_params,
-            param_dtype=next(built.chunks[0].module.parameters()).dtype,
+            param_dtype=param_dtype,
             main_param_dtype=torch.float32 if has_copy else None,
             optimizer_state_bytes=state_bytes,
             schedule=self.derived.schedule,
@@ -354,22 +367,31 @@ def _collective_bytes(built, counters: IterationCounters) -> dict:
 
     Derived from the sizes of the collectives an iteration issues (ring algorithm, as NCCL's), not
     counted on the wire: DP = the grad buffers (all-reduce, or reduce-scatter + all-gather with
-    ZeRO-1: the same volume); embedding = the tied word-embedding grad; TP = per layer and
+    ZeRO-1: the same volume), or ZeRO-2 / ZeRO-3's gathers and reduce-scatters
+    (`FullyShardedDataParallel.dp_bytes_sent`); embedding = the tied word-embedding grad; TP = per layer and
     micro-batch two all-reduces of [s, b, h] forward and two backward (Megatron §3; with sequence
     parallelism all-gather + reduce-scatter, the same volume), plus the embedding's forward one.
     """
     g, cfg = built.groups, built.cfg
     per_iteration = {"dp": 0, "embedding": 0}
+    dp_per_microbatch = 0
     for chunk in built.chunks:
         for buf in chunk.grad_buffers:
             per_iteration["dp"] += _ring_bytes(buf.numel * buf.dtype.itemsize, g.dp_cp_size)
+        if hasattr(chunk, "dp_bytes_sent"):  # ZeRO-2 / ZeRO-3: FSDP's gathers and reduce-scatters
+            per_mb, per_it = chunk.dp_bytes_sent()
+            dp_per_microbatch += per_mb
+            per_iteration["dp"] += per_it
         for name, spec in chunk.specs.items():
             if spec.tied_embedding and g.pp_size > 1:
                 param = dict(chunk.module.named_parameters())[name]
-                per_iteration["embedding"] += _ring_bytes(param.numel() * 4, 2)
+                # (under ZeRO-2 / ZeRO-3 the grad's local shard)
+                per_iteration["embedding"] += _ring_bytes(local_shard(param)[0].numel() * 4, 2)
     act_bytes = cfg.model.seq_length * cfg.train.micro_batch_size * cfg.model.hidden_size * built.trainer.dtype.itemsize
     layers = sum(len(unwrap(c).layer_numbers) for c in built.chunks)
     per_mb = 4 * layers + (1 if g.is_first_stage else 0)
-    return {"tp": _ring_bytes(act_bytes, g.tp_size) * per_mb * counters.microbatches,
-            **{kind: nbytes * counters.iterations for kind, nbytes in per_iteration.items()}}
+    out = {"tp": _ring_bytes(act_bytes, g.tp_size) * per_mb * counters.microbatches,
+           **{kind: nbytes * counters.iterations for kind, nbytes in per_iteration.items()}}
+    out["dp"] += dp_per_microbatch * counters.microbatches
+    return out
 

@@ -33,6 +33,8 @@ from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
 from mptrain.training.validate import validate_config
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
+from mptrain.distributed.fsdp import FullyShardedDataParallel
+from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM, sharding_strategy
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
 from mptrain.groups import (TORCHRUN_WORLD_SIZE_FLAG, ParallelGroups, build_groups, init_distributed,
                             read_dist_env)
@@ -88,7 +90,9 @@ def seed_host_rngs(seed: int, groups: ParallelGroups) -> None:
 
 
 def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, vocab_size: int):
-    """Model chunks wrapped as DDP(Float16Module(GPTModel)), the optimizer wrapper and the LR scheduler.
+    """Model chunks wrapped as DDP(Float16Module(GPTModel)), or under ZeRO-2 / ZeRO-3
+    (``parallel.data_parallel_sharding_strategy``) as FullyShardedDataParallel(GPTModel), the optimizer wrapper and
+    the LR scheduler.
 
     Components (`mptrain.components`): the loss scaler (``loss_scaler._target_``), the inner optimizer
     (``optim._target_``), the wrapper (``precision._target_``, `wrapper_target`'s rule for ZeRO-1) and
@@ -103,9 +107,14 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
         device=groups.device,
     )
     rng_tracker = raw_chunks[0].rng_tracker
+    strategy = sharding_strategy(cfg.parallel, groups.dp_size)
     chunks = []
     for chunk in raw_chunks:
         specs = collect_shard_specs(chunk)
+        if strategy in FULLY_SHARDED:  # ZeRO-2 / ZeRO-3: FSDP2 casts the gathered fp32 params itself
+            chunks.append(FullyShardedDataParallel(chunk, groups, strategy=strategy, compute_dtype=params_dtype,
+                                                   specs=specs, is_last_stage=chunk.post_process))
+            continue
         module = chunk
         if params_dtype != torch.float32:
             module = Float16Module(chunk, params_dtype, is_first_stage=chunk.pre_process, is_last_stage=chunk.post_process)
@@ -118,14 +127,14 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
                 grad_reduce_in_fp32=cfg.parallel.grad_reduce_in_fp32 or params_dtype != torch.float32,
                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                 bucket_size=cfg.parallel.bucket_size,
-                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                use_distributed_optimizer=strategy == OPTIM,
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                 overlap_param_gather=cfg.parallel.overlap_param_gather,
             )
         )
     scaler = build_loss_scaler(cfg.loss_scaler, cfg.precision.name)
     optimizer = build_optimizer_wrapper(
-        cfg.precision, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        cfg.precision, use_distributed_optimizer=strategy == OPTIM, sharding_strategy=strategy,
         build_optimizer=build_optimizer_factory(cfg.optim), model_chunks=chunks, groups=groups, scaler=scaler,
         clip_grad=cfg.train.clip_grad, max_consecutive_skips=cfg.loss_scaler.max_consecutive_skips)
     lr_scheduler = build_lr_scheduler(cfg.optim, optimizer, train_iters=cfg.train.train_iters,

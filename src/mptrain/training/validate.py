@@ -31,6 +31,7 @@ from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.distributed.param_gather import check_overlap_param_gather
+from mptrain.distributed.strategy import check_fully_sharded, sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, check_num_experts, expert_layout, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
@@ -186,7 +187,9 @@ def resolve_loss_scaler(cfg: Config) -> str:
                        optimizer=check_optimizer(cfg.optim), train_samples=cfg.train.train_samples,
                        global_batch_size=cfg.train.global_batch_size, rampup_batch_size=cfg.train.rampup_batch_size,
                        step_batch_size_schedule=cfg.train.step_batch_size_schedule)
-    wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer)
+    # the strategy's own rules, then the wrapper it selects (the dp = 1 fallback to no_shard is the runtime's)
+    check_fully_sharded(cfg)
+    wrapper_target(cfg.precision, cfg.parallel.use_distributed_optimizer, sharding_strategy=sharding_strategy(cfg.parallel))
     check_overlap_param_gather(cfg.parallel)  # its rules live with the param all-gather
     return label
 

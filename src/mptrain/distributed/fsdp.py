@@ -1,0 +1,203 @@
+"""ZeRO-2 / ZeRO-3 data parallelism on torch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+`FullyShardedDataParallel` wraps one model chunk as `DistributedDataParallel` does and offers the same interface
+to the schedules, `finalize_model_grads`, the trainer and the checkpoint (``module``, ``specs``, ``no_sync``,
+``finish_grad_sync``, ``named_main_grads``, ``scale_gradients``, ``zero_grad_buffer``, ``finish_param_sync``).
+
+Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wrapper):
+
+* the mesh is one dimension, this rank's DP group (the dp ranks of its tp / pp coordinate), so FSDP shards the
+  TP-local tensors: a column-parallel weight ``[out/tp, in]`` is cut again on dim 0 into ``torch.chunk`` pieces of
+  ceil(out/tp / dp) rows; each DP rank's shard is one rectangle of the full tensor (TP offset + FSDP rows), which
+  checkpoints address with `mptrain.checkpoint.reshard` (a flat range of the TP-local tensor);
+* one FSDP unit (one all-gather, one reduce-scatter) per region where the chunk first uses its params
+  (`mptrain.layers.param_use.ParamUseRegions`: the embedding, each transformer layer, the final norm, the output
+  layer), then the chunk itself as the root for the rest. The region holding the weight the output layer
+  multiplies by (the tied embedding on a one-stage chunk) stays with the root, which keeps its params gathered
+  from the forward to the backward (the output layer needs them after the embedding's forward);
+* ``MixedPrecisionPolicy(param_dtype=bf16 / fp16, reduce_dtype=fp32)``: the sharded params are the fp32 master
+  weights the optimizer steps in place (`mptrain.distributed.fsdp_optimizer`), the all-gather casts them to the
+  compute dtype, grads are reduce-scattered in fp32;
+* the reduction is a SUM (``set_gradient_divide_factor(1)``, SUM collectives for every backend): the loss
+  normalisation is `finalize_model_grads`' (ARCHITECTURE.md "Loss normalisation"), as for DDP;
+* ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
+  parallelism whatever the strategy (torchtitan: 1F1B interleaves forwards and backwards of micro-batches, so
+  re-gathering per micro-batch costs two all-gathers each and cannot follow FSDP's prefetch order);
+* gradient accumulation (`no_sync` around every backward but a chunk's last): without PP each micro-batch's
+  backward reduce-scatters each unit's grads as it finishes and the fp32 shards accumulate (torchtitan's default:
+  no full-size grad is ever held, the reduce-scatter hides behind the backward); under PP the stage's params stay
+  gathered and its grads accumulate unsharded in fp32, reduce-scattered once after the last micro-batch (torch's
+  pipelining stages do the same: 1F1B's interleaved forwards and backwards would re-gather every micro-batch).
+
+Gradient accumulation fusion (``parallel.gradient_accumulation_fusion``) does not apply: FSDP owns the grads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM_GRADS_PARAMS
+from mptrain.layers.param_use import ParamUseRegions
+from mptrain.layers.sharding import collect_shard_specs
+
+
+def dp_mesh(groups) -> DeviceMesh:
+    """The one-dimensional mesh of this rank's DP group (``groups.dp_group``; no new communicator)."""
+    return DeviceMesh.from_group(groups.dp_group, groups.device.type)
+
+
+def _units(chunk: torch.nn.Module) -> list:
+    """The submodules sharded as units of their own, in forward order (module docstring); [] for a chunk that
+    names no regions (all its params then belong to the root unit)."""
+    if not isinstance(chunk, ParamUseRegions):
+        return []
+    regions = [r for r in chunk.param_use_regions() if r is not chunk and any(True for _ in r.parameters())]
+    output = chunk.output_weight() if hasattr(chunk, "output_weight") else None
+    units = []
+    for i, region in enumerate(regions):
+        # a weight used again outside its region (the tied embedding on a one-stage chunk): the root holds it
+        if output is not None and i < len(regions) - 1 and any(p is output for p in region.parameters()):
+            continue
+        units.append(region)
+    return units
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """One model chunk sharded over ``groups.dp_group`` with FSDP2 (module docstring).
+
+    Args:
+        module: the model chunk (e.g. `GPTModel`), fp32 params, not wrapped; sharded in place.
+        groups: `ParallelGroups`.
+        strategy: ``optim_grads`` (ZeRO-2) or ``optim_grads_params`` (ZeRO-3).
+        compute_dtype: the dtype of the gathered params and the activations (fp32, bf16 or fp16).
+        specs: {param name: ShardSpec}; None collects them from the module (before sharding).
+        is_last_stage: the chunk returns the loss / logits: floating outputs come back as fp32 (as `Float16Module`).
+    Raises:
+        ValueError: ``strategy`` is not one of `FULLY_SHARDED`.
+    """
+
+    use_distributed_optimizer = False
+    overlap_param_gather = False
+    grad_buffers: tuple = ()
+
+    def __init__(self, module: torch.nn.Module, groups, *, strategy: str, compute_dtype: torch.dtype,
+                 specs: Optional[dict] = None, is_last_stage: bool = False) -> None:
+        if strategy not in FULLY_SHARDED:
+            raise ValueError(f"FullyShardedDataParallel: strategy {strategy!r} is not one of {FULLY_SHARDED}")
+        super().__init__()
+        self.groups, self.strategy = groups, strategy
+        self.specs = dict(specs) if specs is not None else collect_shard_specs(module)
+        self.compute_dtype, self.is_last_stage = compute_dtype, is_last_stage
+        # ZeRO-3 frees a layer's params after its forward, except under PP (module docstring)
+        reshard = strategy == OPTIM_GRADS_PARAMS and groups.pp_size == 1
+        mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
+        mesh = dp_mesh(groups)
+        self._reshard = reshard
+        units = _units(module)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        self._unit_params = {id(p) for unit in units for p in unit.parameters()}  # (sharded) the rest: the root's
+        # the root: its params (final norm, a tied embedding) are used until the end of the forward
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        self.module = module
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for m in self._fsdp_modules:
+            m.set_gradient_divide_factor(1.0)  # a SUM over DP: finalize_model_grads normalises by the token count
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+        self._params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+    # --- module passthrough ----------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        out = self.module(*args, **kwargs)
+        if self.is_last_stage and isinstance(out, torch.Tensor) and out.is_floating_point():
+            out = out.float()  # the loss / logits in fp32, as Float16Module returns them
+        return out
+
+    def set_input_tensor(self, tensor) -> None:
+        self.module.set_input_tensor(tensor)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix; FSDP's DTensor shards), as the DDP wrapper's."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    # --- gradient sync ---------------------------------------------------------------------
+    def _set_sync(self, sync: bool) -> None:
+        root = self.module
+        if self.groups.pp_size > 1:  # module docstring: keep the stage gathered, reduce once per step
+            root.set_requires_gradient_sync(sync)
+            root.set_reshard_after_backward(sync)
+        root.set_is_last_backward(sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Around every backward but the last micro-batch's: FSDP does not finalise the step's reductions; under
+        PP the params stay gathered and the grads accumulate unsharded (fp32), reduce-scattered after the last."""
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(True)
+
+    def start_grad_sync(self) -> None:
+        """Nothing to launch: FSDP reduce-scatters each unit's grads in the backward."""
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward every param's sharded grad is reduced (FSDP waited for it); a param that got no
+        grad gets zeros, so that every rank passes the same tensors to the collectives that follow."""
+        for _, param in self._params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def named_main_grads(self) -> list:
+        """[(name, sharded param, this rank's local grad shard)]: the grads after the DP reduction, shaped like the
+        local param shard (rows of the TP-local tensor); in-place changes reach the param's grad."""
+        return [(name, p, p.grad.to_local()) for name, p in self._params if p.grad is not None]
+
+    def scale_gradients(self, factor) -> None:
+        """Multiply every local grad shard by ``factor`` (a number or a 0-d tensor)."""
+        for _, _, grad in self.named_main_grads():
+            grad.mul_(factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Drop every sharded grad (the next backward starts from none)."""
+        for _, param in self._params:
+            param.grad = None
+
+    def dp_bytes_sent(self) -> tuple:
+        """(bytes per micro-batch, bytes per iteration) this rank sends over DP, from the collectives' sizes (ring
+        all-gather / reduce-scatter: (dp − 1)/dp of the whole tensor each; TP-local sizes). Without PP, per
+        micro-batch: each unit's params gathered in the compute dtype before its forward (ZeRO-3: the units but the
+        root again before their backward) and its fp32 grads reduce-scattered after its backward. Under PP, per
+        iteration: one gather (the stage stays gathered) and one reduce-scatter."""
+        dp = self.groups.dp_size
+        compute = self.compute_dtype.itemsize
+        unit = sum(p.numel() for _, p in self._params if id(p) in self._unit_params)
+        full = sum(p.numel() for _, p in self._params)
+        gathered = (full + (unit if self._reshard else 0)) * compute
+        sent = (gathered + full * 4) * (dp - 1) // dp
+        return (sent, 0) if self.groups.pp_size == 1 else (0, sent)
+
+    # --- params ----------------------------------------------------------------------------
+    def finish_param_sync(self) -> None:
+        """Free every gathered param (ZeRO-2 keeps them after an evaluation's forward): whoever reads the params
+        outside a training step (a checkpoint, the layout record) sees the sharded ones the optimizer steps."""
+        for m in self._fsdp_modules:
+            m.reshard()
+
+    def start_param_sync(self, *args, **kwargs) -> None:
+        raise RuntimeError("FullyShardedDataParallel: the params are gathered per layer by FSDP, not by the optimizer")
+
+    def pending_param_syncs(self) -> list:
+        return []
+
+    def launched_buckets(self) -> list:
+        return []

@@ -1,0 +1,97 @@
+"""``parallel.data_parallel_sharding_strategy``: what data parallelism shards (Megatron-FSDP's key and values).
+
+====================  ========================================================  ===============================
+strategy              each DP rank holds                                        built by
+====================  ========================================================  ===============================
+no_shard              full params, full grads, full optimizer state (DDP)       `DistributedDataParallel`
+optim       (ZeRO-1)  full params and grads, 1/dp of fp32 main params + state   `DistributedOptimizer`
+optim_grads (ZeRO-2)  1/dp of params, grads, main params and state; a layer's   `FullyShardedDataParallel`
+                      params stay gathered from its forward to its backward     (torch's FSDP2 ``fully_shard``)
+optim_grads_params    1/dp of everything; a layer's params are gathered for     `FullyShardedDataParallel`
+           (ZeRO-3)   its forward, freed, and gathered again for its backward
+====================  ========================================================  ===============================
+
+``parallel.use_distributed_optimizer=true`` stays the spelling of ``optim``: the strategy's default (null) resolves
+to ``optim`` with it and to ``no_shard`` without it, and an explicit ``no_shard`` beside it is a contradiction.
+With dp = 1 there is nothing to shard: the two FSDP strategies then run as ``no_shard`` (same math, no gathers).
+
+The rules here are pure (config only) and run in `mptrain.training.validate.validate_config`, before any
+collective: what the FSDP strategies do not compose with is refused there with one line.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mptrain.errors import ConfigError, check_choice
+
+NO_SHARD, OPTIM, OPTIM_GRADS, OPTIM_GRADS_PARAMS = "no_shard", "optim", "optim_grads", "optim_grads_params"
+STRATEGIES = (NO_SHARD, OPTIM, OPTIM_GRADS, OPTIM_GRADS_PARAMS)
+FULLY_SHARDED = (OPTIM_GRADS, OPTIM_GRADS_PARAMS)
+"""The strategies that shard grads and params: built on FSDP2 (`mptrain.distributed.fsdp`)."""
+KEY = "parallel.data_parallel_sharding_strategy"
+
+
+def sharding_strategy(parallel, data_parallel_size: Optional[int] = None) -> str:
+    """The strategy that runs: ``parallel.data_parallel_sharding_strategy`` with null resolved through
+    ``use_distributed_optimizer``; with ``data_parallel_size`` 1 the FSDP strategies resolve to ``no_shard``.
+
+    Raises:
+        ConfigError: an unknown strategy; ``no_shard`` with ``use_distributed_optimizer=true``.
+    """
+    check_sharding_key(parallel)
+    value = getattr(parallel, "data_parallel_sharding_strategy", None)
+    if value is None:
+        value = OPTIM if parallel.use_distributed_optimizer else NO_SHARD
+    if value in FULLY_SHARDED and data_parallel_size == 1:
+        return NO_SHARD  # nothing to shard: the DDP path, without FSDP's copies
+    return value
+
+
+def check_sharding_key(parallel) -> None:
+    """The strategy is one of `STRATEGIES` (or null) and does not contradict ``use_distributed_optimizer``. Pure.
+
+    Raises:
+        ConfigError: one line naming the key(s) and the fix.
+    """
+    value = getattr(parallel, "data_parallel_sharding_strategy", None)
+    if value is None:
+        return
+    check_choice(KEY, value, (None,) + STRATEGIES)
+    if value == NO_SHARD and parallel.use_distributed_optimizer:
+        raise ConfigError(f"{KEY}=no_shard contradicts parallel.use_distributed_optimizer=true (which shards the "
+                          f"optimizer: {KEY}=optim); drop one of the two keys")
+
+
+def check_fully_sharded(cfg) -> None:
+    """What ZeRO-2 / ZeRO-3 (`FULLY_SHARDED`) do not compose with, refused before any collective. Pure.
+
+    Refused: MoE models (expert weights would shard over the expert-data-parallel group), ``precision=fp8``
+    (its per-iteration weight casts read the full weights), ``parallel.overlap_param_gather`` (ZeRO-1's
+    all-gather after the step; FSDP gathers each layer before its forward), ``parallel.tp_comm_overlap`` and
+    context parallelism (the FSDP mesh is the DP group, where CP's grads reduce over DP × CP).
+
+    Raises:
+        ConfigError: one line naming the key that does not compose and the fix.
+    """
+    par = cfg.parallel
+    strategy = getattr(par, "data_parallel_sharding_strategy", None)
+    if strategy not in FULLY_SHARDED:
+        return
+    fix = f"or set {KEY}=optim (ZeRO-1)"
+    if getattr(cfg.model, "num_moe_experts", None):
+        raise ConfigError(f"{KEY}={strategy} does not shard MoE expert weights yet (model.num_moe_experts="
+                          f"{cfg.model.num_moe_experts}); use a dense model {fix}")
+    if cfg.precision.name == "fp8":
+        raise ConfigError(f"{KEY}={strategy} does not compose with precision=fp8 yet (its weight casts read the "
+                          f"full weights); use precision=bf16 {fix}")
+    if par.overlap_param_gather:
+        raise ConfigError(f"parallel.overlap_param_gather=true overlaps ZeRO-1's param all-gather; {KEY}={strategy} "
+                          "gathers each layer before its forward itself: set parallel.overlap_param_gather=false")
+    if par.tp_comm_overlap:
+        raise ConfigError(f"parallel.tp_comm_overlap=true does not compose with {KEY}={strategy} yet; set "
+                          f"parallel.tp_comm_overlap=false {fix}")
+    if getattr(par, "context_parallel_size", 1) > 1:  # FSDP's mesh is the DP group; CP needs dp × cp
+        raise ConfigError(f"{KEY}={strategy} does not compose with parallel.context_parallel_size="
+                          f"{par.context_parallel_size} yet (the shards would span DP only, the grads DP × CP); set "
+                          f"parallel.context_parallel_size=1 {fix}")

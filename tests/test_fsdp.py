@@ -1,0 +1,191 @@
+"""ZeRO-2 / ZeRO-3 (``parallel.data_parallel_sharding_strategy``, FSDP2) compute the one-process math (DESIGN.md §3).
+
+Each pool task trains several layouts one after another (one task per world size: suite time); every job runs the
+tiny model in fp32 for a few steps with two micro-batches per DP rank (gradient accumulation), and its per-step
+lm_loss and grad_norm equal the single-process run's within rel 1e-5: sharding changes only the summation order
+of the DP reduction (a reduce-scatter instead of an all-reduce) and of the grad norm's partial sums.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import run_distributed
+from train_utils import read_rows, run_job, without_timing
+
+STEPS = 4
+BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
+        "train.micro_batch_size=2", "run.progress_bar=false"]
+Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
+
+
+def _jobs(rank: int, world: int, jobs: list) -> None:
+    """Pool task: the training jobs ``[overrides]`` one after another."""
+    for overrides in jobs:
+        run_job(rank, world, BASE + overrides)
+
+
+def _train(tmp_path, world: int, jobs) -> dict:
+    """{name: metrics rows} of ``jobs`` ({name: overrides}, or [(name, overrides)] where a name may come back: a
+    resumed job appends to its run folder) trained in one pool task of ``world`` ranks."""
+    jobs = list(jobs.items()) if isinstance(jobs, dict) else list(jobs)
+    run_distributed(_jobs, world, [o + [f"run.dir={tmp_path / n}"] for n, o in jobs], timeout_s=300)
+    return {n: read_rows(tmp_path / n) for n, _ in jobs}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """(rows, run folder) of the one-process run."""
+    tmp = tmp_path_factory.mktemp("ref")
+    return _train(tmp, 1, {"tp1pp1": ["parallel=tp1pp1"]})["tp1pp1"], tmp / "tp1pp1"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
+
+
+def _assert_same(rows: list, ref: list, name: str) -> None:
+    assert [r["iteration"] for r in rows] == list(range(1, STEPS + 1)), name
+    for r, q in zip(rows, ref):
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5), (name, r["iteration"], r["lm_loss"], q["lm_loss"])
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (name, r["iteration"], r["grad_norm"],
+                                                                          q["grad_norm"])
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"], name  # it trained
+
+
+FP16_OVERFLOW = ["parallel=tp1pp1", "precision=fp16", "loss_scaler.initial_scale=1024", "loss_scaler.hysteresis=1",
+                 "debug.nonfinite_grad_rank=0", "debug.nonfinite_grad_iteration=2"]
+
+
+def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run):
+    """fp32 against the one-process run; fp16 with an overflow injected into rank 0's grads at iteration 2
+    against DDP (no_shard) with the same injection: the same steps skipped, the same loss scales."""
+    reference, reference_dir = reference_run
+    ckpt = tmp_path / "ckpt"
+    runs = _train(tmp_path, 2, [("dp2_z2", ["parallel=tp1pp1", Z2]), ("dp2_z3", ["parallel=tp1pp1", Z3]),
+                                # full recompute: the layers' forwards run again inside the backward
+                                ("dp2_z3_recompute", ["parallel=tp1pp1", Z3, "model.recompute_granularity=full",
+                                                      "model.recompute_method=uniform", "model.recompute_num_layers=1"]),
+                                ("fp16_ddp", FP16_OVERFLOW), ("fp16_z3", FP16_OVERFLOW + [Z3]),
+                                # ZeRO-3 saved after iteration 2 and resumed to 4
+                                ("z3_split", ["parallel=tp1pp1", Z3, "train.exit_interval=2", f"checkpoint.save={ckpt}"]),
+                                ("z3_split", ["parallel=tp1pp1", Z3, f"checkpoint.load={ckpt}", "train.seed=999"])])
+    for name in ("dp2_z2", "dp2_z3", "dp2_z3_recompute"):
+        _assert_same(runs[name], reference, name)
+    # resume is bitwise: the floats read back from JSON are equal
+    assert without_timing(runs["z3_split"]) == without_timing(runs["dp2_z3"])
+    ddp, z3 = runs["fp16_ddp"], runs["fp16_z3"]
+    assert [r["skipped_iter"] for r in z3] == [r["skipped_iter"] for r in ddp] == [False, True, False, False]
+    assert [r["loss_scale"] for r in z3] == [r["loss_scale"] for r in ddp] == [1024.0, 512.0, 512.0, 512.0]
+    assert z3[1]["grad_norm"] is None and z3[-1]["skipped_iters_total"] == 1
+    for r, q in zip(z3, ddp):  # fp16 compute alike (params cast from the same fp32 values), fp32 reduction
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-4), (r, q)
+    _assert_holds_half(tmp_path / "dp2_z3", reference_dir)
+
+
+def _assert_holds_half(run_dir, reference_dir) -> None:
+    """The start-up line names the strategy; layout.json records it, and each of the two ranks holds half of the
+    one-process run's params, grads and Adam state (the shards tile each TP-local tensor exactly)."""
+    log = (run_dir / "train.log").read_text()
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=2) | this rank holds params" in log, log
+    assert "norm=mptrain.layers.norms.LayerNorm (" in log and "FSDPLayerNorm" not in log, log  # the norm's own class
+    ref = json.loads((reference_dir / "layout.json").read_text())["ranks"][0]
+    ranks = json.loads((run_dir / "layout.json").read_text())["ranks"]
+    assert ref["data_parallel_sharding_strategy"] == "no_shard" and ref["grad_bytes"] == ref["param_bytes"]
+    assert [r["data_parallel_sharding_strategy"] for r in ranks] == ["optim_grads_params"] * 2
+    assert sum(r["param_bytes"] for r in ranks) == ref["param_bytes"]  # fp32 shards, no padding stored
+    assert sum(r["grad_bytes"] for r in ranks) == ref["grad_bytes"]
+    full = ref["param_bytes"]  # fp32: the whole model's bytes
+    for r in ranks:
+        # per iteration (2 micro-batches): each gathers every unit twice (forward, backward) and the root once, and
+        # reduce-scatters the fp32 grads, half of each on the wire at dp 2: (2 + the units' share) × the model's
+        # bytes; the root (tied embedding, final norm) is about a quarter of the tiny model, so 2.5 to 3 times
+        assert 2.5 * full < r["bytes_sent"]["dp"] < 3 * full, (r["bytes_sent"], full)
+        assert r["param_bytes"] == pytest.approx(ref["param_bytes"] / 2, rel=0.05)
+        # Adam's moments of the shards (+ a 4-byte step per tensor on each rank)
+        assert r["optimizer_state_bytes"] == pytest.approx(ref["optimizer_state_bytes"] / 2, rel=0.05)
+        assert r["main_param_dtype"] is None and r["param_dtype"] == "float32"  # fp32: the shards are stepped
+
+
+def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
+    # tp2 x dp2 with SP (norm grads all-reduced over TP on the shards), pp2 x dp2 (the tied embedding's copies
+    # reduced over the embedding group on the shards), interleaved pp2 vpp2 x dp2
+    # evaluation in between (forward only: ZeRO-2 leaves the params gathered) changes nothing in training
+    evaluate = ["train.eval_interval=2", "train.eval_iters=1"]
+    runs = _train(tmp_path, 4, {"tp2dp2_sp_z3": ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate],
+                                "tp2dp2_z2": ["parallel=tp2pp1", Z2],
+                                "pp2dp2_z3": ["parallel=tp1pp2", Z3],
+                                "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2, *evaluate]})
+    for name, rows in runs.items():
+        _assert_same(rows, reference, name)
+    for name in ("tp2dp2_sp_z3", "pp2vpp2dp2_z2"):
+        valid = read_rows(tmp_path / name, "valid")
+        assert [r["iteration"] for r in valid] == [0, 2, 4], name
+        # iteration 0: the untrained model; both layouts evaluate the same batches
+        assert valid[0]["lm_loss"] == pytest.approx(read_rows(tmp_path / "tp2dp2_sp_z3", "valid")[0]["lm_loss"], rel=1e-5)
+
+
+# --- the key's rules (no process) -----------------------------------------------------------------
+@pytest.mark.parametrize("overrides,words", [
+    (["parallel.data_parallel_sharding_strategy=no_shard", "parallel.use_distributed_optimizer=true"],
+     ["data_parallel_sharding_strategy=no_shard", "use_distributed_optimizer=true"]),
+    (["parallel.data_parallel_sharding_strategy=zero3"], ["data_parallel_sharding_strategy", "'zero3'", "optim_grads"]),
+    ([Z3, "model.num_moe_experts=4"], ["optim_grads_params", "model.num_moe_experts=4"]),
+    ([Z2, "parallel.context_parallel_size=2"], ["optim_grads", "context_parallel_size=2"]),
+    ([Z2, "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+      "parallel.overlap_param_gather=true"], ["overlap_param_gather", "optim_grads"]),
+])
+def test_refused_before_any_collective(overrides, words):
+    from train_utils import compose
+
+    from mptrain.config.schema import as_config
+    from mptrain.errors import ConfigError
+    from mptrain.training.validate import validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(as_config(compose(BASE + overrides)), 2)
+    message = str(err.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_strategy_resolution():
+    from types import SimpleNamespace
+
+    from mptrain.distributed.strategy import sharding_strategy
+
+    def par(strategy, zero1=False):
+        return SimpleNamespace(data_parallel_sharding_strategy=strategy, use_distributed_optimizer=zero1)
+
+    assert sharding_strategy(par(None)) == "no_shard" and sharding_strategy(par(None, True)) == "optim"
+    assert sharding_strategy(par("optim")) == "optim"  # use_distributed_optimizer's other spelling
+    assert sharding_strategy(par("optim_grads_params", True), 4) == "optim_grads_params"  # Megatron-FSDP sets both
+    assert sharding_strategy(par("optim_grads_params"), 1) == "no_shard"  # nothing to shard at dp 1
+
+
+def test_megatron_fsdp_arguments_translate(capsys):
+    from mptrain.from_megatron import main
+
+    args = ["--world-size", "4", "--", "--num-layers", "2", "--use-distributed-optimizer", "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy", "optim_grads_params"]
+    assert main(args) == 0
+    assert "parallel.data_parallel_sharding_strategy=optim_grads_params" in capsys.readouterr().out
+    # without --use-megatron-fsdp Megatron does not read the strategy: not written (it would contradict ZeRO-1)
+    assert main(args[:6] + args[7:]) == 0
+    out, err = capsys.readouterr()
+    assert "data_parallel_sharding_strategy" not in out and "--data-parallel-sharding-strategy" in err
+
+
+def test_optim_is_use_distributed_optimizer():
+    """``optim`` spelled as the strategy is ZeRO-1 for every reader, the param all-gather's rules included."""
+    from train_utils import compose
+
+    from mptrain.config.schema import as_config
+    from mptrain.training.validate import validate_config
+
+    cfg = as_config(compose(BASE + ["parallel.data_parallel_sharding_strategy=optim", "parallel.overlap_grad_reduce=true",
+                                    "parallel.overlap_param_gather=true"]))
+    assert cfg.parallel.use_distributed_optimizer is True
+    assert validate_config(cfg, 2).data_parallel_size == 2
