@@ -198,6 +198,21 @@ def test_ties_go_to_the_lower_expert_index_and_the_earlier_token():
     torch.testing.assert_close(probs[:5, :2], torch.full((5, 2), 0.5))
 
 
+def test_the_grouped_gemm_probe_answers_the_same_with_grad_off():
+    """The probe runs once per process; a first caller holding grad off (generation, evaluation) gets the answer
+    a training step would (its backward needs grad)."""
+    from mptrain.layers.moe.experts import _grouped_mm_runs
+
+    _grouped_mm_runs.cache_clear()
+    try:
+        with torch.no_grad():
+            off = _grouped_mm_runs("cpu", torch.float32)
+        _grouped_mm_runs.cache_clear()
+        assert off == _grouped_mm_runs("cpu", torch.float32) is None  # CPU torch with torch._grouped_mm
+    finally:
+        _grouped_mm_runs.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_gemm_equals_the_per_expert_loop(dtype):
     _, grouped = _layer()

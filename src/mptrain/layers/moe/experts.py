@@ -49,10 +49,13 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> Optional[str]:
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     try:
-        x = torch.ones(4, 16, dtype=dtype, device=device_type, requires_grad=True)
-        w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
-        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(torch.ones(4, 16, dtype=dtype, device=device_type))
+        # the first caller may hold grad off (generation, evaluation) while the answer is cached for the process
+        with torch.enable_grad(), torch.inference_mode(False):
+            x = torch.ones(4, 16, dtype=dtype, device=device_type, requires_grad=True)
+            w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+            offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
+            y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            y.backward(torch.ones(4, 16, dtype=dtype, device=device_type))
     except (RuntimeError, NotImplementedError) as err:
         return f"torch._grouped_mm does not run on {device_type} in {dtype}: {str(err).splitlines()[0]}"
     return None
