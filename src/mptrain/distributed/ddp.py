@@ -45,6 +45,7 @@ import torch.distributed as dist
 from mptrain.distributed.accumulate import StagedAdd
 from mptrain.distributed.grad_buffer import Bucket, GradBuffer
 from mptrain.distributed.param_gather import ParamGather
+from mptrain.distributed.wrapper import ChunkWrapper
 from mptrain.layers.grad_accumulation_fusion import FusesGradAccumulation
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.precision.module import unwrap
@@ -71,7 +72,7 @@ class _BucketState:
         self.next_to_launch = 0
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(ChunkWrapper):
     """Wrap one model chunk for data parallelism over ``groups.dp_cp_group`` (dp × cp; the DP group at cp = 1).
 
     Args:
@@ -197,16 +198,6 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._param_gather.finish_unhooked()  # params no pre-hook waits for (overlap_param_gather; else nothing pending)
         return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
-
-    def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict (no ``module.`` prefix), as Megatron's DDP."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
 
     # --- param sync (the distributed optimizer's all-gather) ------------------------------------
     def start_param_sync(self, buffer: GradBuffer, bucket: Bucket, scratch: torch.Tensor) -> None:

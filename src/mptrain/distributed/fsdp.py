@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM_GRADS_PARAMS
+from mptrain.distributed.wrapper import ChunkWrapper
 from mptrain.layers.param_use import ParamUseRegions
 from mptrain.layers.sharding import collect_shard_specs
 
@@ -67,7 +68,7 @@ def _units(chunk: torch.nn.Module) -> list:
     return units
 
 
-class FullyShardedDataParallel(torch.nn.Module):
+class FullyShardedDataParallel(ChunkWrapper):
     """One model chunk sharded over ``groups.dp_group`` with FSDP2 (module docstring).
 
     Args:
@@ -118,16 +119,6 @@ class FullyShardedDataParallel(torch.nn.Module):
         if self.is_last_stage and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = out.float()  # the loss / logits in fp32, as Float16Module returns them
         return out
-
-    def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
-
-    def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict (no ``module.`` prefix; FSDP's DTensor shards), as the DDP wrapper's."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
 
     # --- gradient sync ---------------------------------------------------------------------
     def _set_sync(self, sync: bool) -> None:
