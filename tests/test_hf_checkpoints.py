@@ -86,16 +86,21 @@ def _cli(*args: str) -> int:
     return main(list(args))
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory) -> dict:
-    """{family: (HF folder, checkpoint folder, the fp32 transformers model)}, imported through the CLI."""
-    root = tmp_path_factory.mktemp("hf")
+def import_families(root, families, make_hf) -> dict:
+    """{family: (HF folder, checkpoint folder, the fp32 transformers model)}: each family's tiny model written under
+    ``root`` by ``make_hf(family, folder)``, then imported through the CLI."""
     out = {}
-    for family in FAMILIES:
-        model = _make_hf(family, root / family)
+    for family in families:
+        model = make_hf(family, root / family)
         assert _cli("--import-hf", str(root / family), "--output", str(root / f"{family}-ckpt")) == 0
         out[family] = (root / family, root / f"{family}-ckpt", model)
     return out
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict:
+    """`import_families` of the dense families."""
+    return import_families(tmp_path_factory.mktemp("hf"), FAMILIES, _make_hf)
 
 
 def _read_safetensors(folder: Path) -> dict:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from test_hf_checkpoints import EOS, IDS, PROMPT, TRAIN, VOCAB, _cli, _read_safetensors, _tokenizer_json, _tp1_logits
+from test_hf_checkpoints import (EOS, IDS, PROMPT, TRAIN, VOCAB, _cli, _read_safetensors, _tokenizer_json, _tp1_logits,
+                                 import_families)
 from train_utils import read_rows, run_job
 
 transformers = pytest.importorskip("transformers")
@@ -58,14 +59,8 @@ def _make_hf(family: str, folder) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory) -> dict:
-    """{family: (HF folder, checkpoint folder, the fp32 transformers model)}, imported through the CLI."""
-    root = tmp_path_factory.mktemp("hf_moe")
-    out = {}
-    for family in FAMILIES:
-        model = _make_hf(family, root / family)
-        assert _cli("--import-hf", str(root / family), "--output", str(root / f"{family}-ckpt")) == 0
-        out[family] = (root / family, root / f"{family}-ckpt", model)
-    return out
+    """`import_families` of the MoE families."""
+    return import_families(tmp_path_factory.mktemp("hf_moe"), FAMILIES, _make_hf)
 
 
 def _layouts_task(rank: int, world: int, ckpt: str, ids: torch.Tensor) -> dict:
