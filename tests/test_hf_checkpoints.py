@@ -146,21 +146,26 @@ def _tp1_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, torch.arange(ids.shape[1]).expand_as(ids))[..., :int(meta["vocab_size"])]
 
 
+def hf_reference(hf) -> tuple:
+    """transformers' answers: (logits of `IDS` ``[1, len, V]``, the greedy tokens after `PROMPT` up to EOS, which
+    ours leaves out as it stops at EOD)."""
+    with torch.no_grad():
+        logits = hf(IDS).logits
+        new = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=EOS,
+                          pad_token_id=EOS)[0, len(PROMPT):].tolist()
+    return logits, new[: new.index(EOS)] if EOS in new else new
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_and_greedy_decoding_equal_transformers(imported, family):
     hf_dir, ckpt, hf = imported[family]
-    with torch.no_grad():
-        want = hf(IDS).logits
-        hf_new = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, eos_token_id=EOS,
-                             pad_token_id=EOS)[0, len(PROMPT):].tolist()
+    want, hf_new = hf_reference(hf)
     # fp32, the same math in another summation order: 1e-5 on O(1) logits
     torch.testing.assert_close(_tp1_logits(ckpt, IDS), want, rtol=0, atol=1e-5)
     results = run_distributed(_layouts_task, 2, str(ckpt), IDS, PROMPT)
     torch.testing.assert_close(results[0]["tp2pp1"], want, rtol=0, atol=1e-5)
     torch.testing.assert_close(results[1]["tp1pp2"], want, rtol=0, atol=1e-5)  # the last stage holds the logits
     assert results[0]["eod"] == EOS  # the tokenizer.json's EOS is the run's EOD
-    if EOS in hf_new:
-        hf_new = hf_new[: hf_new.index(EOS)]  # ours stops at EOD and leaves it out
     assert results[0]["generated"] == hf_new and len(hf_new) > 0
 
 
