@@ -5,7 +5,7 @@
         [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
         [--plan] [--call K] [--dry-run-cpu]
 
-``--plan`` splits the selected jobs into device calls by estimated seconds and prints them, ``--call K`` runs
+``--plan`` splits the selected jobs into GPU jobs by estimated seconds and prints them, ``--call K`` runs
 the K-th, ``--dry-run-cpu`` runs the selected rows' first steps on CPU with a stand-in model (`bench/x8.py`).
 A row whose override names a key the config schema lacks is recorded as ``needs: <key>`` without running.
 
@@ -527,9 +527,9 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--plan", action="store_true",
-                   help="print the device calls (rows, needs, estimated minutes, command of each), run nothing")
+                   help="print the GPU jobs (rows, needs, estimated minutes, command of each), run nothing")
     p.add_argument("--call", type=int, default=None, metavar="K",
-                   help="run only the K-th device call of the plan (1-based; see --plan)")
+                   help="run only the K-th GPU job of the plan (1-based; see --plan)")
     p.add_argument("--dry-run-cpu", action="store_true",
                    help="every runnable row's first steps on CPU (gloo) with a stand-in tiny model, layout kept "
                         "(bench/x8.py); megatron-core and profiled runs are listed, not run")

@@ -1,4 +1,4 @@
-"""The 8-GPU table's planning: which rows can run on this checkout, the device calls, the planner's columns,
+"""The 8-GPU table's planning: which rows can run on this checkout, the GPU jobs, the planner's columns,
 and the CPU dry run.
 
     python3 bench/run_bench.py --suite x8 --plan                      # rows, calls, estimated minutes, commands
@@ -130,7 +130,7 @@ def blocks(jobs: list, budget_s: float = CALL_BUDGET_S) -> list:
 
 
 def split_calls(jobs: list, budget_s: float = CALL_BUDGET_S) -> list:
-    """Lists of job indices, one per device call: each of the `blocks`, in suite order, goes to the first call
+    """Lists of job indices, one per GPU job: each of the `blocks`, in suite order, goes to the first call
     it fits (estimated seconds within ``budget_s``), else opens a call (a block alone longer than that gets its
     own). A block whose config names a baseline that the call lacks brings the baseline's mptrain run into that
     call, first (ratios are taken within one call, on one machine), so a baseline may run in several calls."""
@@ -169,7 +169,7 @@ def call_configs(jobs: list, call: list) -> list:
 def print_plan(jobs: list, calls: list, *, suite: str, gpus: int) -> None:
     """Each call: its rows (with ``needs: <key>`` where the schema lacks one), estimated minutes, command."""
     total = sum(estimate_s(j) for j in jobs)
-    print(f"# suite={suite} gpus={gpus}: {len(calls)} device calls, estimated {total / 60:.1f} min of runs "
+    print(f"# suite={suite} gpus={gpus}: {len(calls)} GPU jobs, estimated {total / 60:.1f} min of runs "
           f"(budget {CALL_BUDGET_S:.0f} s a call; estimates assume MFU {ASSUMED_MFU}, {LAUNCH_S:.0f} s a launch, "
           f"{COMPILE_S:.0f} s a compile)")
     for k, call in enumerate(calls, 1):

@@ -255,7 +255,7 @@ def test_document_attention_bench_smoke(capsys):
 
 
 def test_x8_suite_rows_calls_and_needs(tmp_path, monkeypatch, capsys):
-    """The 8-GPU suite (no process starts): its rows, one `-m` job for the layout sweep, device calls that keep
+    """The 8-GPU suite (no process starts): its rows, one `-m` job for the layout sweep, GPU jobs that keep
     a config with its megatron-core run and stay within the budget, and a row whose override names a key the
     config schema lacks marked ``needs`` with that key (the schema decides, here a schema without one key)."""
     import x8

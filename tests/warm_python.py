@@ -8,7 +8,7 @@ mptrain imported once), forks a child that becomes ``python ARGS`` on those fds 
 reports the child's exit status back; the shim exits with it (a child ended by a signal: the shim ends by
 the same signal). So a worker of a 4-process job costs its work, not ~4 s of imports.
 
-What the shim keeps of a real worker: its own process (torchrun's ``Popen``, in a new session), the exit
+What the shim keeps of a real worker: its own process (torchrun's ``Popen``, in its own process group), the exit
 status torchrun reads, signals: the shim forwards SIGTERM / SIGINT / SIGHUP / SIGQUIT / SIGUSR1 / SIGUSR2 to
 the child (torchrun's ``killpg`` reaches the shim's group only); a SIGKILLed shim (torchrun's escalation)
 takes the child with it (the server kills a child whose shim's connection closed). What it does not: the
