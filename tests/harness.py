@@ -218,6 +218,9 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 180.0, **kwar
     Raises:
         DistributedTestError: a rank raised (its traceback is in the message) or the task hung.
     """
+    in_parent = getattr(fn, "in_parent", None)  # work every rank would repeat, done once here (`train_utils.run_job`)
+    if in_parent is not None:
+        args = in_parent(*args)
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:
