@@ -36,6 +36,9 @@ import torch
 from mptrain.layers.document_mask import DocumentMask
 
 CAUSAL, FULL, MASKED = "causal", "full", "masked"
+RING_DOCUMENTS_NOTE = (" attention=documents (ring blocks from document ids: flash where whole, fp32 masked "
+                       "matmuls where cut, unseen blocks skipped)")
+"""The start-up log's ``kernels:`` note for document masking in the ring (``cp_comm_type=p2p``)."""
 
 
 @dataclasses.dataclass(frozen=True)
