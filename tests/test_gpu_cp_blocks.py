@@ -3,6 +3,8 @@
 Each block of a ring step, forward and backward, through the flash kernel in bf16 against the fp32 matmul
 block on the same (bf16-rounded) inputs: the causal diagonal block, a full block, and the second half of the
 queries against a whole block with the merged log-sum-exp of the full row (what the backward gets).
+With document masking, every rank of a cp4 ring computed on the one GPU (`ring_on_one_device`: the ring's step
+functions with the K/V handed over by indexing) against fp32 attention under the dense document mask.
 """
 
 from __future__ import annotations
@@ -42,3 +44,74 @@ def test_cuda_flash_blocks_equal_the_fp32_matmul_blocks():
                           results["cuda_flash"], results["matmul"]):
         err = (a - e).abs().max().item() / max(e.abs().max().item(), 1e-6)
         assert err < 2e-2, (name, err)
+
+
+def ring_on_one_device(q, k, v, dout, mask, cp: int, kernel: str):
+    """The document-masked ring's per-rank computation for every rank of a cp-ring on one device (K/V handed over
+    by indexing instead of messages): per rank (out, dq) of its slice, and dK/dV of its slice, in fp32."""
+    from mptrain.layers.context_parallel import slice_sequence
+    from mptrain.layers.cp_attention import backward_blocks, forward_blocks
+    from mptrain.layers.cp_blocks import document_plan
+
+    rep = q.shape[1] // k.shape[1]
+    held = {r: torch.stack([slice_sequence(k, 2, cp, r), slice_sequence(v, 2, cp, r)]) for r in range(cp)}
+    dkv = {r: torch.zeros(held[r].shape, dtype=torch.float32, device=q.device) for r in range(cp)}
+    results = {}
+    for r in range(cp):
+        plan = document_plan(mask, cp, r)
+        q_r, dout_r = slice_sequence(q, 2, cp, r), slice_sequence(dout, 2, cp, r)
+        out = torch.zeros(q_r.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q_r.shape[:3], float("-inf"), device=q.device)
+        meta = None
+        for step in range(cp):
+            meta = forward_blocks(kernel, q_r, held[(r - step) % cp], plan[step], out, lse, rep) or meta
+        final = out.to(q.dtype)
+        delta = (dout_r.float() * final.float()).sum(-1)
+        dq = torch.zeros(q_r.shape, dtype=torch.float32, device=q.device)
+        for step in range(cp):
+            src = (r - step) % cp
+            dkv[src] += backward_blocks(kernel, q_r, held[src], plan[step], dout_r, final, lse, delta, dq, rep, meta)
+        results[r] = (out, dq)
+    return results, dkv
+
+
+def document_reference(q, k, v, dout, mask):
+    """fp32 attention under the dense document mask (the same, half-rounded, inputs): out, dq, dk, dv."""
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=~mask.dense())
+    out.backward(dout.float())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_the_document_masked_ring_on_cuda_equals_the_dense_mask():
+    """cp4 over s = 2048 (chunks of 256) in bf16 with grouped-query heads: documents that cut chunks (masked
+    blocks), one that covers whole chunks (flash blocks, full and causal) and pairs no query sees (skipped)."""
+    from mptrain.layers.context_parallel import slice_sequence
+    from mptrain.layers.cp_blocks import CAUSAL, FULL, MASKED, document_plan
+    from mptrain.layers.document_mask import DocumentMask
+
+    cp, s, b, hq, hk, d = 4, 2048, 2, 8, 2, 64
+    starts = [[0, 100, 700, 1300, 1310], [0, 40, 900, 1200]]
+    mask = DocumentMask(torch.tensor([row + [s] * (s + 1 - len(row)) for row in starts], device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(b, hq, s, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, hk, s, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    assert block_kernel(q) == "cuda_flash"
+    kinds = {blk.kind for r in range(cp) for step in document_plan(mask, cp, r) for blk in step}
+    assert kinds == {CAUSAL, FULL, MASKED}
+    # rank 0 holds chunks 0 and 7: at every later step chunk 7 against the held second chunk only (both sequences'
+    # chunk 7 lies in a document that starts after the held first chunk: skipped)
+    assert [[(blk.rows.start, blk.cols.start, blk.kind) for blk in step] for step in document_plan(mask, cp, 0)] == [
+        [(0, 0, MASKED), (256, 256, CAUSAL)], [(256, 256, MASKED)], [(256, 256, MASKED)], [(256, 256, FULL)]]
+    results, dkv = ring_on_one_device(q, k, v, dout, mask, cp, "cuda_flash")
+    ref_out, ref_dq, ref_dk, ref_dv = document_reference(q, k, v, dout, mask)
+    # bf16 inputs, fp32 merging: the flash blocks round their outputs to bf16 (2^-8), hence the tolerance
+    for r in range(cp):
+        got = (*results[r], dkv[r][0], dkv[r][1])
+        want = (ref_out, ref_dq, ref_dk, ref_dv)
+        for name, a, e in zip(("out", "dq", "dk", "dv"), got, want):
+            e = slice_sequence(e, 2, cp, r)
+            err = (a - e).abs().max().item() / max(e.abs().max().item(), 1e-6)
+            assert err < 2e-2, (r, name, err)

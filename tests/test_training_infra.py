@@ -73,7 +73,7 @@ def test_layout_gathered_to_rank0_world4_tp2pp2(tmp_path):
     expected = []
     for r in range(4):
         expected.append({
-            "rank": r, "tp": r % 2, "pp": r // 2, "dp": 0, "vpp": None,
+            "rank": r, "tp": r % 2, "pp": r // 2, "dp": 0, "cp": 0, "vpp": None,
             "layers": [0, 1] if r < 2 else [2, 3], "num_params": 1000 + r,
             "param_dtype": "float16", "main_param_dtype": "float32", "optimizer_state_bytes": 8 * (1000 + r),
             "schedule": "1f1b", "max_inflight_microbatches": 2 - r // 2,

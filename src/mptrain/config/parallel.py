@@ -62,7 +62,9 @@ class ParallelConfig:
     """How attention reaches the other CP ranks' keys and values (Megatron's name): ``p2p`` (ring attention:
     K/V blocks passed around the CP ring, the next block's exchange overlapped with this block's attention,
     log-sum-exp merging), ``all_gather`` (one all-gather of K/V, then attention over the whole sequence) or ``a2a``
-    (DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split around plain attention)."""
+    (DeepSpeed-Ulysses: all-to-alls trade the sequence split for a head split around plain attention). Each takes
+    data.reset_attention_mask's document offsets (the ring skips the blocks no query sees); the dense mask
+    (data.create_attention_mask_in_dataloader) only all_gather."""
     expert_model_parallel_size: int = 1
     """EP: ranks that split each MoE layer's experts (model.num_moe_experts / ep experts per rank); 1 = every
     rank holds every expert. Megatron's name: carved out of the ranks of one pipeline stage, rank order

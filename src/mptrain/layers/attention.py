@@ -222,11 +222,13 @@ class DotProductAttention(torch.nn.Module):
         ``[b, np/tp, s/cp, hn]``. Attention dropout is 0 here (`context_parallel.check_context_parallel`)."""
         if self.cp_comm_type == "all_gather":
             return all_gather_attention(q, k, v, self.groups, attention_mask)
+        if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
+            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type} takes document offsets, not a dense mask; "
+                             "set data.create_attention_mask_in_dataloader=false or cp_comm_type=all_gather")
         if self.cp_comm_type == "a2a":
-            return a2a_attention(q, k, v, self.groups)
-        if attention_mask is not None:
-            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type} is causal only; use cp_comm_type=all_gather")
-        return ring_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), self.groups)
+            return a2a_attention(q, k, v, self.groups, attention_mask)
+        return ring_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), self.groups,
+                              documents=attention_mask)
 
     def _use_unfused(self, q: torch.Tensor) -> bool:
         if self.attention_backend == "auto":

@@ -6,7 +6,9 @@ chunks and CP rank r keeps chunks r and 2·cp − 1 − r (cp = 2: rank 0 holds 
 ``get_batch_on_this_cp_rank``; PyTorch's ``_HeadTailLoadBalancer``). Every tensor with a sequence dim
 (tokens, labels, loss mask, position ids, the rows of a dense attention mask) is sliced alike; labels are
 shifted on the whole sequence before, so no chunk needs its neighbour's tokens. RoPE angles are those of
-the global positions of the two chunks (`local_positions`).
+the global positions of the two chunks (`local_positions`). Document offsets (``cu_seqlens``,
+``data.reset_attention_mask``) stay whole on every CP rank: they describe the whole sequence, which the CP
+attention's blocks index by global position (`cp_blocks`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def check_context_parallel(parallel, model, data=None) -> None:
         ConfigError: cp below 1; an unknown cp_comm_type; a model.seq_length that 2·cp does not divide (or,
             under sequence parallelism, whose s/cp tp does not divide);
             cp > 1 with an MoE model (its aux-loss and dispatch statistics are not reduced over CP), or with
-            attention dropout (the ring's blocks draw no dropout mask), or with data.reset_attention_mask under
-            p2p / a2a (causal only; cp_comm_type=all_gather takes the dense mask) or without
-            data.create_attention_mask_in_dataloader (the offsets are not split over CP); a2a with heads (query or K/V,
-            per TP rank) that cp does not divide.
+            attention dropout (the ring's blocks draw no dropout mask), or with the dense document mask
+            (data.reset_attention_mask and data.create_attention_mask_in_dataloader) under p2p / a2a (they take the
+            document offsets; all_gather takes either); a2a with heads (query or K/V, per TP rank) that cp does not
+            divide.
     """
     cp = parallel.context_parallel_size
     if cp is None or cp < 1:
@@ -57,15 +59,12 @@ def check_context_parallel(parallel, model, data=None) -> None:
     if model.attention_dropout:
         raise ConfigError(f"parallel.context_parallel_size={cp} needs model.attention_dropout=0 (got "
                           f"{model.attention_dropout}): the CP attention draws no dropout mask")
-    if data is not None and data.reset_attention_mask and parallel.cp_comm_type != "all_gather":
-        raise ConfigError(f"data.reset_attention_mask=true with parallel.context_parallel_size={cp} needs "
-                          f"parallel.cp_comm_type=all_gather (cp_comm_type={parallel.cp_comm_type} computes causal "
-                          "attention only)")
-    if data is not None and data.reset_attention_mask and not data.create_attention_mask_in_dataloader:
-        # the all_gather attention slices the dense mask's query rows; document offsets are not split over CP yet
-        raise ConfigError(f"data.reset_attention_mask=true with parallel.context_parallel_size={cp} needs "
-                          "data.create_attention_mask_in_dataloader=true (CP attention takes the dense [b,1,s,s] "
-                          "mask's rows, not document offsets)")
+    dense = data is not None and data.reset_attention_mask and data.create_attention_mask_in_dataloader
+    if dense and parallel.cp_comm_type != "all_gather":
+        # the ring and a2a compute the documents from the offsets; the dense mask's rows are all_gather's only
+        raise ConfigError(f"data.create_attention_mask_in_dataloader=true with parallel.context_parallel_size={cp} "
+                          f"needs parallel.cp_comm_type=all_gather (cp_comm_type={parallel.cp_comm_type} takes the "
+                          "document offsets); set data.create_attention_mask_in_dataloader=false")
     if parallel.cp_comm_type == "a2a":
         heads, groups = model.num_attention_heads, model.num_query_groups or model.num_attention_heads
         if (heads // tp) % cp or (groups // tp) % cp:
@@ -103,15 +102,19 @@ def slice_batch(batch: dict, cp_size: int, cp_rank: int) -> dict:
 
     Args:
         batch: {"tokens", "labels", "position_ids", "loss_mask": [b, s], "attention_mask": None or
-            [b, 1, s, s] bool}.
+            [b, 1, s, s] bool, optionally "cu_seqlens": None or [b, s + 1] int64}.
     Returns:
         the same keys: ``[b, s/cp]`` for the token tensors; the attention mask keeps its columns (the whole
-        sequence's keys, in global order) and only this rank's query rows: ``[b, 1, s/cp, s]``.
+        sequence's keys, in global order) and only this rank's query rows: ``[b, 1, s/cp, s]``; ``cu_seqlens``
+        whole (the document boundaries of the whole sequence, in global positions).
     """
     if cp_size == 1:
         return batch
+    whole = ("attention_mask", "cu_seqlens")
     out = {k: (slice_sequence(v, 1, cp_size, cp_rank) if v is not None else None)
-           for k, v in batch.items() if k != "attention_mask"}
+           for k, v in batch.items() if k not in whole}
+    if "cu_seqlens" in batch:
+        out["cu_seqlens"] = batch["cu_seqlens"]
     mask: Optional[torch.Tensor] = batch.get("attention_mask")
     out["attention_mask"] = None if mask is None else slice_sequence(mask, 2, cp_size, cp_rank)
     return out

@@ -18,6 +18,10 @@ merge by their log-sum-exp in fp32 (online softmax, Milakov & Gimelshein 2018):
 The backward pass (FlashAttention-2's block backward with the final out and lse) rotates K/V again and
 sends each block's dK/dV accumulator along with it; after cp hops it is back on its owner, whole.
 The exchange of K/V never waits for the block it overlaps; the accumulator's send overlaps the next block.
+With document masking (``data.reset_attention_mask``) every rank knows the whole sequence's documents, and each
+step computes only the (query chunk, key chunk) blocks in which some query sees some key (`cp_blocks`): fully
+visible blocks through the flash kernel, blocks cut by a document boundary through the fp32 matmuls with a
+``[b, 1, c, c]`` mask; a skipped block adds nothing to the merge or to the backward's accumulators.
 
 ``a2a`` (DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all turns each of q, k, v from ``[sl, b, heads, d]``
 into ``[s, b, heads/cp, d]`` (this rank's share of the heads, the whole sequence), plain causal attention runs on
@@ -26,7 +30,9 @@ K/V) must split over cp. The backward of each all-to-all is the reverse exchange
 
 ``all_gather``: K/V of every CP rank gathered (backward: their grads reduce-scattered), put in global order,
 and this rank's queries attend with a mask built from the global positions (or the rows of a dense
-document mask, `data.reset_attention_mask`). Exact and simple; the gathered K/V cost s/sl times the memory.
+document mask, or per chunk `document_attention` from the document offsets: `data.reset_attention_mask`).
+Exact and simple; the gathered K/V cost s/sl times the memory. ``a2a`` with documents runs `document_attention`
+on its heads' whole sequence, as at cp = 1.
 
 Block kernels (`block_kernel`): ATen's flash-attention ops, which return the log-sum-exp and take the final
 (out, lse) in their backward (on CPU any float dtype; on CUDA fp16 / bf16 with head dims up to 256); elsewhere
@@ -43,7 +49,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mptrain.layers.context_parallel import local_positions
+from mptrain.layers.context_parallel import chunk_bounds, local_positions
+from mptrain.layers.cp_blocks import causal_plan, document_plan
+from mptrain.layers.document_mask import DocumentMask, document_attention
 from mptrain.layers.dtypes import HALF_DTYPES
 from mptrain.layers.mappings import all_to_all, gather_from_sequence_parallel_region
 
@@ -64,28 +72,34 @@ def _fold(x: torch.Tensor, rep: int) -> torch.Tensor:
     return x.view(b, h // rep, rep, n, d).sum(dim=2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """fp32 ``q kᵀ / sqrt(d)`` ``[b, h, rows, cols]``; causal (rows = cols): −inf above the diagonal."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, visible: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 ``q kᵀ / sqrt(d)`` ``[b, h, rows, cols]``; causal (rows = cols): −inf above the diagonal; ``visible``
+    (``[b, 1, rows, cols]`` bool, a document-masked block): −inf where False."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         n = scores.shape[-1]
         scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
     return scores
 
 
-def block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` -> (out ``[b, h, rows, d]``, lse ``[b, h, rows]``), fp32."""
-    scores = _scores(q, k, causal)
+def block_forward(q, k, v, causal: bool, visible: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` -> (out ``[b, h, rows, d]``, lse ``[b, h, rows]``), fp32.
+    A query that sees no key of the block (``visible``) gets out 0 and lse −inf: it adds nothing to the merge."""
+    scores = _scores(q, k, causal, visible)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    # exp(−inf − 0) = 0 for a query without keys, where exp(−inf − lse) would be nan
+    out = torch.matmul(torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1)), v.float())
     return out, lse
 
 
-def block_backward(q, k, v, dout, lse, delta, causal: bool):
+def block_backward(q, k, v, dout, lse, delta, causal: bool, visible: Optional[torch.Tensor] = None):
     """The block's (dq, dk, dv) in fp32 given the final ``lse`` and ``delta = rowsum(dout · out)`` ``[b, h, rows]``
-    (FlashAttention-2, Dao 2023, Algorithm 2): P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta)."""
+    (FlashAttention-2, Dao 2023, Algorithm 2): P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta).
+    The final lse is finite (every query sees itself), so masked scores give P = 0."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    p = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, causal, visible) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta.unsqueeze(-1))
     dq = torch.matmul(ds, k.float()) * scale
@@ -103,11 +117,13 @@ def block_kernel(q: torch.Tensor) -> str:
     return "matmul"
 
 
-def _fwd(kernel: str, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+def _fwd(kernel: str, q, k, v, causal: bool,
+         visible: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
     """One block's (out, lse) in fp32 and, for the CUDA kernel, the forward's (cum_seq_q, cum_seq_k, rng_state,
-    unused) that its backward takes back; q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` (equal head counts)."""
-    if kernel == "matmul":
-        return (*block_forward(q, k, v, causal), None)
+    unused) that its backward takes back; q ``[b, h, rows, d]``, k, v ``[b, h, cols, d]`` (equal head counts).
+    A masked block (``visible``, `cp_blocks.Block`) always runs the fp32 matmuls: the flash kernels take no mask."""
+    if kernel == "matmul" or visible is not None:
+        return (*block_forward(q, k, v, causal, visible), None)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if kernel == "cpu_flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
@@ -116,12 +132,14 @@ def _fwd(kernel: str, q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor
     return res[0].float(), res[1].float(), (res[2], res[3], res[6], res[7])
 
 
-def _bwd(kernel: str, q, k, v, dout, out, lse, delta, causal: bool, meta: Optional[tuple] = None):
+def _bwd(kernel: str, q, k, v, dout, out, lse, delta, causal: bool, meta: Optional[tuple] = None,
+         visible: Optional[torch.Tensor] = None):
     """One block's (dq, dk, dv) in fp32 from the final ``out`` (q's dtype), ``lse`` and ``delta`` (fp32; the flash
     kernels compute delta themselves from ``out``). ``meta``: a CUDA forward's metadata (`_fwd`; without dropout
-    or variable lengths every block's is alike: PyTorch's own ring passes one forward's to every block)."""
-    if kernel == "matmul":
-        return block_backward(q, k, v, dout.float(), lse, delta, causal)
+    or variable lengths every block's is alike: PyTorch's own ring passes one forward's to every block).
+    ``visible``: a masked block's mask (the fp32 matmuls, as in `_fwd`)."""
+    if kernel == "matmul" or visible is not None:
+        return block_backward(q, k, v, dout.float(), lse, delta, causal, visible)
     q, k, v, dout, out, lse = (t.contiguous() for t in (q, k, v, dout, out, lse))
     if kernel == "cpu_flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
@@ -160,37 +178,54 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _step_rows_cols(step: int, ring: _Ring, half: int) -> tuple[slice, slice, bool]:
-    """(query rows, K/V columns, causal) of ring step ``step`` on this rank (module docstring's three cases)."""
-    src = (ring.rank - step) % ring.size
-    if step == 0:
-        return slice(None), slice(None), True
-    if src < ring.rank:
-        return slice(None), slice(0, half), False
-    return slice(half, None), slice(None), False
+def forward_blocks(kernel: str, q, kv, blocks: list, out, lse, rep: int) -> Optional[tuple]:
+    """Fold one ring step's blocks (`cp_blocks.Block`) into the running ``out`` ``[b, np, sl, d]`` and ``lse``
+    ``[b, np, sl]`` (fp32, in place); q ``[b, np, sl, d]``, kv ``[2, b, ng, sl, d]`` the held K/V. Returns a CUDA
+    flash forward's metadata (`_fwd`) or None. No process group: the ring's forward, step by step."""
+    meta = None
+    for blk in blocks:
+        o, l, block_meta = _fwd(kernel, q[:, :, blk.rows], _expand(kv[0][:, :, blk.cols], rep),
+                                _expand(kv[1][:, :, blk.cols], rep), blk.causal, blk.visible)
+        meta = meta or block_meta
+        merge(out[:, :, blk.rows], lse[:, :, blk.rows], o, l)
+    return meta
+
+
+def backward_blocks(kernel: str, q, kv, blocks: list, dout, out, lse, delta, dq, rep: int,
+                    meta: Optional[tuple]) -> torch.Tensor:
+    """One ring step's backward: adds the blocks' dQ into ``dq`` ``[b, np, sl, d]`` (fp32, in place) and returns
+    their dK/dV ``[2, b, ng, sl, d]`` fp32 for the held K/V (zeros where no block looked: a skipped step).
+    ``out``, ``lse``, ``delta``: the final ones (`_bwd`)."""
+    acc = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
+    for blk in blocks:
+        rows, cols = blk.rows, blk.cols
+        bq, bk, bv = _bwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep),
+                          dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows], blk.causal, meta,
+                          blk.visible)
+        dq[:, :, rows] += bq
+        acc[0][:, :, cols] += _fold(bk, rep)
+        acc[1][:, :, cols] += _fold(bv, rep)
+    return acc
 
 
 class _RingAttention(torch.autograd.Function):
-    """q ``[b, np, sl, d]``, k, v ``[b, ng, sl, d]`` -> out ``[b, np, sl, d]`` in q's dtype (module docstring)."""
+    """q ``[b, np, sl, d]``, k, v ``[b, ng, sl, d]`` -> out ``[b, np, sl, d]`` in q's dtype (module docstring);
+    ``plan[step]``: the blocks of each step (`cp_blocks`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, kernel: str):
-        rep, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+    def forward(ctx, q, k, v, ring: _Ring, kernel: str, plan: list):
+        rep = q.shape[1] // k.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])  # [2, b, ng, sl, d]: one message per hop
         meta = None
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
-            rows, cols, causal = _step_rows_cols(step, ring, half)
-            o, l, block_meta = _fwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep),
-                                    _expand(kv[1][:, :, cols], rep), causal)
-            meta = meta or block_meta
-            merge(out[:, :, rows], lse[:, :, rows], o, l)
+            meta = forward_blocks(kernel, q, kv, plan[step], out, lse, rep) or meta
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
-        ctx.ring, ctx.kernel, ctx.meta = ring, kernel, meta
+        ctx.ring, ctx.kernel, ctx.meta, ctx.plan = ring, kernel, meta, plan
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -199,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, kernel = ctx.ring, ctx.kernel
-        rep, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        rep = q.shape[1] // k.shape[1]
         dout = dout.to(q.dtype)
         delta = (dout.float() * out.float()).sum(dim=-1)  # [b, np, sl]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -207,13 +242,7 @@ class _RingAttention(torch.autograd.Function):
         incoming = None  # the dK/dV accumulator of the block this rank holds, on its way from the previous rank
         for step in range(ring.size):
             pending = ring.exchange(kv, _KV_TAG) if step + 1 < ring.size else None
-            rows, cols, causal = _step_rows_cols(step, ring, half)
-            bq, bk, bv = _bwd(kernel, q[:, :, rows], _expand(kv[0][:, :, cols], rep), _expand(kv[1][:, :, cols], rep),
-                              dout[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows], causal, ctx.meta)
-            dq[:, :, rows] += bq
-            acc = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-            acc[0][:, :, cols] = _fold(bk, rep)
-            acc[1][:, :, cols] = _fold(bv, rep)
+            acc = backward_blocks(kernel, q, kv, ctx.plan[step], dout, out, lse, delta, dq, rep, ctx.meta)
             if incoming is not None:
                 _wait(incoming[0])
                 acc += incoming[1]
@@ -225,18 +254,25 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[1]
         _wait(incoming[0])  # after cp hops the accumulator of this rank's own block is back, whole
         dkv = incoming[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 @torch.compiler.disable  # point-to-point exchanges inside an autograd Function: eager only
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups,
-                   kernel: Optional[str] = None) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups, kernel: Optional[str] = None,
+                   documents: Optional[DocumentMask] = None) -> torch.Tensor:
     """``cp_comm_type=p2p``: q ``[b, np, sl, d]``, k, v ``[b, ng, sl, d]`` (RoPE applied) -> ``[b, np, sl, d]``.
 
     ``kernel``: the block kernel ("cpu_flash", "cuda_flash", "matmul"); None = `block_kernel` (q's device and dtype).
+    ``documents``: the micro-batch's `DocumentMask` over the whole sequence (``data.reset_attention_mask``):
+    causal within documents, blocks no query may see skipped (`cp_blocks.document_plan`); None = causal.
     Collective over ``groups.cp_group`` (every CP rank calls it for the same layer, forward and backward).
     """
-    return _RingAttention.apply(q, k, v, _Ring(groups), kernel or block_kernel(q))
+    ring = _Ring(groups)
+    if documents is None:
+        plan = causal_plan(ring.size, ring.rank, q.shape[2])
+    else:
+        plan = document_plan(documents, ring.size, ring.rank)
+    return _RingAttention.apply(q, k, v, ring, kernel or block_kernel(q), plan)
 
 
 def _rank_order(cp: int) -> list:
@@ -276,35 +312,48 @@ def _sequence_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 
 @torch.compiler.disable  # collectives with uneven autograd: eager only
-def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups) -> torch.Tensor:
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups,
+                  documents: Optional[DocumentMask] = None) -> torch.Tensor:
     """``cp_comm_type=a2a``: q ``[sl, b, np, d]``, k, v ``[sl, b, ng, d]`` -> ``[b, np, sl, d]`` (causal SDPA on
-    np/cp heads of the whole sequence). np and ng (this TP rank's) divide by cp (`check_context_parallel`).
-    Collective over ``groups.cp_group``."""
+    np/cp heads of the whole sequence; with ``documents``, the micro-batch's `DocumentMask`, causal within
+    documents as at cp = 1: `document_attention`). np and ng (this TP rank's) divide by cp
+    (`check_context_parallel`). Collective over ``groups.cp_group``."""
     cp, group = groups.cp_size, groups.cp_group
     qs, ks, vs = (_heads_to_sequence(t, group, cp) for t in (q, k, v))  # [s, b, heads/cp, d]
     rep = qs.shape[2] // ks.shape[2]
     qh = qs.permute(1, 2, 0, 3)
     kh, vh = _expand(ks.permute(1, 2, 0, 3), rep), _expand(vs.permute(1, 2, 0, 3), rep)
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [b, np/cp, s, d]
+    if documents is not None:
+        out = document_attention(qh, kh, vh, documents)  # [b, np/cp, s, d]
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [b, np/cp, s, d]
     return _sequence_to_heads(out.permute(2, 0, 1, 3), group, cp).permute(1, 2, 0, 3)
 
 
 @torch.compiler.disable  # collectives with uneven autograd: eager only
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups,
-                         attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         attention_mask=None) -> torch.Tensor:
     """``cp_comm_type=all_gather``: q ``[sl, b, np, d]``, k, v ``[sl, b, ng, d]`` -> ``[b, np, sl, d]`` (SDPA).
 
-    attention_mask: None (causal over global positions) or this rank's rows of a dense mask ``[b, 1, sl, s]``
-    bool, True = masked (`context_parallel.slice_batch`), columns in global order.
+    attention_mask: None (causal over global positions), this rank's rows of a dense mask ``[b, 1, sl, s]``
+    bool, True = masked (`context_parallel.slice_batch`), columns in global order, or the micro-batch's
+    `DocumentMask` over the whole sequence (each of this rank's two chunks against the keys up to its end:
+    `document_attention` with the chunk's offset, no ``s × s`` mask).
     Collective over ``groups.cp_group``.
     """
     cp, sl = groups.cp_size, q.shape[0]
     k_all = _global_order(gather_from_sequence_parallel_region(k.contiguous(), groups.cp_group), cp)  # [s, b, ng, d]
     v_all = _global_order(gather_from_sequence_parallel_region(v.contiguous(), groups.cp_group), cp)
-    if attention_mask is None:
-        pos = local_positions(sl * cp, cp, groups.cp_rank, device=q.device)
-        attention_mask = torch.arange(sl * cp, device=q.device).unsqueeze(0) > pos.unsqueeze(1)  # [sl, s]
     rep = q.shape[2] // k.shape[2]
     qh = q.permute(1, 2, 0, 3)  # [b, np, sl, d]
     kh, vh = _expand(k_all.permute(1, 2, 0, 3), rep), _expand(v_all.permute(1, 2, 0, 3), rep)  # [b, np, s, d]
+    if isinstance(attention_mask, DocumentMask):
+        parts = []
+        for i, (start, end) in enumerate(chunk_bounds(sl * cp, cp, groups.cp_rank)):
+            rows = qh[:, :, i * (sl // 2):(i + 1) * (sl // 2)]  # the chunk's queries see keys before its end only
+            parts.append(document_attention(rows, kh[:, :, :end], vh[:, :, :end], attention_mask, q_offset=start))
+        return torch.cat(parts, dim=2)
+    if attention_mask is None:
+        pos = local_positions(sl * cp, cp, groups.cp_rank, device=q.device)
+        attention_mask = torch.arange(sl * cp, device=q.device).unsqueeze(0) > pos.unsqueeze(1)  # [sl, s]
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=~attention_mask)

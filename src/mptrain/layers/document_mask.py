@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,7 @@ class DocumentMask:
         self._document_ids: Optional[torch.Tensor] = None
         self._segments: Optional[list] = None
         self._block_masks: dict = {}
+        self._memo: dict = {}
 
     def document_ids(self) -> torch.Tensor:
         """``[b, s]`` int64: the index of each position's document in its sequence (no host read)."""
@@ -105,6 +106,13 @@ class DocumentMask:
                                                        device=self.cu_seqlens.device,
                                                        _compile=self.cu_seqlens.is_cuda)
         return self._block_masks[key]
+
+    def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()``, called once per ``key`` for this micro-batch (a context-parallel ring's block plan,
+        `mptrain.layers.cp_blocks`): every layer, recomputation and backward of the micro-batch reuses it."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def prepare(self, backend: str) -> None:
         """Build what ``backend`` reads (the whole-sequence block mask, or the host segments) now, outside any

@@ -30,6 +30,7 @@ from mptrain.layers.attention import check_attention_backend, rotary_dim
 from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
 from mptrain.layers.context import LayerContext, layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
+from mptrain.layers.cp_blocks import document_plan
 from mptrain.layers.document_mask import DocumentMask, document_backend
 from mptrain.layers.embedding import GPTEmbedding, padded_vocab_size, vocab_range, vocab_shard_spec
 from mptrain.layers.grad_accumulation_fusion import MainGradOf
@@ -397,12 +398,22 @@ class GPTModel(torch.nn.Module):
         Under ``compile_scope=chunk`` one compiled graph (``compiled_chunk``). A `DocumentMask` as
         ``attention_mask`` gets what its backend reads built here, once for all layers and outside the graph."""
         if isinstance(attention_mask, DocumentMask):
-            dropout_p = self.config.attention_dropout if self.training else 0.0
-            head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
-            attention_mask.prepare(document_backend(self.context.device, head_dim=head_dim, dropout_p=dropout_p))
+            self._prepare_documents(attention_mask)
         if self._compiled_forward is not None:
             return self._compiled_forward(input_ids, position_ids, attention_mask, labels, self.input_tensor)
         return self._forward(input_ids, position_ids, attention_mask, labels, self.input_tensor)
+
+    def _prepare_documents(self, mask: DocumentMask) -> None:
+        """What the attention reads from the micro-batch's documents, built once for all layers: the ring's block
+        plan under context parallelism with ``cp_comm_type=p2p`` (`mptrain.layers.cp_blocks`), else the
+        document backend's structures over the whole sequence."""
+        cp = getattr(self.groups, "cp_size", 1)
+        if cp > 1 and self.context.cp_comm_type == "p2p":
+            document_plan(mask, cp, self.groups.cp_rank)
+            return
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        head_dim = self.config.kv_channels or self.config.hidden_size // self.config.num_attention_heads
+        mask.prepare(document_backend(self.context.device, head_dim=head_dim, dropout_p=dropout_p))
 
     def _forward(self, input_ids, position_ids, attention_mask, labels, input_tensor) -> torch.Tensor:
         # the received activations are an argument, not an attribute read: a graph input per call

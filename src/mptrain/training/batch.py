@@ -44,8 +44,8 @@ class BatchError(DataError):
 
 def uses_document_offsets(cfg) -> bool:
     """Whether batches carry ``cu_seqlens`` (no ``[b, 1, s, s]`` mask): ``data.reset_attention_mask`` without
-    ``data.create_attention_mask_in_dataloader`` (which context parallelism requires:
-    `mptrain.layers.context_parallel.check_context_parallel`)."""
+    ``data.create_attention_mask_in_dataloader`` (every CP rank gets them whole:
+    `mptrain.layers.context_parallel.slice_batch`)."""
     return bool(cfg.data.reset_attention_mask) and not cfg.data.create_attention_mask_in_dataloader
 
 

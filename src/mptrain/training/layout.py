@@ -1,6 +1,6 @@
 """layout.json: per-rank facts gathered to rank 0, showing that the parallelism is real (DESIGN.md §2).
 
-    {"world_size": 4, "ranks": [{"rank": 0, "tp": 0, "pp": 0, "dp": 0, "vpp": null,
+    {"world_size": 4, "ranks": [{"rank": 0, "tp": 0, "pp": 0, "dp": 0, "cp": 0, "vpp": null,
       "layers": [0, 1], "num_params": 12345, "param_dtype": "float16",
       "main_param_dtype": "float32", "optimizer_state_bytes": 98760, "schedule": "1f1b",
       "max_inflight_microbatches": 2, "bytes_sent": {"tp": 0, "pp": 0, "dp": 0, "embedding": 0},
@@ -101,7 +101,7 @@ class RankFacts:
     """One rank's entry in layout.json (field order = the JSON key order of DESIGN.md §2).
 
     Attributes:
-        rank, tp, pp, dp: global rank and its coordinates.
+        rank, tp, pp, dp, cp: global rank and its coordinates (cp: its context-parallel rank, 0 without CP).
         vpp: virtual pipeline size (None when not interleaved).
         layers: global indices of the transformer layers held (all virtual chunks), sorted.
         num_params: local parameter elements (padding and shared copies excluded).
@@ -123,6 +123,8 @@ class RankFacts:
     tp: int
     pp: int
     dp: int
+    # keyword-only, so positional construction keeps its order; JSON order still puts it beside dp
+    cp: int = dataclasses.field(default=0, kw_only=True)
     vpp: Optional[int]
     layers: list
     num_params: int
@@ -166,6 +168,7 @@ class RankFacts:
             tp=groups.tp_rank,
             pp=groups.pp_rank,
             dp=groups.dp_rank,
+            cp=groups.cp_rank,
             vpp=groups.vpp_size,
             layers=list(layers),
             num_params=int(num_params),

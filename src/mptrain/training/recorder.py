@@ -23,6 +23,7 @@ from mptrain.distributed.held_bytes import aliases_param, held_bytes, strategy_l
 from mptrain.distributed.strategy import sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
+from mptrain.layers.cp_blocks import RING_DOCUMENTS_NOTE
 from mptrain.layers.document_mask import describe_document_attention
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.moe.experts import describe_experts
@@ -62,12 +63,15 @@ def kernels_line(built) -> str:
 
 def attention_note(cfg, device) -> str:
     """`` attention=documents (<backend>)`` with ``data.reset_attention_mask`` (training's backend on ``device``:
-    `mptrain.layers.document_mask.describe_document_attention`), `` attention=dense [b,1,s,s] mask (...)`` when
+    `mptrain.layers.document_mask.describe_document_attention`; under ``cp_comm_type=p2p`` the ring's blocks,
+    `mptrain.layers.cp_blocks`), `` attention=dense [b,1,s,s] mask (...)`` when
     ``data.create_attention_mask_in_dataloader`` asks for it, else nothing (plain causal)."""
     if not cfg.data.reset_attention_mask:
         return ""
     if cfg.data.create_attention_mask_in_dataloader:
         return " attention=dense [b,1,s,s] mask (data.create_attention_mask_in_dataloader=true)"
+    if cfg.parallel.context_parallel_size > 1 and cfg.parallel.cp_comm_type == "p2p":
+        return RING_DOCUMENTS_NOTE
     model = cfg.model
     head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
     return describe_document_attention(device, head_dim=head_dim, dropout_p=model.attention_dropout)
