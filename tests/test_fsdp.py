@@ -19,6 +19,7 @@ STEPS = 4
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
         "train.micro_batch_size=2", "run.progress_bar=false"]
 Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
+HSDP2, HSDP1 = "parallel.data_parallel_shard_size=2", "parallel.data_parallel_shard_size=1"
 
 
 def _jobs(rank: int, world: int, jobs: list) -> None:
@@ -114,13 +115,33 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
     # tp2 x dp2 with SP (norm grads all-reduced over TP on the shards), pp2 x dp2 (the tied embedding's copies
     # reduced over the embedding group on the shards), interleaved pp2 vpp2 x dp2
     # evaluation in between (forward only: ZeRO-2 leaves the params gathered) changes nothing in training
+    # HSDP: dp4 = shard 2 x replicate 2 (grads reduce-scattered within [0,1] / [2,3], the shards all-reduced across
+    # [0,2] / [1,3]), with two micro-batches per rank; a ZeRO-3 HSDP checkpoint after iteration 2 resumed by DDP at
+    # tp2 x pp2 (dp 1), which trains iterations 3 and 4 as the one-process run
     evaluate = ["train.eval_interval=2", "train.eval_iters=1"]
-    runs = _train(tmp_path, 4, {"tp2dp2_sp_z3": ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate],
-                                "tp2dp2_z2": ["parallel=tp2pp1", Z2],
-                                "pp2dp2_z3": ["parallel=tp1pp2", Z3],
-                                "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2, *evaluate]})
+    ckpt = tmp_path / "hsdp_ckpt"
+    runs = _train(tmp_path, 4, [("tp2dp2_sp_z3", ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate]),
+                                ("tp2dp2_z2", ["parallel=tp2pp1", Z2]),
+                                ("pp2dp2_z3", ["parallel=tp1pp2", Z3]),
+                                ("pp2vpp2dp2_z2", ["parallel=tp1pp2vpp2", Z2, *evaluate]),
+                                ("hsdp_z3", ["parallel=tp1pp1", Z3, HSDP2, "train.micro_batch_size=1"]),
+                                ("hsdp_z2", ["parallel=tp1pp1", Z2, HSDP2]),
+                                ("hsdp_split", ["parallel=tp1pp1", Z3, HSDP2, "train.exit_interval=2",
+                                                f"checkpoint.save={ckpt}"]),
+                                ("hsdp_to_tp2pp2", ["parallel=tp2pp2", f"checkpoint.load={ckpt}"])])
+    resumed = runs.pop("hsdp_to_tp2pp2")
     for name, rows in runs.items():
-        _assert_same(rows, reference, name)
+        if name != "hsdp_split":
+            _assert_same(rows, reference, name)
+    assert [r["iteration"] for r in runs["hsdp_split"]] == [1, 2] and [r["iteration"] for r in resumed] == [3, 4]
+    for r, q in zip(runs["hsdp_split"] + resumed, reference):
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5), (r, q)
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (r, q)
+    ranks = json.loads((tmp_path / "hsdp_z3" / "layout.json").read_text())["ranks"]
+    # each rank holds half of the model (its shard group's half), the replicas the same halves
+    assert ranks[0]["param_bytes"] == ranks[2]["param_bytes"] and ranks[1]["param_bytes"] == ranks[3]["param_bytes"]
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=4, HSDP shard 2 x replicate 2)" in \
+        (tmp_path / "hsdp_z3" / "train.log").read_text()
     for name in ("tp2dp2_sp_z3", "pp2vpp2dp2_z2"):
         valid = read_rows(tmp_path / name, "valid")
         assert [r["iteration"] for r in valid] == [0, 2, 4], name
@@ -137,6 +158,12 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
     ([Z2, "parallel.context_parallel_size=2"], ["optim_grads", "context_parallel_size=2"]),
     ([Z2, "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
       "parallel.overlap_param_gather=true"], ["overlap_param_gather", "optim_grads"]),
+    # HSDP: the shard size divides dp (2 here); only the strategies that shard grads / params take it
+    ([Z3, "parallel.data_parallel_shard_size=4"], ["data_parallel_shard_size=4", "data-parallel size 2", "[1, 2]"]),
+    ([HSDP1, "parallel.use_distributed_optimizer=true"], ["data_parallel_shard_size=1", "optim_grads_params", "optim"]),
+    ([HSDP1], ["data_parallel_shard_size=1", "no_shard"]),
+    (["optim.optimizer_cpu_offload=true", "parallel.use_distributed_optimizer=true"],
+     ["optim.optimizer_cpu_offload=true", "optim_grads_params", "not optim"]),
 ])
 def test_refused_before_any_collective(overrides, words):
     from train_utils import compose
