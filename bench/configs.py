@@ -391,7 +391,7 @@ SHARDING = {
     "zero3": ("parallel.data_parallel_sharding_strategy=optim_grads_params",),
     "hsdp2x4": ("parallel.data_parallel_sharding_strategy=optim_grads_params", "parallel.data_parallel_shard_size=4"),
 }
-PLANNED_SHARDING = ("ddp", "zero1")  # the ones `mptrain.planner` models (its memory decides a skip)
+PLANNED_SHARDING = ("ddp", "zero1", "zero2", "zero3", "hsdp2x4")  # `mptrain.planner` models them: its memory decides a skip
 
 
 def _x8(gpus: int) -> list:
@@ -422,7 +422,7 @@ def _x8(gpus: int) -> list:
                                         fit_check=sharding in PLANNED_SHARDING,
                                         baseline=None if n == 1 else f"x8_{short}_n1_ddp", **d))
         rows.append(BenchConfig(f"x8_{short}_n8_hsdp2x4", model, 8, 1, 1, mbs, m, "bf16", warmup=warmup, iters=iters,
-                                recompute=recompute, overrides=SHARDING["hsdp2x4"], fit_check=False,
+                                recompute=recompute, overrides=SHARDING["hsdp2x4"],
                                 baseline=f"x8_{short}_n1_ddp", **d))
     # context parallelism: one sequence per step on cp GPUs (dp 1); 128k recomputes every layer to fit
     for model, recompute in (("gpt_1.3b_s32k", None), ("gpt_1.3b_s128k", "full")):

@@ -57,7 +57,8 @@ def dp_mesh(groups, device_type: Optional[str] = None) -> DeviceMesh:
     """The mesh FSDP shards over (no new communicator): this rank's DP group (``groups.dp_group``), or under HSDP
     the 2-D ``(dp_replicate, dp_shard)`` mesh of ``groups.dp_replicate_group`` × ``groups.dp_shard_group``: the DP
     group's ranks viewed as [dp / S, S], whose rows are the shard groups and columns the replica groups."""
-    device_type = device_type or groups.device.type
+    # a build on the meta device (`mptrain.check`'s dry run) shards over the host backend's mesh
+    device_type = device_type or ("cpu" if groups.device.type == "meta" else groups.device.type)
     if groups.dp_replicate_size == 1:
         return DeviceMesh.from_group(groups.dp_group, device_type)
     ranks = torch.tensor(groups.ranks["dp_cp"]).view(groups.dp_replicate_size, groups.dp_shard_size)
