@@ -174,7 +174,8 @@ class FullyShardedDataParallel(ChunkWrapper):
     def scale_gradients(self, factor) -> None:
         """Multiply every local grad shard by ``factor`` (a number or a 0-d tensor)."""
         for _, _, grad in self.named_main_grads():
-            grad.mul_(factor)
+            # offloaded shards: a device factor comes to the host (a 0-d CUDA tensor does not scale a host one)
+            grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
 
     def zero_grad_buffer(self) -> None:
         """Drop every sharded grad (the next backward starts from none)."""
