@@ -223,6 +223,15 @@ def test_megatron_fsdp_arguments_translate(capsys):
     assert main(args[:6] + args[7:]) == 0
     out, err = capsys.readouterr()
     assert "data_parallel_sharding_strategy" not in out and "--data-parallel-sharding-strategy" in err
+    # HSDP: 2 instances of dp 4 shard within groups of 2; offload of the shards. Under ZeRO-1 neither is carried
+    hsdp = ["--num-distributed-optimizer-instances", "2", "--optimizer-cpu-offload"]
+    assert main(args + hsdp) == 0
+    out = capsys.readouterr().out
+    assert "parallel.data_parallel_shard_size=2" in out and "optim.optimizer_cpu_offload=true" in out
+    assert main(args[:6] + hsdp) == 0
+    out, err = capsys.readouterr()
+    assert "data_parallel_shard_size" not in out and "optimizer_cpu_offload" not in out
+    assert "--num-distributed-optimizer-instances" in err and "--optimizer-cpu-offload" in err
 
 
 def test_optim_is_use_distributed_optimizer():
