@@ -27,6 +27,8 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
 * ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
   parallelism whatever the strategy (torchtitan: 1F1B interleaves forwards and backwards of micro-batches, so
   re-gathering per micro-batch costs two all-gathers each and cannot follow FSDP's prefetch order);
+* MoE experts under expert parallelism (ep > 1) are units of their own on the expert-data-parallel group's mesh
+  (their replicas), inside their layer's unit; at ep = 1 they shard with their layer over DP;
 * ``optim.optimizer_cpu_offload``: ``CPUOffloadPolicy`` (pinned on CUDA): the fp32 shards, their grads and so the
   optimizer's state and step live in host memory; each unit's all-gather copies its shards to the device first;
 * gradient accumulation (`no_sync` around every backward but a chunk's last): without PP each micro-batch's
@@ -82,6 +84,20 @@ def _units(chunk: torch.nn.Module) -> list:
     return units
 
 
+def _expert_modules(chunk: torch.nn.Module, specs: dict) -> list:
+    """The largest submodules of ``chunk`` whose params are all expert-parallel (`ShardSpec.expert_parallel`: the
+    routed experts of an MoE layer under ep > 1), in forward order."""
+    names = {n for n, spec in specs.items() if spec.expert_parallel}
+    found: list = []
+    for prefix, m in chunk.named_modules():
+        params = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters()]
+        if not params or not all(p in names for p in params):
+            continue
+        if not any(prefix.startswith(f"{q}.") for q, _ in found):
+            found.append((prefix, m))
+    return [m for _, m in found]
+
+
 class FullyShardedDataParallel(ChunkWrapper):
     """One model chunk sharded over ``groups.dp_group`` (HSDP: ``groups.dp_shard_group``) with FSDP2 (module
     docstring).
@@ -118,6 +134,13 @@ class FullyShardedDataParallel(ChunkWrapper):
         self._reshard, self.cpu_offload = reshard, cpu_offload
         # pinned host memory makes the shards' copies to the device asynchronous; a CPU-only build has none to pin
         offload = CPUOffloadPolicy(pin_memory=groups.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        # expert parallelism: each EP rank holds other experts, replicated over expert-DP: they shard there, as units
+        # of their own inside their layer's (torchtitan shards MoE experts over its dp-mod-ep mesh the same way)
+        if groups.ep_size > 1:
+            expert_mesh = DeviceMesh.from_group(groups.edp_group, mesh.device_type)
+            for experts in _expert_modules(module, self.specs):
+                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                            offload_policy=offload)
         units = _units(module)
         for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)

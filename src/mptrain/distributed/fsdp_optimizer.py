@@ -119,6 +119,10 @@ class FullyShardedOptimizer(OptimizerWrapper):
         # shards again: not summed), then over TP x PP
         return [self.groups.dp_shard_group, self.groups.mp_group]
 
+    def _expert_stats_groups(self) -> list:
+        # ep > 1: the experts' shards are distinct within expert-DP (their FSDP mesh), then over TP x PP and EP
+        return [self.groups.edp_group, self.groups.mp_group] + self._ep_groups()
+
     # --- accounting ----------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:
         """Bytes of the inner optimizer's state on this rank (the fp32 master weights are the params themselves)."""

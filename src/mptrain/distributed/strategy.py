@@ -99,7 +99,7 @@ def check_hsdp(parallel, data_parallel_size: int) -> int:
 def check_fully_sharded(cfg) -> None:
     """What ZeRO-2 / ZeRO-3 (`FULLY_SHARDED`) do not compose with, refused before any collective. Pure.
 
-    Refused: MoE models (expert weights would shard over the expert-data-parallel group), ``precision=fp8``
+    Refused: HSDP of an MoE model (the experts shard over the expert-data-parallel group), ``precision=fp8``
     (its per-iteration weight casts read the full weights), ``parallel.overlap_param_gather`` (ZeRO-1's
     all-gather after the step; FSDP gathers each layer before its forward), ``parallel.tp_comm_overlap`` and
     context parallelism (the FSDP mesh is the DP group, where CP's grads reduce over DP × CP).
@@ -115,9 +115,10 @@ def check_fully_sharded(cfg) -> None:
     if strategy not in FULLY_SHARDED:
         return
     fix = f"or set {KEY}=optim (ZeRO-1)"
-    if getattr(cfg.model, "num_moe_experts", None):
-        raise ConfigError(f"{KEY}={strategy} does not shard MoE expert weights yet (model.num_moe_experts="
-                          f"{cfg.model.num_moe_experts}); use a dense model {fix}")
+    shard = getattr(par, "data_parallel_shard_size", None)
+    if getattr(cfg.model, "num_moe_experts", None) and shard is not None:
+        raise ConfigError(f"{SHARD_KEY}={shard} (HSDP) does not split the expert-data-parallel group of an MoE "
+                          f"model (model.num_moe_experts={cfg.model.num_moe_experts}) yet; set {SHARD_KEY}=null")
     if cfg.precision.name == "fp8":
         raise ConfigError(f"{KEY}={strategy} does not compose with precision=fp8 yet (its weight casts read the "
                           f"full weights); use precision=bf16 {fix}")

@@ -25,6 +25,8 @@ Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimiz
                     weights: no main params), grads = their fp32 reduced shards, optimizer state of N_r / S
                     elements (torch.chunk's uneven rows: < S rows per tensor more on the first ranks, ignored).
                     With ``optim.optimizer_cpu_offload`` the three live in host memory (`MemoryParts.offloaded`).
+                    MoE under ep > 1: the rank's expert elements X_r shard over expert-DP instead, (N_r − X_r)/S +
+                    X_r/edp.
     gathered (FSDP's unsharded params at the peak, planned only): ZeRO-2 or pp > 1: N_r × bytes(compute)
                     (every layer stays gathered from its forward to its backward; under PP across the stage's
                     micro-batches, whose grads also accumulate unsharded: + N_r × 4); ZeRO-3 without PP: two
@@ -243,7 +245,8 @@ def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
     """weights, grads, main_params, optimizer_state (bytes) of one rank, wherever they live (module docstring)."""
     n = rp.numel
     if layout.fully_sharded:  # FSDP's fp32 shards are the params the optimizer steps
-        owned = n / layout.shard
+        experts = rp.expert_numel if layout.ep > 1 else 0  # ep > 1: the experts shard over expert-DP
+        owned = (n - experts) / layout.shard + experts / layout.expert_dp
         return {"weights": owned * 4, "grads": owned * 4, "main_params": 0.0,
                 "optimizer_state": owned * optimizer_state_bytes_per_element(cfg)}
     half = cfg.precision.name != "fp32"
