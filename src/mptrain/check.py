@@ -286,11 +286,16 @@ def format_report(cfg, facts: list, activations: Optional[dict] = None) -> tuple
     (`mptrain.planner.layouts.fit_verdict`), the activation line (``activations``: `measure_activations`'s result
     on CUDA, None: planned only), and an ``assumed:`` line when the optimizer state of ``optim._target_`` is not
     known to the planner."""
+    from mptrain.distributed.strategy import sharding_strategy
     from mptrain.planner.layouts import fit_verdict
     from mptrain.planner.memory import optimizer_states_per_element
 
-    lines = [f"check: model={cfg.model.name} world_size={len(facts)} parallel={cfg.parallel.name} "
-             f"precision={cfg.precision.name} distributed_optimizer={cfg.parallel.use_distributed_optimizer}",
+    p = cfg.parallel
+    hsdp = f" data_parallel_shard_size={p.data_parallel_shard_size}" if p.data_parallel_shard_size else ""
+    offload = " optimizer_cpu_offload=true" if cfg.optim.optimizer_cpu_offload else ""
+    lines = [f"check: model={cfg.model.name} world_size={len(facts)} parallel={p.name} "
+             f"precision={cfg.precision.name} distributed_optimizer={p.use_distributed_optimizer} "
+             f"data_parallel_sharding_strategy={sharding_strategy(p)}{hsdp}{offload}",
              MEASURED_PARTS,
              "rank tp pp dp  layers            params(local)  | GiB measured / planned: weights, grads, main | "
              "planned: optim state, acts+logits, total"]
