@@ -14,7 +14,8 @@ real shapes), ``full`` (configs a-d against megatron-core, ordered by priority s
 least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`),
 ``fp8`` (mptrain bf16 / fp8 tensorwise / fp8 rowwise, each beside the plain-PyTorch GPT in the same
 precision: torchao's ``convert_to_float8_training`` on its block linears), ``x8`` (the 8-GPU table:
-`bench/x8.py`).
+`bench/x8.py`), ``zero`` (one GPU: every data-parallel strategy at dp = 1 against no_shard, ZeRO-3 with CPU
+offload against without: `_zero`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ MODEL_SHAPES = {
     "tiny": ModelShape(4, 64, 4, 64, 1000),  # CPU tests only (vocab = data=mock's default)
     "gpt_350m": ModelShape(24, 1024, 16, 2048, 50257),
     "gpt_6.7b": ModelShape(32, 4096, 32, 2048, 50257),
+    "gpt_2.7b": ModelShape(32, 2560, 32, 2048, 50257),
     "moe_mixtral_small": ModelShape(12, 1024, 16, 2048, 32000),  # MoE: FLOPs from the whole preset
 }
 
@@ -391,7 +393,35 @@ SHARDING = {
     "zero3": ("parallel.data_parallel_sharding_strategy=optim_grads_params",),
     "hsdp2x4": ("parallel.data_parallel_sharding_strategy=optim_grads_params", "parallel.data_parallel_shard_size=4"),
 }
-PLANNED_SHARDING = ("ddp", "zero1")  # the ones `mptrain.planner` models (its memory decides a skip)
+PLANNED_SHARDING = ("ddp", "zero1", "zero2", "zero3", "hsdp2x4")  # `mptrain.planner` models them: its memory decides a skip
+
+
+def _zero(gpus: int) -> list:
+    """Sharded data parallelism on one GPU (variant ``default``, bf16; each row divided by its ``baseline`` of the
+    same call, `vs_baseline`):
+
+    * every strategy at dp = 1 against no_shard at gpt_1.3b: nothing to shard, nothing to pay (ZeRO-2 / ZeRO-3
+      run as no_shard at dp = 1, ZeRO-1 as a distributed optimizer over one rank): each ≥ 0.98 × the DDP row;
+    * ZeRO-3 + full recompute with ``optim.optimizer_cpu_offload`` (FSDP2 keeps the one rank's fp32 shards, their
+      grads and Adam's state in host memory, 16 bytes a param; the device holds two layers' bf16 params, the
+      recomputed activations and the logits) against the same without offload (at dp = 1 the DDP path: 18 bytes a
+      param on the device), at gpt_2.7b (both fit an H100: the price of offload) and gpt_6.7b, the largest GPT
+      preset whose host states fit the machine's 128 GiB (gpt_13b needs 208 GB); without offload it needs 120 GiB
+      of device memory: the planner skips it on an 80 GiB GPU."""
+    one = dict(gpus=1, tp=1, pp=1, precision="bf16", variants=("default",), peer=False)
+    rows = [BenchConfig(f"z_gpt1.3b_mb4x4_{s}", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, warmup=3, iters=8,
+                        timeout_s=200, overrides=SHARDING[s], baseline=None if s == "ddp" else "z_gpt1.3b_mb4x4_ddp",
+                        **one)
+            for s in ("ddp", "zero1", "zero2", "zero3")]
+    offload = SHARDING["zero3"] + ("optim.optimizer_cpu_offload=true",)
+    for model, short in (("gpt_2.7b", "gpt2.7b"), ("gpt_6.7b", "gpt6.7b")):
+        # 4 micro-batches: each gathers every layer twice from host memory (ZeRO-3 over one rank)
+        big = dict(model=model, micro_batch_size=1, num_microbatches=4, recompute="full", warmup=1, iters=3,
+                   timeout_s=420, **one)
+        rows += [BenchConfig(f"z_{short}_zero3_full_mb1x4", overrides=SHARDING["zero3"], **big),
+                 BenchConfig(f"z_{short}_zero3_full_offload_mb1x4", overrides=offload,
+                             baseline=f"z_{short}_zero3_full_mb1x4", **big)]
+    return [c for c in rows if c.gpus <= gpus]
 
 
 def _x8(gpus: int) -> list:
@@ -422,7 +452,7 @@ def _x8(gpus: int) -> list:
                                         fit_check=sharding in PLANNED_SHARDING,
                                         baseline=None if n == 1 else f"x8_{short}_n1_ddp", **d))
         rows.append(BenchConfig(f"x8_{short}_n8_hsdp2x4", model, 8, 1, 1, mbs, m, "bf16", warmup=warmup, iters=iters,
-                                recompute=recompute, overrides=SHARDING["hsdp2x4"], fit_check=False,
+                                recompute=recompute, overrides=SHARDING["hsdp2x4"],
                                 baseline=f"x8_{short}_n1_ddp", **d))
     # context parallelism: one sequence per step on cp GPUs (dp 1); 128k recomputes every layer to fit
     for model, recompute in (("gpt_1.3b_s32k", None), ("gpt_1.3b_s128k", "full")):
@@ -442,7 +472,8 @@ def _x8(gpus: int) -> list:
     return [c for c in rows if c.gpus <= gpus]
 
 
-SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small, "fp8": _fp8, "x8": _x8}
+SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small, "fp8": _fp8, "x8": _x8,
+          "zero": _zero}
 
 
 def suite(name: str, gpus: int, only: Optional[list] = None) -> list:

@@ -37,16 +37,12 @@ def _compose(overrides: list):
 
 def _prediction(cfg, rank_coords: dict, vocab_size: int) -> dict:
     from mptrain.training.validate import validate_config
-    from mptrain.planner.layouts import layout_config
-    from mptrain.planner.memory import PlanLayout, stage_memory
+    from mptrain.planner.layouts import config_layout, layout_config
+    from mptrain.planner.memory import stage_memory
     from mptrain.planner.params import rank_params
 
     d = validate_config(cfg, dist.get_world_size())
-    layout = PlanLayout(d.tensor_model_parallel_size, d.pipeline_model_parallel_size,
-                        d.virtual_pipeline_model_parallel_size, d.data_parallel_size,
-                        cfg.parallel.use_distributed_optimizer, cfg.model.recompute_granularity or "none",
-                        d.sequence_parallel, d.schedule, d.num_microbatches,
-                        ep=d.expert_model_parallel_size, edp=d.expert_data_parallel_size)
+    layout = config_layout(cfg, d)
     rp = rank_params(cfg.model, layout_config(cfg, layout).parallel, vocab_size=vocab_size,
                      pp_rank=rank_coords["pp"], tp_rank=rank_coords["tp"])
     parts = stage_memory(cfg, layout, rp, pp_rank=rank_coords["pp"], vocab_size=vocab_size)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run mptrain and the megatron-core peer on the same configs in one run; append JSON rows.
 
-    python3 bench/run_bench.py --suite quick|full|ceiling|small|fp8|x8 --out $OUT/results.jsonl --call-id ID \
+    python3 bench/run_bench.py --suite quick|full|ceiling|small|fp8|x8|zero --out $OUT/results.jsonl --call-id ID \
         [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
         [--plan] [--call K] [--dry-run-cpu]
 
@@ -508,7 +508,7 @@ def probe_sdpa(out_file: str) -> None:
 # --------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8", "x8"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8", "x8", "zero"), default="quick")
     p.add_argument("--out", default=str(ROOT / "bench" / "results.jsonl"), help="JSONL file to append rows to")
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")
@@ -600,7 +600,7 @@ def main(argv: Optional[list] = None) -> int:
     print(f"=== run_bench suite={args.suite} gpus={gpus} call_id={call_id} env={json.dumps(env)}", flush=True)
     (log_dir / "env.json").write_text(json.dumps(env, indent=1))
     summary = []
-    predict = args.suite == "x8"  # the planner's columns beside each row (and its memory's skip)
+    predict = args.suite in ("x8", "zero")  # the planner's columns beside each row (and its memory's skip)
     base_rows: dict = {}  # config name -> its mptrain "base" row of this call
     ours: dict = {}  # (config, variant) -> its mptrain row of this call
     for job in jobs:

@@ -190,18 +190,14 @@ def planner_prediction(cfg: BenchConfig, variant: str) -> dict:
     from mptrain.config.schema import as_config
     from mptrain.data.tokenizers import build_tokenizer, check_vocab_size
     from mptrain.planner.config import compose_plan
-    from mptrain.planner.layouts import plan_layout
-    from mptrain.planner.memory import PlanLayout
+    from mptrain.planner.layouts import config_layout, plan_layout
     from mptrain.training.validate import validate_config
 
     overrides = [o for o in mptrain_overrides(cfg, variant, "unused") if not o.startswith("run.")]
     try:
         c = as_config(compose_plan(overrides + [f"world_size={cfg.gpus}"]))
         d = validate_config(c, cfg.gpus)
-        layout = PlanLayout(d.tensor_model_parallel_size, d.pipeline_model_parallel_size,
-                            d.virtual_pipeline_model_parallel_size, d.data_parallel_size,
-                            c.parallel.use_distributed_optimizer, c.model.recompute_granularity or "none",
-                            d.sequence_parallel, d.schedule, d.num_microbatches)
+        layout = config_layout(c, d)  # the row's strategy, HSDP shard size and offload included
         vocab = check_vocab_size(c.model.vocab_size, build_tokenizer(c.data).vocab_size)
         rec = plan_layout(c, layout, c.hardware, vocab_size=vocab)
     except Exception as err:  # noqa: BLE001 -- a refusal is the column's value, the row still runs

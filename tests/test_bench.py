@@ -312,3 +312,18 @@ def test_x8_suite_rows_calls_and_needs(tmp_path, monkeypatch, capsys):
     assert out.count("## call ") == len(x8.split_calls(run_bench.plan(
         bc.suite("x8", 8), suite_name="x8", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)))
     assert "--suite x8 --call 1 --out $OUT/results.jsonl" in out
+
+
+def test_zero_suite_rows():
+    """One GPU: every strategy at dp 1 divided by the DDP row, ZeRO-3 + full recompute with CPU offload divided by
+    the same without; the overrides are the trainer's keys."""
+    cfgs = {c.name: c for c in bc.suite("zero", 1)}
+    assert list(cfgs) == [f"z_gpt1.3b_mb4x4_{s}" for s in ("ddp", "zero1", "zero2", "zero3")] + [
+        f"z_{m}_zero3_full{o}_mb1x4" for m in ("gpt2.7b", "gpt6.7b") for o in ("", "_offload")]
+    assert {c.layout for c in cfgs.values()} == {"tp1pp1dp1"}
+    assert [c.baseline for n, c in cfgs.items() if n.startswith("z_gpt1.3b")] == [None] + ["z_gpt1.3b_mb4x4_ddp"] * 3
+    offload = cfgs["z_gpt6.7b_zero3_full_offload_mb1x4"]
+    assert offload.baseline == "z_gpt6.7b_zero3_full_mb1x4" and offload.recompute == "full"
+    o = bc.mptrain_overrides(offload, "default", "run")
+    assert {"parallel.data_parallel_sharding_strategy=optim_grads_params", "optim.optimizer_cpu_offload=true",
+            "model.recompute_granularity=full", "model=gpt_6.7b"} <= set(o)

@@ -19,6 +19,8 @@ STEPS = 4
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
         "train.micro_batch_size=2", "run.progress_bar=false"]
 Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
+OFFLOAD = "optim.optimizer_cpu_offload=true"
+HSDP2, HSDP1 = "parallel.data_parallel_shard_size=2", "parallel.data_parallel_shard_size=1"
 
 
 def _jobs(rank: int, world: int, jobs: list) -> None:
@@ -39,7 +41,9 @@ def _train(tmp_path, world: int, jobs) -> dict:
 def reference_run(tmp_path_factory):
     """(rows, run folder) of the one-process run."""
     tmp = tmp_path_factory.mktemp("ref")
-    return _train(tmp, 1, {"tp1pp1": ["parallel=tp1pp1"]})["tp1pp1"], tmp / "tp1pp1"
+    # beside it (same pool task): ZeRO-3 over the one rank with its fp32 shards offloaded (`test_cpu_offload`)
+    return _train(tmp, 1, {"tp1pp1": ["parallel=tp1pp1"], "z3_offload": ["parallel=tp1pp1", Z3, OFFLOAD]})["tp1pp1"], \
+        tmp / "tp1pp1"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,7 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run):
                                 # full recompute: the layers' forwards run again inside the backward
                                 ("dp2_z3_recompute", ["parallel=tp1pp1", Z3, "model.recompute_granularity=full",
                                                       "model.recompute_method=uniform", "model.recompute_num_layers=1"]),
+                                ("dp2_z3_offload", ["parallel=tp1pp1", Z3, OFFLOAD]),
                                 ("fp16_ddp", FP16_OVERFLOW), ("fp16_z3", FP16_OVERFLOW + [Z3]),
                                 # ZeRO-3 saved after iteration 2 and resumed to 4
                                 ("z3_split", ["parallel=tp1pp1", Z3, "train.exit_interval=2", f"checkpoint.save={ckpt}"]),
@@ -77,6 +82,9 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run):
         _assert_same(runs[name], reference, name)
     # resume is bitwise: the floats read back from JSON are equal
     assert without_timing(runs["z3_split"]) == without_timing(runs["dp2_z3"])
+    # the offloaded shards step the same floats (on CPU the host is the compute device: the same kernels)
+    assert without_timing(runs["dp2_z3_offload"]) == without_timing(runs["dp2_z3"])
+    assert "(ZeRO-3, FSDP2, dp=2, CPU offload)" in (tmp_path / "dp2_z3_offload" / "train.log").read_text()
     ddp, z3 = runs["fp16_ddp"], runs["fp16_z3"]
     assert [r["skipped_iter"] for r in z3] == [r["skipped_iter"] for r in ddp] == [False, True, False, False]
     assert [r["loss_scale"] for r in z3] == [r["loss_scale"] for r in ddp] == [1024.0, 512.0, 512.0, 512.0]
@@ -84,6 +92,20 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run):
     for r, q in zip(z3, ddp):  # fp16 compute alike (params cast from the same fp32 values), fp32 reduction
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-4), (r, q)
     _assert_holds_half(tmp_path / "dp2_z3", reference_dir)
+
+
+def test_cpu_offload_keeps_fsdp_at_dp1(reference_run):
+    """optim.optimizer_cpu_offload at dp = 1: ZeRO-3 over the one rank (not the no_shard fallback), its fp32 shards
+    (the whole model) held as FSDP's params and stepped there, equal to the one-process run."""
+    reference, reference_dir = reference_run
+    run_dir = reference_dir.parent / "z3_offload"
+    _assert_same(read_rows(run_dir), reference, "z3_offload")
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=1, CPU offload) | this rank holds" in \
+        (run_dir / "train.log").read_text()
+    rank = json.loads((run_dir / "layout.json").read_text())["ranks"][0]
+    ref = json.loads((reference_dir / "layout.json").read_text())["ranks"][0]
+    assert rank["data_parallel_sharding_strategy"] == "optim_grads_params"
+    assert rank["param_bytes"] == ref["param_bytes"] and rank["grad_bytes"] == ref["grad_bytes"]
 
 
 def _assert_holds_half(run_dir, reference_dir) -> None:
@@ -114,13 +136,32 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
     # tp2 x dp2 with SP (norm grads all-reduced over TP on the shards), pp2 x dp2 (the tied embedding's copies
     # reduced over the embedding group on the shards), interleaved pp2 vpp2 x dp2
     # evaluation in between (forward only: ZeRO-2 leaves the params gathered) changes nothing in training
+    # HSDP: dp4 = shard 2 x replicate 2 (grads reduce-scattered within [0,1] / [2,3], the shards all-reduced across
+    # [0,2] / [1,3]), with two micro-batches per rank; its checkpoint of iteration 2 resumed by DDP at tp2 x pp2
+    # (dp 1), which trains iterations 3 and 4 as the one-process run
     evaluate = ["train.eval_interval=2", "train.eval_iters=1"]
-    runs = _train(tmp_path, 4, {"tp2dp2_sp_z3": ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate],
-                                "tp2dp2_z2": ["parallel=tp2pp1", Z2],
-                                "pp2dp2_z3": ["parallel=tp1pp2", Z3],
-                                "pp2vpp2dp2_z2": ["parallel=tp1pp2vpp2", Z2, *evaluate]})
+    ckpt = tmp_path / "hsdp_ckpt"
+    runs = _train(tmp_path, 4, [("tp2dp2_sp_z3", ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate]),
+                                ("tp2dp2_z2", ["parallel=tp2pp1", Z2]),
+                                ("pp2dp2_z3", ["parallel=tp1pp2", Z3]),
+                                ("pp2vpp2dp2_z2", ["parallel=tp1pp2vpp2", Z2, *evaluate]),
+                                ("hsdp_z3", ["parallel=tp1pp1", Z3, HSDP2, "train.micro_batch_size=1",
+                                             f"checkpoint.save={ckpt}", "checkpoint.save_interval=2"]),
+                                ("hsdp_z2", ["parallel=tp1pp1", Z2, HSDP2]),
+                                ("hsdp_to_tp2pp2", ["parallel=tp2pp2", f"checkpoint.load={ckpt}",
+                                                    "checkpoint.load_iteration=2"])])
+    resumed = runs.pop("hsdp_to_tp2pp2")
     for name, rows in runs.items():
         _assert_same(rows, reference, name)
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for r, q in zip(resumed, reference[2:]):
+        assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5), (r, q)
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (r, q)
+    ranks = json.loads((tmp_path / "hsdp_z3" / "layout.json").read_text())["ranks"]
+    # each rank holds half of the model (its shard group's half), the replicas the same halves
+    assert ranks[0]["param_bytes"] == ranks[2]["param_bytes"] and ranks[1]["param_bytes"] == ranks[3]["param_bytes"]
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=4, HSDP shard 2 x replicate 2)" in \
+        (tmp_path / "hsdp_z3" / "train.log").read_text()
     for name in ("tp2dp2_sp_z3", "pp2vpp2dp2_z2"):
         valid = read_rows(tmp_path / name, "valid")
         assert [r["iteration"] for r in valid] == [0, 2, 4], name
@@ -133,10 +174,16 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
     (["parallel.data_parallel_sharding_strategy=no_shard", "parallel.use_distributed_optimizer=true"],
      ["data_parallel_sharding_strategy=no_shard", "use_distributed_optimizer=true"]),
     (["parallel.data_parallel_sharding_strategy=zero3"], ["data_parallel_sharding_strategy", "'zero3'", "optim_grads"]),
-    ([Z3, "model.num_moe_experts=4"], ["optim_grads_params", "model.num_moe_experts=4"]),
+    ([Z3, "model.num_moe_experts=4", HSDP1], ["data_parallel_shard_size=1", "model.num_moe_experts=4"]),
     ([Z2, "parallel.context_parallel_size=2"], ["optim_grads", "context_parallel_size=2"]),
     ([Z2, "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
       "parallel.overlap_param_gather=true"], ["overlap_param_gather", "optim_grads"]),
+    # HSDP: the shard size divides dp (2 here); only the strategies that shard grads / params take it
+    ([Z3, "parallel.data_parallel_shard_size=4"], ["data_parallel_shard_size=4", "data-parallel size 2", "[1, 2]"]),
+    ([HSDP1, "parallel.use_distributed_optimizer=true"], ["data_parallel_shard_size=1", "optim_grads_params", "optim"]),
+    ([HSDP1], ["data_parallel_shard_size=1", "no_shard"]),
+    (["optim.optimizer_cpu_offload=true", "parallel.use_distributed_optimizer=true"],
+     ["optim.optimizer_cpu_offload=true", "optim_grads_params", "not optim"]),
 ])
 def test_refused_before_any_collective(overrides, words):
     from train_utils import compose
@@ -176,6 +223,15 @@ def test_megatron_fsdp_arguments_translate(capsys):
     assert main(args[:6] + args[7:]) == 0
     out, err = capsys.readouterr()
     assert "data_parallel_sharding_strategy" not in out and "--data-parallel-sharding-strategy" in err
+    # HSDP: 2 instances of dp 4 shard within groups of 2; offload of the shards. Under ZeRO-1 neither is carried
+    hsdp = ["--num-distributed-optimizer-instances", "2", "--optimizer-cpu-offload"]
+    assert main(args + hsdp) == 0
+    out = capsys.readouterr().out
+    assert "parallel.data_parallel_shard_size=2" in out and "optim.optimizer_cpu_offload=true" in out
+    assert main(args[:6] + hsdp) == 0
+    out, err = capsys.readouterr()
+    assert "data_parallel_shard_size" not in out and "optimizer_cpu_offload" not in out
+    assert "--num-distributed-optimizer-instances" in err and "--optimizer-cpu-offload" in err
 
 
 def test_optim_is_use_distributed_optimizer():

@@ -372,3 +372,22 @@ def test_gloo_world4_cp2_pp2():
     assert [o[1] for o in out] == [1.0, 1.0, 5.0, 5.0]
     assert [o[2] for o in out] == [0, 1, 0, 1]
     assert [o[3] for o in out] == [2] * 4 and [o[4] for o in out] == [1.0, 1.0, 5.0, 5.0] and [o[5] for o in out] == [0] * 4
+
+
+def test_hsdp_groups_world8_tp2_shard2():
+    """The module docstring's HSDP example: dp 4 cut into shard groups of 2 consecutive DP ranks (Megatron's
+    intra-instance groups) and the replicas of each shard (its inter-instance groups)."""
+    g = rank_groups(8, 2, 1, data_parallel_shard_size=2)
+    assert g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["dp_shard"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert g["dp_replicate"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    # 16 ranks, tp 2, pp 2, dp 4, shard 2: per PP stage as above, offset by 8
+    g = rank_groups(16, 2, 2, data_parallel_shard_size=2)
+    assert g["dp_shard"] == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
+    assert g["dp_replicate"] == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
+    # without HSDP the shard groups are the DP groups and the replicas single ranks
+    g = rank_groups(8, 2, 1)
+    assert g["dp_shard"] == g["dp"] and sorted(g["dp_replicate"]) == [[r] for r in range(8)]
+    with pytest.raises(ConfigError, match=r"^parallel.data_parallel_shard_size=3 must divide the data-parallel size "
+                                          r"4 .*one of \[1, 2, 4\] or null"):
+        rank_groups(8, 2, 1, data_parallel_shard_size=3)

@@ -82,6 +82,8 @@ LAYOUTS_2 = {
     "tp2_sp_alltoall": ["parallel=tp2pp1", "parallel.sequence_parallel=true"],
     "tp2_sp_allgather": ["parallel=tp2pp1", "parallel.sequence_parallel=true", "model.moe_token_dispatcher_type=allgather"],
     "tp2_sp_etp1": ["parallel=tp2pp1", "parallel.sequence_parallel=true", "parallel.expert_tensor_parallel_size=1"],
+    # ZeRO-3: the experts (ep 1: expert-DP is DP) sharded with their layer over the two DP ranks
+    "dp2_zero3": ["parallel=tp1pp1", "parallel.data_parallel_sharding_strategy=optim_grads_params"],
 }
 
 
@@ -104,6 +106,9 @@ LAYOUTS_EP = {
     # ZeRO-1: the expert weights' optimizer state sharded over expert-DP, the dense weights' over DP
     "dp2_ep2_zero1": (4, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05",
                           "parallel.use_distributed_optimizer=true"]),
+    # ZeRO-2: the dense weights sharded over DP (4 ranks), each rank's 2 experts over expert-DP (2 ranks)
+    "dp2_ep2_zero2": (4, ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "train.clip_grad=0.05",
+                          "parallel.data_parallel_sharding_strategy=optim_grads"]),
 }
 
 

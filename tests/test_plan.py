@@ -18,6 +18,7 @@ from mptrain.planner.config import compose_plan
 from procs import forkserver, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
+SHARDING = "parallel.data_parallel_sharding_strategy"
 TOL = 0.02  # required: within 2 % (the formulas ignore bucket padding and Adam's scalar `step` tensors)
 
 
@@ -32,9 +33,9 @@ def _measure_rank(rank, world, cfg, vocab_size):
 
     from mptrain.training.validate import validate_config
     from mptrain.groups import build_groups
-    from mptrain.planner.layouts import layout_config
+    from mptrain.planner.layouts import config_layout, layout_config
     from mptrain.planner.measure import layers_of, measured_rank_bytes
-    from mptrain.planner.memory import PlanLayout, model_state_bytes
+    from mptrain.planner.memory import model_state_bytes
     from mptrain.planner.params import rank_params
     from mptrain.training.layout import optimizer_state_bytes
     from mptrain.training.run import build_model_and_optimizer
@@ -43,16 +44,18 @@ def _measure_rank(rank, world, cfg, vocab_size):
     groups = build_groups(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
                           derived.virtual_pipeline_model_parallel_size,
                           expert_model_parallel_size=derived.expert_model_parallel_size,
-                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size)
+                          expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
+                          data_parallel_shard_size=cfg.parallel.data_parallel_shard_size)
     try:
         torch.manual_seed(0)
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
+        for chunk in chunks:
+            if not chunk.grad_buffers:  # ZeRO-2 / ZeRO-3 hold no grad before a backward: zero shards, as DDP's
+                chunk.finish_grad_sync()
         result = optimizer.step().result()  # zero grads: a real step that creates Adam's state
         assert result.update_successful
         measured = measured_rank_bytes(chunks, optimizer)
-        layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
-                            cfg.parallel.use_distributed_optimizer, "none", derived.sequence_parallel,
-                            derived.schedule, derived.num_microbatches, ep=groups.ep_size, edp=groups.edp_size)
+        layout = config_layout(cfg, derived)
         rp = rank_params(cfg.model, layout_config(cfg, layout).parallel, vocab_size=vocab_size,
                          pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
         zero1_state = optimizer.optimizer_state_bytes() if cfg.parallel.use_distributed_optimizer else None
@@ -86,6 +89,11 @@ CASES = [  # (model overrides, world, layout overrides)
     (["model=moe_tiny", "model.moe_shared_expert_intermediate_size=32"], 4,
      ["parallel=tp1pp1", "parallel.expert_model_parallel_size=2", "precision=bf16",
       "parallel.use_distributed_optimizer=true"]),
+    # ZeRO-3 at dp 2, ZeRO-2 at dp 4, ZeRO-3 HSDP at dp 4 = shard 2 × replicate 2: 1/S of every part on a rank
+    (["model=tiny"], 2, ["parallel=tp1pp1", "precision=bf16", f"{SHARDING}=optim_grads_params"]),
+    (["model=tiny"], 4, ["parallel=tp1pp1", "precision=fp32", f"{SHARDING}=optim_grads"]),
+    (["model=tiny"], 4, ["parallel=tp1pp1", "precision=bf16", f"{SHARDING}=optim_grads_params",
+                         "parallel.data_parallel_shard_size=2"]),
 ]
 
 
@@ -107,7 +115,16 @@ def test_model_states_equal_what_the_trainer_allocates(model, world, layout):
         assert o["inner_state"] == pytest.approx(p["optimizer_state"], rel=TOL)
         if o["zero1_state"] is not None:  # DistributedOptimizer.optimizer_state_bytes: main pieces + state
             assert o["zero1_state"] == pytest.approx(p["main_params"] + p["optimizer_state"], rel=TOL)
-    if "precision=bf16" in layout and "parallel.use_distributed_optimizer=true" not in layout:
+    shards = 2 if "parallel.data_parallel_shard_size=2" in layout else world
+    if any(o.startswith(SHARDING) for o in layout):
+        # every part is 1/S of no_shard's fp32 bytes, exactly here (the tiny model's rows divide by S): fp32 shards
+        # (the master weights: no main params), fp32 grad shards, Adam's two moments of the shard
+        for o in out:
+            m = o["measured"]
+            assert (m["weights"], m["grads"], m["main_params"]) == (4 * m["numel"] / shards, 4 * m["numel"] / shards, 0)
+            # + Adam's 4-byte `step` per tensor (52 of them here: 208 bytes, 0.02 %)
+            assert o["inner_state"] == pytest.approx(8 * m["numel"] / shards, rel=1e-3)
+    elif "precision=bf16" in layout and "parallel.use_distributed_optimizer=true" not in layout:
         # bf16: 2 (weights) + 4 (fp32 grads) + 4 (main) + 8 (Adam) bytes per element, exactly
         m = out[0]["measured"]
         assert (m["weights"], m["grads"], m["main_params"]) == (2 * m["numel"], 4 * m["numel"], 4 * m["numel"])
@@ -177,7 +194,7 @@ def test_json_output_schema_and_table():
     records = json.loads(out.stdout)
     assert isinstance(records, list) and records
     parts = {"weights", "grads", "main_params", "optimizer_state", "activations", "logits", "optimizer_workspace",
-             "total"}
+             "gathered", "offloaded", "total"}
     for r in records:
         assert {"tp", "pp", "vpp", "dp", "ep", "edp", "use_distributed_optimizer", "recompute", "memory_gib", "fits",
                 "tight", "bubble_fraction", "comm_bytes", "parameters"} <= set(r)
@@ -250,7 +267,34 @@ def test_the_search_splits_the_experts_and_counts_the_token_dispatch():
     assert parameters_line(records) == ("parameters: 332,416 total, 234,112 active per token (router, top-k experts, "
                                         "shared expert: what FLOPs and MFU count)")
     assert records[0]["parameters"]["total"] - records[0]["parameters"]["active"] == experts / 2  # 2 of 4 unused
-    assert format_table(records, gpu_memory_gib=80).splitlines()[1].split()[6:8] == ["ep", "zero1"]
+    assert format_table(records, gpu_memory_gib=80).splitlines()[1].split()[6:8] == ["ep", "zero"]
+
+
+def test_plan_searches_the_configured_zero3_beside_ddp_and_zero1():
+    """parallel.data_parallel_sharding_strategy=optim_grads_params with HSDP shard 2: the search adds ZeRO-3
+    layouts to DDP / ZeRO-1 ones; at dp 4 a rank holds half of every part (its shard group's), no main params,
+    and sends per micro-batch the two gathers (bf16) and the fp32 reduce-scatter over 2 ranks plus the fp32
+    shards' all-reduce over the 2 replicas."""
+    records = _plan(["model=tiny", "precision=bf16", "world_size=4", "train.global_batch_size=8",
+                     "train.micro_batch_size=2", f"{SHARDING}=optim_grads_params", "parallel.data_parallel_shard_size=2"])
+    one = {r["data_parallel_sharding_strategy"]: r for r in records
+           if (r["tp"], r["pp"], r["recompute"]) == (1, 1, "none")}
+    assert set(one) == {"no_shard", "optim", "optim_grads_params"}
+    z3, ddp = one["optim_grads_params"], one["no_shard"]
+    assert (z3["data_parallel_shard_size"], ddp["data_parallel_shard_size"]) == (2, None)
+    assert not z3["use_distributed_optimizer"] and not z3["optimizer_cpu_offload"]
+    zm, dm = z3["memory_gib"], ddp["memory_gib"]
+    n = dm["weights"] * 2**30 / 2  # bf16 elements of a rank
+    assert zm["weights"] == dm["weights"] and zm["grads"] == dm["grads"] / 2  # fp32 halves: 4N/2 vs 2N, 4N/2 vs 4N
+    assert zm["optimizer_state"] == dm["optimizer_state"] / 2 and zm["main_params"] == 0
+    assert zm["gathered"] > 0 == dm["gathered"]
+    assert zm["total"] == pytest.approx(zm["weights"] + zm["grads"] + zm["optimizer_state"] + zm["gathered"]
+                                        + zm["activations"] + zm["logits"])
+    # one micro-batch a rank: (2 gathers × 2 bytes + 4) × N × 1/2 + 2 × 1/2 × 4N / 2
+    assert z3["comm_bytes"]["dp"] == pytest.approx(6 * n)
+    # at tp 2 the DP group is 2 ranks, the configured shard size: plain ZeRO-3
+    assert {r["data_parallel_shard_size"] for r in records if r["tp"] == 2 and r["data_parallel_sharding_strategy"]
+            == "optim_grads_params"} == {2}
 
 
 def test_check_dry_run_on_meta_matches_planner():
@@ -264,6 +308,12 @@ def test_check_dry_run_on_meta_matches_planner():
     assert worst < 1e-9 and "worst" in text  # no DP padding at dp 1: exact
     for f in facts:
         assert f["measured"]["num_params"] == f["planned_num_params"]
+    # ZeRO-3 at dp 2 on meta: FSDP's local shards (half of each tensor here) are what the planner counts
+    cfg = _cfg(["model=tiny", "precision=bf16", "world_size=2", f"{SHARDING}=optim_grads_params"])
+    facts = run_check(cfg, 2, mp_context=forkserver())
+    text, worst = format_report(cfg, facts)
+    assert worst < 1e-9, text
+    assert [f["measured"]["weights"] for f in facts] == [2 * f["measured"]["numel"] for f in facts]  # 4 bytes / 2
 
 
 @pytest.mark.parametrize("capacity, padded, ep, rows", [
@@ -488,9 +538,6 @@ def test_check_counts_the_fp8_weight_casts_as_the_planner():
                                        "keyword 'fp8_recipee'; it accepts: fold_into_fused_step, log_num_zeros; did you mean "
                                        "precision.fp8_recipe? remove the key (~precision.fp8_recipee where a preset "
                                        "sets it) or fix its name"),
-    ("parallel.data_parallel_sharding_strategy=optim_grads_params",
-     "parallel.data_parallel_sharding_strategy=optim_grads_params: the planner does not model ZeRO-2 / ZeRO-3 yet; "
-     "plan with parallel.data_parallel_sharding_strategy=optim (ZeRO-1) or no_shard"),
 ])
 def test_bad_plan_numbers_are_one_line(override, line):
     from mptrain.errors import ConfigError

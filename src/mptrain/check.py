@@ -55,8 +55,8 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
     from mptrain.groups import build_groups
     from mptrain.layers.fp8 import apply_fp8, fp8_recipe_from
     from mptrain.planner.measure import layers_of, measured_rank_bytes, meta_groups
-    from mptrain.planner.layouts import layout_config
-    from mptrain.planner.memory import PlanLayout, model_state_bytes, stage_memory
+    from mptrain.planner.layouts import config_layout, layout_config
+    from mptrain.planner.memory import model_state_bytes, stage_memory
     from mptrain.planner.params import rank_params
     from mptrain.precision.module import unwrap
     from mptrain.training.run import build_model_and_optimizer
@@ -65,17 +65,14 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
                           derived.virtual_pipeline_model_parallel_size,
                           expert_model_parallel_size=derived.expert_model_parallel_size,
                           expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
-                          context_parallel_size=derived.context_parallel_size)
+                          context_parallel_size=derived.context_parallel_size,
+                          data_parallel_shard_size=cfg.parallel.data_parallel_shard_size)
     try:
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, meta_groups(groups), derived, vocab_size=vocab_size)
         # as `training.run.build`: precision=fp8 adds the block linears' cached FP8 weight casts
         apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers)
         measured = measured_rank_bytes(chunks, optimizer)
-        p = cfg.parallel
-        layout = PlanLayout(groups.tp_size, groups.pp_size, groups.vpp_size, groups.dp_size,
-                            p.use_distributed_optimizer, recompute_granularity(cfg.model) or "none",
-                            derived.sequence_parallel, derived.schedule, derived.num_microbatches,
-                            ep=groups.ep_size, edp=groups.edp_size, cp=groups.cp_size)
+        layout = config_layout(cfg, derived)
         c = layout_config(cfg, layout)
         rp = rank_params(cfg.model, c.parallel, vocab_size=vocab_size, pp_rank=groups.pp_rank, tp_rank=groups.tp_rank)
         planned = model_state_bytes(cfg, layout, rp)
@@ -289,11 +286,16 @@ def format_report(cfg, facts: list, activations: Optional[dict] = None) -> tuple
     (`mptrain.planner.layouts.fit_verdict`), the activation line (``activations``: `measure_activations`'s result
     on CUDA, None: planned only), and an ``assumed:`` line when the optimizer state of ``optim._target_`` is not
     known to the planner."""
+    from mptrain.distributed.strategy import sharding_strategy
     from mptrain.planner.layouts import fit_verdict
     from mptrain.planner.memory import optimizer_states_per_element
 
-    lines = [f"check: model={cfg.model.name} world_size={len(facts)} parallel={cfg.parallel.name} "
-             f"precision={cfg.precision.name} distributed_optimizer={cfg.parallel.use_distributed_optimizer}",
+    p = cfg.parallel
+    hsdp = f" data_parallel_shard_size={p.data_parallel_shard_size}" if p.data_parallel_shard_size else ""
+    offload = " optimizer_cpu_offload=true" if cfg.optim.optimizer_cpu_offload else ""
+    lines = [f"check: model={cfg.model.name} world_size={len(facts)} parallel={p.name} "
+             f"precision={cfg.precision.name} distributed_optimizer={p.use_distributed_optimizer} "
+             f"data_parallel_sharding_strategy={sharding_strategy(p)}{hsdp}{offload}",
              MEASURED_PARTS,
              "rank tp pp dp  layers            params(local)  | GiB measured / planned: weights, grads, main | "
              "planned: optim state, acts+logits, total"]

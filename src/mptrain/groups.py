@@ -47,6 +47,20 @@ expert_tensor_parallel_size=1 => EDP = 16 / (1 × 4 × 2) = 2::
     TP_EP  = EP here (etp × ep: the token dispatcher's group)
     PP     [0,8] [1,9] ... [7,15]                                 (the dense grid's PP groups, by construction)
 
+Sharded data parallelism within groups (HSDP, ``parallel.data_parallel_shard_size`` = S): the dp × cp ranks of
+one tp / pp coordinate are cut into R = dp·cp / S groups of S consecutive ones (Megatron-core's
+``intra_partial_data_parallel_group``, the ranks of one distributed-optimizer instance: ZeRO-2 / ZeRO-3 shard
+there) and the S groups of the ranks at the same place in each (``inter_partial_data_parallel_group``: the R
+replicas of one shard, whose grads are all-reduced). Worked example (checked by ``tests/test_groups.py``): 8 GPUs,
+tp=2, pp=1 => dp = 4; data_parallel_shard_size=2 => R = 2::
+
+    DP            [0,2,4,6] [1,3,5,7]
+    DP_SHARD      [0,2] [4,6] [1,3] [5,7]        (S consecutive DP ranks: FSDP2's "dp_shard" mesh dim)
+    DP_REPLICATE  [0,4] [2,6] [1,5] [3,7]        (every S-th DP rank: FSDP2's "dp_replicate" mesh dim)
+
+i.e. ``arange(world).view(pp, dp·cp / S, S, tp)`` (the dp × cp axis, cp fastest, split as (replicate, shard)).
+Without the key (or S = dp·cp) DP_SHARD is DP_CP and DP_REPLICATE the single ranks, sharing those handles.
+
 Both grids end in PP, so their PP groups coincide (Megatron asserts it). With ep = 1 and etp = tp
 the expert groups are the dense ones (ETP = TP, EDP = DP, TP_EP = TP) and share their handles.
 
@@ -68,10 +82,12 @@ import torch.distributed as dist
 
 from mptrain.errors import ConfigError, launch_rank_and_world
 
-DENSE_GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp")
-"""... "cp": the context-parallel ranks of one sequence; "dp_cp": dp × cp (dense grads and ZeRO-1 shards)."""
-SHARED_DENSE_KINDS = ("cp", "dp_cp")
-"""Dense kinds that take the handles of an equal kind built before them (at cp = 1, DP_CP = DP)."""
+DENSE_GROUP_KINDS = ("tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "dp_shard", "dp_replicate")
+"""... "cp": the context-parallel ranks of one sequence; "dp_cp": dp × cp (dense grads and ZeRO-1 shards);
+"dp_shard" / "dp_replicate": HSDP's shard groups and the replicas of one shard (the module docstring)."""
+SHARED_DENSE_KINDS = ("cp", "dp_cp", "dp_shard", "dp_replicate")
+"""Dense kinds that take the handles of an equal kind built before them (at cp = 1, DP_CP = DP; without HSDP,
+DP_SHARD = DP_CP and DP_REPLICATE the single ranks of CP at cp = 1)."""
 EXPERT_GROUP_KINDS = ("ep", "etp", "edp", "tp_ep")
 """The expert grid's groups: expert-model-parallel, expert-tensor-parallel, expert-data-parallel, and
 etp × ep (the token dispatcher's group; Megatron's ``_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP``)."""
@@ -354,9 +370,24 @@ def check_num_experts(num_moe_experts: Optional[int], expert_model_parallel_size
         )
 
 
+def check_shard_size(data_parallel_shard_size: Optional[int], dp_cp: int) -> int:
+    """HSDP's shard group size S: ``parallel.data_parallel_shard_size``, null = the whole dp × cp group.
+
+    Raises:
+        ConfigError: S below 1 or not dividing dp × cp (one line with the divisors).
+    """
+    shard = dp_cp if data_parallel_shard_size is None else data_parallel_shard_size
+    if shard < 1 or dp_cp % shard != 0:
+        divisors = [d for d in range(1, dp_cp + 1) if dp_cp % d == 0]
+        raise ConfigError(f"parallel.data_parallel_shard_size={data_parallel_shard_size} must divide the data-parallel "
+                          f"size {dp_cp} (shard within groups of that many DP ranks, replicate across them); set it to "
+                          f"one of {divisors} or null (shard over the whole DP group)")
+    return shard
+
+
 def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int, *,
                 expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
-                context_parallel_size: int = 1) -> dict:
+                context_parallel_size: int = 1, data_parallel_shard_size: Optional[int] = None) -> dict:
     """The rank lists of every group kind, as Megatron builds them (pure; no torch.distributed).
 
     Dense ranks are laid out as ``arange(world).view(pp, dp, cp, tp)``, expert ranks as
@@ -364,17 +395,21 @@ def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model
     with the remaining axes in Megatron's order, the fastest one (tp, then cp, dp, pp) varying fastest.
 
     Returns:
-        {"tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "ep", "etp", "edp", "tp_ep": [...]}, each a list
-        of rank lists, groups in Megatron's order. "mp" is tp x pp for one (dp, cp) index; "embedding" is
-        [first, last] of each PP group ([first] when pp == 1); "dp_cp" is dp x cp (cp fastest); "tp_ep" is
-        etp x ep (etp fastest).
+        {"tp", "pp", "dp", "mp", "embedding", "cp", "dp_cp", "dp_shard", "dp_replicate", "ep", "etp", "edp",
+        "tp_ep": [...]}, each a list of rank lists, groups in Megatron's order. "mp" is tp x pp for one (dp, cp)
+        index; "embedding" is [first, last] of each PP group ([first] when pp == 1); "dp_cp" is dp x cp (cp
+        fastest); "dp_shard" / "dp_replicate" cut each dp_cp group into ``data_parallel_shard_size`` consecutive
+        ranks / every S-th rank (Megatron's intra / inter partial data-parallel groups: for each dp_cp group in
+        order, its slices in order); "tp_ep" is etp x ep (etp fastest).
     Raises:
-        ConfigError: see `validate_layout`.
+        ConfigError: see `validate_layout`, `check_shard_size`.
     """
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     dp = validate_layout(world_size, tp, pp, context_parallel_size=cp)
     etp, ep, edp = expert_layout(world_size, tp, pp, expert_model_parallel_size, expert_tensor_parallel_size)
     grid = torch.arange(world_size).view(pp, dp, cp, tp)
+    shard = check_shard_size(data_parallel_shard_size, dp * cp)
+    hybrid = grid.reshape(pp, dp * cp // shard, shard, tp)  # the dp × cp axis (cp fastest) as (replicate, shard)
     tp_groups = grid.reshape(-1, tp).tolist()
     cp_groups = grid.permute(0, 1, 3, 2).reshape(-1, cp).tolist()  # groups ordered (pp, dp, tp)
     dp_groups = grid.permute(0, 2, 3, 1).reshape(-1, dp).tolist()  # groups ordered (pp, cp, tp)
@@ -386,6 +421,8 @@ def rank_groups(world_size: int, tensor_model_parallel_size: int, pipeline_model
     return {
         "tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "mp": mp_groups, "embedding": embedding_groups,
         "cp": cp_groups, "dp_cp": dp_cp_groups,
+        "dp_shard": hybrid.permute(0, 3, 1, 2).reshape(-1, shard).tolist(),  # groups ordered (pp, tp, replicate)
+        "dp_replicate": hybrid.permute(0, 3, 2, 1).reshape(-1, dp * cp // shard).tolist(),  # (pp, tp, shard)
         "etp": expert.reshape(-1, etp).tolist(),
         "ep": expert.permute(0, 1, 3, 2).reshape(-1, ep).tolist(),  # groups ordered (pp, edp, etp)
         "edp": expert.permute(0, 2, 3, 1).reshape(-1, edp).tolist(),  # groups ordered (pp, ep, etp)
@@ -488,6 +525,26 @@ class ParallelGroups:
     def dp_cp_rank(self) -> int:
         """Index in `dp_cp_group`: dp_rank · cp + cp_rank (cp fastest, Megatron's order)."""
         return self.dp_rank * self.cp_size + self.cp_rank
+
+    # --- sharded data parallelism within groups (HSDP) ----------------------------------------
+    @property
+    def dp_shard_group(self):
+        """The ranks ZeRO-2 / ZeRO-3 shard over: ``data_parallel_shard_size`` consecutive dp × cp ranks (all of them
+        without HSDP: the `dp_cp_group`'s ranks)."""
+        return self.handles["dp_shard"]
+
+    @property
+    def dp_replicate_group(self):
+        """The replicas of one shard (one rank in each shard group); a single rank without HSDP."""
+        return self.handles["dp_replicate"]
+
+    @property
+    def dp_shard_size(self) -> int:
+        return len(self.ranks["dp_shard"])
+
+    @property
+    def dp_replicate_size(self) -> int:
+        return len(self.ranks["dp_replicate"])
 
     # --- expert grid (MoE layers) ----------------------------------------------------------
     @property
@@ -620,6 +677,7 @@ def build_groups(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     context_parallel_size: int = 1,
+    data_parallel_shard_size: Optional[int] = None,
     device: torch.device = torch.device("cpu"),
 ) -> ParallelGroups:
     """Create the process groups of a layout on the initialised default group (collective on all ranks).
@@ -627,7 +685,8 @@ def build_groups(
     Every rank calls `torch.distributed.new_group` for every group in the same order (required
     by torch), and keeps the handles of the groups it belongs to. An expert kind or a kind of
     `SHARED_DENSE_KINDS` whose rank lists equal those of a kind already built (ETP = TP, EDP = DP when
-    ep = 1, etp = tp and cp = 1; DP_CP = DP when cp = 1) takes that kind's handles instead of new groups.
+    ep = 1, etp = tp and cp = 1; DP_CP = DP when cp = 1; without HSDP DP_SHARD = DP_CP, DP_REPLICATE = the
+    single ranks) takes that kind's handles instead of new groups.
 
     Raises:
         ConfigError: invalid layout (before any collective; every rank raises the same error).
@@ -640,7 +699,7 @@ def build_groups(
     dp = validate_layout(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, vpp,
                          context_parallel_size=cp, **expert)
     lists = rank_groups(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
-                        context_parallel_size=cp, **expert)
+                        context_parallel_size=cp, data_parallel_shard_size=data_parallel_shard_size, **expert)
     ranks: dict = {kind: None for kind in GROUP_KINDS}
     handles: dict = {kind: None for kind in GROUP_KINDS}
     created = []
@@ -648,7 +707,8 @@ def build_groups(
     for kind in GROUP_KINDS:
         # only an expert kind shares an equal kind's handles: each dense kind keeps its own communicators
         shared = kind in EXPERT_GROUP_KINDS or kind in SHARED_DENSE_KINDS
-        same = next((k for k in built if lists[k] == lists[kind]), None) if shared else None
+        # equal as sets of groups: the single ranks of DP_REPLICATE come in another order than CP's
+        same = next((k for k in built if sorted(lists[k]) == sorted(lists[kind])), None) if shared else None
         built[kind] = {}
         for group_ranks in lists[kind]:
             if same is not None:

@@ -1,7 +1,8 @@
 """`python -m mptrain.plan [training overrides] world_size=N [hardware.gpu_memory_gib=80] [format=table|json]`
 
 Plan before you launch: for every layout `train.py` would accept at `world_size`
-(tp, cp, pp, vpp, dp, distributed optimizer, recomputation none/selective/full, sequence parallelism; cp > 1
+(tp, cp, pp, vpp, dp, distributed optimizer, and ZeRO-2 / ZeRO-3 when parallel.data_parallel_sharding_strategy
+names one, recomputation none/selective/full, sequence parallelism; cp > 1
 for sequences long enough, `mptrain.planner.layouts.cp_options`; for an MoE model expert parallelism ep, which
 divides model.num_moe_experts),
 the per-GPU memory of the busiest pipeline stage (weights, grads, fp32 main params, optimizer
@@ -11,8 +12,10 @@ assumed-hardware step time; fitting layouts first, then the fastest. Formulas an
 constants: `mptrain.planner.memory` / docs/PLANNER.md.
 
 `format=json` prints a JSON list (every layout, ranked) with the keys `tp`, `cp`, `pp`, `vpp`, `dp`, `ep`, `edp`
-(expert-data-parallel size), `use_distributed_optimizer`, `recompute`, `memory_gib` (weights, grads, main_params,
-optimizer_state, activations, logits, optimizer_workspace, total), `fits`, `tight`, `bubble_fraction`,
+(expert-data-parallel size), `use_distributed_optimizer`, `data_parallel_sharding_strategy` (the one that runs),
+`data_parallel_shard_size` (ZeRO-2 / ZeRO-3's shard group, else null), `optimizer_cpu_offload`, `recompute`,
+`memory_gib` (weights, grads, main_params, optimizer_state, activations, logits, optimizer_workspace, gathered:
+FSDP's unsharded params at the peak, offloaded: the model states in host memory, total: device memory), `fits`, `tight`, `bubble_fraction`,
 `comm_bytes` (tp, pp, dp, embedding, ep: the MoE token dispatch, edp: the expert grads, cp: the ring's), and also
 `sequence_parallel`, `schedule`, `num_microbatches`, `peak_stage`, `stage_total_gib`, `step_time_s`,
 `parameters` (total, active: per token, what FLOPs and MFU count), `cp_ring_vs_attention_s` (a layer's ring and
@@ -90,6 +93,17 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+ZERO = {"no_shard": "0", "optim": "1", "optim_grads": "2", "optim_grads_params": "3"}
+
+
+def _zero(record: dict) -> str:
+    """The ZeRO stage of a record's data-parallel strategy; ``h``: HSDP (sharded within groups), ``o``: offloaded."""
+    stage = ZERO[record["data_parallel_sharding_strategy"]]
+    shard = record["data_parallel_shard_size"]
+    hsdp = "h" if shard is not None and shard < record["dp"] * record["cp"] else ""
+    return stage + hsdp + ("o" if record["optimizer_cpu_offload"] else "")
+
+
 def _fit(record: dict) -> str:
     return "yes" if record["fits"] else "tight" if record["tight"] else "no"
 
@@ -97,22 +111,24 @@ def _fit(record: dict) -> str:
 def format_table(records: list, *, top=None, gpu_memory_gib: float, memory_headroom_gib: float = 0.0) -> str:
     """A fixed-width table of the ranked records (GiB; comm in GB sent per rank per step); ``fits`` is yes, tight
     (within ``memory_headroom_gib`` of the GPU's memory) or no."""
-    head = (f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>2} {'vpp':>3} {'dp':>3} {'ep':>2} {'zero1':>5} {'recomp':>9} "
+    head = (f"{'#':>3} {'tp':>2} {'cp':>2} {'pp':>2} {'vpp':>3} {'dp':>3} {'ep':>2} {'zero':>5} {'recomp':>9} "
             f"{'sp':>3} {'sched':>16} {'m':>4} | {'weights':>7} {'grads':>6} {'main':>6} {'optim':>6} {'acts':>7} "
-            f"{'logits':>6} {'total':>7} {'fits':>5} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} "
+            f"{'logits':>6} {'gath':>6} {'total':>7} {'fits':>5} | {'bubble':>6} {'tp GB':>7} {'pp GB':>6} {'dp GB':>6} "
             f"{'ep GB':>6} {'cp GB':>6} {'step s':>7}")
     lines = [f"per-GPU memory of the busiest stage (GiB) vs {gpu_memory_gib:g} GiB, of which a layout leaves "
              f"hardware.memory_headroom_gib={memory_headroom_gib:g} free to fit (tight: it does not); "
-             "comm = GB sent per rank per step (dp: grads over DP and expert-DP; ep: the MoE token dispatch)",
+             "comm = GB sent per rank per step (dp: grads over DP and expert-DP, ZeRO-2/3: FSDP's gathers too; ep: "
+             "the MoE token dispatch); zero: the ZeRO stage (0 DDP; h: HSDP; o: CPU offload); gath: FSDP's gathered params "
+             "at the peak; total: device memory (offloaded shards out)",
              head, "-" * len(head)]
     for i, r in enumerate(records[:top] if top else records, 1):
         mem, comm = r["memory_gib"], r["comm_bytes"]
         lines.append(
             f"{i:>3} {r['tp']:>2} {r['cp']:>2} {r['pp']:>2} {r['vpp'] or '-':>3} {r['dp']:>3} {r['ep']:>2} "
-            f"{_yes(r['use_distributed_optimizer']):>5} "
+            f"{_zero(r):>5} "
             f"{r['recompute']:>9} {_yes(r['sequence_parallel'])[:3]:>3} {r['schedule']:>16} {r['num_microbatches']:>4} | "
             f"{mem['weights']:>7.2f} {mem['grads']:>6.2f} {mem['main_params']:>6.2f} {mem['optimizer_state']:>6.2f} "
-            f"{mem['activations']:>7.2f} {mem['logits']:>6.2f} {mem['total']:>7.2f} {_fit(r):>5} | "
+            f"{mem['activations']:>7.2f} {mem['logits']:>6.2f} {mem['gathered']:>6.2f} {mem['total']:>7.2f} {_fit(r):>5} | "
             f"{r['bubble_fraction']:>6.3f} {comm['tp'] / 1e9:>7.2f} {comm['pp'] / 1e9:>6.2f} "
             f"{(comm['dp'] + comm['edp']) / 1e9:>6.2f} {comm['ep'] / 1e9:>6.2f} {comm['cp'] / 1e9:>6.2f} "
             f"{r['step_time_s']:>7.3f}")

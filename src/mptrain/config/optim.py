@@ -57,6 +57,12 @@ class OptimConfig:
     """Passed as ``eps`` (> 0)."""
     sgd_momentum: float = 0.0
     """Passed as ``momentum``."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's --optimizer-cpu-offload: the fp32 master params, their grads and the optimizer state live in host
+    memory and the optimizer steps there. With parallel.data_parallel_sharding_strategy=optim_grads_params (or
+    optim_grads) through FSDP2's CPUOffloadPolicy: the sharded fp32 params are the master weights, copied to
+    the device for each layer's all-gather, their reduced grads copied back; it also runs at dp = 1 (ZeRO-3 over
+    one rank). Refused with the other strategies."""
     lr_warmup_iters: int = 0
     """Iterations of linear warmup from 0 (iteration 1 runs at lr 0 when > 0, as Megatron)."""
     lr_warmup_fraction: Optional[float] = None

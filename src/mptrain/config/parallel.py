@@ -40,6 +40,11 @@ class ParallelConfig:
     gathered for its forward and again for its backward). The last two run on torch's FSDP2 over the DP group,
     one unit per layer, with fp32 master shards; at dp = 1 they run as no_shard. null = optim with
     use_distributed_optimizer=true, else no_shard (`mptrain.distributed.strategy`)."""
+    data_parallel_shard_size: Optional[int] = None
+    """HSDP: ZeRO-2 / ZeRO-3 shard within groups of this many consecutive data-parallel ranks and replicate across
+    the dp / S groups (grads reduce-scattered within a group, then all-reduced across the replicas; FSDP2's 2-D
+    (dp_replicate, dp_shard) mesh, Megatron-FSDP's shard group of one distributed-optimizer instance); must
+    divide the data-parallel size; only with optim_grads / optim_grads_params. null = the whole DP group."""
     overlap_grad_reduce: bool = False
     """Launch DP bucket reductions during the last micro-batch's backward."""
     overlap_param_gather: bool = False

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mptrain.layers.moe import update_expert_bias
+from mptrain.precision.clip_grads import all_reduce_over
 
 
 def _allreduce_coalesced(tensors: list, group) -> None:
@@ -36,7 +37,7 @@ def _allreduce_coalesced(tensors: list, group) -> None:
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    all_reduce_over(flat, group)  # host grads (offloaded shards) go through a device copy under NCCL
     offset = 0
     for t in tensors:
         t.view(-1).copy_(flat[offset : offset + t.numel()])

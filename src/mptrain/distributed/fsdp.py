@@ -6,7 +6,11 @@ to the schedules, `finalize_model_grads`, the trainer and the checkpoint (``modu
 
 Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wrapper):
 
-* the mesh is one dimension, this rank's DP group (the dp ranks of its tp / pp coordinate), so FSDP shards the
+* the mesh is this rank's DP group (the dp ranks of its tp / pp coordinate): one dimension, or under HSDP
+  (``parallel.data_parallel_shard_size`` = S < dp) two, ``(dp_replicate, dp_shard)`` = the dp ranks viewed as
+  [dp / S, S] (torchtitan's dim names and order; `mptrain.groups`: shard over S consecutive DP ranks, Megatron's
+  distributed-optimizer instance), so each param is ``(Replicate(), Shard(0))``: grads are reduce-scattered within
+  the shard group and the shards all-reduced across the replicas. FSDP shards the
   TP-local tensors: a column-parallel weight ``[out/tp, in]`` is cut again on dim 0 into ``torch.chunk`` pieces of
   ceil(out/tp / dp) rows; each DP rank's shard is one rectangle of the full tensor (TP offset + FSDP rows), which
   checkpoints address with `mptrain.checkpoint.reshard` (a flat range of the TP-local tensor);
@@ -23,6 +27,10 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
 * ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
   parallelism whatever the strategy (torchtitan: 1F1B interleaves forwards and backwards of micro-batches, so
   re-gathering per micro-batch costs two all-gathers each and cannot follow FSDP's prefetch order);
+* MoE experts under expert parallelism (ep > 1) are units of their own on the expert-data-parallel group's mesh
+  (their replicas), inside their layer's unit; at ep = 1 they shard with their layer over DP;
+* ``optim.optimizer_cpu_offload``: ``CPUOffloadPolicy`` (pinned on CUDA): the fp32 shards, their grads and so the
+  optimizer's state and step live in host memory; each unit's all-gather copies its shards to the device first;
 * gradient accumulation (`no_sync` around every backward but a chunk's last): without PP each micro-batch's
   backward reduce-scatters each unit's grads as it finishes and the fp32 shards accumulate (torchtitan's default:
   no full-size grad is ever held, the reduce-scatter hides behind the backward); under PP the stage's params stay
@@ -39,7 +47,7 @@ from typing import Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM_GRADS_PARAMS
 from mptrain.distributed.wrapper import ChunkWrapper
@@ -47,9 +55,17 @@ from mptrain.layers.param_use import ParamUseRegions
 from mptrain.layers.sharding import collect_shard_specs
 
 
-def dp_mesh(groups) -> DeviceMesh:
-    """The one-dimensional mesh of this rank's DP group (``groups.dp_group``; no new communicator)."""
-    return DeviceMesh.from_group(groups.dp_group, groups.device.type)
+def dp_mesh(groups, device_type: Optional[str] = None) -> DeviceMesh:
+    """The mesh FSDP shards over (no new communicator): this rank's DP group (``groups.dp_group``), or under HSDP
+    the 2-D ``(dp_replicate, dp_shard)`` mesh of ``groups.dp_replicate_group`` × ``groups.dp_shard_group``: the DP
+    group's ranks viewed as [dp / S, S], whose rows are the shard groups and columns the replica groups."""
+    # a build on the meta device (`mptrain.check`'s dry run) shards over the host backend's mesh
+    device_type = device_type or ("cpu" if groups.device.type == "meta" else groups.device.type)
+    if groups.dp_replicate_size == 1:
+        return DeviceMesh.from_group(groups.dp_group, device_type)
+    ranks = torch.tensor(groups.ranks["dp_cp"]).view(groups.dp_replicate_size, groups.dp_shard_size)
+    return DeviceMesh.from_group([groups.dp_replicate_group, groups.dp_shard_group], device_type, mesh=ranks,
+                                 mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def _units(chunk: torch.nn.Module) -> list:
@@ -68,8 +84,23 @@ def _units(chunk: torch.nn.Module) -> list:
     return units
 
 
+def _expert_modules(chunk: torch.nn.Module, specs: dict) -> list:
+    """The largest submodules of ``chunk`` whose params are all expert-parallel (`ShardSpec.expert_parallel`: the
+    routed experts of an MoE layer under ep > 1), in forward order."""
+    names = {n for n, spec in specs.items() if spec.expert_parallel}
+    found: list = []
+    for prefix, m in chunk.named_modules():
+        params = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters()]
+        if not params or not all(p in names for p in params):
+            continue
+        if not any(prefix.startswith(f"{q}.") for q, _ in found):
+            found.append((prefix, m))
+    return [m for _, m in found]
+
+
 class FullyShardedDataParallel(ChunkWrapper):
-    """One model chunk sharded over ``groups.dp_group`` with FSDP2 (module docstring).
+    """One model chunk sharded over ``groups.dp_group`` (HSDP: ``groups.dp_shard_group``) with FSDP2 (module
+    docstring).
 
     Args:
         module: the model chunk (e.g. `GPTModel`), fp32 params, not wrapped; sharded in place.
@@ -78,6 +109,7 @@ class FullyShardedDataParallel(ChunkWrapper):
         compute_dtype: the dtype of the gathered params and the activations (fp32, bf16 or fp16).
         specs: {param name: ShardSpec}; None collects them from the module (before sharding).
         is_last_stage: the chunk returns the loss / logits: floating outputs come back as fp32 (as `Float16Module`).
+        cpu_offload: keep the fp32 shards (and their grads) in host memory (``optim.optimizer_cpu_offload``).
     Raises:
         ValueError: ``strategy`` is not one of `FULLY_SHARDED`.
     """
@@ -87,7 +119,7 @@ class FullyShardedDataParallel(ChunkWrapper):
     grad_buffers: tuple = ()
 
     def __init__(self, module: torch.nn.Module, groups, *, strategy: str, compute_dtype: torch.dtype,
-                 specs: Optional[dict] = None, is_last_stage: bool = False) -> None:
+                 specs: Optional[dict] = None, is_last_stage: bool = False, cpu_offload: bool = False) -> None:
         if strategy not in FULLY_SHARDED:
             raise ValueError(f"FullyShardedDataParallel: strategy {strategy!r} is not one of {FULLY_SHARDED}")
         super().__init__()
@@ -99,13 +131,22 @@ class FullyShardedDataParallel(ChunkWrapper):
         mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
         mesh = dp_mesh(groups)
-        self._reshard = reshard
+        self._reshard, self.cpu_offload = reshard, cpu_offload
+        # pinned host memory makes the shards' copies to the device asynchronous; a CPU-only build has none to pin
+        offload = CPUOffloadPolicy(pin_memory=groups.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        # expert parallelism: each EP rank holds other experts, replicated over expert-DP: they shard there, as units
+        # of their own inside their layer's (torchtitan shards MoE experts over its dp-mod-ep mesh the same way)
+        if groups.ep_size > 1:
+            expert_mesh = DeviceMesh.from_group(groups.edp_group, mesh.device_type)
+            for experts in _expert_modules(module, self.specs):
+                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                            offload_policy=offload)
         units = _units(module)
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
         self._unit_params = {id(p) for unit in units for p in unit.parameters()}  # (sharded) the rest: the root's
         # the root: its params (final norm, a tied embedding) are used until the end of the forward
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
         self.module = module
         self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         for m in self._fsdp_modules:
@@ -156,7 +197,8 @@ class FullyShardedDataParallel(ChunkWrapper):
     def scale_gradients(self, factor) -> None:
         """Multiply every local grad shard by ``factor`` (a number or a 0-d tensor)."""
         for _, _, grad in self.named_main_grads():
-            grad.mul_(factor)
+            # offloaded shards: a device factor comes to the host (a 0-d CUDA tensor does not scale a host one)
+            grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
 
     def zero_grad_buffer(self) -> None:
         """Drop every sharded grad (the next backward starts from none)."""
@@ -165,16 +207,19 @@ class FullyShardedDataParallel(ChunkWrapper):
 
     def dp_bytes_sent(self) -> tuple:
         """(bytes per micro-batch, bytes per iteration) this rank sends over DP, from the collectives' sizes (ring
-        all-gather / reduce-scatter: (dp − 1)/dp of the whole tensor each; TP-local sizes). Without PP, per
+        all-gather / reduce-scatter: (S − 1)/S of the whole tensor each over the shard group of S ranks; TP-local
+        sizes). Without PP, per
         micro-batch: each unit's params gathered in the compute dtype before its forward (ZeRO-3: the units but the
         root again before their backward) and its fp32 grads reduce-scattered after its backward. Under PP, per
         iteration: one gather (the stage stays gathered) and one reduce-scatter."""
-        dp = self.groups.dp_size
+        shard, replicas = self.groups.dp_shard_size, self.groups.dp_replicate_size
         compute = self.compute_dtype.itemsize
         unit = sum(p.numel() for _, p in self._params if id(p) in self._unit_params)
         full = sum(p.numel() for _, p in self._params)
         gathered = (full + (unit if self._reshard else 0)) * compute
-        sent = (gathered + full * 4) * (dp - 1) // dp
+        sent = (gathered + full * 4) * (shard - 1) // shard
+        # HSDP: the fp32 grad shards all-reduced across the replicas (ring: 2 (R − 1)/R of a shard)
+        sent += 2 * (replicas - 1) * full * 4 // (shard * replicas)
         return (sent, 0) if self.groups.pp_size == 1 else (0, sent)
 
     # --- params ----------------------------------------------------------------------------

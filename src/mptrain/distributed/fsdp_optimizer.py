@@ -11,7 +11,8 @@ wrapper's main param for it is a flat fp32 Parameter that *aliases* that local s
   optimizer state by the same global boxes (`mptrain.checkpoint.reshard.flat_piece_chunks`) under any strategy.
 
 Statistics (`OptimizerWrapper`): the DP shards of one param are distinct elements, so found_inf (MAX), the grad
-norm and the zero count are reduced over DP and then over the model-parallel group (TP × PP), which tile the world:
+norm and the zero count are reduced over DP (HSDP: over the shard group; the replicas hold the same shards) and
+then over the model-parallel group (TP × PP), which tile the world:
 every element counts once (TP-replicated params on TP rank 0 only, `ShardSpec.counts_on`). With a loss scaler
 every rank therefore skips the same steps.
 """
@@ -114,8 +115,13 @@ class FullyShardedOptimizer(OptimizerWrapper):
                 e.main.data = local.view(-1)
 
     def _grad_stats_groups(self) -> list:
-        # the DP shards are distinct elements: SUM / MAX over DP, then over TP x PP
-        return [self.groups.dp_group, self.groups.mp_group]
+        # the shards of one shard group are distinct elements: SUM / MAX over it (DP; HSDP's replicas hold the same
+        # shards again: not summed), then over TP x PP
+        return [self.groups.dp_shard_group, self.groups.mp_group]
+
+    def _expert_stats_groups(self) -> list:
+        # ep > 1: the experts' shards are distinct within expert-DP (their FSDP mesh), then over TP x PP and EP
+        return [self.groups.edp_group, self.groups.mp_group] + self._ep_groups()
 
     # --- accounting ----------------------------------------------------------------------
     def optimizer_state_bytes(self) -> int:

@@ -14,6 +14,7 @@ Counted from the objects built (each storage once):
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -69,12 +70,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def strategy_line(configured: str, strategy: str, dp_size: int, held: HeldBytes) -> str:
-    """``data-parallel: <strategy> (<ZeRO stage>, dp=N) | this rank holds params X, grads Y, optimizer state Z``;
-    ``configured`` is the key's resolved value, ``strategy`` the one that runs (they differ at dp = 1)."""
-    stage = ZERO_STAGE[strategy]
-    engine = ", FSDP2" if strategy in FULLY_SHARDED else ""
+def strategy_line(configured: str, strategy: str, dp_size: int, held: HeldBytes, *,
+                  shard_size: Optional[int] = None, cpu_offload: bool = False) -> str:
+    """``data-parallel: <strategy> (<ZeRO stage>, dp=N[, HSDP shard S x replicate R][, CPU offload]) | this rank
+    holds params X, grads Y, optimizer state Z``; ``configured`` is the key's resolved value, ``strategy`` the one
+    that runs (they differ at dp = 1); ``shard_size``: ``parallel.data_parallel_shard_size`` (null: all of dp)."""
+    parts = [ZERO_STAGE[strategy]] + (["FSDP2"] if strategy in FULLY_SHARDED else []) + [f"dp={dp_size}"]
+    if shard_size is not None and shard_size != dp_size:
+        parts.append(f"HSDP shard {shard_size} x replicate {dp_size // shard_size}")
+    if strategy in FULLY_SHARDED and cpu_offload:
+        parts.append("CPU offload")
     note = f" (parallel.data_parallel_sharding_strategy={configured}: nothing to shard at dp=1)" \
         if configured != strategy else ""
-    return (f"data-parallel: {strategy} ({stage}{engine}, dp={dp_size}){note} | this rank holds params "
+    return (f"data-parallel: {strategy} ({', '.join(parts)}){note} | this rank holds params "
             f"{_mib(held.params)}, grads {_mib(held.grads)}, optimizer state {_mib(held.optimizer_state)}")

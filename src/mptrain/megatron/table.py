@@ -65,11 +65,14 @@ class Row:
     takes_value: bool = True
     """False for a switch (``--fp16``); a switch given a value is reported."""
     reads: tuple = ()
-    """Other arguments ``convert`` needs: ``convert(values, **self.read_from(given))``."""
+    """Other arguments ``convert`` needs: ``convert(values, **self.read_from(given))``; ``"world_size"`` (no
+    dashes): the launch's process count, which Megatron reads from the launcher."""
 
-    def read_from(self, given: dict) -> dict:
-        """``{"merge_file": values or None, ...}``: the values of ``reads`` in ``given`` ({flag: values})."""
-        return {flag[2:].replace("-", "_"): given.get(flag) for flag in self.reads}
+    def read_from(self, given: dict, world_size: int = 1) -> dict:
+        """``{"merge_file": values or None, ..., "world_size": N}``: the values of ``reads`` in ``given``
+        ({flag: values}) and the launch's ``world_size``."""
+        return {flag[2:].replace("-", "_") if flag.startswith("--") else flag:
+                given.get(flag) if flag.startswith("--") else world_size for flag in self.reads}
 
 
 def switch(flag: str, key: Optional[str] = None, set: Any = True, **kw) -> Row:
@@ -270,6 +273,55 @@ def sharding_strategy(values: list, *, use_megatron_fsdp: Optional[list] = None,
     return [f"parallel.data_parallel_sharding_strategy={hydra_value(values[0])}"]
 
 
+FSDP_READS = ("--use-megatron-fsdp", "--use-custom-fsdp", "--data-parallel-sharding-strategy")
+
+
+def _megatron_fsdp_shards(use_megatron_fsdp: Optional[list], use_custom_fsdp: Optional[list],
+                          data_parallel_sharding_strategy: Optional[list]) -> bool:
+    """Megatron-FSDP runs ZeRO-2 / ZeRO-3 (optim_grads / optim_grads_params): what mptrain's FSDP2 keys act on."""
+    fsdp = use_megatron_fsdp is not None or use_custom_fsdp is not None
+    strategy = (data_parallel_sharding_strategy or ["no_shard"])[0]
+    return fsdp and strategy in ("optim_grads", "optim_grads_params")
+
+
+def distributed_optimizer_instances(values: list, *, world_size: int, tensor_model_parallel_size=None,
+                                    pipeline_model_parallel_size=None, **fsdp: Optional[list]) -> list:
+    """--num-distributed-optimizer-instances N: Megatron shards within N groups of dp·cp / N consecutive DP ranks
+    (its intra-instance groups) and replicates across them. Under Megatron-FSDP's ZeRO-2 / ZeRO-3 (HSDP) that is
+    parallel.data_parallel_shard_size = dp·cp / N; ZeRO-1 within groups (a partial distributed optimizer) has no
+    equivalent (mptrain's ZeRO-1 shards over the whole DP group)."""
+    instances = int(values[0])
+    if instances == 1:
+        return []
+    if not _megatron_fsdp_shards(**fsdp):
+        raise Uncarried(NO_EQUIVALENT, f"ZeRO-1 sharded within {instances} groups: mptrain's distributed optimizer "
+                                       "shards over the whole DP group (parallel.data_parallel_shard_size, HSDP, "
+                                       "needs optim_grads / optim_grads_params)")
+    tp, pp = (int((v or ["1"])[0]) for v in (tensor_model_parallel_size, pipeline_model_parallel_size))
+    dp_cp = world_size // (tp * pp)
+    if dp_cp % instances:
+        raise Uncarried(NO_EQUIVALENT, f"{instances} instances do not divide the data-parallel size {dp_cp} of "
+                                       f"world size {world_size}")
+    return [f"parallel.data_parallel_shard_size={dp_cp // instances}"]
+
+
+def optimizer_cpu_offload(values: list, **fsdp: Optional[list]) -> list:
+    """--optimizer-cpu-offload: optim.optimizer_cpu_offload=true under Megatron-FSDP's ZeRO-2 / ZeRO-3 (FSDP2 keeps
+    the fp32 shards, grads and optimizer state in host memory); with ZeRO-1 it has no equivalent."""
+    if not _megatron_fsdp_shards(**fsdp):
+        raise Uncarried(NO_EQUIVALENT, "mptrain offloads the shards of ZeRO-2 / ZeRO-3 (FSDP2), not ZeRO-1's "
+                                       "optimizer state")
+    return ["optim.optimizer_cpu_offload=true"]
+
+
+def optimizer_offload_fraction(values: list) -> list:
+    """--optimizer-offload-fraction F: 1.0 (Megatron's default) is what optim.optimizer_cpu_offload offloads."""
+    if float(values[0]) == 1.0:
+        return []
+    raise Uncarried(NO_EQUIVALENT, f"--optimizer-offload-fraction {values[0]}: mptrain offloads all of the shards "
+                                   "(1.0) or none")
+
+
 def _lr_decay_iters(args: dict) -> Optional[str]:
     """Megatron: unset --lr-decay-iters decays over the whole run (--train-iters)."""
     if "--lr-decay-samples" in args or "--train-iters" not in args:
@@ -378,6 +430,14 @@ ROWS: tuple = (
             "on torch's FSDP2"),
     nothing("--use-custom-fsdp", "parallel.data_parallel_sharding_strategy=optim_grads / optim_grads_params shards "
             "on torch's FSDP2"),
+    Row("--num-distributed-optimizer-instances", convert=distributed_optimizer_instances,
+        reads=("world_size", "--tensor-model-parallel-size", "--pipeline-model-parallel-size", *FSDP_READS),
+        why="parallel.data_parallel_shard_size = dp·cp / N under --use-megatron-fsdp ZeRO-2 / ZeRO-3 (HSDP); "
+            "1: nothing to set"),
+    switch("--optimizer-cpu-offload", convert=optimizer_cpu_offload, reads=FSDP_READS,
+           why="optim.optimizer_cpu_offload (FSDP2's CPUOffloadPolicy) under --use-megatron-fsdp ZeRO-2 / ZeRO-3"),
+    Row("--optimizer-offload-fraction", convert=optimizer_offload_fraction,
+        why="1.0: nothing to set (optim.optimizer_cpu_offload offloads every shard); other fractions: no equivalent"),
     switch("--overlap-grad-reduce", "parallel.overlap_grad_reduce"),
     switch("--accumulate-allreduce-grads-in-fp32", "parallel.grad_reduce_in_fp32", default=_grad_reduce_in_fp32),
     switch("--grad-reduce-in-bf16", "parallel.grad_reduce_in_fp32", set=False),

@@ -81,10 +81,10 @@ def _shown(flag: str, values: list) -> str:
     return " ".join([flag, *values])
 
 
-def _carry(row: Row, values: list, given: dict) -> list:
+def _carry(row: Row, values: list, given: dict, world_size: int) -> list:
     """The overrides of one carried argument (raises Uncarried); ``given``: {flag: values} of the whole command."""
     if row.convert is not None:
-        return row.convert(values, **row.read_from(given))
+        return row.convert(values, **row.read_from(given, world_size))
     if not row.takes_value:
         return [f"{row.key}={_as_text(True if row.set is VALUE else row.set)}"]
     return [f"{row.key}={_as_text(' '.join(values))}"]
@@ -129,7 +129,7 @@ def translate(argv: Sequence[str], *, world_size: int = 1, mock_data: bool = Fal
             out.uncarried.append((flag, shown, NO_EQUIVALENT, f"{flag} is a switch; the words after it are not Megatron's"))
             continue
         try:
-            overrides = _carry(row, values, given)
+            overrides = _carry(row, values, given, world_size)
         except Uncarried as err:
             out.uncarried.append((flag, shown, err.status, err.why))
             continue

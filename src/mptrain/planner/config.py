@@ -79,20 +79,16 @@ def compose_plan(overrides: list) -> object:
 def check_plan_keys(c: PlanConfig) -> None:
     """What `plan` and `check` refuse alike before they run, as `train.py` does: a key added with ``+`` that the
     schema (or, under ``precision``, its wrapper: `wrapper_target`) does not take, a ``hardware`` number out of
-    range, and ``world_size`` < 1; and a ZeRO-2 / ZeRO-3 strategy, which the planner does not model yet.
+    range, and ``world_size`` < 1.
 
     Raises:
         ConfigError: one line naming the key.
     """
     from mptrain.distributed.distrib_optimizer import wrapper_target
-    from mptrain.distributed.strategy import FULLY_SHARDED, KEY, sharding_strategy
+    from mptrain.distributed.strategy import sharding_strategy
 
     reject_unknown_keys(c, "")
-    strategy = sharding_strategy(c.parallel)
-    if strategy in FULLY_SHARDED:  # the formulas and the meta build know DDP and ZeRO-1 only
-        raise ConfigError(f"{KEY}={strategy}: the planner does not model ZeRO-2 / ZeRO-3 yet; plan with "
-                          f"{KEY}=optim (ZeRO-1) or no_shard")
-    wrapper_target(c.precision, c.parallel.use_distributed_optimizer)
+    wrapper_target(c.precision, c.parallel.use_distributed_optimizer, sharding_strategy=sharding_strategy(c.parallel))
     hw = c.hardware
     for key in ("gpu_memory_gib", "peak_tflops", "intra_node_gb_per_s", "inter_node_gb_per_s"):
         if getattr(hw, key) <= 0:

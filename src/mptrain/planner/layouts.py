@@ -14,7 +14,9 @@ all-gather (k−1)/k·n). Reported for the busiest pipeline stage of each group.
     pp   per micro-batch: one activation forward (not the last virtual stage) and one grad backward
          (not the first virtual stage) of s·b·h (/t under SP) in the activation dtype, per chunk.
     dp   all-reduce of the grad buffer; ZeRO-1: reduce-scatter of it + all-gather of the updated
-         params in the buffer dtype (distrib_optimizer.py gathers a buffer-dtype scratch).
+         params in the buffer dtype (distrib_optimizer.py gathers a buffer-dtype scratch); ZeRO-2 / ZeRO-3:
+         FSDP's per-layer all-gathers and reduce-scatters over the shard group, HSDP's all-reduce of the shards
+         across the replicas (`fsdp_bytes`; counted on the step's critical path, prefetch overlap not modelled).
     embedding  tied embedding with pp > 1: all-reduce of its grad over the 2 stages.
     ep   MoE token dispatch over the etp × ep ranks, per MoE layer and micro-batch (`mptrain.planner.moe`).
     edp  ep > 1: the expert grads' buffer over the expert-data-parallel group, as dp (the dense part stays in dp).
@@ -44,12 +46,14 @@ import copy
 import dataclasses
 from typing import Optional
 
+from mptrain.config.model import recompute_granularity
 from mptrain.config.schema import as_config
 from mptrain.training.validate import check_layout_free, derive_layout, validate_config
 from mptrain.errors import ConfigError
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.gpt import check_model_config
 from mptrain.layers.params import active_parameters, count_parameters, flops_per_iteration
+from mptrain.distributed.strategy import FULLY_SHARDED, NO_SHARD, OPTIM, OPTIM_GRADS_PARAMS, check_fully_sharded
 from mptrain.planner.config import HardwareConfig
 from mptrain.planner.memory import (GIB, PARAM_BYTES, PlanLayout, grad_bytes_per_element, planner_assumptions,
                                     stage_memory)
@@ -73,6 +77,11 @@ def layout_config(cfg, layout: PlanLayout):
     p.context_parallel_size = layout.cp
     p.virtual_pipeline_model_parallel_size = layout.vpp
     p.use_distributed_optimizer, p.sequence_parallel = layout.use_distributed_optimizer, layout.sequence_parallel
+    # ZeRO-2 / ZeRO-3 candidates carry their strategy, HSDP shard size and offload; the others none of them
+    fsdp = layout.strategy in FULLY_SHARDED
+    p.data_parallel_sharding_strategy = layout.strategy if fsdp else None
+    p.data_parallel_shard_size = layout.shard_size if fsdp else None
+    c.optim.optimizer_cpu_offload = layout.cpu_offload and fsdp
     p.expert_model_parallel_size = layout.ep
     p.name = (f"tp{layout.tp}" + (f"cp{layout.cp}" if layout.cp > 1 else "") + f"pp{layout.pp}"
               + (f"vpp{layout.vpp}" if layout.vpp else "") + (f"ep{layout.ep}" if layout.ep > 1 else ""))
@@ -84,6 +93,19 @@ def layout_config(cfg, layout: PlanLayout):
     # the configured schedule stays (auto by default): validate_config resolves it per layout, and a
     # layout it rejects (e.g. vpp with schedule=1f1b) is not one train.py would run
     return c
+
+
+def config_layout(cfg, derived) -> PlanLayout:
+    """The `PlanLayout` a validated config runs (``derived``: its `mptrain.training.validate.DerivedLayout`): the
+    layout keys, recomputation, data-parallel strategy, HSDP shard size and offload as configured."""
+    p = cfg.parallel
+    return PlanLayout(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
+                      derived.virtual_pipeline_model_parallel_size, derived.data_parallel_size,
+                      p.use_distributed_optimizer, recompute_granularity(cfg.model) or "none",
+                      derived.sequence_parallel, derived.schedule, derived.num_microbatches,
+                      ep=derived.expert_model_parallel_size, edp=derived.expert_data_parallel_size,
+                      cp=derived.context_parallel_size, strategy=p.data_parallel_sharding_strategy,
+                      shard_size=p.data_parallel_shard_size, cpu_offload=cfg.optim.optimizer_cpu_offload)
 
 
 def expert_parallel_options(cfg, world_size: int) -> list:
@@ -102,8 +124,18 @@ def cp_options(cfg, world_size: int) -> list:
     return sorted({1, cfg.parallel.context_parallel_size} | long)
 
 
+def sharding_options(cfg) -> list:
+    """(use_distributed_optimizer, strategy) pairs the search tries: DDP and ZeRO-1, and the configured ZeRO-2 /
+    ZeRO-3 strategy when ``parallel.data_parallel_sharding_strategy`` names one (with its HSDP shard size and
+    offload): sharding params and grads trades step time for memory, a choice the user opts into."""
+    options = [(False, None), (True, None)]
+    strategy = cfg.parallel.data_parallel_sharding_strategy
+    return options + [(False, strategy)] if strategy in FULLY_SHARDED else options
+
+
 def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_parallel=(False, True)) -> list:
-    """Every (tp, cp, pp, vpp, ep, distributed optimizer, recompute, SP) the trainer accepts at ``world_size``.
+    """Every (tp, cp, pp, vpp, ep, data-parallel strategy (`sharding_options`), recompute, SP) the trainer accepts
+    at ``world_size``.
 
     Raises:
         ConfigError: a key no layout changes is wrong (`check_layout_free`, run once for all candidates).
@@ -114,16 +146,21 @@ def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_para
     for tp, cp, pp, vpp, ep in _grid(world_size, vpp_options, cp_options(cfg, world_size),
                                      expert_parallel_options(cfg, world_size)):
         dp = world_size // (tp * cp * pp)
-        for distopt in (False, True):
+        for distopt, strategy in sharding_options(cfg):
             for recompute in RECOMPUTE:
                 for sp in sequence_parallel:
-                    if (sp and tp == 1) or (distopt and dp * cp == 1):
+                    probe = PlanLayout(tp, pp, vpp, dp, distopt, recompute, sp, "auto", 0, ep=ep, cp=cp,
+                                       strategy=strategy, shard_size=cfg.parallel.data_parallel_shard_size,
+                                       cpu_offload=cfg.optim.optimizer_cpu_offload)
+                    # nothing to shard at dp × cp = 1 (ZeRO-3 with offload excepted: the shards leave the GPU)
+                    if (sp and tp == 1) or ((distopt or strategy) and probe.sharding in (NO_SHARD, OPTIM)
+                                            and dp * cp == 1):
                         continue
-                    probe = PlanLayout(tp, pp, vpp, dp, distopt, recompute, sp, "auto", 0, ep=ep, cp=cp)
                     c = layout_config(cfg, probe)
                     try:
                         derived = derive_layout(c, world_size, loss_scaler=loss_scaler)
                         check_model_config(c.model, c.parallel)
+                        check_fully_sharded(c)  # what ZeRO-2 / ZeRO-3 refuse with this layout (cp > 1)
                     except ConfigError:
                         continue
                     out.append(dataclasses.replace(probe, schedule=derived.schedule,
@@ -177,6 +214,8 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
         experts = rp.expert_numel if layout.ep > 1 else 0  # their own buffers, over expert-DP
         # all-reduce: 2(d-1)/d; ZeRO-1: reduce-scatter (d-1)/d + all-gather (d-1)/d, both in the buffer dtype
         dp_bytes = 2 * _ring(layout.dp * layout.cp) * (rp.numel - experts) * grad_b  # dense grads: over dp × cp
+        if layout.fully_sharded:
+            dp_bytes = fsdp_bytes(cfg, layout, rp.numel)
         edp_bytes = 2 * _ring(layout.expert_dp) * experts * grad_b
         ep_bytes = mb * len(rp.layers) * moe_layer_share(m, rp.layers) * dispatch
         emb = 0.0
@@ -187,6 +226,20 @@ def comm_bytes(cfg, layout: PlanLayout, *, vocab_size: int, ranks: list) -> dict
                          ("edp", edp_bytes), ("cp", cp_bytes)):
             out[key] = max(out[key], float(val))
     return out
+
+
+def fsdp_bytes(cfg, layout: PlanLayout, numel: int) -> float:
+    """Bytes a ZeRO-2 / ZeRO-3 rank sends over DP per step (module docstring; as
+    `mptrain.distributed.fsdp.FullyShardedDataParallel.dp_bytes_sent`): per micro-batch without PP (once per step
+    under PP, the stage staying gathered), each unit's params all-gathered in the compute dtype (ZeRO-3: again for
+    the backward) and its fp32 grads reduce-scattered, (S − 1)/S of each over the shard group of S ranks; HSDP adds
+    the all-reduce of the fp32 grad shards over the R = dp·cp / S replicas, 2 (R − 1)/R of N / S."""
+    compute = PARAM_BYTES[cfg.precision.name]
+    shard = layout.shard
+    replicas = layout.dp * layout.cp // shard
+    gathers = 2 if layout.sharding == OPTIM_GRADS_PARAMS and layout.pp == 1 else 1
+    per = (gathers * compute + 4) * numel * _ring(shard) + 2 * _ring(replicas) * numel * 4 / shard
+    return per * (layout.num_microbatches if layout.pp == 1 else 1)
 
 
 def ring_bytes_per_layer(cfg, layout: PlanLayout) -> float:
@@ -281,6 +334,9 @@ def plan_layout(cfg, layout: PlanLayout, hw: HardwareConfig, *, vocab_size: int)
         "edp": layout.expert_dp,
         "cp": layout.cp,
         "use_distributed_optimizer": layout.use_distributed_optimizer,
+        "data_parallel_sharding_strategy": layout.sharding,
+        "data_parallel_shard_size": layout.shard if layout.fully_sharded else None,
+        "optimizer_cpu_offload": layout.fully_sharded and layout.cpu_offload,
         "recompute": layout.recompute,
         "sequence_parallel": layout.sequence_parallel,
         "schedule": layout.schedule,

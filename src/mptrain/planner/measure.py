@@ -17,6 +17,10 @@ import gc
 
 import torch
 
+from torch.distributed.tensor import DTensor
+
+from mptrain.distributed.fsdp_optimizer import local_shard
+
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -27,14 +31,21 @@ def measured_rank_bytes(chunks: list, optimizer) -> dict:
     optimizer state on this rank.
 
     Args:
-        chunks: the `DistributedDataParallel` chunks (as `build_model_and_optimizer` returns them).
-        optimizer: the optimizer wrapper (`FP32Optimizer`, `MixedPrecisionOptimizer`, `DistributedOptimizer`).
+        chunks: the `DistributedDataParallel` / `FullyShardedDataParallel` chunks (as `build_model_and_optimizer`
+            returns them).
+        optimizer: the optimizer wrapper (`FP32Optimizer`, `MixedPrecisionOptimizer`, `DistributedOptimizer`,
+            `FullyShardedOptimizer`).
     Returns:
         {"weights", "grads", "main_params", "optimizer_state", "numel", "num_params"}: bytes, except
         ``numel`` (parameter elements allocated) and ``num_params`` (layout.json convention: padding
         rows and the tied copy excluded, from the ShardSpecs).
     """
     params = [p for c in chunks for p in c.module.parameters()]
+    # ZeRO-2 / ZeRO-3: FSDP's DTensors hold their local fp32 rows (the master weights), the reduced grads the same
+    # rows in fp32 (made by the first backward: counted from the shards), no grad buffers
+    local = [local_shard(p)[0] for p in params]
+    fsdp_grads = sum(4 * t.numel() for c in chunks if not c.grad_buffers for t, p in
+                     zip((local_shard(q)[0] for q in c.module.parameters()), c.module.parameters()) if p.requires_grad)
     num_params = 0
     for c in chunks:
         for name, p in c.module.named_parameters():
@@ -46,7 +57,8 @@ def measured_rank_bytes(chunks: list, optimizer) -> dict:
             else:
                 num_params += p.numel()
     pieces = optimizer.sharded_state_dict().params
-    mains = [p.main for p in pieces if p.main is not None]
+    # FSDP's main params are views of its fp32 shards (`FullyShardedOptimizer`): counted as the weights
+    mains = [p.main for p in pieces if p.main is not None and not isinstance(p.param, DTensor)]
     state = 0
     for piece in pieces:
         for v in piece.state.values():
@@ -56,8 +68,8 @@ def measured_rank_bytes(chunks: list, optimizer) -> dict:
     casts = [m.fp8_weight_cast for c in chunks for m in c.module.modules() if getattr(m, "fp8_weight_cast", None)]
     cast_bytes = sum(_bytes(t) for w in casts for t in (w.data, w.data_t) if t is not None)
     return {
-        "weights": sum(_bytes(p) for p in params) + cast_bytes,
-        "grads": sum(_bytes(b.data) for c in chunks for b in c.grad_buffers),
+        "weights": sum(_bytes(t) for t in local) + cast_bytes,
+        "grads": sum(_bytes(b.data) for c in chunks for b in c.grad_buffers) + fsdp_grads,
         "main_params": sum(_bytes(m) for m in mains),
         "optimizer_state": state,
         "numel": sum(p.numel() for p in params),

@@ -19,6 +19,20 @@ Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimiz
     optimizer state Adam/AdamW: 2 fp32 per main element (exp_avg, exp_avg_sq) = 8 × (N_r or N_r/dp);
                     SGD: 4 × ... with momentum, 0 without; read from ``optim._target_``; another class:
                     assumed 2 (noted in the plan). (Rajbhandari et al. 2020, ZeRO §3: 2+2+12 bytes.)
+    ZeRO-2 / ZeRO-3 (``parallel.data_parallel_sharding_strategy`` optim_grads / optim_grads_params, FSDP2): each
+                    rank holds N_r / S of every part, S = the shard group (dp × cp, or
+                    ``parallel.data_parallel_shard_size`` under HSDP): weights = the fp32 shards (also the master
+                    weights: no main params), grads = their fp32 reduced shards, optimizer state of N_r / S
+                    elements (torch.chunk's uneven rows: < S rows per tensor more on the first ranks, ignored).
+                    With ``optim.optimizer_cpu_offload`` the three live in host memory (`MemoryParts.offloaded`).
+                    MoE under ep > 1: the rank's expert elements X_r shard over expert-DP instead, (N_r − X_r)/S +
+                    X_r/edp.
+    gathered (FSDP's unsharded params at the peak, planned only): ZeRO-2 or pp > 1: N_r × bytes(compute)
+                    (every layer stays gathered from its forward to its backward; under PP across the stage's
+                    micro-batches, whose grads also accumulate unsharded: + N_r × 4); ZeRO-3 without PP: two
+                    units (the one computing and the one prefetched) and the root unit (the tied embedding of a
+                    one-stage chunk) in the compute dtype, plus one unit's unsharded fp32 grad before its
+                    reduce-scatter; a unit = the largest of a transformer layer and the embedding.
     Bucket padding (< dp elements per bucket) and Adam's scalar `step` tensors are ignored (< 0.01 %).
     Expert parallelism (ep > 1): the rank's routed-expert elements X_r (`RankParams.expert_numel`, E/ep experts
     per MoE layer) are sharded by ZeRO-1 over the expert-data-parallel group instead: main params and optimizer
@@ -82,6 +96,7 @@ from typing import Optional, Sequence
 import torch
 
 from mptrain import components
+from mptrain.distributed.strategy import FULLY_SHARDED, NO_SHARD, OPTIM, OPTIM_GRADS_PARAMS
 from mptrain.layers.embedding import padded_vocab_size
 from mptrain.layers.fp8 import fp8_recipe_from, gemm_runs_in_fp8
 from mptrain.layers.params import layer_linear_shapes
@@ -130,6 +145,30 @@ class PlanLayout:
     """The expert-data-parallel size (`mptrain.planner.moe.expert_data_parallel_size`); None = dp."""
     cp: int = 1
     """context_parallel_size: each rank keeps s/cp tokens of every sequence; ZeRO-1 shards over dp × cp."""
+    strategy: Optional[str] = None
+    """parallel.data_parallel_sharding_strategy: optim_grads / optim_grads_params (FSDP2); None = the two above
+    (optim with use_distributed_optimizer, else no_shard)."""
+    shard_size: Optional[int] = None
+    """parallel.data_parallel_shard_size (HSDP's shard group); None = dp × cp."""
+    cpu_offload: bool = False
+    """optim.optimizer_cpu_offload: the FSDP shards in host memory."""
+
+    @property
+    def sharding(self) -> str:
+        """The strategy that runs (`mptrain.distributed.strategy.running_strategy`: FSDP at dp = 1 only with
+        offload)."""
+        if self.strategy in FULLY_SHARDED and (self.dp * self.cp > 1 or self.cpu_offload):
+            return self.strategy
+        return OPTIM if self.use_distributed_optimizer else NO_SHARD
+
+    @property
+    def fully_sharded(self) -> bool:
+        return self.sharding in FULLY_SHARDED
+
+    @property
+    def shard(self) -> int:
+        """S: the ranks a ZeRO-2 / ZeRO-3 param is sharded over."""
+        return self.shard_size or self.dp * self.cp
 
     @property
     def expert_dp(self) -> int:
@@ -139,7 +178,8 @@ class PlanLayout:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryParts:
-    """Bytes on one rank. `total` = model states + max(activations + logits, optimizer_workspace)."""
+    """Bytes of one rank. `total` (device memory) = model states − offloaded + gathered + max(activations + logits,
+    optimizer_workspace)."""
 
     weights: float
     grads: float
@@ -148,6 +188,10 @@ class MemoryParts:
     activations: float
     logits: float
     optimizer_workspace: float
+    gathered: float = 0.0
+    """ZeRO-2 / ZeRO-3: FSDP's unsharded params (and grads) at the peak (module docstring)."""
+    offloaded: float = 0.0
+    """Of the model states, the bytes in host memory (``optim.optimizer_cpu_offload``)."""
 
     @property
     def model_states(self) -> float:
@@ -155,7 +199,8 @@ class MemoryParts:
 
     @property
     def total(self) -> float:
-        return self.model_states + max(self.activations + self.logits, self.optimizer_workspace)
+        return (self.model_states - self.offloaded + self.gathered
+                + max(self.activations + self.logits, self.optimizer_workspace))
 
     def gib(self) -> dict:
         parts = {k: v / GIB for k, v in dataclasses.asdict(self).items()}
@@ -197,8 +242,13 @@ def optimizer_state_bytes_per_element(cfg) -> int:
 
 
 def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
-    """weights, grads, main_params, optimizer_state (bytes) of one rank (module docstring)."""
+    """weights, grads, main_params, optimizer_state (bytes) of one rank, wherever they live (module docstring)."""
     n = rp.numel
+    if layout.fully_sharded:  # FSDP's fp32 shards are the params the optimizer steps
+        experts = rp.expert_numel if layout.ep > 1 else 0  # ep > 1: the experts shard over expert-DP
+        owned = (n - experts) / layout.shard + experts / layout.expert_dp
+        return {"weights": owned * 4, "grads": owned * 4, "main_params": 0.0,
+                "optimizer_state": owned * optimizer_state_bytes_per_element(cfg)}
     half = cfg.precision.name != "fp32"
     owned = n
     if layout.use_distributed_optimizer:
@@ -212,6 +262,31 @@ def model_state_bytes(cfg, layout: PlanLayout, rp: RankParams) -> dict:
         "main_params": main,
         "optimizer_state": owned * optimizer_state_bytes_per_element(cfg),
     }
+
+
+def fsdp_unit_elements(cfg, layout: PlanLayout, rp: RankParams, *, vocab_size: int) -> tuple[float, float]:
+    """(largest FSDP unit, root unit) in elements of one rank: a unit is a transformer layer or the embedding /
+    output layer (`mptrain.distributed.fsdp`); the root keeps the word embedding of a one-stage tied chunk."""
+    m = cfg.model
+    vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, layout.tp) // layout.tp * m.hidden_size
+    tied = not m.untie_embeddings_and_output_weights
+    emb = vocab * (rp.has_embedding + (rp.has_output and not tied))
+    layer = (rp.numel - emb) / max(1, len(rp.layers))
+    root = vocab if tied and rp.has_embedding and rp.has_output else 0.0
+    return max(layer, vocab if emb else 0.0), root
+
+
+def gathered_bytes(cfg, layout: PlanLayout, rp: RankParams, *, vocab_size: int) -> float:
+    """FSDP's unsharded params (and grads) at the peak of a step, bytes (module docstring); 0 without ZeRO-2 / 3."""
+    if not layout.fully_sharded:
+        return 0.0
+    compute = PARAM_BYTES[cfg.precision.name]
+    if layout.pp > 1:  # the stage stays gathered over its micro-batches; grads accumulate unsharded in fp32
+        return rp.numel * (compute + 4)
+    if layout.sharding != OPTIM_GRADS_PARAMS:  # ZeRO-2: every layer gathered from its forward to its backward
+        return rp.numel * compute
+    unit, root = fsdp_unit_elements(cfg, layout, rp, vocab_size=vocab_size)
+    return (2 * unit + root) * compute + unit * 4
 
 
 def _interleaved_inflight(pp: int, vpp: Optional[int], m: int, pp_rank: int) -> int:
@@ -393,7 +468,7 @@ def logits_bytes(cfg, layout: PlanLayout, *, vocab_size: int, inflight_last: int
 
 def optimizer_workspace_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
     """Distributed optimizer step: one bucket-sized fp32 scratch + this rank's shard of it (distrib_optimizer.py)."""
-    if not layout.use_distributed_optimizer:
+    if layout.sharding != OPTIM:  # DDP / FSDP step their params in place
         return 0.0  # fused Adam on CUDA allocates no temporaries; MixedPrecision's .float() aliases fp32 grads
     dp = layout.dp * layout.cp  # the grad buffers reduce (and ZeRO-1 shards) over dp × cp
     bucket = cfg.parallel.bucket_size or max(40_000_000, 1_000_000 * dp)
@@ -410,9 +485,13 @@ def stage_memory(cfg, layout: PlanLayout, rp: RankParams, *, pp_rank: int, vocab
                                          pp_rank=pp_rank)
         inflight_last = inflight if layout.schedule != "interleaved_1f1b" else -(-inflight // (layout.vpp or 1))
         logits = logits_bytes(cfg, layout, vocab_size=vocab_size, inflight_last=max(1, inflight_last))
+    offloaded = states["weights"] + states["grads"] + states["optimizer_state"] \
+        if layout.fully_sharded and layout.cpu_offload else 0.0
     return MemoryParts(
         activations=stage_activation_bytes(cfg, layout, rp, pp_rank=pp_rank),
         logits=logits,
         optimizer_workspace=optimizer_workspace_bytes(cfg, layout, rp),
+        gathered=gathered_bytes(cfg, layout, rp, vocab_size=vocab_size),
+        offloaded=offloaded,
         **states,
     )

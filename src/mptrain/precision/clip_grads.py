@@ -27,12 +27,20 @@ Groups = Union[None, "dist.ProcessGroup", Sequence["dist.ProcessGroup"]]
 
 
 def all_reduce_over(tensor: torch.Tensor, group: Groups, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce ``tensor`` in place over ``group`` (one group, None, or several in turn); returns it."""
+    """All-reduce ``tensor`` in place over ``group`` (one group, None, or several in turn); returns it.
+
+    A host tensor over an NCCL group (the statistics of grads held in host memory, ``optim.optimizer_cpu_offload``)
+    travels through a device copy: NCCL reduces device memory only."""
     if group is None or not dist.is_initialized():
         return tensor
     for g in group if isinstance(group, (list, tuple)) else (group,):
         if g is not None and dist.get_world_size(g) > 1:
-            dist.all_reduce(tensor, op=op, group=g)
+            if tensor.device.type == "cpu" and dist.get_backend(g) == "nccl":
+                staged = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(staged, op=op, group=g)
+                tensor.copy_(staged)
+            else:
+                dist.all_reduce(tensor, op=op, group=g)
     return tensor
 
 

@@ -20,7 +20,7 @@ from mptrain.config.batch_size import BatchSizeSchedule
 from mptrain.config.schema import config_to_container
 from mptrain.distributed.fsdp_optimizer import local_shard
 from mptrain.distributed.held_bytes import aliases_param, held_bytes, strategy_line
-from mptrain.distributed.strategy import sharding_strategy
+from mptrain.distributed.strategy import running_strategy, sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.layers.compile import compile_reason, compile_seconds
 from mptrain.layers.cp_blocks import RING_DOCUMENTS_NOTE
@@ -204,9 +204,11 @@ class Recorder:
             self.log(batch_size_line(self.cfg.train, d.data_parallel_size, seq_length=self.cfg.model.seq_length))
         if built is not None:
             self.log(kernels_line(built))
-            self.log(strategy_line(sharding_strategy(self.cfg.parallel), sharding_strategy(self.cfg.parallel,
+            self.log(strategy_line(sharding_strategy(self.cfg.parallel), running_strategy(self.cfg,
                                    d.data_parallel_size), d.data_parallel_size,
-                                   held_bytes(built.chunks, built.trainer.optimizer)))
+                                   held_bytes(built.chunks, built.trainer.optimizer),
+                                   shard_size=self.cfg.parallel.data_parallel_shard_size,
+                                   cpu_offload=self.cfg.optim.optimizer_cpu_offload))
             fp8 = getattr(built, "fp8", None)
             if fp8 is not None and fp8.warning() is not None:
                 self.log(fp8.warning())
@@ -331,7 +333,7 @@ class Recorder:
         held = held_bytes(built.chunks, built.trainer.optimizer)
         return RankFacts.build(
             g,
-            data_parallel_sharding_strategy=sharding_strategy(built.cfg.parallel, g.dp_size),
+            data_parallel_sharding_strategy=running_strategy(built.cfg, g.dp_size),
             param_bytes=held.params,
             grad_bytes=held.grads,
             layers=[n for c in built.chunks for n in unwrap(c).layer_numbers],

@@ -34,7 +34,7 @@ from mptrain.training.validate import validate_config
 from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.distributed.fsdp import FullyShardedDataParallel
-from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM, sharding_strategy
+from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM, running_strategy
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
 from mptrain.groups import (TORCHRUN_WORLD_SIZE_FLAG, ParallelGroups, build_groups, init_distributed,
                             read_dist_env)
@@ -107,13 +107,14 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
         device=groups.device,
     )
     rng_tracker = raw_chunks[0].rng_tracker
-    strategy = sharding_strategy(cfg.parallel, groups.dp_size)
+    strategy = running_strategy(cfg, groups.dp_size)
     chunks = []
     for chunk in raw_chunks:
         specs = collect_shard_specs(chunk)
         if strategy in FULLY_SHARDED:  # ZeRO-2 / ZeRO-3: FSDP2 casts the gathered fp32 params itself
             chunks.append(FullyShardedDataParallel(chunk, groups, strategy=strategy, compute_dtype=params_dtype,
-                                                   specs=specs, is_last_stage=chunk.post_process))
+                                                   specs=specs, is_last_stage=chunk.post_process,
+                                                   cpu_offload=cfg.optim.optimizer_cpu_offload))
             continue
         module = chunk
         if params_dtype != torch.float32:
@@ -308,6 +309,7 @@ def _init(cfg: Config, env, derived) -> ParallelGroups:
         expert_model_parallel_size=derived.expert_model_parallel_size,
         expert_tensor_parallel_size=derived.expert_tensor_parallel_size,
         context_parallel_size=derived.context_parallel_size,
+        data_parallel_shard_size=cfg.parallel.data_parallel_shard_size,
         device=device,
     )
 

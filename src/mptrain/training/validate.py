@@ -31,7 +31,7 @@ from mptrain.config.train import train_iters_of
 from mptrain.data.provider import check_data_config
 from mptrain.distributed.distrib_optimizer import wrapper_target
 from mptrain.distributed.param_gather import check_overlap_param_gather
-from mptrain.distributed.strategy import check_fully_sharded, sharding_strategy
+from mptrain.distributed.strategy import check_fully_sharded, check_hsdp, sharding_strategy
 from mptrain.errors import ConfigError
 from mptrain.groups import TORCHRUN_WORLD_SIZE_FLAG, check_num_experts, expert_layout, validate_layout
 from mptrain.layers.compile import resolve_compile_layers
@@ -115,6 +115,7 @@ def check_parallel_sizes(cfg: Config, world_size: int, *,
     dp = validate_layout(world_size, tp, pp, vpp, expert_model_parallel_size=par.expert_model_parallel_size,
                          expert_tensor_parallel_size=par.expert_tensor_parallel_size,
                          context_parallel_size=par.context_parallel_size, world_size_flag=world_size_flag)
+    check_hsdp(par, dp * par.context_parallel_size)  # HSDP's shard groups tile dp × cp
     # model.num_moe_experts: the MoE model's key (null or absent: a dense model)
     check_num_experts(getattr(cfg.model, "num_moe_experts", None), par.expert_model_parallel_size)
     return tp, pp, (vpp if vpp is not None and vpp > 1 else None), dp
