@@ -154,10 +154,8 @@ REFERENCE_VARIANTS = {"compile": "compile_amp", "compile_fp8": "compile_amp_fp8"
 
 
 def reference_variants(cfg: "BenchConfig") -> list:
-    """The `torch_ceiling.py` variants run beside `cfg`: ``compile_amp``, or one per mptrain variant; an MoE preset's
-    `torch_moe.py` runs ``compile_amp`` (fp32 main weights, as mptrain's bf16) and ``compile_bf16`` (no fp32 copy)."""
-    if cfg.preset in MOE_PRESETS:
-        return ["compile_amp", "compile_bf16"]
+    """The `torch_ceiling.py` variants run beside `cfg`: ``compile_amp``, or one per mptrain variant (an MoE preset's
+    `torch_moe.py`: ``compile_amp``, fp32 main weights as mptrain's bf16)."""
     if not cfg.reference_per_variant:
         return ["compile_amp"]
     return list(dict.fromkeys(REFERENCE_VARIANTS[v] for v in cfg.variants if v in REFERENCE_VARIANTS))
@@ -455,8 +453,8 @@ def _moe(gpus: int) -> list:
     one = dict(gpus=1, tp=1, pp=1, precision="bf16", peer=False, reference=True, variants=("default",), warmup=3)
     configs = [
         BenchConfig("m_moe_mixtral_small_mb4x8", "moe_mixtral_small", micro_batch_size=4, num_microbatches=8,
-                    iters=8, timeout_s=150, moe_share=True, **one),
-        BenchConfig("m_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, iters=8, timeout_s=150,
+                    iters=6, timeout_s=150, moe_share=True, **one),
+        BenchConfig("m_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, iters=6, timeout_s=150,
                     **one),
     ]
     return [c for c in configs if c.gpus <= gpus]
