@@ -312,3 +312,28 @@ def test_x8_suite_rows_calls_and_needs(tmp_path, monkeypatch, capsys):
     assert out.count("## call ") == len(x8.split_calls(run_bench.plan(
         bc.suite("x8", 8), suite_name="x8", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)))
     assert "--suite x8 --call 1 --out $OUT/results.jsonl" in out
+
+
+def test_moe_suite_runs_the_moe_peer_at_the_preset_and_the_routing_share(tmp_path):
+    """Suite moe: mptrain's default command at moe_mixtral_small, then the plain-PyTorch MoE GPT with the preset's
+    shape, experts, top-k, expert width and aux-loss coefficient, the routing-share job at one micro-batch's tokens,
+    then gpt_1.3b beside the dense plain-PyTorch GPT; the share row divides by the same call's mptrain step."""
+    cfgs = bc.suite("moe", 1)
+    jobs = run_bench.plan(cfgs, suite_name="moe", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)
+    assert [(j["kind"], j["cfg"].model, Path(j["argv"][1]).name if j["kind"] != "mptrain" else j["variant"])
+            for j in jobs] == [
+        ("mptrain", "moe_mixtral_small", "default"), ("reference", "moe_mixtral_small", "torch_moe.py"),
+        ("moe_share", "moe_mixtral_small", "moe_share.py"), ("mptrain", "gpt_1.3b", "default"),
+        ("reference", "gpt_1.3b", "torch_ceiling.py")]
+    env = jobs[1]["env"]
+    assert {k: env[k] for k in ("LAYERS", "HIDDEN", "HEADS", "QUERY_GROUPS", "SEQ", "EXPERT_FFN", "EXPERTS", "TOPK",
+                                "AUX_COEFF", "MBS", "M", "VOCAB", "VOCAB_PADDED")} == {
+        "LAYERS": "12", "HIDDEN": "1024", "HEADS": "16", "QUERY_GROUPS": "8", "SEQ": "2048", "EXPERT_FFN": "3584",
+        "EXPERTS": "8", "TOPK": "2", "AUX_COEFF": "0.01", "MBS": "4", "M": "8", "VOCAB": "32000",
+        "VOCAB_PADDED": "32000"}
+    assert jobs[2]["argv"][2:] == ["--tokens", "8192", "--hidden", "1024", "--ffn", "3584", "--experts", "8",
+                                   "--topk", "2"]
+    row = run_bench.moe_share_row(cfgs[0], {"layer_ms": 4.0, "experts_ms": 3.5, "routing_ms": 0.5,
+                                            "routing_share_of_layer": 0.125}, env=ENV, call_id="c1")
+    run_bench.share_of_step(row, {(cfgs[0].name, "default"): {"iter_s_mean": 0.6}})
+    assert row["routing_share_of_step"] == round(0.5e-3 * 12 * 8 / 0.6, 4) and row["step_s"] == 0.6

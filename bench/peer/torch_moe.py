@@ -166,7 +166,6 @@ def run(name, pure_bf16):
          "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss) * M, "torch": torch.__version__,
          "shape": [L, H, NH, G, S, E, K, FF], "mbs": MBS, "m": M, "clip": CLIP, "vocab": VOCAB, "vocab_padded": V}
     print(json.dumps(r), flush=True)
-    del model, opt, fwd
     torch.cuda.empty_cache()
 
 
