@@ -337,3 +337,45 @@ def test_moe_suite_runs_the_moe_peer_at_the_preset_and_the_routing_share(tmp_pat
                                             "routing_share_of_layer": 0.125}, env=ENV, call_id="c1")
     run_bench.share_of_step(row, {(cfgs[0].name, "default"): {"iter_s_mean": 0.6}})
     assert row["routing_share_of_step"] == round(0.5e-3 * 12 * 8 / 0.6, 4) and row["step_s"] == 0.6
+
+
+def test_moe_peer_routes_and_computes_as_the_mptrain_layer(monkeypatch):
+    """`bench/peer/torch_moe.py`'s MoE (top-k + softmax over the k, argsort permutation, grouped GEMMs, Switch aux
+    loss) computes mptrain's `MoELayer` function: same weights -> same output and the same grads, the aux loss's
+    included (fp32 on CPU)."""
+    import importlib
+
+    import torch
+    from mptrain.checkpoint.offline import single_rank_groups
+    from mptrain.config.model import ModelConfig
+    from mptrain.layers.context import LayerContext
+    from mptrain.layers.moe import MoELayer
+    from mptrain.layers.random import ParamInit
+
+    for key, value in {"HIDDEN": "32", "EXPERT_FFN": "16", "EXPERTS": "4", "TOPK": "2", "AUX_COEFF": "0.01"}.items():
+        monkeypatch.setenv(key, value)
+    sys.path.insert(0, str(ROOT / "bench" / "peer"))
+    try:
+        peer = importlib.reload(importlib.import_module("torch_moe"))
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "peer"))
+    peer.BF16 = torch.float32  # the fp32 comparison: no casts
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=16, add_bias_linear=False, activation="swiglu", moe_aux_loss_coeff=0.01,
+                      moe_router_dtype="fp32")
+    ctx = LayerContext(groups=single_rank_groups(), init=ParamInit(seed=3, std=0.5, num_layers=1))
+    ours, theirs = MoELayer(cfg, ctx, layer_number=0).train(), peer.MoE()
+    with torch.no_grad():
+        theirs.router.copy_(ours.router.weight)
+        theirs.w1.copy_(ours.experts.linear_fc1.weight)
+        theirs.w2.copy_(ours.experts.linear_fc2.weight)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 1, 32, generator=gen)
+    g = torch.randn(24, 1, 32, generator=gen)
+    (ours(x) * g).sum().backward()  # the aux loss's grad joins through the router (scale 1)
+    out, aux = theirs(x.reshape(24, 32))
+    ((out.view(24, 1, 32) * g).sum() + aux).backward()
+    torch.testing.assert_close(out.view(24, 1, 32), ours(x).detach(), rtol=1e-5, atol=1e-6)
+    for mine, other in ((ours.router.weight, theirs.router), (ours.experts.linear_fc1.weight, theirs.w1),
+                        (ours.experts.linear_fc2.weight, theirs.w2)):
+        torch.testing.assert_close(other.grad, mine.grad, rtol=1e-5, atol=1e-6)
