@@ -34,6 +34,7 @@ Profiler regions (``torch.profiler.record_function``, eager runs): ``moe.router`
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -59,6 +60,12 @@ EXPERTS_KIND = ComponentKind(
                       "etp_size"),
     interface=GroupedMLP)
 """``experts``: ``forward(x [N, h], tokens_per_expert [E_local], probs [N]) -> [N, h]`` (see `GroupedMLP`)."""
+
+
+def _region(name: str):
+    """A ``torch.profiler.record_function`` region in eager runs; nothing inside a trace (Dynamo drops it, with a
+    warning)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch.profiler.record_function(name)
 
 
 class MoELayer(torch.nn.Module):
@@ -104,13 +111,13 @@ class MoELayer(torch.nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
-        with torch.profiler.record_function("moe.router"):
+        with _region("moe.router"):
             probs, routing_map = self.router(x)  # [T, E] each
-        with torch.profiler.record_function("moe.permute"):
+        with _region("moe.permute"):
             rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
-        with torch.profiler.record_function("moe.experts"):
+        with _region("moe.experts"):
             out = self.experts(rows, tokens_per_expert, row_probs)
-        with torch.profiler.record_function("moe.unpermute"):
+        with _region("moe.unpermute"):
             y = self.token_dispatcher.combine(out).view(s, b, h)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
