@@ -67,7 +67,8 @@ class MoE(nn.Module):
 
     def forward(self, x):  # x [T, h] -> ([T, h], aux loss)
         t = x.shape[0]
-        logits = F.linear(x.float(), self.router.float())  # [T, E] fp32
+        with torch.autocast("cuda", enabled=False):  # the gating GEMM in fp32 (autocast would run it in bf16)
+            logits = F.linear(x.float(), self.router.float())  # [T, E]
         top, idx = logits.topk(K, dim=-1)  # [T, k]
         weights = torch.softmax(top, dim=-1)  # [T, k] fp32
         # Switch load balancing: counts from the top-k of the full softmax (the same experts)
