@@ -13,9 +13,11 @@ Suites (`suite(name, gpus)`): ``quick`` (a harness smoke test: 2 timed iteration
 real shapes), ``full`` (configs a-d against megatron-core, ordered by priority so that a time budget cuts the
 least important ones), ``ceiling`` (only the plain-PyTorch reference `bench/peer/torch_ceiling.py`),
 ``fp8`` (mptrain bf16 / fp8 tensorwise / fp8 rowwise, each beside the plain-PyTorch GPT in the same
-precision: torchao's ``convert_to_float8_training`` on its block linears), ``x8`` (the 8-GPU table:
-`bench/x8.py`), ``zero`` (one GPU: every data-parallel strategy at dp = 1 against no_shard, ZeRO-3 with CPU
-offload against without: `_zero`).
+precision: torchao's ``convert_to_float8_training`` on its block linears), ``moe`` (one GPU: mptrain's default
+command at ``moe_mixtral_small`` beside the compiled plain-PyTorch MoE `bench/peer/torch_moe.py`, the routing and
+permutation share `bench/moe_share.py`, and the dense gpt_1.3b beside its plain-PyTorch GPT), ``x8`` (the 8-GPU
+table: `bench/x8.py`), ``zero`` (one GPU: every data-parallel strategy at dp = 1 against no_shard, ZeRO-3 with
+CPU offload against without: `_zero`).
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ REFERENCE_VARIANTS = {"compile": "compile_amp", "compile_fp8": "compile_amp_fp8"
 
 
 def reference_variants(cfg: "BenchConfig") -> list:
-    """The `torch_ceiling.py` variants run beside `cfg`: ``compile_amp``, or one per mptrain variant."""
+    """The `torch_ceiling.py` variants run beside `cfg`: ``compile_amp``, or one per mptrain variant (an MoE preset's
+    `torch_moe.py`: ``compile_amp``, fp32 main weights as mptrain's bf16)."""
     if not cfg.reference_per_variant:
         return ["compile_amp"]
     return list(dict.fromkeys(REFERENCE_VARIANTS[v] for v in cfg.variants if v in REFERENCE_VARIANTS))
@@ -218,6 +221,7 @@ class BenchConfig:
     fit_check: bool = True  # skip when the planner's memory exceeds the GPU's (keys it models only)
     profile: tuple = ()  # variants also run once profiled (a separate run: kernel time by category)
     baseline: Optional[str] = None  # config whose tokens/s/GPU of the same call this row is divided by
+    moe_share: bool = False  # also run `bench/moe_share.py` at this MoE shape (routing + permutation time)
 
     @property
     def shape(self) -> ModelShape:
@@ -472,8 +476,22 @@ def _x8(gpus: int) -> list:
     return [c for c in rows if c.gpus <= gpus]
 
 
+def _moe(gpus: int) -> list:
+    """One GPU, one call: mptrain's default command at ``moe_mixtral_small`` (8 micro-batches of 4 × 2048 tokens)
+    beside the compiled plain-PyTorch MoE GPT of the same shape and routing, the layer's routing and permutation
+    time (`bench/moe_share.py`), and gpt_1.3b's default command beside the plain-PyTorch GPT (the dense path)."""
+    one = dict(gpus=1, tp=1, pp=1, precision="bf16", peer=False, reference=True, variants=("default",), warmup=3)
+    configs = [
+        BenchConfig("m_moe_mixtral_small_mb4x8", "moe_mixtral_small", micro_batch_size=4, num_microbatches=8,
+                    iters=6, timeout_s=150, moe_share=True, **one),
+        BenchConfig("m_gpt1.3b_mb4x4", "gpt_1.3b", micro_batch_size=4, num_microbatches=4, iters=6, timeout_s=150,
+                    **one),
+    ]
+    return [c for c in configs if c.gpus <= gpus]
+
+
 SUITES = {"full": _full, "quick": _quick, "ceiling": lambda gpus: [], "small": _small, "fp8": _fp8, "x8": _x8,
-          "zero": _zero}
+          "zero": _zero, "moe": _moe}
 
 
 def suite(name: str, gpus: int, only: Optional[list] = None) -> list:
@@ -551,6 +569,19 @@ def reference_env(cfg: BenchConfig) -> dict:
             "CLIP": "1.0", "ITERS": str(cfg.iters), "WARMUP": str(cfg.warmup),
             "VOCAB": str(s.vocab_size), "VOCAB_PADDED": str(padded_vocab(s.vocab_size, cfg.tp)),
             "DROPOUT": str(cfg.dropout), "RECOMPUTE": cfg.recompute or ""}
+
+
+def moe_reference_env(cfg: BenchConfig) -> dict:
+    """Environment of `bench/peer/torch_moe.py` for an MoE preset's `cfg`: its shape, experts, top-k, expert width
+    and aux-loss coefficient from the whole preset, mptrain's batch, AdamW with clip 1.0."""
+    s = cfg.shape
+    m = preset_model_config(cfg.preset, s)
+    return {"LAYERS": str(s.num_layers), "HIDDEN": str(s.hidden_size), "HEADS": str(s.num_attention_heads),
+            "QUERY_GROUPS": str(m.num_query_groups or s.num_attention_heads), "SEQ": str(s.seq_length),
+            "EXPERT_FFN": str(m.moe_ffn_hidden_size or m.ffn_hidden_size), "EXPERTS": str(m.num_moe_experts),
+            "TOPK": str(m.moe_router_topk), "AUX_COEFF": str(m.moe_aux_loss_coeff),
+            "MBS": str(cfg.micro_batch_size), "M": str(cfg.num_microbatches), "CLIP": "1.0", "ITERS": str(cfg.iters),
+            "WARMUP": str(cfg.warmup), "VOCAB": str(s.vocab_size), "VOCAB_PADDED": str(padded_vocab(s.vocab_size, cfg.tp))}
 
 
 def peer_args(cfg: BenchConfig, out_file: str) -> list:

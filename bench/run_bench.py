@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run mptrain and the megatron-core peer on the same configs in one run; append JSON rows.
 
-    python3 bench/run_bench.py --suite quick|full|ceiling|small|fp8|x8|zero --out $OUT/results.jsonl --call-id ID \
+    python3 bench/run_bench.py --suite quick|full|ceiling|small|fp8|moe|x8|zero --out $OUT/results.jsonl --call-id ID \
         [--gpus N] [--only NAME,...] [--budget-s 560] [--profile [VARIANTS]] [--dry-run]
         [--plan] [--call K] [--dry-run-cpu]
 
@@ -45,8 +45,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from configs import (  # noqa: E402
-    PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, mptrain_overrides, peer_args, reference_env,
-    reference_variants, suite,
+    MOE_PRESETS, PEAK_TFLOPS_BF16_DENSE, VARIANTS, BenchConfig, flops_per_iteration, moe_reference_env,
+    mptrain_overrides, peer_args, reference_env, reference_variants, suite,
     variant_env, variant_flags, variant_precision)
 from x8 import (  # noqa: E402
     cpu_config, does_not_fit, job_needs, planner_prediction, print_plan, run_cpu, split_calls)
@@ -54,6 +54,7 @@ from x8 import (  # noqa: E402
 # NVLink multicast must stay off on the lent hosts (KINDS.md); set for every child process.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TRAINERS = ("mptrain", "megatron-core")
+MODEL_LAYERS = {"moe_mixtral_small": 12}  # MoE layers of an MoE preset (every layer: moe_layer_freq 1)
 CEILING_CONFIG = "ceiling_gpt1.3b_tp1"
 
 
@@ -267,10 +268,19 @@ def plan(configs: list, *, suite_name: str, log_dir: Path, python: str, trainers
                                      argv=torchrun(python, cfg.gpus, HERE / "mptrain_entry.py",
                                                    ["--bench-profile", str(prof_file), *prof_args])))
         if cfg.reference and reference:  # the compiled plain-PyTorch GPT at this shape, right after mptrain
+            moe = cfg.preset in MOE_PRESETS  # the plain-PyTorch MoE GPT (`bench/peer/torch_moe.py`)
+            script = HERE / "peer" / ("torch_moe.py" if moe else "torch_ceiling.py")
             for ref_variant in reference_variants(cfg):
                 jobs.append(dict(kind="reference", cfg=cfg, trainer="torch-reference", variant=ref_variant,
-                                 timeout_s=cfg.timeout_s + (60 if "fp8" in ref_variant else 0), env=reference_env(cfg),
-                                 argv=[python, str(HERE / "peer" / "torch_ceiling.py"), ref_variant]))
+                                 timeout_s=cfg.timeout_s + (60 if "fp8" in ref_variant else 0),
+                                 env=moe_reference_env(cfg) if moe else reference_env(cfg),
+                                 argv=[python, str(script), ref_variant]))
+        if cfg.moe_share:  # the MoE layer's routing + permutation time at this shape (one micro-batch)
+            m = moe_reference_env(cfg)
+            share_args = ["--tokens", str(cfg.micro_batch_size * cfg.shape.seq_length), "--hidden", m["HIDDEN"],
+                          "--ffn", m["EXPERT_FFN"], "--experts", m["EXPERTS"], "--topk", m["TOPK"]]
+            jobs.append(dict(kind="moe_share", cfg=cfg, trainer="mptrain-moe-share", variant="compiled", timeout_s=150,
+                             argv=[python, str(HERE / "moe_share.py"), *share_args]))
         if "megatron-core" in trainers and cfg.peer:
             jobs.append(peer_job(cfg, python=python, log_dir=log_dir))
         if suite_name == "full" and cfg.name.startswith("b_"):  # the compiled reference right after config (b)
@@ -397,7 +407,29 @@ def collect(job: dict, *, env: dict, call_id: str) -> list:
     if kind == "ceiling":
         out = [json.loads(l) for l in job["log"].read_text().splitlines() if l.startswith("{")]
         return [ceiling_row(r, env=env, call_id=call_id) for r in out]
+    if kind == "moe_share":
+        out = [json.loads(l) for l in job["log"].read_text().splitlines() if l.startswith("{")]
+        return [moe_share_row(cfg, out[-1], env=env, call_id=call_id)]
     return []
+
+
+def moe_share_row(cfg: BenchConfig, result: dict, *, env: dict, call_id: str) -> dict:
+    """A ``mptrain-moe-share`` row from `bench/moe_share.py`'s JSON line (one MoE layer, one micro-batch); the
+    share of the step is added by `share_of_step` once the config's mptrain row of the call is known."""
+    row = base_row(cfg, trainer="mptrain-moe-share", variant="compiled", env=env, call_id=call_id)
+    row.update({k: result.get(k) for k in ("layer_ms", "experts_ms", "routing_ms", "routing_share_of_layer",
+                                           "eager_forward_region_ms", "kernel", "shape")})
+    return row
+
+
+def share_of_step(row: dict, ours: dict) -> None:
+    """``routing_share_of_step``: routing + permutation ms of one layer and micro-batch × MoE layers × micro-batches
+    ÷ the same config's mptrain ``default`` step (mean iteration) of this call; None without that row."""
+    step = (ours.get((row["config"], "default")) or {}).get("iter_s_mean")
+    layers = MODEL_LAYERS.get(row["model"])
+    if step and layers and row.get("routing_ms") is not None:
+        routing_s = row["routing_ms"] / 1e3 * layers * row["num_microbatches"]
+        row.update(step_s=step, routing_share_of_step=_round(routing_s / step, 4))
 
 
 def prediction_of(row: dict, job: dict, prediction: dict, predict: bool) -> dict:
@@ -508,7 +540,7 @@ def probe_sdpa(out_file: str) -> None:
 # --------------------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8", "x8", "zero"), default="quick")
+    p.add_argument("--suite", choices=("quick", "full", "ceiling", "small", "fp8", "moe", "x8", "zero"), default="quick")
     p.add_argument("--out", default=str(ROOT / "bench" / "results.jsonl"), help="JSONL file to append rows to")
     p.add_argument("--call-id", default=None, help="shared by the rows measured together (default: UTC time)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs available (default: nvidia-smi -L)")
@@ -637,6 +669,8 @@ def main(argv: Optional[list] = None) -> int:
         for row in rows:
             command = env_prefix + portable_command(job["argv"], python=args.python, out_dir=out.parent)
             row.update(command=command, wall_s=round(secs, 1), **prediction_of(row, job, prediction, predict))
+            if row["trainer"] == "mptrain-moe-share" and row.get("status") == "ok":
+                share_of_step(row, ours)
             if row["trainer"] == "mptrain" and row.get("status") == "ok":
                 if row["variant"] == "base":
                     base_rows[row["config"]] = row

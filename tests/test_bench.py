@@ -327,3 +327,70 @@ def test_zero_suite_rows():
     o = bc.mptrain_overrides(offload, "default", "run")
     assert {"parallel.data_parallel_sharding_strategy=optim_grads_params", "optim.optimizer_cpu_offload=true",
             "model.recompute_granularity=full", "model=gpt_6.7b"} <= set(o)
+
+
+def test_moe_suite_runs_the_moe_peer_at_the_preset_and_the_routing_share(tmp_path):
+    """Suite moe: mptrain's default command at moe_mixtral_small, then the plain-PyTorch MoE GPT with the preset's
+    shape, experts, top-k, expert width and aux-loss coefficient, the routing-share job at one micro-batch's tokens,
+    then gpt_1.3b beside the dense plain-PyTorch GPT; the share row divides by the same call's mptrain step."""
+    cfgs = bc.suite("moe", 1)
+    jobs = run_bench.plan(cfgs, suite_name="moe", log_dir=tmp_path, python="python", trainers=run_bench.TRAINERS)
+    assert [(j["kind"], j["cfg"].model, Path(j["argv"][1]).name if j["kind"] != "mptrain" else j["variant"])
+            for j in jobs] == [
+        ("mptrain", "moe_mixtral_small", "default"), ("reference", "moe_mixtral_small", "torch_moe.py"),
+        ("moe_share", "moe_mixtral_small", "moe_share.py"), ("mptrain", "gpt_1.3b", "default"),
+        ("reference", "gpt_1.3b", "torch_ceiling.py")]
+    env = jobs[1]["env"]
+    assert {k: env[k] for k in ("LAYERS", "HIDDEN", "HEADS", "QUERY_GROUPS", "SEQ", "EXPERT_FFN", "EXPERTS", "TOPK",
+                                "AUX_COEFF", "MBS", "M", "VOCAB", "VOCAB_PADDED")} == {
+        "LAYERS": "12", "HIDDEN": "1024", "HEADS": "16", "QUERY_GROUPS": "8", "SEQ": "2048", "EXPERT_FFN": "3584",
+        "EXPERTS": "8", "TOPK": "2", "AUX_COEFF": "0.01", "MBS": "4", "M": "8", "VOCAB": "32000",
+        "VOCAB_PADDED": "32000"}
+    assert jobs[2]["argv"][2:] == ["--tokens", "8192", "--hidden", "1024", "--ffn", "3584", "--experts", "8",
+                                   "--topk", "2"]
+    row = run_bench.moe_share_row(cfgs[0], {"layer_ms": 4.0, "experts_ms": 3.5, "routing_ms": 0.5,
+                                            "routing_share_of_layer": 0.125}, env=ENV, call_id="c1")
+    run_bench.share_of_step(row, {(cfgs[0].name, "default"): {"iter_s_mean": 0.6}})
+    assert row["routing_share_of_step"] == round(0.5e-3 * 12 * 8 / 0.6, 4) and row["step_s"] == 0.6
+
+
+def test_moe_peer_routes_and_computes_as_the_mptrain_layer(monkeypatch):
+    """`bench/peer/torch_moe.py`'s MoE (top-k + softmax over the k, argsort permutation, grouped GEMMs, Switch aux
+    loss) computes mptrain's `MoELayer` function: same weights -> same output and the same grads, the aux loss's
+    included (fp32 on CPU)."""
+    import importlib
+
+    import torch
+    from mptrain.checkpoint.offline import single_rank_groups
+    from mptrain.config.model import ModelConfig
+    from mptrain.layers.context import LayerContext
+    from mptrain.layers.moe import MoELayer
+    from mptrain.layers.random import ParamInit
+
+    for key, value in {"HIDDEN": "32", "EXPERT_FFN": "16", "EXPERTS": "4", "TOPK": "2", "AUX_COEFF": "0.01"}.items():
+        monkeypatch.setenv(key, value)
+    sys.path.insert(0, str(ROOT / "bench" / "peer"))
+    try:
+        peer = importlib.reload(importlib.import_module("torch_moe"))
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "peer"))
+    peer.BF16 = torch.float32  # the fp32 comparison: no casts
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=16, add_bias_linear=False, activation="swiglu", moe_aux_loss_coeff=0.01,
+                      moe_router_dtype="fp32")
+    ctx = LayerContext(groups=single_rank_groups(), init=ParamInit(seed=3, std=0.5, num_layers=1))
+    ours, theirs = MoELayer(cfg, ctx, layer_number=0).train(), peer.MoE()
+    with torch.no_grad():
+        theirs.router.copy_(ours.router.weight)
+        theirs.w1.copy_(ours.experts.linear_fc1.weight)
+        theirs.w2.copy_(ours.experts.linear_fc2.weight)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 1, 32, generator=gen)
+    g = torch.randn(24, 1, 32, generator=gen)
+    (ours(x) * g).sum().backward()  # the aux loss's grad joins through the router (scale 1)
+    out, aux = theirs(x.reshape(24, 32))
+    ((out.view(24, 1, 32) * g).sum() + aux).backward()
+    torch.testing.assert_close(out.view(24, 1, 32), ours(x).detach(), rtol=1e-5, atol=1e-6)
+    for mine, other in ((ours.router.weight, theirs.router), (ours.experts.linear_fc1.weight, theirs.w1),
+                        (ours.experts.linear_fc2.weight, theirs.w2)):
+        torch.testing.assert_close(other.grad, mine.grad, rtol=1e-5, atol=1e-6)

@@ -125,32 +125,54 @@ def _moe_notes(rank, world):
     g = build_groups(1, 1)
     try:
         out = []
-        for scope, on in (("chunk", True), ("layer", True), ("chunk", None)):
+        for scope, on, capacity in (("chunk", True, None), ("layer", True, None), ("chunk", True, 1.0),
+                                    ("chunk", None, None)):
             cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, compile_layers=on,
                               compile_scope=scope, num_moe_experts=2, moe_router_topk=2, activation="swiglu",
-                              add_bias_linear=False)
+                              add_bias_linear=False, moe_expert_capacity_factor=capacity)
             model = GPTModel(cfg, g, parallel=ParallelConfig(), pre_process=True, post_process=True,
                              layer_numbers=[0], vocab_size=32)
-            out.append(compile_note([model]))
+            out.append((compile_note([model]), model.compiled_chunk, model.decoder.layers["0"].mlp.traceable))
         return out
     finally:
         g.destroy()
 
 
-def test_moe_layers_run_eagerly_and_the_line_says_why():
-    """An MoE model compiles its layers around the MoE layers, which run eagerly: the kernels: line says so under
-    either scope (the chunk graph falls back to layer graphs), and says nothing of MoE when nothing compiles."""
+def test_moe_layers_compile_where_static_and_the_line_says_which():
+    """An MoE model at ep 1, dropless: its MoE layers are traced with the rest, so the chunk is one graph and the
+    kernels: line says so; with a capacity factor (no padding) they run eagerly, the chunk graph falls back to layer
+    graphs and the line says why; nothing of MoE when nothing compiles."""
     from harness import run_distributed
-    from mptrain.layers.compile import MOE_EAGER
+    from mptrain.layers.compile import MOE_COMPILED, MOE_EAGER
 
-    assert MOE_EAGER == ("MoE layers run eagerly between graphs (their token dispatch's row counts and split sizes "
-                         "depend on the routing)")
+    assert MOE_COMPILED == "MoE layers in the graph (ep = etp = 1, static token counts)"
+    capacity = f"{MOE_EAGER} (a capacity factor without padding: the kept rows depend on the routing)"
     assert run_distributed(_moe_notes, 1)[0] == [
-        f" compile=layer (chunk graph: {MOE_EAGER}; model.compile_layers=true)",
-        f" compile=layer (chunk graph: model.compile_scope=layer; {MOE_EAGER}; model.compile_layers=true)",
-        " compile=off (default: eager on cpu; model.compile_layers=true compiles)",
+        (f" compile=chunk (one graph per model chunk, mode default; {MOE_COMPILED}; model.compile_layers=true)",
+         True, True),
+        (f" compile=layer (chunk graph: model.compile_scope=layer; {MOE_COMPILED}; model.compile_layers=true)",
+         False, True),
+        (f" compile=layer (chunk graph: {capacity}; model.compile_layers=true)", False, False),
+        (" compile=off (default: eager on cpu; model.compile_layers=true compiles)", False, True),
     ]
-    assert chunk_compile_blocker(ModelConfig(num_moe_experts=2), sequence_parallel=False) == MOE_EAGER
+
+
+@pytest.mark.parametrize("override, grid, want", [
+    ({}, (1, 1, False), None),
+    ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}, (1, 1, False), None),
+    ({}, (2, 1, False), "expert parallelism: the token dispatch's split sizes depend on the routing"),
+    ({}, (1, 2, False), "expert parallelism: the token dispatch's split sizes depend on the routing"),
+    ({"moe_grouped_gemm": False}, (1, 1, False),
+     "model.moe_grouped_gemm=false: the per-expert loop reads its split sizes on the host"),
+    ({}, (1, 1, True), "sequence parallelism: the router sums its counts over TP with in-place collectives"),
+])
+def test_moe_eager_reason(override, grid, want):
+    from mptrain.layers.compile import MOE_EAGER, moe_eager_reason
+
+    cfg = ModelConfig(num_moe_experts=4, moe_router_topk=2, **override)
+    assert moe_eager_reason(cfg, *grid) == want
+    assert chunk_compile_blocker(cfg, grid[2], grid[0], grid[1]) == (None if want is None else f"{MOE_EAGER} ({want})")
+    assert moe_eager_reason(ModelConfig(), 2, 2, True) is None  # a dense model
 
 
 class _FakeSizevars:

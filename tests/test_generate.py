@@ -243,3 +243,25 @@ def test_a_process_count_the_heads_do_not_divide_names_the_launch(ckpt, monkeypa
             "--nproc_per_node that divides it")
     assert reported == [(line, 0, 3, True), (line, 1, 3, True)]
     assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory) -> Path:
+    """An MoE model trained at tp 2 with sequence parallelism (experts split over TP: ETP 2)."""
+    root = tmp_path_factory.mktemp("gen_moe")
+    run_distributed(run_job, 2, ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=32", "model.seq_length=32",
+                                 "model.moe_ffn_hidden_size=32", "train.eval_interval=null", f"model.vocab_size={VOCAB}",
+                                 "model.make_vocab_size_divisible_by=64", f"data.vocab_size={VOCAB}",
+                                 "train.global_batch_size=4", "train.micro_batch_size=4", "parallel=tp2pp1",
+                                 "parallel.sequence_parallel=true", "train.train_iters=6", "optim.lr=1e-2",
+                                 f"run.dir={root / 'run'}", f"checkpoint.save={root / 'ckpt'}"])
+    return root / "ckpt"
+
+
+def test_moe_greedy_at_tp2_equals_tp1(moe_ckpt):
+    """Decoding an MoE model at tp 2 (no sequence parallelism for one token at a time: every TP rank holds every
+    expert whole, resharded from the checkpoint's ETP 2, and routes every token) gives tp 1's greedy tokens."""
+    greedy = {"max_new_tokens": 12}
+    tp1 = run_distributed(_generate_task, 1, str(moe_ckpt), PROMPT, greedy)[0]
+    tp2 = run_distributed(_generate_task, 2, str(moe_ckpt), PROMPT, greedy)
+    assert len(tp1) == 12 and len(set(tp1)) > 1 and tp2 == [tp1, tp1]

@@ -102,6 +102,7 @@ def test_logits_and_greedy_decoding_equal_transformers(imported, family):
             torch.testing.assert_close(results[rank][layout], want, rtol=0, atol=1e-5, msg=f"{layout} rank {rank}")
     torch.testing.assert_close(results[1]["tp1pp2"], want, rtol=0, atol=1e-5)  # the last stage holds the logits
     assert run_distributed(_generate_task, 1, str(ckpt), PROMPT)[0] == hf_new and len(hf_new) > 0
+    assert run_distributed(_generate_task, 2, str(ckpt), PROMPT) == [hf_new, hf_new]  # tp 2: experts whole per rank
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -19,7 +19,8 @@ by the trainer's own `build_model_chunks` (a relative ``data.tokenizer.tokenizer
 relative to the current folder, as training read it). Layout: tensor parallelism over
 ``--tensor-model-parallel-size`` ranks (default: the world size), pipeline parallelism 1 (one
 prompt decodes token by token, so pipeline stages would only wait on each other) and no data
-parallelism: the world size must equal the TP size. Decoding uses a KV cache
+parallelism: the world size must equal the TP size; an MoE model decodes with its experts whole on every TP
+rank (`decoding_layout`). Decoding uses a KV cache
 (`mptrain.inference`), and falls back to recomputing the prefix for layer classes it does not know.
 """
 
@@ -86,6 +87,25 @@ def encode_prompt(tokenizer, text: str, saved: dict, vocab_size: int) -> list:
     return ids
 
 
+def decoding_layout(model_cfg, tp: int) -> tuple:
+    """``(checked, built, etp)``: the `ParallelConfig` whose rules the model is checked against, the one it is built
+    with, and the expert-tensor-parallel size, for decoding at ``tp``.
+
+    Dense models: tensor parallelism alone. MoE models: decoding feeds one token at a time, so there is no sequence
+    to split over TP and the model is built without sequence parallelism, every TP rank holding every expert whole
+    (``expert_tensor_parallel_size=1``, resharded from the checkpoint's layout) and routing every token itself (the
+    same routing on every rank: their activations are the same after each row-parallel all-reduce). The rules are
+    checked as training at ``tp`` checks them, with sequence parallelism on (`mptrain.layers.moe.config`).
+    """
+    from mptrain.config.parallel import ParallelConfig
+
+    if getattr(model_cfg, "num_moe_experts", None) is None:
+        plain = ParallelConfig(tensor_model_parallel_size=tp)
+        return plain, plain, None
+    checked = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_tensor_parallel_size=1)
+    return checked, ParallelConfig(tensor_model_parallel_size=tp, expert_tensor_parallel_size=1), 1
+
+
 def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_model_parallel_size: Optional[int] = None,
                    timeout_s: float = 600.0, prompt: Optional[str] = None) -> Generator:
     """Initialise distributed (a world of one without torchrun), build the model, load the weights.
@@ -97,7 +117,6 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
             the saved tokenizer cannot be built, or it cannot encode ``prompt``.
     """
     from mptrain.checkpoint.api import load_model_weights
-    from mptrain.config.parallel import ParallelConfig
     from mptrain.data.tokenizers import build_tokenizer
     from mptrain.checkpoint.offline import atomic_meta, checkpoint_folder
     from mptrain.groups import build_groups, init_distributed, read_dist_env
@@ -115,17 +134,18 @@ def load_generator(checkpoint: str, *, iteration: Optional[int] = None, tensor_m
         raise ConfigError(f"--tensor-model-parallel-size={tp} with world size {env.world_size}: generation runs one "
                           f"model replica with pipeline size 1; launch with --nproc_per_node={tp}")
     model_cfg = _saved_model_config(saved, tp)
+    check_parallel, parallel, etp = decoding_layout(model_cfg, tp)
     try:  # heads / groups vs tp, before any collective; the fix is the process count, not a config key
-        check_model_config(model_cfg, ParallelConfig(tensor_model_parallel_size=tp))
+        check_model_config(model_cfg, check_parallel)
     except ConfigError as err:
         raise ConfigError(f"--tensor-model-parallel-size={tp}: the checkpoint's model does not split over {tp} ranks "
                           f"({str(err).split(';')[0]}); launch with a --nproc_per_node that divides it") from None
     tokenizer = build_tokenizer(saved.get("data", {}))
     prompt_ids = None if prompt is None else encode_prompt(tokenizer, prompt, saved, int(meta["vocab_size"]))
     device = init_distributed(env, timeout_s=timeout_s)
-    groups = build_groups(tp, 1, None, device=device)
+    groups = build_groups(tp, 1, None, expert_tensor_parallel_size=etp, device=device)
     try:
-        model = build_model_chunks(model_cfg, ParallelConfig(tensor_model_parallel_size=tp), groups,
+        model = build_model_chunks(model_cfg, parallel, groups,
                                    vocab_size=int(meta["vocab_size"]), seed=int(saved.get("train", {}).get("seed", 1234)),
                                    params_dtype=torch.float32, device=device)[0]
         load_model_weights(folder, [model], groups, saved)

@@ -8,12 +8,16 @@ null | torch.compile's modes).
   is one graph, so a micro-batch is one forward and one backward graph launch (torchtitan and a
   plain compiled GPT do the same). Dropout is drawn inside the graph (`mptrain.layers.random`, "Dropout in a
   compiled chunk") and activation recomputation is a recomputed region of it (`mptrain.layers.random.checkpoint`).
-  It falls back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`: MoE layers, which
+  It falls back to ``layer`` where the chunk cannot be one graph (`chunk_compile_blocker`: MoE layers that
   run eagerly).
-* MoE layers (`mptrain.layers.moe.MoELayer`) run eagerly under either scope (``torch.compiler.disable`` on their
-  forward, `MOE_EAGER`): the rows their token dispatch sends, and the split sizes of its collectives, depend on
-  the routing (host integers under expert parallelism or a capacity factor), which a static graph cannot hold.
-  The rest of each layer (norms, attention, residuals) compiles, and the ``kernels:`` line says so.
+* MoE layers (`mptrain.layers.moe.MoELayer`) compile with the rest where their shapes are static
+  (`moe_eager_reason` None: one rank holds every expert (ep = etp = 1), dropless or padded to capacity, grouped
+  GEMMs, no sequence parallelism): the router's top-k is a sort, the permutation an argsort, the grouped GEMMs' offsets a
+  device cumsum, so nothing is read on the host. Elsewhere they run eagerly under either scope
+  (``torch.compiler.disable``, `MOE_EAGER`): the rows their token dispatch sends and the split sizes of its
+  collectives depend on the routing (host integers under expert parallelism or a capacity factor without
+  padding), and under sequence parallelism the router sums its counts over TP with in-place collectives.
+  The ``kernels:`` line says which, and why.
 * ``layer``: each layer of the block is compiled in place (its ``compile``; `TransformerLayer`
   compiles its body, so parameter names stay), and the cross entropy's passes one by one (`compile_pass`).
 
@@ -43,9 +47,27 @@ COMPILE_SCOPES = ("chunk", "layer")
 """``model.compile_scope``: one graph per model chunk, or one per TransformerLayer (`ModelConfig.compile_scope`)."""
 COMPILE_MODES = ("auto", None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """``model.compile_mode``: ``auto``, null (Inductor's default) and torch.compile's modes."""
-MOE_EAGER = ("MoE layers run eagerly between graphs (their token dispatch's row counts and split sizes depend on "
-             "the routing)")
-"""What the ``kernels:`` line says of a compiled MoE model (module docstring)."""
+MOE_EAGER = "MoE layers run eagerly between graphs"
+"""What the ``kernels:`` line says of a compiled MoE model whose MoE layers cannot be traced, before the reason
+(`moe_eager_reason`)."""
+MOE_COMPILED = "MoE layers in the graph (ep = etp = 1, static token counts)"
+"""What the ``kernels:`` line says of a compiled MoE model whose MoE layers compile with the rest."""
+
+
+def moe_eager_reason(config, ep_size: int = 1, etp_size: int = 1, sequence_parallel: bool = False) -> Optional[str]:
+    """Why the MoE layers of ``config`` must run eagerly (module docstring); None when they compile (or there are
+    none). ``ep_size`` / ``etp_size``: the groups' expert grid; ``sequence_parallel``: the effective one."""
+    if getattr(config, "num_moe_experts", None) is None:
+        return None
+    if ep_size * etp_size > 1:
+        return "expert parallelism: the token dispatch's split sizes depend on the routing"
+    if config.moe_expert_capacity_factor is not None and not config.moe_pad_expert_input_to_capacity:
+        return "a capacity factor without padding: the kept rows depend on the routing"
+    if not config.moe_grouped_gemm:
+        return "model.moe_grouped_gemm=false: the per-expert loop reads its split sizes on the host"
+    if sequence_parallel:
+        return "sequence parallelism: the router sums its counts over TP with in-place collectives"
+    return None
 
 
 def check_compile(model) -> None:
@@ -72,7 +94,7 @@ def resolve_compile_layers(config, device: torch.device) -> tuple[bool, str]:
     return bool(config.compile_layers), f"model.compile_layers={str(bool(config.compile_layers)).lower()}"
 
 
-def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
+def chunk_compile_blocker(config, sequence_parallel: bool, ep_size: int = 1, etp_size: int = 1) -> Optional[str]:
     """Why ``model.compile_scope=chunk`` cannot compile this chunk as one graph (None: it can); the layers are
     then compiled one by one, as ``compile_scope=layer``, and the ``kernels:`` line gives the reason.
 
@@ -80,18 +102,18 @@ def chunk_compile_blocker(config, sequence_parallel: bool) -> Optional[str]:
     as slices of whole-tensor masks (`mptrain.layers.random.dropout_slice`), so no RNG fork is needed; and
     activation recomputation (full or selective) is torch's checkpoint inside the graph
     (`mptrain.layers.random.checkpoint`), not the eager checkpoint that swaps generator states on the host.
-    MoE layers run eagerly (`mptrain.layers.moe.MoELayer`: routed row counts), so a model with them is not one graph.
-    ``config``, ``sequence_parallel`` (the effective one): what a rule would read.
+    MoE layers that run eagerly (`moe_eager_reason`) make a model with them not one graph.
+    ``config``, ``sequence_parallel`` (the effective one), ``ep_size`` / ``etp_size`` (the expert grid): what a
+    rule reads.
     """
-    return eager_regions(config)
+    return eager_regions(config, ep_size, etp_size, sequence_parallel)
 
 
-def eager_regions(config) -> Optional[str]:
-    """What runs eagerly inside the compiled regions of a model of ``config``, and why (`MOE_EAGER` for a model
-    with MoE layers); None when everything compiles."""
-    if getattr(config, "num_moe_experts", None) is not None:
-        return MOE_EAGER
-    return None
+def eager_regions(config, ep_size: int = 1, etp_size: int = 1, sequence_parallel: bool = False) -> Optional[str]:
+    """What runs eagerly inside the compiled regions of a model of ``config``, and why (`MOE_EAGER` and
+    `moe_eager_reason` for a model with MoE layers that cannot be traced); None when everything compiles."""
+    why = moe_eager_reason(config, ep_size, etp_size, sequence_parallel)
+    return f"{MOE_EAGER} ({why})" if why else None
 
 
 def compile_mode_for(config, groups, device: Optional[torch.device], chunk: bool) -> Optional[str]:
@@ -121,6 +143,7 @@ class CompilePlan:
             `mptrain.layers.inductor_choices` there).
         eager: what runs eagerly inside the compiled regions, and why (`eager_regions`); None when compiling
             nothing or everything.
+        moe: `MOE_COMPILED` when compiled MoE layers are part of the graphs; else None.
     """
 
     compile_layers: bool
@@ -130,6 +153,7 @@ class CompilePlan:
     why: str = ""
     cuda: bool = False
     eager: Optional[str] = None
+    moe: Optional[str] = None
 
     @property
     def fused_cross_entropy(self) -> bool:
@@ -146,7 +170,8 @@ class CompilePlan:
 def plan_compile(config, groups, device: torch.device, sequence_parallel: bool) -> CompilePlan:
     """The compile plan of one chunk (pure). ``sequence_parallel``: the effective one (tp > 1)."""
     compile_layers, why = resolve_compile_layers(config, device)
-    blocker = (chunk_compile_blocker(config, sequence_parallel) if config.compile_scope == "chunk"
+    grid = (getattr(groups, "ep_size", 1), getattr(groups, "etp_size", 1))
+    blocker = (chunk_compile_blocker(config, sequence_parallel, *grid) if config.compile_scope == "chunk"
                else "model.compile_scope=layer")
     if blocker is None and getattr(groups, "cp_size", 1) > 1:
         # the CP attention's K/V exchanges run eagerly (`mptrain.layers.cp_attention`): a graph break in each layer
@@ -155,7 +180,9 @@ def plan_compile(config, groups, device: torch.device, sequence_parallel: bool) 
     return CompilePlan(compile_layers=compile_layers, chunk=chunk,
                        mode=compile_mode_for(config, groups, device, chunk), blocker=blocker, why=why,
                        cuda=torch.device(device).type == "cuda",
-                       eager=eager_regions(config) if compile_layers else None)
+                       eager=eager_regions(config, *grid, sequence_parallel) if compile_layers else None,
+                       moe=MOE_COMPILED if compile_layers and getattr(config, "num_moe_experts", None) is not None
+                       and moe_eager_reason(config, *grid, sequence_parallel) is None else None)
 
 
 def apply_compile(model: torch.nn.Module, plan: CompilePlan) -> None:
@@ -208,13 +235,14 @@ def compile_reason(models) -> str:
             return f" compile=off ({whys})" if whys else ""
     elif not any(getattr(getattr(m, "config", None), "compile_layers", False) for m in models):
         return ""
+    moes = "".join(f"; {n}" for n in dict.fromkeys(p.moe for p in plans if isinstance(p, CompilePlan) and p.moe))
     if all(getattr(m, "compiled_chunk", False) for m in models):
         modes = dict.fromkeys(str(getattr(m, "compile_mode", None) or "default") for m in models)
-        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)}{why})"
+        return f" compile=chunk (one graph per model chunk, mode {', '.join(modes)}{moes}{why})"
     # the chunk graph's blockers, then what runs eagerly inside the layer graphs (said once)
     notes = dict.fromkeys([str(getattr(m, "compile_blocker", "")) for m in models]
                           + [p.eager for p in plans if isinstance(p, CompilePlan) and p.eager])
-    return f" compile=layer (chunk graph: {'; '.join(b for b in notes if b) or 'n/a'}{why})"
+    return f" compile=layer (chunk graph: {'; '.join(b for b in notes if b) or 'n/a'}{moes}{why})"
 
 
 def compile_seconds() -> float:

@@ -21,7 +21,8 @@ Math per expert e (Megatron applies the routing weight before fc2; fc2 is linear
 weighting the expert's output): ``y = (act(x W1ₑᵀ) · p) W2ₑᵀ``, p the row's routing weight.
 
 Kernels: ``moe_grouped_gemm`` runs both GEMMs over all local experts as ``torch._grouped_mm`` (one call
-each, offsets = cumsum(tokens_per_expert) on the device: no host sync) where this torch has it for the
+each, offsets = cumsum(tokens_per_expert) on the device: no host sync; through the custom op `grouped_linear`,
+which torch.compile traces in any dtype) where this torch has it for the
 dtype and the shapes (`grouped_mm_reason`); otherwise one GEMM per expert (the split sizes are read on
 the host). Both give the same values (tests/test_moe_layer.py).
 """
@@ -75,17 +76,48 @@ def grouped_mm_reason(weights: list, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming grad contiguous (``torch._grouped_mm``'s backward needs
-    strided grads, not the expanded ones a ``.sum()`` gives)."""
+@torch.library.custom_op("mptrain::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, mode: int) -> torch.Tensor:
+    """``torch._grouped_mm`` over contiguous operands, groups ending at ``offs [E]`` (int32, on the device):
+    mode 0: ``a [N, in]``, ``b [E, out, in]`` -> ``a_e b_eᵀ`` ``[N, out]``; mode 1: ``a [N, out]``, ``b [E, out, in]``
+    -> ``a_e b_e`` ``[N, in]``; mode 2: ``a [N, out]``, ``b [N, in]`` -> ``a_eᵀ b_e`` ``[E, out, in]``.
+    A custom op so that torch.compile traces it by `_grouped_mm_fake` in every dtype the eager kernel runs (the aten
+    op's own fake accepts bf16 only), and the transposes stay inside (no stride change of the weights)."""
+    if mode == 0:
+        return torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+    if mode == 1:
+        return torch._grouped_mm(a, b, offs=offs)
+    return torch._grouped_mm(a.t(), b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a, b, offs, mode):
+    if mode == 0:
+        return a.new_empty(a.shape[0], b.shape[1])
+    if mode == 1:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offs.shape[0], a.shape[1], b.shape[1])
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``y = x_e w_eᵀ`` per group (x ``[N, in]`` grouped expert-major, w ``[E, out, in]``, offs ``[E]`` int32 group
+    ends) -> ``[N, out]``; backward: ``dx = dy_e w_e``, ``dw_e = dy_eᵀ x_e`` (two more grouped GEMMs)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return _grouped_mm_op(x.contiguous(), w, offs, 0)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()  # strided, not the expanded grad a .sum() gives
+        return _grouped_mm_op(grad, w, offs, 1), _grouped_mm_op(grad, x.contiguous(), offs, 2), None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`GroupedLinear`: x ``[N, in]``, w ``[E, out, in]`` (contiguous), offs ``[E]`` int32 -> ``[N, out]``."""
+    return GroupedLinear.apply(x, w, offs)
 
 
 class ExpertWeight(torch.nn.Module):
@@ -150,6 +182,19 @@ class GroupedMLP(torch.nn.Module):
         self.grouped_gemm = bool(config.moe_grouped_gemm)
         self.num_local_experts = num_local_experts
         self._kernels: dict = {}  # (dtype, device type) -> `kernel`'s answer: the weights' shapes never change
+        self._prime_kernel()
+
+    def _prime_kernel(self) -> None:
+        """Answer `kernel` for the weights' dtype now, outside any trace: a compiled forward then reads the cached
+        answer (its probe runs a backward, which torch.compile cannot trace)."""
+        if self.linear_fc1.weight.device.type in ("cpu", "cuda"):
+            self.kernel()
+
+    def _apply(self, fn, recurse: bool = True):
+        """A cast or a move (``Float16Module``'s ``.to(bf16)``) changes `kernel`'s key: answer it again."""
+        out = super()._apply(fn, recurse)
+        self._prime_kernel()
+        return out
 
     def kernel(self, dtype: Optional[torch.dtype] = None) -> tuple:
         """``(grouped_mm | loop, why)`` for inputs of ``dtype`` (default: the weights'): what forward runs."""
@@ -166,10 +211,9 @@ class GroupedMLP(torch.nn.Module):
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         if self.kernel(x.dtype)[0] == GROUPED_MM:
             offs = tokens_per_expert.to(device=x.device).cumsum(0).to(torch.int32)  # group ends, on the device
-            x = _ContiguousGrad.apply(x)
-            h1 = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)  # [N, parts·f/etp]
+            h1 = grouped_linear(x, w1, offs)  # [N, parts·f/etp]
             a = (self.act_fn(h1) * probs.unsqueeze(-1)).to(h1.dtype)
-            return torch._grouped_mm(_ContiguousGrad.apply(a), w2.transpose(1, 2), offs=offs)  # [N, h]
+            return grouped_linear(a, w2, offs)  # [N, h]
         counts = tokens_per_expert.tolist()  # host read: the split sizes of the per-expert GEMMs
         outs = []
         for e, (xe, pe) in enumerate(zip(x.split(counts), probs.split(counts))):

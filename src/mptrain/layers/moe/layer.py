@@ -22,22 +22,30 @@ handed in (``token_dispatcher=``). The layer is the transformer layer's ``mlp`` 
 parameters are ``decoder.layers.<n>.mlp.router.weight``, ``...mlp.experts.linear_fc1.weight``,
 ``...mlp.shared_experts.linear_fc1.weight``, as Megatron-core names them.
 
-The layer runs eagerly inside compiled chunks (``torch.compiler.disable``): its row counts depend on the
-routing, and the per-expert loop reads them on the host.
+Under ``torch.compile`` the layer is traced with the rest of the graph where its shapes are static
+(`mptrain.layers.compile.moe_eager_reason` None: ep = etp = 1 with the `LocalDispatcher`, dropless or padded to
+capacity, no sequence parallelism; the grouped GEMMs, whose offsets stay on the device). Elsewhere it runs
+eagerly between graphs (``torch.compiler.disable``): its row counts and the collectives' split sizes depend on
+the routing, and the per-expert loop reads them on the host.
+
+Profiler regions (``torch.profiler.record_function``, eager runs): ``moe.router``, ``moe.permute``,
+``moe.experts``, ``moe.unpermute``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 from mptrain.components import ComponentKind
 from mptrain.config.model import MoESubmodules
+from mptrain.layers.compile import moe_eager_reason
 from mptrain.layers.context import LayerContext
 from mptrain.layers.mlp import ACTIVATION, MLP_KIND
-from mptrain.layers.moe.dispatcher import TokenDispatcher, build_dispatcher
-from mptrain.layers.moe.experts import GroupedMLP
+from mptrain.layers.moe.dispatcher import LocalDispatcher, TokenDispatcher, build_dispatcher
+from mptrain.layers.moe.experts import LOOP, GroupedMLP
 from mptrain.layers.moe.router import TopKRouter
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
@@ -52,6 +60,12 @@ EXPERTS_KIND = ComponentKind(
                       "etp_size"),
     interface=GroupedMLP)
 """``experts``: ``forward(x [N, h], tokens_per_expert [E_local], probs [N]) -> [N, h]`` (see `GroupedMLP`)."""
+
+
+def _region(name: str):
+    """A ``torch.profiler.record_function`` region in eager runs; nothing inside a trace (Dynamo drops it, with a
+    warning)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch.profiler.record_function(name)
 
 
 class MoELayer(torch.nn.Module):
@@ -77,17 +91,34 @@ class MoELayer(torch.nn.Module):
                                     num_local_experts=num_local, expert_offset=g.ep_rank * num_local,
                                     etp_rank=g.etp_rank, etp_size=g.etp_size, **inner)
         self.token_dispatcher = token_dispatcher or build_dispatcher(config, g)
+        # traced by torch.compile only with static shapes (module docstring); a handed-in dispatcher runs eagerly
+        self.traceable = (isinstance(self.token_dispatcher, LocalDispatcher)
+                          and moe_eager_reason(config, g.ep_size, g.etp_size, context.sequence_parallel) is None)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             self.shared_experts = build_module(f"{KEY}.submodules.shared_experts", submodule(node, "shared_experts"),
                                                MLP_KIND, **inner)
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the per-expert loop reads its split sizes on the host: eager too (a static `traceable` otherwise)
+        if self.traceable and getattr(self.experts, "kernel", lambda dtype=None: (None, ""))(x.dtype)[0] != LOOP:
+            return self._forward(x)
+        return self._eager_forward(x)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
-        probs, routing_map = self.router(x)  # [T, E] each
-        rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
-        y = self.token_dispatcher.combine(self.experts(rows, tokens_per_expert, row_probs)).view(s, b, h)
+        with _region("moe.router"):
+            probs, routing_map = self.router(x)  # [T, E] each
+        with _region("moe.permute"):
+            rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
+        with _region("moe.experts"):
+            out = self.experts(rows, tokens_per_expert, row_probs)
+        with _region("moe.unpermute"):
+            y = self.token_dispatcher.combine(out).view(s, b, h)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
