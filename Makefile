@@ -2,6 +2,7 @@
 # `make test-unit`: the unit tier alone, no process launch and no training job, tests/conftest.py).
 PY := .venv/bin/python
 NPROC ?= 4
+TEST_WORKERS ?= 2
 ARGS ?=
 
 .PHONY: setup train test test-unit lint
@@ -20,11 +21,13 @@ train: setup
 		-m mptrain.train $(ARGS) experiment=shakespeare_cpu || [ $$? -eq 130 ]
 
 # .venv/fp8-site: torchao for precision=fp8's tests, kept out of the venv itself (scripts/setup.sh says why)
+# TEST_WORKERS: pytest-xdist workers, one test file at a time each (most tests run one process; two workers keep both
+# of a 2-core machine busy); TEST_WORKERS=0 runs the suite in this one process.
 test: setup
-	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-unit: setup
-	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not integration" tests
+	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" tests
 
 # ruff, configured in pyproject.toml
 lint: setup
