@@ -41,8 +41,9 @@ _GRACE_S = 5.0
 # 0.04. In a full suite run the pools' workers reached ~700 threads each (the 4-rank pool alone
 # then drains about a core, even while idle): load average 30-200 and tests 2-5x slower than alone.
 # A pool whose worker holds more than this many threads is closed after its task; the next call
-# starts a fresh one.
-_RECYCLE_THREADS = 150
+# starts a fresh one (~0.2 CPU-s a rank). At 40 (a job or two) the pools of a two-file run idled at 0.08 of a
+# core where 150 gave 0.39.
+_RECYCLE_THREADS = 40
 
 
 class DistributedTestError(AssertionError):
