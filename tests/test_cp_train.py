@@ -2,9 +2,11 @@
 
 The tiny model (fp32, dropout 0, mock data, RoPE and learned positions, document masking from offsets or the
 dense mask) trains a few steps at cp1 on one process and under cp2 layouts; lm_loss and grad_norm must agree per
-step to rel 1e-5 (DESIGN.md §3); in bf16 and fp16 (with the loss scaler) to the dtype's rounding (`HALF_TOLERANCE`).
+step to rel 1e-5 (DESIGN.md §3); in bf16, fp16 (with the loss scaler) and fp8 to the dtype's rounding
+(`HALF_TOLERANCE`).
 """
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -63,12 +65,18 @@ FP16 = ["precision=fp16", "loss_scaler.initial_scale=65536"]
 # 1e-4, 1e-2; fp16 (eps 2^-11 ≈ 5e-4) 5e-5, 2.5e-3: a few times what 3 steps show on CPU (bf16 8e-6 and 1.8e-3,
 # fp16 6e-6 and 4.7e-4).
 HALF_TOLERANCE = {"bf16": (1e-4, 1e-2), "fp16": (5e-5, 2.5e-3)}
+# FP8 GEMMs (emulated) on bf16 activations: every CP rank casts with the scales of cp1 (the amaxes over tokens are
+# reduced over CP, mptrain.layers.fp8), so the same bf16 values round to the same FP8 bits and cp1 and cp2 differ as
+# bf16 does (the ring's merges): bf16's tolerance
+FP8 = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_gemm_filter=none"]
+HAS_FP8 = importlib.util.find_spec("torchao") is not None  # precision=fp8 needs torchao (tests/test_fp8.py skips too)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp1")
-    return _run(tmp, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16})
+    fp8 = {"fp8": FP8} if HAS_FP8 else {}
+    return _run(tmp, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16, **fp8})
 
 
 def test_cp2_world2_equals_cp1(tmp_path, references):
@@ -81,6 +89,7 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
         "p2p_docs_recompute": CP2 + DOCS + RECOMPUTE,
         "p2p_bf16": CP2 + BF16,
         "p2p_fp16": CP2 + FP16,
+        **({"p2p_fp8": CP2 + FP8} if HAS_FP8 else {}),
     })
     _assert_same(runs["p2p"], references["learned"])
     valid, ref_valid = runs["p2p/valid"], references["learned/valid"]
@@ -96,16 +105,25 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
     assert "attention=documents (ring blocks from document ids" in log
     for dtype, (loss_rel, grad_rel) in HALF_TOLERANCE.items():
         _assert_same(runs[f"p2p_{dtype}"], references[dtype], rel=loss_rel, grad_rel=grad_rel)
+    if HAS_FP8:
+        loss_rel, grad_rel = HALF_TOLERANCE["bf16"]
+        _assert_same(runs["p2p_fp8"], references["fp8"], rel=loss_rel, grad_rel=grad_rel)
+        assert "precision=fp8 (tensorwise, emulated: 16 of 16 block linears" in (
+            tmp_path / "p2p_fp8" / "train.log").read_text()
+
+
+LAYOUTS_4 = {"tp2cp2_sp": ["parallel=tp2pp1", "parallel.sequence_parallel=true"], "cp2pp2": ["parallel=tp1pp2"],
+             "cp2dp2_zero1": ["parallel.use_distributed_optimizer=true"]}
 
 
 def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references):
     runs = _run(tmp_path, 4, {
-        "tp2cp2_sp": CP2 + ROPE + ["parallel=tp2pp1", "parallel.sequence_parallel=true"],
-        "cp2pp2": CP2 + ROPE + ["parallel=tp1pp2"],
-        "cp2dp2_zero1": CP2 + ROPE + ["parallel.use_distributed_optimizer=true"],
+        **{name: CP2 + ROPE + layout for name, layout in LAYOUTS_4.items()},
+        **{f"{name}_docs": CP2 + DOCS + layout for name, layout in LAYOUTS_4.items()},  # the ring's document blocks
     })
-    for rows in runs.values():
-        _assert_same(rows, references["rope"])
+    for name in LAYOUTS_4:
+        _assert_same(runs[name], references["rope"])
+        _assert_same(runs[f"{name}_docs"], references["docs"])
     # layout.json: each rank's coordinates in the tp-cp-dp-pp order
     coords = {name: [(r["tp"], r["cp"], r["dp"], r["pp"]) for r in json.loads((tmp_path / name / "layout.json")
                                                                              .read_text())["ranks"]] for name in runs}

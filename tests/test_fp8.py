@@ -135,6 +135,37 @@ def _reads_cast_made_on_entry(groups) -> bool:
     return torch.equal(inside, plain) and torch.equal(outside, 4 * plain)
 
 
+def _run_pair_cp(groups, recipe):
+    """`_run_pair`'s tensors with the tokens split over CP (each rank its half of s, tp 1): h, y and x_grad gathered
+    over CP on the sequence, the weight and bias grads summed over CP (each rank's are its tokens' partial sums)."""
+    import torch.distributed as dist
+
+    fc1, fc2 = _pair(groups, False, recipe)
+    gen = torch.Generator().manual_seed(7)
+    x_full = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)  # [s, b, h], as `_run_pair`
+    dy_full = torch.randn(16, 2, 64, generator=gen).to(torch.bfloat16)
+    x_full[3, 1, 5] = 9.0  # the outlier on CP rank 0's tokens: rank 1's local amax is smaller
+    cp, r = groups.cp_size, groups.cp_rank
+    x = x_full.chunk(cp, 0)[r].clone().requires_grad_(True)
+    h, _ = fc1(x)
+    h.retain_grad()
+    y, _ = fc2(torch.nn.functional.gelu(h))
+    y.backward(dy_full.chunk(cp, 0)[r])
+
+    def gather(t):
+        parts = [torch.empty_like(t) for _ in range(cp)]
+        dist.all_gather(parts, t.contiguous(), group=groups.cp_group)
+        return torch.cat(parts, 0)
+
+    def summed(t):
+        t = t.float()
+        dist.all_reduce(t, group=groups.cp_group)
+        return t.to(torch.bfloat16)
+
+    return dict(h=gather(h.detach()), y=gather(y.detach()), x_grad=gather(x.grad), w1_grad=summed(fc1.weight.grad),
+                w2_grad=summed(fc2.weight.grad), b1_grad=summed(fc1.bias.grad))
+
+
 def _layers(rank, world):
     from mptrain.groups import build_groups
 
@@ -162,6 +193,17 @@ def _layers(rank, world):
                               for k in ("y", "x_grad")}}
     finally:
         g2.destroy()
+    cp2 = build_groups(1, 1, context_parallel_size=world)
+    try:  # every CP rank casts with cp1's scales (amaxes over tokens reduced over CP): per token the same bits
+        for recipe in RECIPES:
+            got, want = _run_pair_cp(cp2, recipe), ref[recipe]
+            results[(recipe, "cp")] = {
+                "exact": {k: torch.equal(got[k], want[k]) for k in ("h", "y", "x_grad")},
+                # partial sums over each rank's tokens, added in fp32 and rounded to bf16 once more
+                "close": {k: float((got[k].float() - want[k].float()).abs().max() / want[k].float().abs().max())
+                          for k in ("w1_grad", "w2_grad", "b1_grad")}}
+    finally:
+        cp2.destroy()
     return results
 
 
@@ -201,7 +243,7 @@ def test_fp8_linears_trace_as_one_graph():
     assert counts == {r: (1, 0, []) for r in (*RECIPES, "tensorwise_cached")}, counts
 
 
-def test_fp8_linears_equal_torchao_and_tp2_equals_tp1():
+def test_fp8_linears_equal_torchao_and_tp2_and_cp2_equal_tp1():
     for res in run_distributed(_layers, 2):
         assert res.pop("torchao") == {r: True for r in RECIPES}
         assert res.pop("reads_cast")
@@ -630,7 +672,7 @@ def test_gpu_fp8_compiled_mlp_equals_torchao_compiled(recipe):
     """fc1 -> gelu -> fc2 in FP8 under Inductor: mptrain's parallel linears equal torchao's Float8Linear
     compiled the same way, bit for bit (output, input grad, weight grads; tensorwise fc2's weight grad: the
     reused forward cast, see below), on real FP8 GEMMs. Eager, the two are bitwise equal for every recipe
-    (`test_fp8_linears_equal_torchao_and_tp2_equals_tp1`); compiled, each differs from its own eager result
+    (`test_fp8_linears_equal_torchao_and_tp2_and_cp2_equal_tp1`); compiled, each differs from its own eager result
     (the fused gelu stays fp32 up to the FP8 cast). Tensorwise with the weight casts made once
     (`Fp8WeightCasts.cached`, its compiled refresh and the transposed copy the grad-input GEMM reads) equals
     casting in each GEMM, bit for bit."""

@@ -41,6 +41,12 @@ group exactly where this rank holds a part of those elements:
   column-parallel grad-input GEMM (dy and W); a vector of ``T`` or ``in`` amaxes. The grad-weight
   GEMM contracts over tokens, which are whole on every TP rank: its row scales are local.
 
+Context parallelism splits the tokens of every activation over the CP group (each rank holds 2 of the
+sequence's 2·cp chunks), so an activation's amax over tokens is all-reduced (MAX) over CP too: tensorwise,
+x and dy always; rowwise, the grad-weight GEMM's x and dy (their contraction dim is the tokens). The weight
+is whole on every CP rank. Megatron-LM reduces FP8 amaxes over TP × CP likewise
+(``parallel_state.get_amax_reduction_group(with_context_parallel=True)``).
+
 Sources: torchao ``torchao/float8/float8_linear.py`` (``matmul_with_hp_or_float8_args``, the
 casts per GEMM), ``float8_scaling_utils.py``, ``config.py``; Micikevicius et al. 2022, "FP8
 Formats for Deep Learning"; Megatron-LM ``megatron/core/fp8_utils.py`` (first / last layers in bf16).
@@ -246,11 +252,14 @@ class Fp8Gemms:
         amax_group: the TP group (None when tp = 1: nothing is sharded).
         input_sharded: the contraction dim ``in`` is split over TP (row-parallel).
         output_sharded: ``out`` is split over TP (column-parallel).
+        token_group: the CP group, over which the tokens of x and dy are split (None when cp = 1).
     The weight is TP-sharded whenever there is an ``amax_group``.
     """
 
-    def __init__(self, recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool) -> None:
+    def __init__(self, recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool,
+                 token_group: Any = None) -> None:
         self.recipe = recipe
+        self.token_group = token_group
         # held, not looked up per cast: an import inside the compiled graph would break it
         self._ao = fp8_torchao.load(recipe.recipe, recipe.emulate)
         self.config = self._ao.config
@@ -266,12 +275,13 @@ class Fp8Gemms:
         return a == b and not self._ao.disabled(a) and self._ao.tensorwise(a)
 
     def _cast(self, t: torch.Tensor, cast_config, role, axis: int, *, tensor_sharded: bool, k_sharded: bool,
-              column_amax: bool = False):
+              column_amax: bool = False, tokens: bool = False):
         """``t`` as a Float8TrainingTensor (or ``t`` itself when the recipe keeps it in high precision).
 
         ``axis``: the contraction dim of ``t`` in its GEMM (rowwise scales are amaxes along it);
         ``tensor_sharded`` / ``k_sharded``: whether ``t`` / that dim is split over TP (the module docstring);
-        ``column_amax``: a tensorwise amax of a 2-D ``t`` taken as the max of its column amaxes (`cast_grad_output`).
+        ``column_amax``: a tensorwise amax of a 2-D ``t`` taken as the max of its column amaxes (`cast_grad_output`);
+        ``tokens``: ``t`` is an activation ``[T, ...]``, its tokens split over `token_group` under CP.
         """
         ao = self._ao
         if ao.disabled(cast_config):
@@ -284,6 +294,9 @@ class Fp8Gemms:
             amax = ao.amax(t, cast_config, axiswise_dim).float()
         if self.amax_group is not None and (tensor_sharded if tensorwise else k_sharded):
             amax = _all_reduce(amax, self.amax_group, "max")  # the amax of the whole logical tensor / row
+        # CP: a tensorwise amax, or a row amax along the tokens (axis 0), spans the other CP ranks' tokens too
+        if self.token_group is not None and tokens and (tensorwise or axis == 0):
+            amax = _all_reduce(amax, self.token_group, "max")
         return ao.to_float8(t, ao.scale(amax, cast_config.target_dtype), cast_config.target_dtype, role, axiswise_dim)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, weight_cast: Optional["Fp8WeightCast"] = None) -> tuple:
@@ -295,7 +308,7 @@ class Fp8Gemms:
         c, ao = self.config, self._ao
         sharded_w = self.amax_group is not None
         x8 = self._cast(x, c.cast_config_input, ao.input_role, -1, tensor_sharded=self.input_sharded,
-                        k_sharded=self.input_sharded)
+                        k_sharded=self.input_sharded, tokens=True)
         # saved as plain tensors: the fp8 input where backward reuses its cast (1 byte an element instead of 2)
         x_saved = ao.parts(x8) if self.reuse_input else (x, None)
         if weight_cast is not None:
@@ -318,7 +331,7 @@ class Fp8Gemms:
         also recomputes GeLU's backward) instead of two."""
         return self._cast(grad_output, self.config.cast_config_grad_output, self._ao.grad_output_role, -1,
                           tensor_sharded=self.output_sharded, k_sharded=self.output_sharded,
-                          column_amax=with_bias_grad)
+                          column_amax=with_bias_grad, tokens=True)
 
     def grad_input(self, dy8, saved: tuple) -> torch.Tensor:
         """dx ``[T, in(/tp)]`` = dy · W from `cast_grad_output`'s dy and `forward`'s saved tensors; a
@@ -342,12 +355,12 @@ class Fp8Gemms:
         x_or_data, x_scale = saved[0], saved[1]
         dy_gw = dy8 if self.reuse_grad_output else self._cast(
             grad_output, c.cast_config_grad_output_for_grad_weight, ao.grad_output_role, 0,
-            tensor_sharded=self.output_sharded, k_sharded=False)
+            tensor_sharded=self.output_sharded, k_sharded=False, tokens=True)
         if self.reuse_input:
             x_gw = ao.from_parts(x_or_data, x_scale, grad_output.dtype, ao.input_role)
         else:
             x_gw = self._cast(x_or_data, c.cast_config_input_for_grad_weight, ao.input_role, 0,
-                              tensor_sharded=self.input_sharded, k_sharded=False)
+                              tensor_sharded=self.input_sharded, k_sharded=False, tokens=True)
         return torch.mm(dy_gw.t(), x_gw)
 
 
@@ -469,10 +482,12 @@ class Fp8WeightCasts:
 
 
 @functools.lru_cache(maxsize=64)
-def fp8_gemms(recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool) -> Fp8Gemms:
-    """One shared `Fp8Gemms` per (recipe, group, sharding): every layer's linear of a kind holds the same
+def fp8_gemms(recipe: Fp8Recipe, *, amax_group: Any, input_sharded: bool, output_sharded: bool,
+              token_group: Any = None) -> Fp8Gemms:
+    """One shared `Fp8Gemms` per (recipe, groups, sharding): every layer's linear of a kind holds the same
     object, so the graphs ``torch.compile`` traces for one layer (its guards on the object) serve all."""
-    return Fp8Gemms(recipe, amax_group=amax_group, input_sharded=input_sharded, output_sharded=output_sharded)
+    return Fp8Gemms(recipe, amax_group=amax_group, input_sharded=input_sharded, output_sharded=output_sharded,
+                    token_group=token_group)
 
 
 @runtime_checkable

@@ -201,13 +201,16 @@ class _TensorParallelLinear(torch.nn.Module):
         """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if `fp8_decision` says so. Returns the decision.
 
         The amax of a TP-sharded operand is all-reduced over TP (every layout scales as tp1): the output
-        (and its grad) of a column-parallel linear, the input of a row-parallel one."""
+        (and its grad) of a column-parallel linear, the input of a row-parallel one; under context parallelism
+        an activation's amax over tokens is all-reduced over CP too (every layout scales as cp1)."""
         decision = self.fp8_decision(recipe)
         if decision == IN_FP8:
             tp = self.groups.tp_size > 1
             column = self._weight_spec.partition_dim == 0
+            cp = getattr(self.groups, "cp_size", 1) > 1
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None,
-                                 input_sharded=tp and not column, output_sharded=tp and column)
+                                 input_sharded=tp and not column, output_sharded=tp and column,
+                                 token_group=self.groups.cp_group if cp else None)
             self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
         return decision
 
