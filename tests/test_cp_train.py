@@ -3,7 +3,7 @@
 The tiny model (fp32, dropout 0, mock data, RoPE and learned positions, document masking from offsets or the
 dense mask) trains a few steps at cp1 on one process and under cp2 layouts; lm_loss and grad_norm must agree per
 step to rel 1e-5 (DESIGN.md §3); in bf16, fp16 (with the loss scaler) and fp8 to the dtype's rounding
-(`HALF_TOLERANCE`).
+(`HALF_TOLERANCE`, `FP8_TOLERANCE`).
 """
 
 import importlib.util
@@ -65,10 +65,13 @@ FP16 = ["precision=fp16", "loss_scaler.initial_scale=65536"]
 # 1e-4, 1e-2; fp16 (eps 2^-11 ≈ 5e-4) 5e-5, 2.5e-3: a few times what 3 steps show on CPU (bf16 8e-6 and 1.8e-3,
 # fp16 6e-6 and 4.7e-4).
 HALF_TOLERANCE = {"bf16": (1e-4, 1e-2), "fp16": (5e-5, 2.5e-3)}
-# FP8 GEMMs (emulated) on bf16 activations: every CP rank casts with the scales of cp1 (the amaxes over tokens are
-# reduced over CP, mptrain.layers.fp8), so the same bf16 values round to the same FP8 bits and cp1 and cp2 differ as
-# bf16 does (the ring's merges): bf16's tolerance
+# FP8 GEMMs (emulated, tensorwise) on bf16 activations: every CP rank casts with cp1's scales (the amaxes over tokens
+# are reduced over CP; tests/test_fp8.py checks the linears bitwise), but the ring's bf16 merges round attention
+# outputs differently from cp1, and a value one bf16 ulp off may land on the other side of an FP8 rounding step
+# (e4m3: 3 mantissa bits), so the difference grows past bf16's: (loss rel, grad norm rel) 5e-4, 2e-2, a few times
+# what 3 steps show on CPU (8e-5 and 3.3e-3); tests/test_fp8.py allows tp2 2e-3, 2e-2
 FP8 = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_gemm_filter=none"]
+FP8_TOLERANCE = (5e-4, 2e-2)
 HAS_FP8 = importlib.util.find_spec("torchao") is not None  # precision=fp8 needs torchao (tests/test_fp8.py skips too)
 
 
@@ -106,8 +109,7 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
     for dtype, (loss_rel, grad_rel) in HALF_TOLERANCE.items():
         _assert_same(runs[f"p2p_{dtype}"], references[dtype], rel=loss_rel, grad_rel=grad_rel)
     if HAS_FP8:
-        loss_rel, grad_rel = HALF_TOLERANCE["bf16"]
-        _assert_same(runs["p2p_fp8"], references["fp8"], rel=loss_rel, grad_rel=grad_rel)
+        _assert_same(runs["p2p_fp8"], references["fp8"], rel=FP8_TOLERANCE[0], grad_rel=FP8_TOLERANCE[1])
         assert "precision=fp8 (tensorwise, emulated: 16 of 16 block linears" in (
             tmp_path / "p2p_fp8" / "train.log").read_text()
 
