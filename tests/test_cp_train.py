@@ -47,6 +47,7 @@ def _assert_same(rows, ref, rel=1e-5, grad_rel=None):
 ROPE = ["model.position_embedding_type=rope"]
 RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 CP2 = ["parallel.context_parallel_size=2"]
+Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
 EVAL = ["train.eval_interval=3", "train.eval_iters=1"]
 MASK = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true",
         "data.create_attention_mask_in_dataloader=true"]
@@ -76,10 +77,16 @@ HAS_FP8 = importlib.util.find_spec("torchao") is not None  # precision=fp8 needs
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp1")
+def reference_dir(tmp_path_factory):
+    """The cp1 runs' folders (one per name of `references`)."""
+    return tmp_path_factory.mktemp("cp1")
+
+
+@pytest.fixture(scope="module")
+def references(reference_dir):
     fp8 = {"fp8": FP8} if HAS_FP8 else {}
-    return _run(tmp, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16, **fp8})
+    return _run(reference_dir, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16,
+                                   **fp8})
 
 
 def test_cp2_world2_equals_cp1(tmp_path, references):
@@ -118,14 +125,32 @@ LAYOUTS_4 = {"tp2cp2_sp": ["parallel=tp2pp1", "parallel.sequence_parallel=true"]
              "cp2dp2_zero1": ["parallel.use_distributed_optimizer=true"]}
 
 
-def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references):
+def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references, reference_dir):
     runs = _run(tmp_path, 4, {
         **{name: CP2 + ROPE + layout for name, layout in LAYOUTS_4.items()},
         **{f"{name}_docs": CP2 + DOCS + layout for name, layout in LAYOUTS_4.items()},  # the ring's document blocks
+        # ZeRO-2 / ZeRO-3: FSDP2 shards over the 4 dp × cp ranks (grads reduce-scattered there, the grad norm summed
+        # there once); HSDP shard 2: within each cp pair [0,1] / [2,3], replicated across dp
+        "cp2dp2_zero2": CP2 + ROPE + [Z2],
+        "cp2dp2_zero3": CP2 + ROPE + [Z3],
+        "cp2dp2_zero3_hsdp": CP2 + ROPE + [Z3, "parallel.data_parallel_shard_size=2"],
     })
-    for name in LAYOUTS_4:
-        _assert_same(runs[name], references["rope"])
-        _assert_same(runs[f"{name}_docs"], references["docs"])
+    for name, rows in runs.items():
+        _assert_same(rows, references["docs" if name.endswith("_docs") else "rope"])
+    ref = json.loads((reference_dir / "rope" / "layout.json").read_text())["ranks"][0]
+    z3 = json.loads((tmp_path / "cp2dp2_zero3" / "layout.json").read_text())["ranks"]
+    assert [r["data_parallel_sharding_strategy"] for r in z3] == ["optim_grads_params"] * 4
+    assert sum(r["param_bytes"] for r in z3) == ref["param_bytes"]  # the shards tile the model over dp × cp
+    assert sum(r["grad_bytes"] for r in z3) == ref["grad_bytes"]
+    assert all(r["param_bytes"] == pytest.approx(ref["param_bytes"] / 4, rel=0.05) for r in z3)
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=2, cp=2) | this rank holds" in \
+        (tmp_path / "cp2dp2_zero3" / "train.log").read_text()
+    hsdp = json.loads((tmp_path / "cp2dp2_zero3_hsdp" / "layout.json").read_text())["ranks"]
+    # shard groups [0,1] / [2,3]: each holds the whole model in halves, the replicas (0 and 2) the same half
+    assert hsdp[0]["param_bytes"] + hsdp[1]["param_bytes"] == ref["param_bytes"]
+    assert hsdp[0]["param_bytes"] == hsdp[2]["param_bytes"] and hsdp[1]["param_bytes"] == hsdp[3]["param_bytes"]
+    assert "(ZeRO-3, FSDP2, dp=2, cp=2, HSDP shard 2 x replicate 2)" in \
+        (tmp_path / "cp2dp2_zero3_hsdp" / "train.log").read_text()
     # layout.json: each rank's coordinates in the tp-cp-dp-pp order
     coords = {name: [(r["tp"], r["cp"], r["dp"], r["pp"]) for r in json.loads((tmp_path / name / "layout.json")
                                                                              .read_text())["ranks"]] for name in runs}

@@ -175,7 +175,9 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference):
      ["data_parallel_sharding_strategy=no_shard", "use_distributed_optimizer=true"]),
     (["parallel.data_parallel_sharding_strategy=zero3"], ["data_parallel_sharding_strategy", "'zero3'", "optim_grads"]),
     ([Z3, "model.num_moe_experts=4", HSDP1], ["data_parallel_shard_size=1", "model.num_moe_experts=4"]),
-    ([Z2, "parallel.context_parallel_size=2"], ["optim_grads", "context_parallel_size=2"]),
+    # with context parallelism the shard groups tile dp × cp (1 × 2 here)
+    ([Z3, "parallel.context_parallel_size=2", "parallel.data_parallel_shard_size=4"],
+     ["data_parallel_shard_size=4", "data-parallel size 2", "[1, 2]"]),
     ([Z2, "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
       "parallel.overlap_param_gather=true"], ["overlap_param_gather", "optim_grads"]),
     # HSDP: the shard size divides dp (2 here); only the strategies that shard grads / params take it
@@ -196,6 +198,21 @@ def test_refused_before_any_collective(overrides, words):
         validate_config(as_config(compose(BASE + overrides)), 2)
     message = str(err.value)
     assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_context_parallelism_shards_over_dp_and_cp():
+    """ZeRO-2 / ZeRO-3 with cp > 1 pass validation; the strategy runs wherever dp × cp > 1 (cp2 alone shards)."""
+    from train_utils import compose
+
+    from mptrain.config.schema import as_config
+    from mptrain.distributed.strategy import running_strategy
+    from mptrain.training.validate import validate_config
+
+    for strategy, world in ((Z3, 4), (Z2, 2)):
+        cfg = as_config(compose(BASE + [strategy, "parallel.context_parallel_size=2"]))
+        derived = validate_config(cfg, world)
+        assert (derived.data_parallel_size, derived.context_parallel_size) == (world // 2, 2)
+        assert running_strategy(cfg, derived.data_parallel_size * 2) == strategy.split("=")[1]
 
 
 def test_strategy_resolution():

@@ -48,9 +48,17 @@ def test_a_cp2_layout_holds_half_the_activations_and_sends_the_ring_bytes():
 
 
 def test_plan_lists_cp_layouts_with_their_ring_traffic():
-    records = _plan(["model=tiny", "precision=bf16", "model.seq_length=8192", "world_size=2"])
+    records = _plan(["model=tiny", "precision=bf16", "model.seq_length=8192", "world_size=2",
+                     "parallel.data_parallel_sharding_strategy=optim_grads_params"])
     cp2 = [r for r in records if r["cp"] == 2]
     assert cp2 and all(r["dp"] == 1 and r["comm_bytes"]["cp"] > 0 for r in cp2)
     assert all(r["comm_bytes"]["cp"] == 0 for r in records if r["cp"] == 1)
     ring, attention = cp2[0]["cp_ring_vs_attention_s"]
     assert ring > 0 and attention > 0
+    # ZeRO-3 at cp2 (dp 1) shards over the 2 dp × cp ranks: half of DDP's fp32 grads and Adam state
+    one = {r["data_parallel_sharding_strategy"]: r for r in cp2 if (r["tp"], r["recompute"]) == (1, "none")}
+    assert set(one) == {"no_shard", "optim", "optim_grads_params"}
+    z3, ddp = one["optim_grads_params"]["memory_gib"], one["no_shard"]["memory_gib"]
+    assert one["optim_grads_params"]["data_parallel_shard_size"] == 2
+    assert z3["grads"] == ddp["grads"] / 2 and z3["optimizer_state"] == ddp["optimizer_state"] / 2
+    assert one["optim_grads_params"]["comm_bytes"]["dp"] > 0

@@ -37,14 +37,15 @@ class ParallelConfig:
     """What data parallelism shards (Megatron-FSDP's name): ``no_shard`` (DDP), ``optim`` (ZeRO-1, the same as
     use_distributed_optimizer=true), ``optim_grads`` (ZeRO-2: grads reduce-scattered, params sharded at rest and
     kept gathered from a layer's forward to its backward), ``optim_grads_params`` (ZeRO-3: a layer's params
-    gathered for its forward and again for its backward). The last two run on torch's FSDP2 over the DP group,
-    one unit per layer, with fp32 master shards; at dp = 1 they run as no_shard. null = optim with
-    use_distributed_optimizer=true, else no_shard (`mptrain.distributed.strategy`)."""
+    gathered for its forward and again for its backward). The last two run on torch's FSDP2 over the DP group
+    (dp × cp with context parallelism), one unit per layer, with fp32 master shards; at dp × cp = 1 they run as
+    no_shard. null = optim with use_distributed_optimizer=true, else no_shard (`mptrain.distributed.strategy`)."""
     data_parallel_shard_size: Optional[int] = None
     """HSDP: ZeRO-2 / ZeRO-3 shard within groups of this many consecutive data-parallel ranks and replicate across
     the dp / S groups (grads reduce-scattered within a group, then all-reduced across the replicas; FSDP2's 2-D
     (dp_replicate, dp_shard) mesh, Megatron-FSDP's shard group of one distributed-optimizer instance); must
-    divide the data-parallel size; only with optim_grads / optim_grads_params. null = the whole DP group."""
+    divide the data-parallel size (dp × cp); only with optim_grads / optim_grads_params. null = the whole DP
+    group."""
     overlap_grad_reduce: bool = False
     """Launch DP bucket reductions during the last micro-batch's backward."""
     overlap_param_gather: bool = False
@@ -62,7 +63,8 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """CP: ranks that split every sequence (Megatron's name). Rank order tp-cp-dp-pp; each CP rank holds chunks
     r and 2·cp − 1 − r of 2·cp equal chunks (causal load balance), so 2·cp must divide model.seq_length;
-    dense grads and ZeRO-1 shards span dp × cp. Data-parallel size = world / (tp × cp × pp)."""
+    dense grads, ZeRO-1 shards and ZeRO-2 / ZeRO-3 shards span dp × cp. Data-parallel size = world /
+    (tp × cp × pp)."""
     cp_comm_type: str = "p2p"
     """How attention reaches the other CP ranks' keys and values (Megatron's name): ``p2p`` (ring attention:
     K/V blocks passed around the CP ring, the next block's exchange overlapped with this block's attention,

@@ -6,9 +6,11 @@ to the schedules, `finalize_model_grads`, the trainer and the checkpoint (``modu
 
 Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wrapper):
 
-* the mesh is this rank's DP group (the dp ranks of its tp / pp coordinate): one dimension, or under HSDP
-  (``parallel.data_parallel_shard_size`` = S < dp) two, ``(dp_replicate, dp_shard)`` = the dp ranks viewed as
-  [dp / S, S] (torchtitan's dim names and order; `mptrain.groups`: shard over S consecutive DP ranks, Megatron's
+* the mesh is this rank's DP group (the dp ranks of its tp / pp coordinate; with context parallelism the dp × cp
+  ranks, cp fastest: torchtitan's ``dp_shard_cp`` dimension, since the cp ranks' grads of one weight sum as the dp
+  ranks' do, while the CP ring keeps its own cp group): one dimension, or under HSDP
+  (``parallel.data_parallel_shard_size`` = S < dp × cp) two, ``(dp_replicate, dp_shard)`` = those ranks viewed as
+  [dp·cp / S, S] (torchtitan's dim names and order; `mptrain.groups`: shard over S consecutive DP ranks, Megatron's
   distributed-optimizer instance), so each param is ``(Replicate(), Shard(0))``: grads are reduce-scattered within
   the shard group and the shards all-reduced across the replicas. FSDP shards the
   TP-local tensors: a column-parallel weight ``[out/tp, in]`` is cut again on dim 0 into ``torch.chunk`` pieces of
@@ -56,13 +58,14 @@ from mptrain.layers.sharding import collect_shard_specs
 
 
 def dp_mesh(groups, device_type: Optional[str] = None) -> DeviceMesh:
-    """The mesh FSDP shards over (no new communicator): this rank's DP group (``groups.dp_group``), or under HSDP
-    the 2-D ``(dp_replicate, dp_shard)`` mesh of ``groups.dp_replicate_group`` × ``groups.dp_shard_group``: the DP
-    group's ranks viewed as [dp / S, S], whose rows are the shard groups and columns the replica groups."""
+    """The mesh FSDP shards over (no new communicator): this rank's dp × cp group (``groups.dp_cp_group``: the DP
+    group at cp = 1), or under HSDP the 2-D ``(dp_replicate, dp_shard)`` mesh of ``groups.dp_replicate_group`` ×
+    ``groups.dp_shard_group``: the dp × cp ranks viewed as [dp·cp / S, S], whose rows are the shard groups and
+    columns the replica groups."""
     # a build on the meta device (`mptrain.check`'s dry run) shards over the host backend's mesh
     device_type = device_type or ("cpu" if groups.device.type == "meta" else groups.device.type)
     if groups.dp_replicate_size == 1:
-        return DeviceMesh.from_group(groups.dp_group, device_type)
+        return DeviceMesh.from_group(groups.dp_cp_group, device_type)
     ranks = torch.tensor(groups.ranks["dp_cp"]).view(groups.dp_replicate_size, groups.dp_shard_size)
     return DeviceMesh.from_group([groups.dp_replicate_group, groups.dp_shard_group], device_type, mesh=ranks,
                                  mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -99,7 +102,7 @@ def _expert_modules(chunk: torch.nn.Module, specs: dict) -> list:
 
 
 class FullyShardedDataParallel(ChunkWrapper):
-    """One model chunk sharded over ``groups.dp_group`` (HSDP: ``groups.dp_shard_group``) with FSDP2 (module
+    """One model chunk sharded over ``groups.dp_cp_group`` (HSDP: ``groups.dp_shard_group``) with FSDP2 (module
     docstring).
 
     Args:

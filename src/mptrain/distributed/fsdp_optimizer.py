@@ -1,8 +1,9 @@
 """The optimizer wrapper of ZeRO-2 / ZeRO-3 (`mptrain.distributed.fsdp`): it steps FSDP's fp32 shards in place.
 
-Each model param is a DTensor sharded on dim 0 over DP; this rank holds rows ``[r0, r1)`` of the TP-local tensor,
-i.e. elements ``[lo, hi) = [r0·inner, r1·inner)`` of it flattened (``inner`` = product of the other dims). The
-wrapper's main param for it is a flat fp32 Parameter that *aliases* that local shard, so:
+Each model param is a DTensor sharded on dim 0 over DP (dp × cp with context parallelism); this rank holds rows
+``[r0, r1)`` of the TP-local tensor, i.e. elements ``[lo, hi) = [r0·inner, r1·inner)`` of it flattened
+(``inner`` = product of the other dims). The wrapper's main param for it is a flat fp32 Parameter that *aliases*
+that local shard, so:
 
 * the inner optimizer's step writes the new values straight into FSDP's sharded params (fp32 master weights
   at no extra memory); the next forward's all-gather casts them to the compute dtype;
@@ -11,8 +12,8 @@ wrapper's main param for it is a flat fp32 Parameter that *aliases* that local s
   optimizer state by the same global boxes (`mptrain.checkpoint.reshard.flat_piece_chunks`) under any strategy.
 
 Statistics (`OptimizerWrapper`): the DP shards of one param are distinct elements, so found_inf (MAX), the grad
-norm and the zero count are reduced over DP (HSDP: over the shard group; the replicas hold the same shards) and
-then over the model-parallel group (TP × PP), which tile the world:
+norm and the zero count are reduced over the shard group (``groups.dp_shard_group``: dp × cp, or HSDP's S of them;
+the replicas hold the same shards again) and then over the model-parallel group (TP × PP), which tile the world:
 every element counts once (TP-replicated params on TP rank 0 only, `ShardSpec.counts_on`). With a loss scaler
 every rank therefore skips the same steps.
 """

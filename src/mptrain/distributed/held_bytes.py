@@ -70,17 +70,21 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def strategy_line(configured: str, strategy: str, dp_size: int, held: HeldBytes, *,
+def strategy_line(configured: str, strategy: str, dp_size: int, held: HeldBytes, *, cp_size: int = 1,
                   shard_size: Optional[int] = None, cpu_offload: bool = False) -> str:
-    """``data-parallel: <strategy> (<ZeRO stage>, dp=N[, HSDP shard S x replicate R][, CPU offload]) | this rank
-    holds params X, grads Y, optimizer state Z``; ``configured`` is the key's resolved value, ``strategy`` the one
-    that runs (they differ at dp = 1); ``shard_size``: ``parallel.data_parallel_shard_size`` (null: all of dp)."""
+    """``data-parallel: <strategy> (<ZeRO stage>, dp=N[, cp=C][, HSDP shard S x replicate R][, CPU offload]) | this
+    rank holds params X, grads Y, optimizer state Z``; ``configured`` is the key's resolved value, ``strategy`` the
+    one that runs (they differ at dp × cp = 1); ``cp_size``: the context-parallel ranks the data-parallel reduction
+    (and the FSDP shards) also span; ``shard_size``: ``parallel.data_parallel_shard_size`` (null: all of dp × cp)."""
     parts = [ZERO_STAGE[strategy]] + (["FSDP2"] if strategy in FULLY_SHARDED else []) + [f"dp={dp_size}"]
-    if shard_size is not None and shard_size != dp_size:
-        parts.append(f"HSDP shard {shard_size} x replicate {dp_size // shard_size}")
+    if cp_size > 1:
+        parts.append(f"cp={cp_size}")
+    dp_cp = dp_size * cp_size
+    if shard_size is not None and shard_size != dp_cp:
+        parts.append(f"HSDP shard {shard_size} x replicate {dp_cp // shard_size}")
     if strategy in FULLY_SHARDED and cpu_offload:
         parts.append("CPU offload")
-    note = f" (parallel.data_parallel_sharding_strategy={configured}: nothing to shard at dp=1)" \
+    note = f" (parallel.data_parallel_sharding_strategy={configured}: nothing to shard at dp × cp = 1)" \
         if configured != strategy else ""
     return (f"data-parallel: {strategy} ({', '.join(parts)}){note} | this rank holds params "
             f"{_mib(held.params)}, grads {_mib(held.grads)}, optimizer state {_mib(held.optimizer_state)}")

@@ -16,6 +16,11 @@ to ``optim`` with it and to ``no_shard`` without it, and an explicit ``no_shard`
 With dp = 1 there is nothing to shard: the two FSDP strategies then run as ``no_shard`` (same math, no gathers),
 unless ``optim.optimizer_cpu_offload`` asks for the fp32 shards in host memory (FSDP2 over one rank).
 
+Context parallelism (``parallel.context_parallel_size`` = cp > 1): the cp ranks of a sequence hold the same weights
+and their grads sum, as the dp ranks' do, so every strategy reduces (and the FSDP ones shard) over the dp × cp
+ranks (`mptrain.groups`: ``dp_cp``; torchtitan's ``dp_shard_cp`` mesh dimension, Megatron-FSDP's DP-CP group): "dp"
+below reads dp × cp. The CP ring keeps exchanging K/V over the cp group.
+
 HSDP (``parallel.data_parallel_shard_size`` = S < dp): the FSDP strategies shard within groups of S consecutive DP
 ranks and replicate across the dp / S groups (`mptrain.groups`: ``dp_shard`` / ``dp_replicate``); each rank holds
 1/S of the sharded parts. The strategies that do not shard params or grads (no_shard, optim) refuse it.
@@ -42,8 +47,9 @@ OFFLOAD_KEY = "optim.optimizer_cpu_offload"
 
 def sharding_strategy(parallel, data_parallel_size: Optional[int] = None, *, cpu_offload: bool = False) -> str:
     """The strategy that runs: ``parallel.data_parallel_sharding_strategy`` with null resolved through
-    ``use_distributed_optimizer``; with ``data_parallel_size`` 1 the FSDP strategies resolve to ``no_shard``, unless
-    ``cpu_offload`` (``optim.optimizer_cpu_offload``: FSDP2 keeps the one rank's fp32 params in host memory).
+    ``use_distributed_optimizer``; with ``data_parallel_size`` (the ranks that shard: dp × cp) 1 the FSDP
+    strategies resolve to ``no_shard``, unless ``cpu_offload`` (``optim.optimizer_cpu_offload``: FSDP2 keeps the one
+    rank's fp32 params in host memory).
 
     Raises:
         ConfigError: an unknown strategy; ``no_shard`` with ``use_distributed_optimizer=true``.
@@ -58,8 +64,8 @@ def sharding_strategy(parallel, data_parallel_size: Optional[int] = None, *, cpu
 
 
 def running_strategy(cfg, data_parallel_size: int) -> str:
-    """`sharding_strategy` of a whole config at ``data_parallel_size``: ``optim.optimizer_cpu_offload`` keeps FSDP
-    at dp = 1."""
+    """`sharding_strategy` of a whole config at ``data_parallel_size`` (dp × cp: `ParallelGroups.dp_cp_size`):
+    ``optim.optimizer_cpu_offload`` keeps FSDP at dp × cp = 1."""
     return sharding_strategy(cfg.parallel, data_parallel_size,
                              cpu_offload=bool(getattr(cfg.optim, "optimizer_cpu_offload", False)))
 
@@ -101,8 +107,8 @@ def check_fully_sharded(cfg) -> None:
 
     Refused: HSDP of an MoE model (the experts shard over the expert-data-parallel group), ``precision=fp8``
     (its per-iteration weight casts read the full weights), ``parallel.overlap_param_gather`` (ZeRO-1's
-    all-gather after the step; FSDP gathers each layer before its forward), ``parallel.tp_comm_overlap`` and
-    context parallelism (the FSDP mesh is the DP group, where CP's grads reduce over DP × CP).
+    all-gather after the step; FSDP gathers each layer before its forward) and ``parallel.tp_comm_overlap``.
+    Context parallelism composes: the FSDP mesh is the dp × cp group (`mptrain.distributed.fsdp.dp_mesh`).
 
     Raises:
         ConfigError: one line naming the key that does not compose and the fix.
@@ -128,7 +134,3 @@ def check_fully_sharded(cfg) -> None:
     if par.tp_comm_overlap:
         raise ConfigError(f"parallel.tp_comm_overlap=true does not compose with {KEY}={strategy} yet; set "
                           f"parallel.tp_comm_overlap=false {fix}")
-    if getattr(par, "context_parallel_size", 1) > 1:  # FSDP's mesh is the DP group; CP needs dp × cp
-        raise ConfigError(f"{KEY}={strategy} does not compose with parallel.context_parallel_size="
-                          f"{par.context_parallel_size} yet (the shards would span DP only, the grads DP × CP); set "
-                          f"parallel.context_parallel_size=1 {fix}")

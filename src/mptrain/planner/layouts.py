@@ -160,7 +160,7 @@ def candidate_layouts(cfg, world_size: int, *, vpp_options=(2, 4), sequence_para
                     try:
                         derived = derive_layout(c, world_size, loss_scaler=loss_scaler)
                         check_model_config(c.model, c.parallel)
-                        check_fully_sharded(c)  # what ZeRO-2 / ZeRO-3 refuse with this layout (cp > 1)
+                        check_fully_sharded(c)  # what ZeRO-2 / ZeRO-3 refuse with this layout's keys (cp shards too)
                     except ConfigError:
                         continue
                     out.append(dataclasses.replace(probe, schedule=derived.schedule,

@@ -204,9 +204,10 @@ class Recorder:
             self.log(batch_size_line(self.cfg.train, d.data_parallel_size, seq_length=self.cfg.model.seq_length))
         if built is not None:
             self.log(kernels_line(built))
+            cp = self.cfg.parallel.context_parallel_size
             self.log(strategy_line(sharding_strategy(self.cfg.parallel), running_strategy(self.cfg,
-                                   d.data_parallel_size), d.data_parallel_size,
-                                   held_bytes(built.chunks, built.trainer.optimizer),
+                                   d.data_parallel_size * cp), d.data_parallel_size,
+                                   held_bytes(built.chunks, built.trainer.optimizer), cp_size=cp,
                                    shard_size=self.cfg.parallel.data_parallel_shard_size,
                                    cpu_offload=self.cfg.optim.optimizer_cpu_offload))
             fp8 = getattr(built, "fp8", None)
@@ -333,7 +334,7 @@ class Recorder:
         held = held_bytes(built.chunks, built.trainer.optimizer)
         return RankFacts.build(
             g,
-            data_parallel_sharding_strategy=running_strategy(built.cfg, g.dp_size),
+            data_parallel_sharding_strategy=running_strategy(built.cfg, g.dp_cp_size),
             param_bytes=held.params,
             grad_bytes=held.grads,
             layers=[n for c in built.chunks for n in unwrap(c).layer_numbers],

@@ -107,7 +107,7 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
         device=groups.device,
     )
     rng_tracker = raw_chunks[0].rng_tracker
-    strategy = running_strategy(cfg, groups.dp_size)
+    strategy = running_strategy(cfg, groups.dp_cp_size)  # the cp ranks shard too
     chunks = []
     for chunk in raw_chunks:
         specs = collect_shard_specs(chunk)
