@@ -21,11 +21,12 @@ with mptrain's own formula on the active parameters).
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from torch_ceiling import time_iterations  # the same training loop as the dense reference (this folder)
 
 L, H, NH, S = (int(os.environ.get(k, d)) for k, d in (("LAYERS", 12), ("HIDDEN", 1024), ("HEADS", 16), ("SEQ", 2048)))
 G = int(os.environ.get("QUERY_GROUPS", 8))  # query groups (key/value heads)
@@ -139,32 +140,10 @@ def run(name, pure_bf16):
     if pure_bf16:
         model = model.to(BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    fwd = torch.compile(model)
-    data = [torch.randint(0, VOCAB, (MBS, S + 1), device="cuda") for _ in range(4)]
-
-    def step(i):
-        for j in range(M):
-            d = data[(i + j) % 4]
-            with torch.autocast("cuda", dtype=BF16, enabled=not pure_bf16):
-                loss = fwd(d[:, :-1], d[:, 1:]) / M
-            loss.backward()
-        if CLIP > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    for i in range(WARMUP):
-        step(i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(ITERS):
-        loss = step(i)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / ITERS
+    dt, loss = time_iterations(model, torch.compile(model), opt, vocab=VOCAB, mbs=MBS, m=M, seq=S, clip=CLIP,
+                               warmup=WARMUP, iters=ITERS, pure_bf16=pure_bf16)
     r = {"name": name, "iter_s": dt, "tokens_per_s": MBS * M * S / dt,
-         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss) * M, "torch": torch.__version__,
+         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss, "torch": torch.__version__,
          "shape": [L, H, NH, G, S, E, K, FF], "mbs": MBS, "m": M, "clip": CLIP, "vocab": VOCAB, "vocab_padded": V}
     print(json.dumps(r), flush=True)
     torch.cuda.empty_cache()
