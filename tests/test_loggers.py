@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,10 @@ LOGGERS = ["logger=[wandb,tensorboard]", "+logger.loggers.csv._target_=mptrain_p
 def _run_with_env(rank, world, overrides, env):
     """Pool task: run a job with `env` set in the worker (the pool may have started before this test)."""
     os.environ.update(env)
-    return run_job(rank, world, overrides)
+    result = run_job(rank, world, overrides)
+    if "wandb" in sys.modules:  # the worker lives on: end wandb's service as a process exit would, so the
+        sys.modules["wandb"].teardown()  # offline run's file is complete when the test reads it
+    return result
 
 
 @pytest.fixture(scope="module")
