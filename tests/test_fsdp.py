@@ -57,8 +57,9 @@ def reference_run(tmp_path_factory):
     """(rows, run folder) of the one-process run."""
     tmp = tmp_path_factory.mktemp("ref")
     # beside it (same pool task): ZeRO-3 over the one rank with its fp32 shards offloaded (`test_cpu_offload`), and
-    # the one-process fp8 runs, DDP and ZeRO-3 (`fp8_references`)
-    fp8 = {"fp8": ["parallel=tp1pp1", *FP8], "fp8_z3_offload": ["parallel=tp1pp1", Z3, OFFLOAD, *FP8]} if HAS_FP8 else {}
+    # the one-process fp8 runs, DDP (its first step: the one compared) and ZeRO-3 (`fp8_references`)
+    fp8 = {"fp8": ["parallel=tp1pp1", *FP8, "train.train_iters=1"],
+           "fp8_z3_offload": ["parallel=tp1pp1", Z3, OFFLOAD, *FP8]} if HAS_FP8 else {}
     return _train(tmp, 1, {"tp1pp1": ["parallel=tp1pp1"], "z3_offload": ["parallel=tp1pp1", Z3, OFFLOAD],
                            **fp8})["tp1pp1"], tmp / "tp1pp1"
 
@@ -76,8 +77,8 @@ def fp8_references(reference_run):
     return {"ddp": read_rows(tmp / "fp8"), "zero3": read_rows(tmp / "fp8_z3_offload")} if HAS_FP8 else None
 
 
-def _assert_same(rows: list, ref: list, name: str, rel: float = 1e-5, grad_rel: float = 1e-5) -> None:
-    assert [r["iteration"] for r in rows] == list(range(1, STEPS + 1)), name
+def _assert_same(rows: list, ref: list, name: str, rel: float = 1e-5, grad_rel: float = 1e-5, steps: int = STEPS) -> None:
+    assert [r["iteration"] for r in rows] == list(range(1, steps + 1)), name
     for r, q in zip(rows, ref):
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=rel), (name, r["iteration"], r["lm_loss"], q["lm_loss"])
         assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=grad_rel), (name, r["iteration"], r["grad_norm"],
@@ -173,10 +174,11 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference, fp8_reference
     # HSDP: dp4 = shard 2 x replicate 2 (grads reduce-scattered within [0,1] / [2,3], the shards all-reduced across
     # [0,2] / [1,3]), with two micro-batches per rank; its checkpoint of iteration 2 resumed by DDP at tp2 x pp2
     # (dp 1), which trains iterations 3 and 4 as the one-process run
-    # fp8 at tp2 x dp2 ZeRO-3: the gathered TP shard's cast, its amax reduced over TP (tp1's scales)
+    # fp8 at tp2 x dp2 ZeRO-3: the gathered TP shard's cast, its amax reduced over TP (tp1's scales); 2 steps: the
+    # casts of the first, and one after an update
     evaluate = ["train.eval_interval=2", "train.eval_iters=1"]
     ckpt = tmp_path / "hsdp_ckpt"
-    fp8 = [("fp8_tp2dp2_z3", ["parallel=tp2pp1", Z3, *FP8])] if HAS_FP8 else []
+    fp8 = [("fp8_tp2dp2_z3", ["parallel=tp2pp1", Z3, *FP8, "train.train_iters=2"])] if HAS_FP8 else []
     runs = _train(tmp_path, 4, [("tp2dp2_sp_z3", ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate]),
                                 ("tp2dp2_z2", ["parallel=tp2pp1", Z2]),
                                 ("pp2dp2_z3", ["parallel=tp1pp2", Z3]),
@@ -189,7 +191,7 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference, fp8_reference
                                 *fp8])
     resumed = runs.pop("hsdp_to_tp2pp2")
     for name, _ in fp8:
-        _assert_same(runs.pop(name), fp8_references["zero3"], name, *FP8_TP_TOLERANCE)
+        _assert_same(runs.pop(name), fp8_references["zero3"], name, *FP8_TP_TOLERANCE, steps=2)
         assert FP8_CAST_AFTER_GATHER in (tmp_path / name / "train.log").read_text()
     for name, rows in runs.items():
         _assert_same(rows, reference, name)
