@@ -48,9 +48,10 @@ is whole on every CP rank. Megatron-LM reduces FP8 amaxes over TP × CP likewise
 (``parallel_state.get_amax_reduction_group(with_context_parallel=True)``).
 
 Under tensorwise a linear's weight is cast once per optimizer step (`Fp8WeightCasts`), except under ZeRO-2 /
-ZeRO-3, where FSDP2 holds a 1/dp shard outside the layer's forward and backward: there each GEMM casts the weight
-FSDP has just all-gathered (the amax and scale of the whole TP-local weight, as the cached cast's: the same bits;
-`apply_fp8`'s ``cache_weight_casts``). The all-gather moves bf16 (FSDP's ``MixedPrecisionPolicy``), not FP8.
+ZeRO-3, where FSDP2 holds a shard outside the layer's forward and backward: there each GEMM casts the weight FSDP
+has just all-gathered (its amax over the whole TP-local weight, MAX-reduced over TP as the cached cast's: the same
+scale and bits; `apply_fp8`'s ``cache_weight_casts``). The all-gather moves bf16 (FSDP's ``MixedPrecisionPolicy``),
+not FP8.
 
 Sources: torchao ``torchao/float8/float8_linear.py`` (``matmul_with_hp_or_float8_args``, the
 casts per GEMM), ``float8_scaling_utils.py``, ``config.py``; Micikevicius et al. 2022, "FP8
@@ -581,7 +582,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int,
         recipe: the `Fp8Recipe`, or None (nothing to do; returns None).
         num_layers: ``model.num_layers`` (the global layer count).
         cache_weight_casts: False where a weight is whole only inside its layer's forward and backward (ZeRO-2 /
-            ZeRO-3: FSDP2 all-gathers each layer there and keeps a 1/dp shard outside, which a cast once per
+            ZeRO-3: FSDP2 all-gathers each layer there and keeps a shard outside, which a cast once per
             iteration cannot read): no `Fp8WeightCast`, each FP8 GEMM casts the gathered weight (torchao's
             ``Float8Linear`` under FSDP2 does the same). Its amax is the whole TP-local weight's, TP-reduced as
             the cached cast's, so both give the same bits; only the cast is made per micro-batch.
