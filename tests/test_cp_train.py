@@ -165,11 +165,18 @@ def test_resume_at_cp2_is_bitwise_and_a_cp2_checkpoint_resumes_at_cp1(tmp_path, 
     common = CP2 + ROPE + ["parallel.use_distributed_optimizer=true"]  # ZeRO-1 shards Adam's state over dp × cp
     ckpt = tmp_path / "ckpt"
     split = common + [f"checkpoint.save={ckpt}"]
-    runs = _run(tmp_path, 2, {"straight": common, "split": split + ["train.exit_interval=2"]})
-    assert [r["iteration"] for r in runs["split"]] == [1, 2]
-    resumed = _run(tmp_path, 2, {"split": split + [f"checkpoint.load={ckpt}"]})["split"]
-    assert without_timing(resumed) == without_timing(runs["straight"])  # bitwise, the rows of both halves
+    # ZeRO-3 too: FSDP's params, grads and Adam's state sharded over the 2 cp ranks (dp × cp), saved and resumed
+    zero3 = CP2 + ROPE + [Z3]
+    split_z3 = zero3 + [f"checkpoint.save={tmp_path / 'ckpt_z3'}"]
+    runs = _run(tmp_path, 2, {"straight": common, "split": split + ["train.exit_interval=2"],
+                              "straight_z3": zero3, "split_z3": split_z3 + ["train.exit_interval=2"]})
+    assert [r["iteration"] for r in runs["split"]] == [1, 2] == [r["iteration"] for r in runs["split_z3"]]
+    resumed = _run(tmp_path, 2, {"split": split + [f"checkpoint.load={ckpt}"],
+                                 "split_z3": split_z3 + [f"checkpoint.load={tmp_path / 'ckpt_z3'}"]})
+    assert without_timing(resumed["split"]) == without_timing(runs["straight"])  # bitwise, the rows of both halves
+    assert without_timing(resumed["split_z3"]) == without_timing(runs["straight_z3"])
     _assert_same(runs["straight"], references["rope"])
+    _assert_same(runs["straight_z3"], references["rope"])
     at_cp1 = _run(tmp_path, 1, {"cp1": ROPE + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"]})["cp1"]
     assert [r["iteration"] for r in at_cp1] == [3]
     for key in ("lm_loss", "grad_norm"):

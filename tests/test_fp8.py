@@ -517,6 +517,9 @@ def _fp8_summaries(rank, world):
         out = {}
         warnings = {}
         for name, recipe in (("first_last_1", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=1)),
+                             # as ZeRO-2 / ZeRO-3 convert (`training.run.convert_to_fp8`): no cached weight casts
+                             ("first_last_1_gathered", Fp8Recipe(emulate=True, gemm_filter="none",
+                                                                 first_last_layers_bf16=1)),
                              ("auto_filter", Fp8Recipe(emulate=True)),
                              ("first_last_9", Fp8Recipe(emulate=True, gemm_filter="none", first_last_layers_bf16=9)),
                              ("auto_filter_ffn1040", Fp8Recipe(emulate=True)),
@@ -530,7 +533,8 @@ def _fp8_summaries(rank, world):
                      "hidden_72": dataclasses.replace(m, hidden_size=72),
                      "hidden_72_bf16_stage": dataclasses.replace(m, hidden_size=72)}.get(name, m)
             chunk = build_model_chunks(shape, ParallelConfig(), groups, vocab_size=128)[0]
-            s = apply_fp8([chunk], recipe, num_layers=9 if name == "hidden_72_bf16_stage" else 4)
+            s = apply_fp8([chunk], recipe, num_layers=9 if name == "hidden_72_bf16_stage" else 4,
+                          cache_weight_casts=name != "first_last_1_gathered")
             fp8_on = sorted(n for n, mod in chunk.named_modules() if getattr(mod, "fp8", None) is not None)
             out[name] = (s.fp8, s.below_size_rule, s.bf16_layers, fp8_on, s.describe(), s.local_dims_not_16)
             out[f"{name}_cast_bytes"] = sum(c.data.nbytes + (0 if c.data_t is None else c.data_t.nbytes)
@@ -578,6 +582,15 @@ def test_fp8_first_last_layers_and_size_rule():
     assert {n.split(".")[2] for n in on} == {"1", "2"} and len(on) == 8  # decoder.layers.<n>.…
     assert "layers 0, 3 (precision.fp8_first_last_layers_bf16=1)" in line
     assert "emulated: 8 of 16 block linears (3 GEMMs each) in FP8" in line  # the bf16 layers' 8 counted in the total
+    assert "in FP8 on this rank; weights cast to FP8 once per iteration; bf16:" in line
+    # ZeRO-2 / ZeRO-3: the same linears in FP8, no cast held (each GEMM casts the weight FSDP gathered), none planned
+    fp8, below, bf16_layers, gathered_on, line, _ = out["first_last_1_gathered"]
+    assert (fp8, below, bf16_layers, gathered_on) == (8, 0, [0, 3], on)
+    assert ("in FP8 on this rank; weights cast to FP8 in each GEMM after FSDP's per-layer all-gather (ZeRO-2 / ZeRO-3); "
+            "bf16:") in line
+    cfg.precision.fp8_gemm_filter, cfg.precision.fp8_first_last_layers_bf16 = "none", 1
+    zero3 = PlanLayout(1, 1, None, 2, False, "none", False, "no_pipelining", 1, strategy="optim_grads_params")
+    assert out["first_last_1_gathered_cast_bytes"] == fp8_weight_cast_bytes(cfg, zero3, rp) == 0
     fp8, below, _, on, line, _ = out["auto_filter"]
     assert (fp8, below, on) == (0, 16, [])  # h = 64: every GEMM below the thresholds
     assert "16 below the size rule (precision.fp8_gemm_filter=auto)" in line
@@ -585,7 +598,7 @@ def test_fp8_first_last_layers_and_size_rule():
     assert (fp8, below, bf16_layers, on) == (0, 0, [0, 1, 2, 3], [])
     assert "emulated: 0 of 16 block linears (3 GEMMs each) in FP8" in line
     assert out["warnings"] == {
-        "first_last_1": None,
+        "first_last_1": None, "first_last_1_gathered": None,
         "auto_filter": "warning: precision=fp8 with no FP8 GEMM: every block linear is below the size rule "
                        "(precision.fp8_gemm_filter=auto); set precision.fp8_gemm_filter=none, or use precision=bf16",
         "first_last_9": "warning: precision=fp8 with no FP8 GEMM: precision.fp8_first_last_layers_bf16=9 keeps all "

@@ -7,7 +7,7 @@
    trainer's own objects with `training.run.build_model_and_optimizer` on the META device: model
    chunks (layer split, TP shapes, padded vocab, tied copy), Float16Module, DDP grad buffers and
    the optimizer wrapper's fp32 main params, and under precision=fp8 the cached FP8 weight casts (counted
-   in the weights) — shapes and dtypes only, no memory, so gpt_13b checks
+   in the weights; none under ZeRO-2 / ZeRO-3) — shapes and dtypes only, no memory, so gpt_13b checks
    on a laptop. (The tied-embedding sync runs on meta tensors; nothing is computed.)
 3. prints, per rank: coordinates, layers held, parameter elements, and the bytes of weights /
    grads / main params MEASURED from those objects next to the planner's formula
@@ -53,13 +53,11 @@ def _free_port() -> int:
 def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> dict:
     """On an initialised default group: groups + the trainer's objects on meta; this rank's facts."""
     from mptrain.groups import build_groups
-    from mptrain.layers.fp8 import apply_fp8, fp8_recipe_from
     from mptrain.planner.measure import layers_of, measured_rank_bytes, meta_groups
     from mptrain.planner.layouts import config_layout, layout_config
     from mptrain.planner.memory import model_state_bytes, stage_memory
     from mptrain.planner.params import rank_params
-    from mptrain.precision.module import unwrap
-    from mptrain.training.run import build_model_and_optimizer
+    from mptrain.training.run import build_model_and_optimizer, convert_to_fp8
 
     groups = build_groups(derived.tensor_model_parallel_size, derived.pipeline_model_parallel_size,
                           derived.virtual_pipeline_model_parallel_size,
@@ -69,8 +67,8 @@ def dry_run_rank(rank: int, world_size: int, cfg, derived, vocab_size: int) -> d
                           data_parallel_shard_size=cfg.parallel.data_parallel_shard_size)
     try:
         chunks, optimizer, *_ = build_model_and_optimizer(cfg, meta_groups(groups), derived, vocab_size=vocab_size)
-        # as `training.run.build`: precision=fp8 adds the block linears' cached FP8 weight casts
-        apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers)
+        # as `training.run.build`: precision=fp8 adds the block linears' cached FP8 weight casts (none under ZeRO-2/3)
+        convert_to_fp8(cfg, chunks)
         measured = measured_rank_bytes(chunks, optimizer)
         layout = config_layout(cfg, derived)
         c = layout_config(cfg, layout)

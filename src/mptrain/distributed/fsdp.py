@@ -29,6 +29,9 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
 * ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
   parallelism whatever the strategy (torchtitan: 1F1B interleaves forwards and backwards of micro-batches, so
   re-gathering per micro-batch costs two all-gathers each and cannot follow FSDP's prefetch order);
+* ``precision=fp8``: the block linears keep no per-iteration FP8 weight cast (outside its layer's forward and
+  backward a weight is a shard); each FP8 GEMM casts the bf16 weight gathered here (`mptrain.layers.fp8.apply_fp8`,
+  ``cache_weight_casts``), as torchao's ``Float8Linear`` under FSDP2 without its FP8 all-gather;
 * MoE experts under expert parallelism (ep > 1) are units of their own on the expert-data-parallel group's mesh
   (their replicas), inside their layer's unit; at ep = 1 they shard with their layer over DP;
 * ``optim.optimizer_cpu_offload``: ``CPUOffloadPolicy`` (pinned on CUDA): the fp32 shards, their grads and so the

@@ -105,10 +105,11 @@ def check_hsdp(parallel, data_parallel_size: int) -> int:
 def check_fully_sharded(cfg) -> None:
     """What ZeRO-2 / ZeRO-3 (`FULLY_SHARDED`) do not compose with, refused before any collective. Pure.
 
-    Refused: HSDP of an MoE model (the experts shard over the expert-data-parallel group), ``precision=fp8``
-    (its per-iteration weight casts read the full weights), ``parallel.overlap_param_gather`` (ZeRO-1's
-    all-gather after the step; FSDP gathers each layer before its forward) and ``parallel.tp_comm_overlap``.
-    Context parallelism composes: the FSDP mesh is the dp × cp group (`mptrain.distributed.fsdp.dp_mesh`).
+    Refused: HSDP of an MoE model (the experts shard over the expert-data-parallel group),
+    ``parallel.overlap_param_gather`` (ZeRO-1's all-gather after the step; FSDP gathers each layer before its
+    forward) and ``parallel.tp_comm_overlap``. Context parallelism composes: the FSDP mesh is the dp × cp group
+    (`mptrain.distributed.fsdp.dp_mesh`). ``precision=fp8`` composes: each FP8 GEMM casts the weight FSDP gathered
+    (`mptrain.layers.fp8.apply_fp8`'s ``cache_weight_casts``).
 
     Raises:
         ConfigError: one line naming the key that does not compose and the fix.
@@ -125,9 +126,6 @@ def check_fully_sharded(cfg) -> None:
     if getattr(cfg.model, "num_moe_experts", None) and shard is not None:
         raise ConfigError(f"{SHARD_KEY}={shard} (HSDP) does not split the expert-data-parallel group of an MoE "
                           f"model (model.num_moe_experts={cfg.model.num_moe_experts}) yet; set {SHARD_KEY}=null")
-    if cfg.precision.name == "fp8":
-        raise ConfigError(f"{KEY}={strategy} does not compose with precision=fp8 yet (its weight casts read the "
-                          f"full weights); use precision=bf16 {fix}")
     if par.overlap_param_gather:
         raise ConfigError(f"parallel.overlap_param_gather=true overlaps ZeRO-1's param all-gather; {KEY}={strategy} "
                           "gathers each layer before its forward itself: set parallel.overlap_param_gather=false")

@@ -47,6 +47,12 @@ x and dy always; rowwise, the grad-weight GEMM's x and dy (their contraction dim
 is whole on every CP rank. Megatron-LM reduces FP8 amaxes over TP × CP likewise
 (``parallel_state.get_amax_reduction_group(with_context_parallel=True)``).
 
+Under tensorwise a linear's weight is cast once per optimizer step (`Fp8WeightCasts`), except under ZeRO-2 /
+ZeRO-3, where FSDP2 holds a shard outside the layer's forward and backward: there each GEMM casts the weight FSDP
+has just all-gathered (its amax over the whole TP-local weight, MAX-reduced over TP as the cached cast's: the same
+scale and bits; `apply_fp8`'s ``cache_weight_casts``). The all-gather moves bf16 (FSDP's ``MixedPrecisionPolicy``),
+not FP8.
+
 Sources: torchao ``torchao/float8/float8_linear.py`` (``matmul_with_hp_or_float8_args``, the
 casts per GEMM), ``float8_scaling_utils.py``, ``config.py``; Micikevicius et al. 2022, "FP8
 Formats for Deep Learning"; Megatron-LM ``megatron/core/fp8_utils.py`` (first / last layers in bf16).
@@ -377,7 +383,7 @@ class Fp8WeightCast:
         current: set while the trainer holds the casts current (`Fp8WeightCasts.cached`); a linear uses the
             cast only then, so a forward outside (a test, user code after an update) casts as before.
     On CUDA the tensors are marked static (CUDA graphs read them in place; `Fp8WeightCasts.refresh` writes
-    them in place).
+    them in place). None under ZeRO-2 / ZeRO-3 (the weight is a shard outside the forward, module docstring).
     """
 
     def __init__(self, weight: torch.Tensor, target_dtype: torch.dtype, *, emulate: bool) -> None:
@@ -495,12 +501,13 @@ class UsesFp8(Protocol):
     """A layer whose GEMMs may run in FP8: `apply_fp8` calls ``enable_fp8(recipe)``, which returns
     `fp8_gemm_decision`'s outcome (`IN_FP8` when the layer now computes in FP8; the size rule or its
     local dims may keep it in bf16); ``fp8_decision(recipe)`` is that outcome without enabling anything
-    (asked of the first / last bf16 layers, so the summary sees a TP shard that breaks FP8 on any stage).
+    (asked of the first / last bf16 layers, so the summary sees a TP shard that breaks FP8 on any stage);
+    ``cache_weight_cast`` False: the layer keeps no `Fp8WeightCast` (`apply_fp8`'s ``cache_weight_casts``).
     Implemented by `mptrain.layers.linear.ColumnParallelLinear` / ``RowParallelLinear``."""
 
     def fp8_decision(self, recipe: Fp8Recipe) -> str: ...
 
-    def enable_fp8(self, recipe: Fp8Recipe) -> str: ...
+    def enable_fp8(self, recipe: Fp8Recipe, *, cache_weight_cast: bool = True) -> str: ...
 
 
 @dataclasses.dataclass
@@ -516,6 +523,7 @@ class Fp8Summary:
     in_bf16_layers: int = 0  # the block linears of `bf16_layers` (kept bf16 by first_last_layers_bf16)
     num_layers: int = 0  # model.num_layers (global)
     weight_casts: Optional[Fp8WeightCasts] = None  # the FP8 linears' cached weight casts (tensorwise)
+    cast_after_gather: bool = False  # ZeRO-2 / ZeRO-3: no cached casts, each GEMM casts the weight FSDP gathered
 
     def describe(self) -> str:
         """`` precision=fp8 (tensorwise: 8 of 16 block linears in FP8 ...; bf16: ...)``, for the ``kernels:`` line;
@@ -529,6 +537,8 @@ class Fp8Summary:
                         f"{r.first_last_layers_bf16})")
         total = self.fp8 + self.below_size_rule + self.local_dims_not_16 + self.in_bf16_layers
         cached = "; weights cast to FP8 once per iteration" if self.weight_casts else ""
+        if self.cast_after_gather and self.fp8:
+            cached = "; weights cast to FP8 in each GEMM after FSDP's per-layer all-gather (ZeRO-2 / ZeRO-3)"
         # rowwise_with_gw_hp: the weight-grad GEMM stays bf16 (torchao's recipe)
         gemms = "2 of 3 GEMMs each, the weight grad's in bf16" if r.recipe == "rowwise_with_gw_hp" else "3 GEMMs each"
         return (f" precision=fp8 ({r.recipe}{', emulated' if r.emulate else ''}: {self.fp8} of {total} block linears "
@@ -556,7 +566,8 @@ class Fp8Summary:
                 f"(precision.fp8_gemm_filter={r.gemm_filter}); set precision.fp8_gemm_filter=none, or use precision=bf16")
 
 
-def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> Optional[Fp8Summary]:
+def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int,
+              cache_weight_casts: bool = True) -> Optional[Fp8Summary]:
     """Turn on FP8 in the transformer layers of these model chunks (in place; before the first forward).
 
     Every module under ``model.decoder.layers[<global n>]`` that implements `UsesFp8` gets
@@ -570,6 +581,11 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
         models: model chunks, unwrapped (`GPTModel`s; a user's chunk without ``decoder.layers`` is left alone).
         recipe: the `Fp8Recipe`, or None (nothing to do; returns None).
         num_layers: ``model.num_layers`` (the global layer count).
+        cache_weight_casts: False where a weight is whole only inside its layer's forward and backward (ZeRO-2 /
+            ZeRO-3: FSDP2 all-gathers each layer there and keeps a shard outside, which a cast once per
+            iteration cannot read): no `Fp8WeightCast`, each FP8 GEMM casts the gathered weight (torchao's
+            ``Float8Linear`` under FSDP2 does the same). Its amax is the whole TP-local weight's, TP-reduced as
+            the cached cast's, so both give the same bits; only the cast is made per micro-batch.
     """
     if recipe is None:
         return None
@@ -577,7 +593,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
     # Inductor's min/max codegen in its tl.where form (numerically the same), which a Triton bug needs to store
     # transposed fp8 correctly (torchao 0.18's _inductor_patch.py, triton-lang/triton#11111)
     fp8_torchao.load(recipe.recipe, recipe.emulate)
-    summary = Fp8Summary(recipe, num_layers=num_layers)
+    summary = Fp8Summary(recipe, num_layers=num_layers, cast_after_gather=not cache_weight_casts)
     for model in models:
         layers = getattr(getattr(model, "decoder", None), "layers", None)
         if layers is None:
@@ -592,7 +608,7 @@ def apply_fp8(models: list, recipe: Optional[Fp8Recipe], *, num_layers: int) -> 
                 continue
             for module in layer.modules():
                 if isinstance(module, UsesFp8):
-                    decision = module.enable_fp8(recipe)
+                    decision = module.enable_fp8(recipe, cache_weight_cast=cache_weight_casts)
                     summary.fp8 += decision == IN_FP8
                     summary.below_size_rule += decision == BELOW_SIZE_RULE
                     summary.local_dims_not_16 += decision == LOCAL_DIMS_NOT_16

@@ -197,12 +197,14 @@ class _TensorParallelLinear(torch.nn.Module):
         return fp8_gemm_decision(recipe, global_shape=tuple(self._weight_spec.global_shape),
                                  local_shape=tuple(self.weight.shape))
 
-    def enable_fp8(self, recipe: Fp8Recipe) -> str:
+    def enable_fp8(self, recipe: Fp8Recipe, *, cache_weight_cast: bool = True) -> str:
         """`mptrain.layers.fp8.UsesFp8`: compute in FP8 if `fp8_decision` says so. Returns the decision.
 
         The amax of a TP-sharded operand is all-reduced over TP (every layout scales as tp1): the output
         (and its grad) of a column-parallel linear, the input of a row-parallel one; under context parallelism
-        an activation's amax over tokens is all-reduced over CP too (every layout scales as cp1)."""
+        an activation's amax over tokens is all-reduced over CP too (every layout scales as cp1).
+        ``cache_weight_cast`` False: no `Fp8WeightCast` (the weight is whole only inside the forward, ZeRO-2 /
+        ZeRO-3): each GEMM casts the weight it is given."""
         decision = self.fp8_decision(recipe)
         if decision == IN_FP8:
             tp = self.groups.tp_size > 1
@@ -211,7 +213,7 @@ class _TensorParallelLinear(torch.nn.Module):
             self.fp8 = fp8_gemms(recipe, amax_group=self.groups.tp_group if tp else None,
                                  input_sharded=tp and not column, output_sharded=tp and column,
                                  token_group=self.groups.cp_group if cp else None)
-            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight)
+            self.fp8_weight_cast = Fp8WeightCast.for_linear(self.fp8, self.weight) if cache_weight_cast else None
         return decision
 
     def _cached_fp8_weight(self) -> Optional[Fp8WeightCast]:

@@ -459,7 +459,8 @@ ROWS: tuple = (
     uncarried("--fp8-amax-compute-algo", GPU_ONLY,
               "Transformer Engine's delayed scaling; mptrain's fp8 scales each tensor from its current amax (torchao)"),
     uncarried("--fp8-param-gather", GPU_ONLY,
-              "Transformer Engine's fp8 parameters; mptrain keeps bf16 params and casts them to fp8 once per iteration", False),
+              "Transformer Engine's fp8 parameters; mptrain keeps bf16 params and casts them to fp8 once per iteration "
+              "(under ZeRO-2 / ZeRO-3 in each GEMM, after the bf16 all-gather)", False),
     Row("--loss-scale", convert=loss_scale),
     Row("--initial-loss-scale", "loss_scaler.initial_scale"),
     Row("--min-loss-scale", "loss_scaler.min_scale"),

@@ -11,7 +11,7 @@ Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimiz
                     + precision=fp8, tensorwise: 2 bytes per weight element of each block linear in FP8
                     (the size rule, `fp8_linears`) of the rank's FP8 layers (the weight's cast and its
                     transpose, made once per iteration, `mptrain.layers.fp8.Fp8WeightCast`; 1 byte under
-                    fp8_emulate)
+                    fp8_emulate); none under ZeRO-2 / ZeRO-3, where each GEMM casts the gathered weight
     grads           N_r × bytes(grad dtype)                   fp32 when grad_reduce_in_fp32 or the
                                                               params are bf16/fp16 (run.py), else fp32
     main params     N_r × 4 (bf16/fp16: MixedPrecisionOptimizer copies; fp32: none, stepped in place)
@@ -411,9 +411,10 @@ def fp8_linears(cfg, tp: int) -> dict:
 def fp8_weight_cast_bytes(cfg, layout: PlanLayout, rp: RankParams) -> float:
     """Bytes of the rank's cached FP8 weight casts (precision=fp8, tensorwise; 0 otherwise): 2 per weight element
     (data and its transpose; 1 under ``fp8_emulate``: data only) of each block linear in FP8 (`fp8_linears`),
-    in the FP8 layers the rank holds."""
+    in the FP8 layers the rank holds. 0 under ZeRO-2 / ZeRO-3: no cast is cached (each GEMM casts the weight FSDP
+    gathered, `mptrain.layers.fp8.apply_fp8`'s ``cache_weight_casts``; its transient 1-byte copy is ignored)."""
     p = cfg.precision
-    if p.name != "fp8" or p.fp8_recipe != "tensorwise":
+    if p.name != "fp8" or p.fp8_recipe != "tensorwise" or layout.fully_sharded:
         return 0.0
     per_layer = sum(out * inp for out, inp in fp8_linears(cfg, layout.tp).values())
     recipe, num_layers = fp8_recipe_from(p), cfg.model.num_layers

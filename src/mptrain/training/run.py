@@ -146,11 +146,22 @@ def build_model_and_optimizer(cfg: Config, groups: ParallelGroups, derived, *, v
     return chunks, optimizer, lr_scheduler, rng_tracker, scaler
 
 
+def convert_to_fp8(cfg: Config, chunks: list):
+    """precision=fp8: the block linears' GEMMs in FP8 (`apply_fp8` on the unwrapped chunks; a compute mode:
+    parameters and checkpoints unchanged); returns its `Fp8Summary`, None for other precisions.
+
+    The tensorwise weight casts are made once per iteration, except on chunks FSDP2 shards (ZeRO-2 / ZeRO-3):
+    there a weight is whole only inside its layer's forward and backward, where each GEMM casts the gathered one.
+    """
+    fsdp = any(isinstance(c, FullyShardedDataParallel) for c in chunks)
+    return apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers,
+                     cache_weight_casts=not fsdp)
+
+
 def build(cfg: Config, groups: ParallelGroups, derived, tokenizer, vocab_size: int) -> Built:
     """Everything a job needs, built collectively on every rank."""
     chunks, optimizer, lr_scheduler, rng_tracker, scaler = build_model_and_optimizer(cfg, groups, derived, vocab_size=vocab_size)
-    # precision=fp8: the block linears' GEMMs in FP8 (a compute mode: parameters and checkpoints unchanged)
-    fp8 = apply_fp8([unwrap(c) for c in chunks], fp8_recipe_from(cfg.precision), num_layers=cfg.model.num_layers)
+    fp8 = convert_to_fp8(cfg, chunks)
     with_mask = bool(cfg.data.reset_attention_mask)
     # document boundaries as offsets (no [b, 1, s, s] mask) unless the dense mask is asked for (or CP needs it)
     offsets = uses_document_offsets(cfg)
