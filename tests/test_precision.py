@@ -20,6 +20,7 @@ from mptrain.precision import (
     TooManySkippedStepsError,
     WrapperState,
 )
+from mptrain.precision.module import round_params_to
 
 # A world of one without torch.distributed: no group to reduce over.
 SOLO = types.SimpleNamespace(mp_group=None, tp_rank=0, device=torch.device("cpu"))
@@ -89,6 +90,28 @@ def test_main_params_are_fp32_copies_and_round_trip(dtype):
         assert all(p.grad is None for p in params) and all(m.grad is None for m in mains)
     # the fp32 main params kept what the low-precision model params cannot hold
     assert any(not torch.equal(m.detach(), p.float()) for p, m in zip(params, mains))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rounded_fp32_params_are_the_main_params_of_the_cast_model(dtype):
+    """ZeRO-2 / ZeRO-3's fp32 master weights start as DDP's: `round_params_to` leaves in each fp32 param the fp32 main
+    param that `MixedPrecisionOptimizer` makes of the `Float16Module`-cast model, norms included; buffers untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    for p in model[1].parameters():
+        p.data.normal_()  # not exact in 16 bits (a trained norm)
+    model.register_buffer("counts", torch.rand(4))
+    init = copy.deepcopy(model)
+    fp32 = copy.deepcopy(model)
+    round_params_to(fp32, dtype)
+    cast = Float16Module(model, dtype, is_first_stage=True, is_last_stage=True)
+    params = list(cast.parameters())
+    opt = _wrap(params, [ShardSpec(tuple(p.shape)) for p in params])
+    rounded = list(fp32.parameters())
+    assert [p.dtype for p in rounded] == [torch.float32] * 4
+    assert all(torch.equal(p, e.main) for p, e in zip(rounded, opt.entries))
+    assert all(not torch.equal(p, q) for p, q in zip(rounded, init.parameters()))  # every fp32 param moved
+    assert torch.equal(fp32.counts, init.counts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -23,7 +23,13 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
   from the forward to the backward (the output layer needs them after the embedding's forward);
 * ``MixedPrecisionPolicy(param_dtype=bf16 / fp16, reduce_dtype=fp32)``: the sharded params are the fp32 master
   weights the optimizer steps in place (`mptrain.distributed.fsdp_optimizer`), the all-gather casts them to the
-  compute dtype, grads are reduce-scattered in fp32;
+  compute dtype, grads are reduce-scattered in fp32. Before sharding, the fp32 init is rounded through the compute
+  dtype once (`mptrain.precision.module.round_params_to`): DDP's fp32 main params are copies of its bf16 / fp16
+  params (`Float16Module`'s cast), so every strategy starts from the same master weights (a checkpoint loaded later
+  overwrites them with its own). Their steps then differ only where the grads do: the fp32 summation order (each
+  micro-batch's reduce-scatter, the grad norm's partial sums) and DDP's gradient accumulation fusion, which adds a
+  tied output weight's grad into its fp32 buffer apart from the embedding's, where autograd (FSDP) sums the two in
+  the compute dtype first; 16-bit weights and FP8 casts magnify such last-bit differences over the steps;
 * the reduction is a SUM (``set_gradient_divide_factor(1)``, SUM collectives for every backend): the loss
   normalisation is `finalize_model_grads`' (ARCHITECTURE.md "Loss normalisation"), as for DDP;
 * ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
@@ -58,6 +64,7 @@ from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM_GRADS_PARAMS
 from mptrain.distributed.wrapper import ChunkWrapper
 from mptrain.layers.param_use import ParamUseRegions
 from mptrain.layers.sharding import collect_shard_specs
+from mptrain.precision.module import round_params_to
 
 
 def dp_mesh(groups, device_type: Optional[str] = None) -> DeviceMesh:
@@ -109,7 +116,8 @@ class FullyShardedDataParallel(ChunkWrapper):
     docstring).
 
     Args:
-        module: the model chunk (e.g. `GPTModel`), fp32 params, not wrapped; sharded in place.
+        module: the model chunk (e.g. `GPTModel`), fp32 params, not wrapped; sharded in place (with a 16-bit
+            ``compute_dtype``, its params rounded through it first: module docstring).
         groups: `ParallelGroups`.
         strategy: ``optim_grads`` (ZeRO-2) or ``optim_grads_params`` (ZeRO-3).
         compute_dtype: the dtype of the gathered params and the activations (fp32, bf16 or fp16).
@@ -136,6 +144,8 @@ class FullyShardedDataParallel(ChunkWrapper):
         reshard = strategy == OPTIM_GRADS_PARAMS and groups.pp_size == 1
         mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32:  # DDP's master weights: its 16-bit params upcast (module docstring)
+            round_params_to(module, compute_dtype)
         mesh = dp_mesh(groups)
         self._reshard, self.cpu_offload = reshard, cpu_offload
         # pinned host memory makes the shards' copies to the device asynchronous; a CPU-only build has none to pin

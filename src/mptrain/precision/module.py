@@ -12,6 +12,10 @@ Wrapping order (docs/ARCHITECTURE.md): ``DDP(Float16Module(GPTModel))``. The wra
 
 Middle stages receive activations [s, b, h] in ``dtype`` through `set_input_tensor` (the p2p
 buffers are allocated in the model dtype) and pass them through unchanged.
+
+`round_params_to` gives an fp32 chunk that keeps its params in fp32 (ZeRO-2 / ZeRO-3, whose sharded params are the
+master weights) the values this cast leaves behind, so that its master weights start where the mixed-precision
+optimizer's fp32 main params (``param.float()`` of the cast params) start.
 """
 
 from __future__ import annotations
@@ -42,6 +46,30 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def round_params_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round every floating-point parameter of ``module`` through ``dtype`` once, in place, keeping its dtype:
+    ``p = p.to(dtype).to(p.dtype)``.
+
+    The params `Float16Module` casts are all of the chunk's floating-point params (``module.to(dtype)``; the
+    router's fp32 buffers are buffers, not params), and the mixed-precision optimizer's fp32 main param of each is
+    its cast value upcast (Megatron: ``Float16Module`` + ``Float16OptimizerWithFloat16Params``' ``param.float()``),
+    so an fp32 master weight rounded here starts from the same value. Call it on a fresh init only: a checkpoint
+    loaded afterwards overwrites the params with its own (main) values.
+
+    Args:
+        module: the model chunk, any param shapes (fp32 params: the master weights).
+        dtype: torch.float16 or torch.bfloat16 (the compute dtype).
+    Raises:
+        ValueError: ``dtype`` is not fp16 / bf16.
+    """
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"round_params_to: dtype={dtype} must be torch.float16 or torch.bfloat16")
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point():
+                param.copy_(param.to(dtype))
 
 
 class Float16Module(torch.nn.Module):
