@@ -155,31 +155,34 @@ def permute_topk(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Ten
     """`permute` from each token's top-k experts (dropless), without the ``[T, E]`` map: the same rows in the same
     order, the same slots.
 
-    A token's experts sorted by index are its slots ``t·k .. t·k + k-1`` (`permute`'s expert order); a stable
-    sort of the ``[T·k]`` slots' experts lists them expert-major with tokens in order within an expert (a token
-    has an expert once), which is the rows' order, and its inverse is ``slot_rows``: both sums over a token's
-    slots (combine, the permutation's backward) and the weights' backward are gathers.
+    The pairs ``t·k + j`` (token t's j-th expert) sorted stably by expert are the rows: expert-major, tokens in
+    order within an expert (a token has an expert once). A pair's slot is ``t·k`` + how many of t's experts are
+    below its own (`permute`'s expert order of a token's slots), a comparison within the token; its inverse,
+    ``slot_rows``, makes both sums over a token's slots (combine, the permutation's backward) and the weights'
+    backward gathers.
 
     Args:
         hidden: ``[T, h]``.
-        indices: ``[T, k]`` int64, each token's k distinct experts in any order (`TopKRouter.route`).
+        indices: ``[T, k]`` int64, each token's k distinct experts in any order (`TopKRouter.route`: best first).
         weights: ``[T, k]``, their routing weights.
         num_experts: E.
     Returns:
         (rows ``[T·k, h]``, their weights ``[T·k]``, tokens_per_expert ``[E]`` int64 on the device, the `Permutation`).
     """
     num_tokens, k = indices.shape
-    experts, by_expert = indices.sort(dim=1)  # [T, k]: the slots, in expert order
-    slot_experts = experts.reshape(-1)  # [T·k], expert of slot t·k + j
-    key = slot_experts.to(torch.int8 if num_experts <= 128 else torch.int32)  # a narrow key: fewer radix-sort passes
-    rows_slot = key.argsort(stable=True)  # [T·k]: the slot of each row
+    pair_experts = indices.reshape(-1)  # [T·k]
+    key = pair_experts.to(torch.int8 if num_experts <= 128 else torch.int32)  # a narrow key: fewer radix-sort passes
+    row_pairs = key.argsort(stable=True)  # [T·k]: the pair of each row
+    below = (indices.unsqueeze(1) < indices.unsqueeze(2)).sum(dim=2)  # [T, k]: the token's experts below each one
+    pair_slots = (torch.arange(num_tokens, device=indices.device).unsqueeze(1) * k + below).reshape(-1)  # [T·k]
+    rows_slot = pair_slots.index_select(0, row_pairs)
     slot_rows = inverse_permutation(rows_slot)
-    perm = Permutation(rows_slot.div(k, rounding_mode="floor"), rows_slot, num_tokens, k, slot_rows=slot_rows)
+    perm = Permutation(row_pairs.div(k, rounding_mode="floor"), rows_slot, num_tokens, k, slot_rows=slot_rows)
     rows = permute_rows(hidden, perm)
-    slot_weights = weights.gather(1, by_expert).reshape(-1)  # [T·k]
-    row_weights = PermuteRows.apply(slot_weights, rows_slot, slot_rows, 1, False, True)  # each slot one row
-    experts_ids = torch.arange(num_experts, device=indices.device)
-    tokens_per_expert = (slot_experts.unsqueeze(1) == experts_ids).sum(dim=0)
+    pair_rows = slot_rows.index_select(0, pair_slots)  # the row of each pair (the inverse of row_pairs)
+    row_weights = PermuteRows.apply(weights.reshape(-1), row_pairs, pair_rows, 1, False, True)  # one row per pair
+    experts = torch.arange(num_experts, device=indices.device)
+    tokens_per_expert = (pair_experts.unsqueeze(1) == experts).sum(dim=0)
     return rows, row_weights, tokens_per_expert, perm
 
 
