@@ -43,6 +43,7 @@ from mptrain.layers.mappings import (
     gather_from_sequence_parallel_region_raw,
     reduce_scatter_to_sequence_parallel_region,
 )
+from mptrain.layers.moe.routing import expert_counts
 
 
 # --- local permutation (no communication) -----------------------------------------------------
@@ -100,7 +101,7 @@ class PermuteRows(torch.autograd.Function):
         return buffer[: t * k].view((t, k) + tuple(grad.shape[1:])).sum(dim=1), None, None, None, None, None
 
 
-def permute_rows(hidden: torch.Tensor, perm: "Permutation") -> torch.Tensor:
+def permute_rows(hidden: torch.Tensor, perm: Permutation) -> torch.Tensor:
     """``hidden [T, h]`` -> its rows ``[N, h]`` in ``perm``'s order (`PermuteRows`, gathering in backward where
     ``perm.slot_rows`` is set)."""
     if perm.slot_rows is not None:
@@ -181,9 +182,7 @@ def permute_topk(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Ten
     rows = permute_rows(hidden, perm)
     pair_rows = slot_rows.index_select(0, pair_slots)  # the row of each pair (the inverse of row_pairs)
     row_weights = PermuteRows.apply(weights.reshape(-1), row_pairs, pair_rows, 1, False, True)  # one row per pair
-    experts = torch.arange(num_experts, device=indices.device)
-    tokens_per_expert = (pair_experts.unsqueeze(1) == experts).sum(dim=0)
-    return rows, row_weights, tokens_per_expert, perm
+    return rows, row_weights, expert_counts(indices, num_experts), perm
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation) -> torch.Tensor:
