@@ -418,6 +418,7 @@ def moe_share_row(cfg: BenchConfig, result: dict, *, env: dict, call_id: str) ->
     share of the step is added by `share_of_step` once the config's mptrain row of the call is known."""
     row = base_row(cfg, trainer="mptrain-moe-share", variant="compiled", env=env, call_id=call_id)
     row.update({k: result.get(k) for k in ("layer_ms", "experts_ms", "routing_ms", "routing_share_of_layer",
+                                           "compile_mode", "cudagraph_skips", "routing_device_ms",
                                            "eager_forward_region_ms", "kernel", "shape")})
     return row
 

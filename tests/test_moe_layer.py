@@ -198,6 +198,41 @@ def test_ties_go_to_the_lower_expert_index_and_the_earlier_token():
     torch.testing.assert_close(probs[:5, :2], torch.full((5, 2), 0.5))
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_dispatch_from_the_topk_form_equals_the_routing_map_dispatch(k):
+    """`LocalDispatcher.dispatch_topk` (each token's k experts in score order) gives the rows, counts and weights that
+    `dispatch` gives on the [T, E] form of the same routing, and combine's output and the grads of the hidden rows
+    and the weights are equal bit for bit, with the slots summed by gathers or through a zeroed buffer (k = 3: the
+    order of a token's three rows in its sum is the expert order either way)."""
+    from mptrain.layers.moe import LocalDispatcher
+    from mptrain.layers.moe.dispatch_ep import unpermute
+    from mptrain.layers.moe.routing import routing_from_indices
+
+    t, e = 10, 6
+    gen = torch.Generator().manual_seed(4)
+    indices = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k]  # distinct experts per token, not in index order
+    weights = torch.rand(t, k, generator=gen)
+    hidden, g = torch.randn(t, H, generator=gen), torch.randn(t, H, generator=gen)
+    got = []
+    for topk_form in (True, False):
+        h, w = hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        dispatcher = LocalDispatcher(e, k)
+        if topk_form:
+            rows, counts, row_probs = dispatcher.dispatch_topk(h, indices, w)
+        else:
+            rows, counts, row_probs = dispatcher.dispatch(h, *routing_from_indices(torch.zeros(t, e), indices, w))
+        perm = dispatcher._perm
+        expert_out = rows * row_probs.unsqueeze(1) * 1.5
+        buffered = unpermute(expert_out.detach(), dataclasses.replace(perm, slot_rows=None))
+        out = dispatcher.combine(expert_out)
+        out.backward(g)
+        got.append([rows, counts, row_probs, perm.rows_token, perm.rows_slot, out, buffered, h.grad, w.grad])
+    for name, a, b in zip(["rows", "counts", "probs", "token", "slot", "out", "buffered", "dh", "dw"], *got):
+        assert torch.equal(a, b), name
+    assert got[0][1].tolist() == torch.bincount(indices.reshape(-1), minlength=e).tolist()
+    assert torch.equal(got[0][5], got[0][6])  # the gathered sums are the buffer's
+
+
 def test_the_grouped_gemm_probe_answers_the_same_with_grad_off():
     """The probe runs once per process; a first caller holding grad off (generation, evaluation) gets the answer
     a training step would (its backward needs grad)."""

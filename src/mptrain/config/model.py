@@ -90,7 +90,8 @@ class MoESubmodules:
 
     router: SpecNode = _node("mptrain.layers.moe.router.TopKRouter")
     """Gate h -> E logits and top-k selection (interface: mptrain.layers.moe.router.TopKRouter): returns
-    ``(probs [T, E], routing_map [T, E] bool)``; reads the model.moe_router_* keys."""
+    ``(probs [T, E], routing_map [T, E] bool)``; reads the model.moe_router_* keys. A router with ``route`` (the
+    top-k form, mptrain.layers.moe.router.RoutesTopK) feeds a dropless ep = etp = 1 dispatch from it."""
     experts: SpecNode = _node("mptrain.layers.moe.experts.GroupedMLP")
     """The local experts' fc1 -> activation (× routing prob) -> fc2 over tokens grouped expert-major
     (interface: mptrain.layers.moe.experts.GroupedMLP); the default reads model.activation and

@@ -32,6 +32,7 @@ Source: NVIDIA/Megatron-LM ``megatron/core/transformer/moe/token_dispatcher.py``
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -42,6 +43,7 @@ from mptrain.layers.mappings import (
     gather_from_sequence_parallel_region_raw,
     reduce_scatter_to_sequence_parallel_region,
 )
+from mptrain.layers.moe.routing import expert_counts
 
 
 # --- local permutation (no communication) -----------------------------------------------------
@@ -50,34 +52,76 @@ class Permutation:
     """Where the permuted rows come from: row i is token ``rows_token[i]``'s routed expert number
     ``rows_slot[i] - k·rows_token[i]`` (its experts counted in expert order), k = ``slots``. With ``padded``
     (experts padded to their capacity, `mptrain.layers.moe.dispatcher.LocalDispatcher`) a padding row has
-    ``rows_token`` T (a zero row) and ``rows_slot`` T·k (a slot that `unpermute` drops)."""
+    ``rows_token`` T (a zero row) and ``rows_slot`` T·k (a slot that `unpermute` drops). ``slot_rows``: the
+    inverse, the row of each slot, where every slot has one (N = T·k, dropless); the sums over a token's slots
+    then gather their rows instead of writing them into a zeroed ``[T·k, h]`` buffer."""
 
     rows_token: torch.Tensor  # [N] int64
     rows_slot: torch.Tensor  # [N] int64, t·k + slot
     num_tokens: int  # T
     slots: int  # k: the most rows a token has
     padded: bool = False
+    slot_rows: Optional[torch.Tensor] = None  # [T·k] int64 (N = T·k), the row at each slot t·k + j
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse[order[i]] = i`` for a permutation ``order [n]`` of ``0 .. n-1`` (one scatter, no sort)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+
+
+def _sum_slots(x: torch.Tensor, num_tokens: int, slots: int) -> torch.Tensor:
+    """``[T·k, ...]`` slot-major rows -> ``[T, ...]``: each token's k slots summed (in slot order)."""
+    if slots == 1:
+        return x
+    return x.view((num_tokens, slots) + tuple(x.shape[1:])).sum(dim=1)
 
 
 class PermuteRows(torch.autograd.Function):
-    """``hidden[rows_token]``; backward writes each row grad into its token's slot of a ``[T·k, h]`` buffer and
-    sums the k slots: every slot written once, so no atomic adds (deterministic on CUDA too). ``padded``: index T
-    is a zero row and slot T·k a dropped one (`Permutation`)."""
+    """``hidden[rows_token]``; backward sums each token's row grads through its slots (every slot holds at most one
+    row, so no atomic adds: deterministic on CUDA too). ``index``: the rows' slots (``rows_slot``: backward writes
+    the grads into a zeroed ``[T·k, h]`` buffer), or with ``gather`` each slot's row (``slot_rows``, every slot
+    holding one: backward gathers them). ``padded``: index T is a zero row and slot T·k a dropped one
+    (`Permutation`)."""
 
     @staticmethod
-    def forward(ctx, hidden, rows_token, rows_slot, slots, padded=False):
-        ctx.save_for_backward(rows_slot)
-        ctx.num_tokens, ctx.slots, ctx.padded = hidden.shape[0], slots, padded
+    def forward(ctx, hidden, rows_token, index, slots, padded=False, gather=False):
+        ctx.save_for_backward(index)
+        ctx.num_tokens, ctx.slots, ctx.padded, ctx.gather = hidden.shape[0], slots, padded, gather
         if padded:
             hidden = torch.cat([hidden, hidden.new_zeros((1,) + tuple(hidden.shape[1:]))])
         return hidden.index_select(0, rows_token)
 
     @staticmethod
     def backward(ctx, grad):
-        (rows_slot,) = ctx.saved_tensors
+        (index,) = ctx.saved_tensors
         t, k = ctx.num_tokens, ctx.slots
-        buffer = grad.new_zeros((t * k + int(ctx.padded),) + tuple(grad.shape[1:])).index_copy_(0, rows_slot, grad)
-        return buffer[: t * k].view((t, k) + tuple(grad.shape[1:])).sum(dim=1), None, None, None, None
+        if ctx.gather:
+            return _sum_slots(grad.index_select(0, index), t, k), None, None, None, None, None
+        buffer = grad.new_zeros((t * k + int(ctx.padded),) + tuple(grad.shape[1:])).index_copy_(0, index, grad)
+        return buffer[: t * k].view((t, k) + tuple(grad.shape[1:])).sum(dim=1), None, None, None, None, None
+
+
+def permute_rows(hidden: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """``hidden [T, h]`` -> its rows ``[N, h]`` in ``perm``'s order (`PermuteRows`, gathering in backward where
+    ``perm.slot_rows`` is set)."""
+    if perm.slot_rows is not None:
+        return PermuteRows.apply(hidden, perm.rows_token, perm.slot_rows, perm.slots, perm.padded, True)
+    return PermuteRows.apply(hidden, perm.rows_token, perm.rows_slot, perm.slots, perm.padded)
+
+
+class UnpermuteRows(torch.autograd.Function):
+    """Each token's rows summed through its slots, every slot holding one row (N = T·k): ``rows[slot_rows]`` summed
+    over the k slots, one gather; backward: each row gets its token's grad, ``grad[rows_token]``."""
+
+    @staticmethod
+    def forward(ctx, rows, slot_rows, rows_token, slots):
+        ctx.save_for_backward(rows_token)
+        return _sum_slots(rows.index_select(0, slot_rows), rows.shape[0] // slots, slots)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows_token,) = ctx.saved_tensors
+        return grad.index_select(0, rows_token), None, None, None
 
 
 def permute(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, *, num_out_tokens: int,
@@ -99,15 +143,55 @@ def permute(hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     rows_token = flat % num_tokens
     # slot of (t, e): how many of t's routed experts precede e
     token_slot = torch.arange(num_tokens, device=hidden.device).unsqueeze(1) * slots + routing_map.cumsum(dim=1) - 1
-    perm = Permutation(rows_token, token_slot.T.reshape(-1).index_select(0, flat), num_tokens, slots)
-    rows = PermuteRows.apply(hidden, rows_token, perm.rows_slot, slots)
+    rows_slot = token_slot.T.reshape(-1).index_select(0, flat)
+    full = num_out_tokens == num_tokens * slots  # every token has all its slots: the sums gather
+    perm = Permutation(rows_token, rows_slot, num_tokens, slots,
+                       slot_rows=inverse_permutation(rows_slot) if full else None)
+    rows = permute_rows(hidden, perm)
     return rows, probs.T.reshape(-1).index_select(0, flat), perm
+
+
+def permute_topk(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *,
+                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Permutation]:
+    """`permute` from each token's top-k experts (dropless), without the ``[T, E]`` map: the same rows in the same
+    order, the same slots.
+
+    The pairs ``t·k + j`` (token t's j-th expert) sorted stably by expert are the rows: expert-major, tokens in
+    order within an expert (a token has an expert once). A pair's slot is ``t·k`` + how many of t's experts are
+    below its own (`permute`'s expert order of a token's slots), a comparison within the token; its inverse,
+    ``slot_rows``, makes both sums over a token's slots (combine, the permutation's backward) and the weights'
+    backward gathers.
+
+    Args:
+        hidden: ``[T, h]``.
+        indices: ``[T, k]`` int64, each token's k distinct experts in any order (`TopKRouter.route`: best first).
+        weights: ``[T, k]``, their routing weights.
+        num_experts: E.
+    Returns:
+        (rows ``[T·k, h]``, their weights ``[T·k]``, tokens_per_expert ``[E]`` int64 on the device, the `Permutation`).
+    """
+    num_tokens, k = indices.shape
+    pair_experts = indices.reshape(-1)  # [T·k]
+    key = pair_experts.to(torch.int8 if num_experts <= 128 else torch.int32)  # a narrow key: fewer radix-sort passes
+    row_pairs = key.argsort(stable=True)  # [T·k]: the pair of each row
+    below = (indices.unsqueeze(1) < indices.unsqueeze(2)).sum(dim=2)  # [T, k]: the token's experts below each one
+    pair_slots = (torch.arange(num_tokens, device=indices.device).unsqueeze(1) * k + below).reshape(-1)  # [T·k]
+    rows_slot = pair_slots.index_select(0, row_pairs)
+    slot_rows = inverse_permutation(rows_slot)
+    perm = Permutation(row_pairs.div(k, rounding_mode="floor"), rows_slot, num_tokens, k, slot_rows=slot_rows)
+    rows = permute_rows(hidden, perm)
+    pair_rows = slot_rows.index_select(0, pair_slots)  # the row of each pair (the inverse of row_pairs)
+    row_weights = PermuteRows.apply(weights.reshape(-1), row_pairs, pair_rows, 1, False, True)  # one row per pair
+    return rows, row_weights, expert_counts(indices, num_experts), perm
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation) -> torch.Tensor:
     """``[N, h]`` -> ``[T, h]``: each token's rows summed (Megatron ``moe_utils.unpermute`` without merging
-    probs, which the experts applied), through its slots: every slot written once, no atomic adds."""
+    probs, which the experts applied), through its slots: every slot written once, no atomic adds; gathered
+    where every slot has a row (``perm.slot_rows``)."""
     t, k, width = perm.num_tokens, perm.slots, tuple(rows.shape[1:])
+    if perm.slot_rows is not None:
+        return UnpermuteRows.apply(rows, perm.slot_rows, perm.rows_token, k)
     buffer = rows.new_zeros((t * k + int(perm.padded),) + width).index_copy(0, perm.rows_slot, rows)
     return buffer[: t * k].view((t, k) + width).sum(dim=1)
 
@@ -302,5 +386,5 @@ class AllGatherDispatcher(ExpertGridDispatcher):
         return y.to(expert_output.dtype)
 
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "ExpertGridDispatcher", "Permutation", "PermuteRows", "permute", "sort_chunks",
-           "unpermute"]
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "ExpertGridDispatcher", "Permutation", "PermuteRows",
+           "UnpermuteRows", "inverse_permutation", "permute", "permute_rows", "permute_topk", "sort_chunks", "unpermute"]

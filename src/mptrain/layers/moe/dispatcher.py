@@ -13,12 +13,14 @@ between the two calls.
 
 `LocalDispatcher` (EP = ETP = 1) only permutes. Rows are expert-major, each expert's tokens in token
 order (Megatron's ``permute``: a stable sort of the transposed routing map). Each token's routed
-experts, in expert order, are its slots ``0 .. k-1``; ``combine`` writes each row into its token's slot
-of a ``[T, k, h]`` buffer (every slot written at most once: no atomic adds) and sums the slots, and the
-backward of the permutation sums a token's k row grads the same way, so dispatch and combine are
-deterministic on CUDA too (Megatron's scatter-add combine is not, without deterministic mode).
-Dropless (no capacity factor): ``N = T·k``, static, no host sync. With a capacity factor: ``N`` = the
-kept rows (one host read of their number), or with ``moe_pad_expert_input_to_capacity`` exactly
+experts, in expert order, are its slots ``0 .. k-1``; ``combine`` sums each token's slots, every slot holding
+at most one row (no atomic adds), and the backward of the permutation sums a token's k row grads the same way,
+so dispatch and combine are deterministic on CUDA too (Megatron's scatter-add combine is not, without
+deterministic mode). Dropless (no capacity factor): ``N = T·k``, static, no host sync; every slot holds a row,
+so both sums gather the rows of a token's slots. ``dispatch_topk`` gives the same rows from the router's top-k
+form (`mptrain.layers.moe.router.RoutesTopK`) by a stable sort of the ``T·k`` chosen experts, without the
+``[T, E]`` map. With a capacity factor: ``N`` = the kept rows (one host read of their number; the sums write
+the rows into a zeroed ``[T, k, h]`` buffer), or with ``moe_pad_expert_input_to_capacity`` exactly
 ``E·capacity`` rows, each expert's kept tokens followed by zero rows of routing weight 0 (static shapes;
 Megatron pads with other tokens at weight 0: the same outputs and grads).
 """
@@ -34,8 +36,9 @@ from mptrain.layers.moe.dispatch_ep import (
     AllGatherDispatcher,
     AllToAllDispatcher,
     Permutation,
-    PermuteRows,
     permute,
+    permute_rows,
+    permute_topk,
     unpermute,
 )
 
@@ -78,6 +81,20 @@ class LocalDispatcher:
         rows, row_probs, self._perm = permute(hidden, routing_map, probs, num_out_tokens=n, slots=k)
         return rows, routing_map.sum(dim=0), row_probs
 
+    def dispatch_topk(self, hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """`dispatch` from the router's top-k form (`mptrain.layers.moe.router.RoutesTopK`), dropless only: the same
+        rows, counts and row weights (`mptrain.layers.moe.dispatch_ep.permute_topk`), without the ``[T, E]`` map.
+
+        Args:
+            hidden: ``[T, h]``. indices: ``[T, k]`` int64, each token's experts. weights: ``[T, k]``.
+        Returns:
+            ``(expert_input [T·k, h], tokens_per_expert [E]`` int64 on the device, ``expert_probs [T·k])``.
+        """
+        assert self.capacity_factor is None, "dispatch_topk is dropless"
+        rows, row_probs, tokens_per_expert, self._perm = permute_topk(hidden, indices, weights,
+                                                                      num_experts=self.num_experts)
+        return rows, tokens_per_expert, row_probs
+
     def _dispatch_padded(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> tuple:
         """``E · capacity`` rows: expert e's kept tokens at ``e·capacity + rank``, then padding rows (`Permutation`:
         token T, a zero row; slot T·k; weight 0). No host read: every size is known from T."""
@@ -94,7 +111,7 @@ class LocalDispatcher:
         token_slot = torch.arange(t, device=dev).unsqueeze(1) * k + routing_map.cumsum(dim=1) - 1  # [T, E]
         slots = torch.cat([token_slot.t().reshape(-1), token_slot.new_full((1,), t * k)]).index_select(0, flat)
         self._perm = Permutation(rows_token, slots, t, k, padded=True)
-        rows = PermuteRows.apply(hidden, rows_token, slots, k, True)
+        rows = permute_rows(hidden, self._perm)
         row_probs = torch.cat([probs.t().reshape(-1), probs.new_zeros(1)]).index_select(0, flat)  # padding: 0
         return rows, torch.full((e,), cap, dtype=torch.long, device=dev), row_probs
 

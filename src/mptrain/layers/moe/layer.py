@@ -9,6 +9,9 @@ experts and routes its own sequence shard to them.
 
     probs, routing_map = router(x)                                  [T, E], [T, E] bool
     rows, tokens_per_expert, row_probs = dispatcher.dispatch(x, probs, routing_map)
+      (dropless at ep = etp = 1, a router with ``route`` (`RoutesTopK`): the same rows from the top-k form,
+       indices, weights = router.route(x)                           [T, k], [T, k]
+       rows, tokens_per_expert, row_probs = dispatcher.dispatch_topk(x, indices, weights))
     y = dispatcher.combine(experts(rows, tokens_per_expert, row_probs))     [T, h]
     y = y + shared_experts(x)                                       (with a shared expert)
 
@@ -46,7 +49,7 @@ from mptrain.layers.context import LayerContext
 from mptrain.layers.mlp import ACTIVATION, MLP_KIND
 from mptrain.layers.moe.dispatcher import LocalDispatcher, TokenDispatcher, build_dispatcher
 from mptrain.layers.moe.experts import LOOP, GroupedMLP
-from mptrain.layers.moe.router import TopKRouter
+from mptrain.layers.moe.router import RoutesTopK, TopKRouter
 from mptrain.layers.spec import COLUMN_PARALLEL_LINEAR, ROW_PARALLEL_LINEAR, build_module, submodule
 
 KEY = "model.transformer_layer.submodules.moe"
@@ -91,6 +94,9 @@ class MoELayer(torch.nn.Module):
                                     num_local_experts=num_local, expert_offset=g.ep_rank * num_local,
                                     etp_rank=g.etp_rank, etp_size=g.etp_size, **inner)
         self.token_dispatcher = token_dispatcher or build_dispatcher(config, g)
+        # dropless on one rank: the router's top-k form goes to the dispatcher as is (no [T, E] map in between)
+        self.routes_topk = (isinstance(self.router, RoutesTopK) and isinstance(self.token_dispatcher, LocalDispatcher)
+                            and self.token_dispatcher.capacity_factor is None)
         # traced by torch.compile only with static shapes (module docstring); a handed-in dispatcher runs eagerly
         self.traceable = (isinstance(self.token_dispatcher, LocalDispatcher)
                           and moe_eager_reason(config, g.ep_size, g.etp_size, context.sequence_parallel) is None)
@@ -111,10 +117,18 @@ class MoELayer(torch.nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
-        with _region("moe.router"):
-            probs, routing_map = self.router(x)  # [T, E] each
-        with _region("moe.permute"):
-            rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch(x.reshape(-1, h), probs, routing_map)
+        if self.routes_topk:
+            with _region("moe.router"):
+                indices, weights = self.router.route(x)  # [T, k] each
+            with _region("moe.permute"):
+                rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch_topk(x.reshape(-1, h), indices,
+                                                                                        weights)
+        else:
+            with _region("moe.router"):
+                probs, routing_map = self.router(x)  # [T, E] each
+            with _region("moe.permute"):
+                rows, tokens_per_expert, row_probs = self.token_dispatcher.dispatch(x.reshape(-1, h), probs,
+                                                                                    routing_map)
         with _region("moe.experts"):
             out = self.experts(rows, tokens_per_expert, row_probs)
         with _region("moe.unpermute"):

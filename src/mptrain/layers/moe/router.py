@@ -4,8 +4,10 @@ Legend: input ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism: each T
 sequence shard), ``T = s·b`` (or ``s/tp·b``) tokens flattened sequence-major, ``E`` experts, top-``k``.
 
 forward: jitter (training) -> logits = x Wᵀ ``[T, E]`` (in ``moe_router_dtype``) -> z-loss attached to the
-logits -> top-k routing (`mptrain.layers.moe.routing.topk_routing`) -> capacity dropping -> aux losses
-attached to the probs -> expert-bias counts and routing statistics. The aux losses, the counts and the
+logits -> top-k routing (`mptrain.layers.moe.routing.topk_weights`: each token's k experts and weights) -> aux
+losses attached to the weights -> the ``[T, E]`` probs and routing map -> capacity dropping -> expert-bias counts
+and routing statistics. `TopKRouter.route` hands out the same decision in top-k form (dropless: no capacity),
+for the dispatcher that permutes from it (`RoutesTopK`). The aux losses, the counts and the
 statistics are taken only in training with grad enabled: under full recomputation the first forward runs
 without grad and its replay in backward with it, so each micro-batch counts once (Megatron's rule).
 
@@ -18,12 +20,20 @@ backward scale (`set_aux_loss_scale`). They stay fp32 when a wrapper casts the m
 
 from __future__ import annotations
 
+from typing import Optional, Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 
 from mptrain.layers.context import LayerContext
 from mptrain.layers.moe.aux_loss import MoEAuxLossAutoScaler, switch_load_balancing_loss, z_loss
-from mptrain.layers.moe.routing import drop_tokens, scores_for_aux_loss, topk_routing
+from mptrain.layers.moe.routing import (
+    drop_tokens,
+    expert_counts,
+    routing_from_indices,
+    scores_for_aux_loss,
+    topk_weights,
+)
 from mptrain.layers.sharding import ShardSpec
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -104,11 +114,17 @@ class TopKRouter(torch.nn.Module):
         self.routing_stats[-1] += loss.detach() / coeff
         return MoEAuxLossAutoScaler.apply(logits, loss, self.aux_loss_scale)
 
-    def _with_aux_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int) -> torch.Tensor:
+    def _with_aux_loss(self, weights: torch.Tensor, logits: torch.Tensor, seq_length: int,
+                       indices: torch.Tensor) -> torch.Tensor:
+        """``weights [T, k]`` with the load-balancing loss attached (its grad joins in backward)."""
         kind, coeff = self.config.moe_router_load_balancing_type, self.config.moe_aux_loss_coeff
         if kind == "none" or not coeff or not self._counting():
-            return probs
-        routing_map, scores = scores_for_aux_loss(logits, self.topk, self.config.moe_router_score_function)
+            return weights
+        cfg = self.config
+        # pre-softmax routing took its top-k on the very scores the loss counts: no second sort
+        same = cfg.moe_router_score_function == "softmax" and cfg.moe_router_pre_softmax
+        routing_map, scores = scores_for_aux_loss(logits, self.topk, cfg.moe_router_score_function,
+                                                  indices if same else None)
         tp = self.groups.tp_size if self.sequence_parallel else 1
         batch = 1
         if kind == "seq_aux_loss":  # one column block per sequence: [s·b, E] -> [s, b·E]
@@ -119,14 +135,15 @@ class TopKRouter(torch.nn.Module):
         loss = switch_load_balancing_loss(scores, counts, total_tokens=total, topk=self.topk,
                                           num_experts=self.num_experts, coeff=coeff) / batch
         self.routing_stats[-2] += loss.detach() / coeff
-        return MoEAuxLossAutoScaler.apply(probs, loss, self.aux_loss_scale)
+        return MoEAuxLossAutoScaler.apply(weights, loss, self.aux_loss_scale)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """logits ``[T, E]`` = x Wᵀ in ``moe_router_dtype`` (the input's dtype when null). x ``[T, h]``."""
         dtype = self.router_dtype or x.dtype
         return F.linear(x.to(dtype), self.weight.to(dtype))
 
-    def forward(self, x: torch.Tensor) -> tuple:
+    def _topk(self, x: torch.Tensor) -> tuple:
+        """``(logits [T, E], indices [T, k], weights [T, k])`` in the logits' dtype, the z and aux losses attached."""
         seq_length, h = x.shape[0], x.shape[-1]
         tokens = x.reshape(-1, h)  # [T, h], sequence-major
         eps = self.config.moe_input_jitter_eps
@@ -134,27 +151,61 @@ class TopKRouter(torch.nn.Module):
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
         logits = self._with_z_loss(self.gating(tokens))
         cfg = self.config
-        probs, routing_map = topk_routing(logits, self.topk, score_function=cfg.moe_router_score_function,
-                                          pre_softmax=cfg.moe_router_pre_softmax,
-                                          scaling_factor=cfg.moe_router_topk_scaling_factor,
-                                          expert_bias=self.expert_bias)
+        indices, weights = topk_weights(logits, self.topk, score_function=cfg.moe_router_score_function,
+                                        pre_softmax=cfg.moe_router_pre_softmax,
+                                        scaling_factor=cfg.moe_router_topk_scaling_factor,
+                                        expert_bias=self.expert_bias)
+        # attached to the weights every routed form derives from: the loss's grad flows wherever they are used
+        weights = self._with_aux_loss(weights.to(logits.dtype), logits, seq_length, indices)
+        return logits, indices, weights
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        logits, indices, weights = self._topk(x)
+        probs, routing_map = routing_from_indices(logits, indices, weights)
         selected = routing_map
+        cfg = self.config
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, topk=self.topk,
                                              capacity_factor=cfg.moe_expert_capacity_factor,
                                              policy=cfg.moe_token_drop_policy)
-        probs = self._with_aux_loss(probs, logits, seq_length)
         if self._counting():
-            self._count(selected, routing_map)
+            self._count(selected.sum(dim=0, dtype=torch.float32), routing_map.sum(dim=0, dtype=torch.float32))
         return probs, routing_map
 
-    @torch.no_grad()
-    def _count(self, selected: torch.Tensor, routing_map: torch.Tensor) -> None:
-        """Per micro-batch: the tokens each expert was chosen by (before dropping) and the dropped ones into
-        ``routing_stats``; the dispatched ones into ``local_tokens_per_expert`` (expert bias)."""
-        chosen = selected.sum(dim=0, dtype=torch.float32)
-        self.routing_stats[: self.num_experts] += chosen
-        self.routing_stats[self.num_experts] += chosen.sum() - routing_map.sum(dtype=torch.float32)
-        if self.local_tokens_per_expert is not None:
-            self.local_tokens_per_expert += routing_map.sum(dim=0, dtype=torch.float32)
+    def route(self, x: torch.Tensor) -> tuple:
+        """The decision of `forward` in top-k form, for a dropless dispatcher (`RoutesTopK`).
 
+        Returns:
+            ``(indices [T, k]`` int64, each token's experts, best first (ties: the lower index), ``weights [T, k]``
+            their routing weights, in the logits' dtype).
+        Raises:
+            ValueError: with ``model.moe_expert_capacity_factor`` set (dropping needs the ``[T, E]`` form).
+        """
+        if self.config.moe_expert_capacity_factor is not None:
+            raise ValueError("TopKRouter.route is dropless; with model.moe_expert_capacity_factor use forward")
+        _, indices, weights = self._topk(x)
+        if self._counting():
+            self._count(expert_counts(indices, self.num_experts).float())
+        return indices, weights
+
+    @torch.no_grad()
+    def _count(self, chosen: torch.Tensor, kept: Optional[torch.Tensor] = None) -> None:
+        """Per micro-batch: the tokens each expert was chosen by (before dropping, ``chosen [E]``) and the dropped
+        ones into ``routing_stats``; the dispatched ones (``kept [E]``; None: dropless, all of ``chosen``) into
+        ``local_tokens_per_expert`` (expert bias)."""
+        self.routing_stats[: self.num_experts] += chosen
+        if kept is not None:
+            self.routing_stats[self.num_experts] += chosen.sum() - kept.sum()
+        if self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert += chosen if kept is None else kept
+
+
+@runtime_checkable
+class RoutesTopK(Protocol):
+    """A router that also hands out its decision in top-k form (`TopKRouter.route`): ``route(x [s, b, h]) ->
+    (indices [T, k], weights [T, k])``, the same experts and weights as its ``forward``'s ``[T, E]`` form, before
+    capacity dropping. `mptrain.layers.moe.MoELayer` routes through it to a dispatcher that permutes from the
+    top-k form (`mptrain.layers.moe.dispatcher.LocalDispatcher.dispatch_topk`, dropless), which skips the
+    ``[T, E]`` scatters and the sort over ``E·T`` map entries."""
+
+    def route(self, x: torch.Tensor) -> tuple: ...

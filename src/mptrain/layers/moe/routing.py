@@ -26,28 +26,40 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+def topk_map(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[T, E]`` bool: True at each row's ``indices [T, k]`` (distinct per row). A comparison with the expert ids,
+    not a scatter into zeros: one pointwise op that fuses with its consumer (a count over tokens) under Inductor."""
+    experts = torch.arange(num_experts, device=indices.device)
+    return (indices.unsqueeze(-1) == experts).any(dim=1)
+
+
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64: how many of the ``indices [T, k]`` name each expert (the tokens routed to it)."""
+    experts = torch.arange(num_experts, device=indices.device)
+    return (indices.reshape(-1, 1) == experts).sum(dim=0)
+
+
 def routing_from_indices(logits: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> tuple:
     """``(probs [T, E], routing_map [T, E] bool)``: ``weights [T, k]`` placed at ``indices``, zeros elsewhere."""
     probs = torch.zeros_like(logits).scatter(1, indices, weights.to(logits.dtype))
-    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(1, indices, True)
-    return probs, routing_map
+    return probs, topk_map(indices, logits.shape[-1])
 
 
-def topk_routing(logits: torch.Tensor, k: int, *, score_function: str, pre_softmax: bool,
+def topk_weights(logits: torch.Tensor, k: int, *, score_function: str, pre_softmax: bool,
                  scaling_factor: Optional[float], expert_bias: Optional[torch.Tensor]) -> tuple:
-    """Route each token to k experts (Megatron's ``topk_routing_with_score_function``).
+    """Route each token to k experts (Megatron's ``topk_routing_with_score_function``), in top-k form.
 
     - softmax, post (default): top-k on the logits, weights = softmax over the k chosen logits (sum 1);
     - softmax, ``pre_softmax``: softmax over all E, top-k, weights not renormalised;
     - sigmoid: per-expert sigmoid; the choice uses ``scores + expert_bias`` (aux-loss-free balancing), the
       weights the unbiased scores, divided by their sum when k > 1.
-    Then ``scaling_factor`` multiplies the weights. Math in fp32; probs in the logits' dtype.
+    Then ``scaling_factor`` multiplies the weights. Math in fp32.
 
     Args:
         logits: ``[T, E]`` gating output.
         expert_bias: ``[E]`` fp32 or None.
     Returns:
-        ``(probs [T, E]`` zeros off the top-k, ``routing_map [T, E]`` bool).
+        ``(indices [T, k]`` int64, each token's experts, best first (`topk_indices`), ``weights [T, k]`` fp32).
     """
     if score_function == "softmax":
         if pre_softmax:
@@ -66,21 +78,36 @@ def topk_routing(logits: torch.Tensor, k: int, *, score_function: str, pre_softm
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor:
         weights = weights * scaling_factor
+    return indices, weights
+
+
+def topk_routing(logits: torch.Tensor, k: int, *, score_function: str, pre_softmax: bool,
+                 scaling_factor: Optional[float], expert_bias: Optional[torch.Tensor]) -> tuple:
+    """`topk_weights` as ``(probs [T, E]`` zeros off the top-k, in the logits' dtype, ``routing_map [T, E]`` bool)."""
+    indices, weights = topk_weights(logits, k, score_function=score_function, pre_softmax=pre_softmax,
+                                    scaling_factor=scaling_factor, expert_bias=expert_bias)
     return routing_from_indices(logits, indices, weights)
 
 
-def scores_for_aux_loss(logits: torch.Tensor, k: int, score_function: str) -> tuple:
+def scores_for_aux_loss(logits: torch.Tensor, k: int, score_function: str,
+                        indices: Optional[torch.Tensor] = None) -> tuple:
     """``(routing_map [T, E] bool, scores [T, E] fp32)`` for the load-balancing loss: the full score
     distribution (softmax, or sigmoid normalised over E) and a fresh top-k on it, without expert bias
-    (Megatron's ``compute_routing_scores_for_aux_loss``)."""
+    (Megatron's ``compute_routing_scores_for_aux_loss``).
+
+    ``indices``: the routing's top-k ``[T, k]`` where it was taken on these same scores (pre-softmax routing:
+    `topk_weights` sorts ``softmax(logits.float())``), reused instead of a second sort. Not for post-softmax
+    routing: its top-k is on the logits, and two logits that differ can round to equal softmax scores, a tie
+    the scores' top-k breaks by the expert index, the logits' by the logits.
+    """
     if score_function == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
     else:
         scores = torch.sigmoid(logits.float())
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    indices = topk_indices(scores, k)
-    routing_map = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(1, indices, True)
-    return routing_map, scores
+    if indices is None:
+        indices = topk_indices(scores, k)
+    return topk_map(indices, scores.shape[-1]), scores
 
 
 def drop_tokens(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int, capacity_factor: float,
