@@ -56,7 +56,7 @@ def _close(got, want, msg=""):
 
 
 def _route(cfg, logits_t, bias):
-    """(experts, weights) of one token, as topk_routing documents it."""
+    """(experts, weights) of one token, as topk_weights documents it."""
     k = cfg.moe_router_topk
     if cfg.moe_router_score_function == "sigmoid":
         scores = torch.sigmoid(logits_t)

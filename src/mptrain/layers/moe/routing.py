@@ -81,14 +81,6 @@ def topk_weights(logits: torch.Tensor, k: int, *, score_function: str, pre_softm
     return indices, weights
 
 
-def topk_routing(logits: torch.Tensor, k: int, *, score_function: str, pre_softmax: bool,
-                 scaling_factor: Optional[float], expert_bias: Optional[torch.Tensor]) -> tuple:
-    """`topk_weights` as ``(probs [T, E]`` zeros off the top-k, in the logits' dtype, ``routing_map [T, E]`` bool)."""
-    indices, weights = topk_weights(logits, k, score_function=score_function, pre_softmax=pre_softmax,
-                                    scaling_factor=scaling_factor, expert_bias=expert_bias)
-    return routing_from_indices(logits, indices, weights)
-
-
 def scores_for_aux_loss(logits: torch.Tensor, k: int, score_function: str,
                         indices: Optional[torch.Tensor] = None) -> tuple:
     """``(routing_map [T, E] bool, scores [T, E] fp32)`` for the load-balancing loss: the full score
