@@ -18,8 +18,10 @@ Activations of one MoE layer per micro-batch, in place of the dense MLP's fc1 in
 act/2 bytes per element unless in bytes):
     router input x [T, h]                                  2 per element (also the shared expert's fc1 input)
     router scores, top-k, routing map [T, E]               16 bytes per (token, expert), any dtype
-    permutation indices (row -> token, row -> slot)        24 bytes per routed row
-    experts' input rows and output rows [etp·N, h]         4 per element of h
+    permutation indices (row -> token, row -> slot, and   28 bytes per routed row (24 from the router's top-k
+    the combine's gather)                                  form at ep = etp = 1, 32 from the routing map: the mean)
+    experts' input rows [etp·N, h]                         2 per element of h (the combine gathers the output
+                                                           rows: its backward keeps only their indices)
     experts' intermediates [etp·N, f_e/etp]                SwiGLU 10 (fc1 out 2f_e, silu(gate), their
                                                            product, its probability-weighted copy), GeLU 6
     shared expert (f_s > 0): a dense MLP on every token    `MEASURED`'s split MLP term × f_s/h, split over t;
@@ -50,8 +52,8 @@ MOE_MEASURED = {
     "mlp_input_16bit": 2.0,  # the dense fc1 input's share of MEASURED["linear_inputs_16bit"]: the router's input here
     "router_input_16bit": 2.0,  # x [T, h], saved by the router's GEMM (the shared expert's fc1 reads the same x)
     "router_bytes_per_token_expert": 16.0,  # scores / top-k / routing map [T, E]
-    "index_bytes_per_row": 24.0,  # the permutation's int64 row -> token and row -> slot maps
-    "expert_rows_16bit": 4.0,  # the experts' input rows and their output rows, per element of h
+    "index_bytes_per_row": 28.0,  # the permutation's int64 maps: 24 (top-k form) to 32 (routing map) per row
+    "expert_rows_16bit": 2.0,  # the experts' input rows, per element of h
     "expert_split_per_ffn_16bit": {"gelu": 6.0, "swiglu": 10.0},  # per element of f_e / etp
 }
 
