@@ -96,3 +96,15 @@ def test_tp2pp2_dp2_on_8_processes_each_schedule(tmp_path, reference):
     for parallel, schedule in (("tp2pp2", "1f1b"), ("tp2pp2", "gpipe"), ("tp2pp2vpp2", "interleaved_1f1b")):
         rows = _job(tmp_path, schedule, 8, [f"parallel={parallel}", f"schedule={schedule}"])
         _assert_same(rows, reference)
+
+
+@pytest.mark.parametrize("parallel", ["tp2pp1", "tp1pp2"])
+def test_hsdp_zero3_with_tp_or_pp_on_8_processes(tmp_path, reference, parallel):
+    """ZeRO-3 HSDP beside TP or PP: dp 4 = shards of 2 ranks, replicated twice (FSDP2's 2-D mesh over each model-
+    parallel rank's DP group)."""
+    rows = _job(tmp_path, f"{parallel}_hsdp", 8, [f"parallel={parallel}",
+                                                   "parallel.data_parallel_sharding_strategy=optim_grads_params",
+                                                   "parallel.data_parallel_shard_size=2"])
+    _assert_same(rows, reference)
+    log = (tmp_path / f"{parallel}_hsdp" / "train.log").read_text()
+    assert "data-parallel: optim_grads_params (ZeRO-3, FSDP2, dp=4, HSDP shard 2 x replicate 2)" in log
