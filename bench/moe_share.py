@@ -125,8 +125,9 @@ def region_ms(layer, x, g) -> dict:
 def kernel_profile(run: Callable[[], None], device: torch.device, top: int) -> dict:
     """One profiled ``run`` (already compiled and warm): device kernels (CUDA: kernels, memcpy, memset; CPU: the
     ops by self time), their count, total ms and the ``top`` by time as ``[name, calls, us]``."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from profile_report import is_kernel  # bench/ is the script's folder, on sys.path
 
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
@@ -134,7 +135,7 @@ def kernel_profile(run: Callable[[], None], device: torch.device, top: int) -> d
         _sync()
     rows = []
     for e in prof.key_averages():
-        if cuda and e.device_type != DeviceType.CUDA:
+        if cuda and not is_kernel(e):  # kernels and copies only: a user annotation spans kernels (double count)
             continue
         rows.append((float(e.self_device_time_total if cuda else e.self_cpu_time_total), int(e.count), e.key))
     rows.sort(reverse=True)

@@ -37,7 +37,7 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def _is_kernel(e) -> bool:
+def is_kernel(e) -> bool:
     """A CUDA kernel / memcpy row of `key_averages()`, not a user annotation spanning kernels
     (``nccl:all_reduce``, ``record_param_comms``, ``Optimizer.step#...``), which would double count."""
     from torch.autograd import DeviceType
@@ -51,7 +51,7 @@ def time_split(averages, iterations: int = 1) -> str:
     """Device time per kernel category (ms per iteration and %), from `key_averages()` over `iterations`."""
     totals: dict = {}
     for e in averages:
-        if not _is_kernel(e):
+        if not is_kernel(e):
             continue
         us = getattr(e, "self_device_time_total", None)
         us = e.self_cuda_time_total if us is None else us
