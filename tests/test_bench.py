@@ -193,13 +193,19 @@ def test_inductor_and_flag_items_become_entry_flags_not_overrides(tmp_path, caps
 
 
 def test_cpu_run_of_the_entry_becomes_a_row(tmp_path):
-    """One real job through torchrun + bench/mptrain_entry.py (tiny model, 1 gloo process)."""
+    """One real job through torchrun + bench/mptrain_entry.py (tiny model, 1 gloo process). Its agent and worker
+    are served warm (tests/warm_python.py; suite time: the entry's record and the row, not interpreter start-up,
+    are the subject): the shim stands in for the interpreter, as `run_bench`'s ``python`` and torchrun's
+    ``PYTHON_EXEC``."""
+    from warm_python import warm_env
+
+    python = warm_env({})["PYTHON_EXEC"]
     cfg = bc.BenchConfig("t", "tiny", 1, 1, 1, 2, 2, "fp32", warmup=1, iters=2)
     job = dict(kind="mptrain", cfg=cfg, trainer="mptrain", variant="base", run_dir=tmp_path / "run",
                log=tmp_path / "log.txt",
-               argv=run_bench.torchrun(sys.executable, 1, ROOT / "bench" / "mptrain_entry.py",
+               argv=run_bench.torchrun(python, 1, ROOT / "bench" / "mptrain_entry.py",
                                        bc.mptrain_overrides(cfg, "base", str(tmp_path / "run"))))
-    rc, _ = run_bench.run_process(job["argv"], job["log"], timeout_s=300)
+    rc, _ = run_bench.run_process(job["argv"], job["log"], timeout_s=300, extra_env={"PYTHON_EXEC": python})
     assert rc == 0, job["log"].read_text()[-3000:]
     assert json.loads((tmp_path / "run" / "bench_rank0.json").read_text()) == {
         "rank": 0, "peak_alloc_gib": None, "peak_reserved_gib": None}  # CPU: no CUDA peak

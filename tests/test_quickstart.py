@@ -5,7 +5,8 @@ config; a refusal under the launcher is one line; `make train ARGS="-m ..."` swe
 The quick start runs `make train`'s job (experiment=shakespeare_cpu, tp2 x pp2 on 4 ranks, defaults for
 every path) on the gloo pool in an empty folder, with fewer iterations; the follow-ups call the tools'
 `main(ARGS)` with the command lines the README gives. The launcher tests are real `python -m mptrain.launch`
-processes (the signal and the exit code are what they check)."""
+processes (the signal and the exit code are what they check); the launcher is a fresh interpreter under Ctrl-C
+and `make`, and served warm (tests/warm_python.py `warm_command`) for the run folder's one line."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import pytest
 import torch
 
 from harness import run_distributed
+from procs import start_python
 from train_utils import read_rows, run_job
-from warm_python import warm_env
+from warm_python import warm_command, warm_env
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK_START = ["experiment=shakespeare_cpu", "train.train_iters=20", "train.eval_interval=null"]
@@ -104,17 +106,22 @@ def _launch(nproc: int, overrides: list, cwd: Path) -> list:
             *overrides]
 
 
+def _wait_for_rows(proc, run_dir: Path, rows: int, stderr) -> None:
+    """Wait until ``run_dir`` holds ``rows`` metrics rows (``proc`` still running; ``stderr()``: its stderr so far)."""
+    deadline = time.monotonic() + 300  # hang guard only
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert proc.poll() is None, stderr()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) -> tuple:
     """Start `cmd` in its own process group, wait for `rows` metrics rows, send SIGINT to the group (as a
     terminal's Ctrl-C does: the launcher and every worker get it); (exit code, stderr) once it ended."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    deadline = time.monotonic() + 300  # hang guard only
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _wait_for_rows(proc, run_dir, rows, lambda: proc.stderr.read())
     os.killpg(proc.pid, signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=120)
@@ -122,6 +129,21 @@ def _interrupt_after_rows(cmd: list, cwd: Path, run_dir: Path, rows: int = 3) ->
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, err
+
+
+def _interrupt_python_after_rows(args: list, cwd: Path, run_dir: Path, rows: int = 3) -> tuple:
+    """`python ARGS` (one process: Ctrl-C reaches it alone) forked with torch imported (procs.py; suite time: the
+    trainer's SIGINT handling, not interpreter start-up, is what it is about; a fresh interpreter under Ctrl-C is
+    the launcher test's), SIGINT after `rows` metrics rows; (exit code, stderr) once it ended."""
+    proc = start_python(args, cwd=cwd, env=_env())
+    try:
+        _wait_for_rows(proc, run_dir, rows, proc.stderr_text)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, proc.stderr_text()
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +166,9 @@ def launcher_jobs(tmp_path_factory):
     def ctrl_c_train_py():
         tmp_path = folders["ctrl_c_train_py"]
         run_dir = tmp_path / "run"
-        cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "train.eval_interval=null",
-               "train.train_iters=100000", f"run.dir={run_dir}"]
-        return _interrupt_after_rows(cmd, tmp_path, run_dir)
+        args = [str(REPO / "train.py"), "model=tiny", "train.eval_interval=null", "train.train_iters=100000",
+                f"run.dir={run_dir}"]
+        return _interrupt_python_after_rows(args, tmp_path, run_dir)
 
     def fresh_run():
         tmp_path = folders["fresh_run"]
@@ -154,8 +176,9 @@ def launcher_jobs(tmp_path_factory):
         taken.mkdir(parents=True)
         (taken / "config.yaml").write_text("x: 1\n")
         (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
-        return subprocess.run(_launch(2, [*TINY, "train.train_iters=2"], tmp_path), cwd=tmp_path, env=_env(),
-                              capture_output=True, text=True, timeout=300)
+        env = _env()  # the launcher too served warm (suite time: the folder's line, not the agent, is the subject)
+        return subprocess.run(warm_command(_launch(2, [*TINY, "train.train_iters=2"], tmp_path), env), cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
 
     jobs = {"ctrl_c_launcher": ctrl_c_launcher, "ctrl_c_train_py": ctrl_c_train_py, "fresh_run": fresh_run}
     with ThreadPoolExecutor(len(jobs)) as pool:

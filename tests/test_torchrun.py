@@ -1,7 +1,11 @@
 """The user's commands as real processes: `torchrun ... train.py` and `python train.py`.
 
-Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only: torchrun's agent
-is a fresh interpreter, its workers are forked with torch imported (tests/warm_python.py). A 4-process
+Each test starts real processes (gloo on CPU), with a wall-clock limit as a hang guard only: torchrun's workers
+are forked with torch imported (tests/warm_python.py), and so is its agent (torch's own `torch.distributed.run`
+served by the same shim, `warm_command`) except where the agent's work is the subject: the restart after a
+SIGKILL keeps a fresh interpreter for its agent (so do Ctrl-C under the launcher and `make train ARGS="-m ..."`,
+tests/test_quickstart.py; the two-node rendezvous, tests/test_e2e_multinode.py; the teardown after a worker's
+exception, tests/test_checkpoint_faults.py). A 4-process
 `parallel=tp2pp2` torchrun job equal to `python train.py parallel=tp1pp1`, layout and run folder included, is
 tests/test_e2e_multinode.py's launch (two agents of 2 processes each).
 """
@@ -19,7 +23,7 @@ import pytest
 from harness import run_distributed
 from procs import run_python
 from train_utils import read_rows, run_job, without_timing
-from warm_python import warm_env
+from warm_python import warm_command, warm_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -27,11 +31,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TINY = ["model=tiny", "train.eval_interval=null", "train.global_batch_size=8", "train.micro_batch_size=2"]
 
 
-def _run(cmd, timeout_s=240):
+def _run(cmd, timeout_s=240, fresh_agent=False):
     if cmd[:2] == [sys.executable, "train.py"]:  # `python train.py`: a real process forked with torch imported (procs.py)
         return run_python(cmd[1:], cwd=ROOT, env=ENV, timeout=timeout_s)
-    # torchrun's workers served warm (tests/warm_python.py; suite time: ~4 s of imports each)
-    return subprocess.run(cmd, cwd=ROOT, env=warm_env(ENV), capture_output=True, text=True, timeout=timeout_s)
+    # torchrun's workers served warm (tests/warm_python.py; suite time: ~4 s of imports each), and its agent too
+    # unless ``fresh_agent`` (~1.7 CPU-s of imports)
+    env = warm_env(ENV)
+    return subprocess.run(cmd if fresh_agent else warm_command(cmd, env), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
 
 
 SWEEP = [*TORCHRUN, "--nproc_per_node=2", "train.py", "-m", *TINY, "parallel=tp1pp1,tp2pp1,tp1pp2", "train.train_iters=3"]
@@ -77,21 +84,24 @@ def test_invalid_config_exits_1_with_one_line_in_all(launches, launcher, nproc, 
     assert not run_dir.exists()  # nothing written before validation
 
 
-RESTART = [*TINY, "parallel=tp2pp1", "train.train_iters=12", "checkpoint.save_interval=4", "run.progress_bar=false"]
+# 6 iterations, a save every 2 (suite time: the checkpoint before the kill, one lost at it, one after the resume)
+RESTART = [*TINY, "parallel=tp2pp1", "train.train_iters=6", "checkpoint.save_interval=2", "run.progress_bar=false"]
 
 
 def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
     """`torchrun --max-restarts=1 ... checkpoint.save=D checkpoint.load=D`: rank 1 SIGKILLs itself on the first
-    attempt (mid-step at iteration 6; or while iter_0000008.tmp is being written); torchrun restarts both
-    workers, they resume from D's newest complete checkpoint (4 in both cases) and finish with exit 0; the
-    metrics rows equal an uninterrupted run's bitwise (fp32, dropout 0), one row per iteration."""
-    cases = (("forward", 6), ("save_write", 8))
+    attempt (mid-step at iteration 3; or while iter_0000004.tmp is being written); torchrun restarts both
+    workers, they resume from D's newest complete checkpoint (2 in both cases) and finish with exit 0; the
+    metrics rows equal an uninterrupted run's bitwise (fp32, dropout 0), one row per iteration. The mid-step
+    case's agent is a fresh interpreter (the restart is the agent's work); the mid-save case's is served warm."""
+    cases = (("forward", 3), ("save_write", 4))
 
     def launch(where, iteration):
         d, run_dir = tmp_path / f"D_{where}", tmp_path / f"r_{where}"
         return _run([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", "train.py", *RESTART, f"run.dir={run_dir}",
                      f"checkpoint.save={d}", f"checkpoint.load={d}", "debug.fail_rank=1",
-                     f"debug.fail_iteration={iteration}", f"debug.fail_where={where}", "debug.fail_kind=sigkill"])
+                     f"debug.fail_iteration={iteration}", f"debug.fail_where={where}", "debug.fail_kind=sigkill"],
+                    fresh_agent=where == "forward")
 
     # suite time: the two jobs run side by side (each waits on its agent's restart and its workers' imports,
     # leaving a core idle); nothing here is timed
@@ -106,10 +116,10 @@ def test_sigkilled_worker_is_restarted_and_resumes_bitwise(tmp_path):
     for (where, _), out in zip(cases, outs):
         d, run_dir = tmp_path / f"D_{where}", tmp_path / f"r_{where}"
         assert out.returncode == 0, out.stderr[-3000:]
-        assert "checkpoint: loaded iteration 4 " in out.stdout, out.stdout[-3000:]
-        assert sorted(p.name for p in d.iterdir()) == ["iter_0000004", "iter_0000008", "iter_0000012", "latest"]
+        assert "checkpoint: loaded iteration 2 " in out.stdout, out.stdout[-3000:]
+        assert sorted(p.name for p in d.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
         rows = strip(read_rows(run_dir))
-        assert [r["iteration"] for r in rows] == list(range(1, 13))
+        assert [r["iteration"] for r in rows] == list(range(1, 7))
         assert rows == ref_rows
 
 
@@ -241,20 +251,21 @@ def launches(tmp_path_factory):
         return out, time.monotonic() - t0
 
     def slow_rank0():
+        env = warm_env({**ENV, "SLOW_S": "3", "STALL_STEP": "4"})
         return subprocess.run(
-            [*TORCHRUN, "--nproc_per_node=2", str(script), "model=tiny", "parallel=tp2pp1",
+            warm_command([*TORCHRUN, "--nproc_per_node=2", str(script), "model=tiny", "parallel=tp2pp1",
              "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_iters=4",
              "train.eval_interval=2", "train.eval_iters=1", "train.step_timeout_s=1",
-             f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"],
-            cwd=ROOT, env=warm_env({**ENV, "SLOW_S": "3", "STALL_STEP": "4"}), capture_output=True, text=True, timeout=150)
+             f"checkpoint.save={slow}/ckpt", "checkpoint.save_interval=2", f"run.dir={slow}/r"], env),
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
 
     def invalid_config(launcher, nproc, overrides):
         env = warm_env({**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ENV.get("PYTHONPATH", "")])})
         cmd = TORCHRUN if launcher == "torchrun" else LAUNCH
         run_dir = root / f"invalid_config_{launcher}" / "r"
-        return lambda: subprocess.run([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides,
-                                       f"run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                      timeout=60)
+        return lambda: subprocess.run(warm_command([*cmd, f"--nproc_per_node={nproc}", "train.py", *TINY, *overrides,
+                                                    f"run.dir={run_dir}"], env),
+                                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
     def after(rows: dict, run):
         """``run`` timed, once each job of ``rows`` ({name: (its metrics.jsonl, iteration)}) recorded that train

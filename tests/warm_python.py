@@ -15,6 +15,12 @@ takes the child with it (the server kills a child whose shim's connection closed
 child's parent is the server, not the shim; source edited during the test run is not seen (as for every
 forked test process); interpreter start-up itself is not exercised (tests/test_main_job.py and
 tests/test_wheel.py keep real interpreters for that).
+
+The shim stands in for ``python`` on any command line (`warm_command`): ``[shim, "-m", "torch.distributed.run",
+...]`` is torchrun's own agent, in a process forked with torch imported (~1.7 CPU-s of imports fewer a launch).
+A test about what the agent does with its workers (restart, teardown, rendezvous, Ctrl-C to the terminal's
+process group) keeps a fresh interpreter for the agent: the agent a shim serves is not in the shim's process
+group, and is the server's child.
 """
 
 from __future__ import annotations
@@ -131,3 +137,11 @@ def warm_env(env: dict) -> dict:
         atexit.register(proc.kill)
         _SERVER = (proc, path, shim)
     return {**env, "PYTHON_EXEC": _SERVER[2]}
+
+
+def warm_command(cmd: list, env: dict) -> list:
+    """``cmd``, a ``[sys.executable, ARGS...]`` command line, with the warm shim of ``env`` (`warm_env`'s result) as
+    its interpreter."""
+    assert cmd[0] == sys.executable, cmd
+    return [env["PYTHON_EXEC"], *cmd[1:]]
+
