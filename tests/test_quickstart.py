@@ -30,7 +30,9 @@ from train_utils import read_rows, run_job
 from warm_python import warm_command, warm_env
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK_START = ["experiment=shakespeare_cpu", "train.train_iters=20", "train.eval_interval=null"]
+# 10 iterations (suite time): what follows needs a checkpoint the tools read, not a trained model; there greedy
+# decoding already has clear top-1 choices (the tie check below) and a completion that is not all whitespace
+QUICK_START = ["experiment=shakespeare_cpu", "train.train_iters=10", "train.eval_interval=null"]
 GENERATE = ["--checkpoint", "outputs/shakespeare_cpu/checkpoints", "--prompt", "ROMEO:", "--max-new-tokens", "100"]
 EXPORT = ["--checkpoint", "outputs/shakespeare_cpu/checkpoints", "--format", "hf-gpt2", "--output", "outputs/shakespeare_hf"]
 TINY = ["model=tiny", "parallel=tp2pp1", "train.eval_interval=null"]
@@ -65,8 +67,8 @@ def test_quick_start_checkpoint_feeds_generate_export_and_transformers(tmp_path,
 
     run_distributed(_train_task, 4, str(tmp_path), QUICK_START, timeout_s=600)
     ckpt = tmp_path / "outputs" / "shakespeare_cpu" / "checkpoints"
-    assert (ckpt / "latest").read_text().strip() == "20"
-    assert [r["iteration"] for r in read_rows(tmp_path / "outputs" / "shakespeare_cpu")] == list(range(1, 21))
+    assert (ckpt / "latest").read_text().strip() == "10"
+    assert [r["iteration"] for r in read_rows(tmp_path / "outputs" / "shakespeare_cpu")] == list(range(1, 11))
 
     (code, text), = run_distributed(_generate_task, 1, str(tmp_path), GENERATE)
     (code_json, raw), = run_distributed(_generate_task, 1, str(tmp_path), GENERATE + ["--json"])

@@ -4,7 +4,8 @@ To stay fast, each command runs where it is cheapest without changing what it do
 mptrain.<tool> ARGS` calls the tool's `main(ARGS)` in this process (generation: in a pool worker, as
 it initialises torch.distributed), `torchrun --nproc_per_node=N train.py ARGS` / `python train.py
 ARGS` run the same overrides through `mptrain.training.run.run` on an N-rank gloo pool
-(tests/harness.py), and the one `torchrun ... -m mptrain.generate` line is a real torchrun launch.
+(tests/harness.py), and the one `torchrun ... -m mptrain.generate` line is a real torchrun launch (torch's own
+agent and workers, each forked with torch imported: tests/warm_python.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 from harness import run_distributed
 from train_utils import read_rows, run_job
-from warm_python import warm_env
+from warm_python import warm_command, warm_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "WALKTHROUGH.md"
@@ -88,10 +89,12 @@ def test_walkthrough_runs_as_written(tmp_path, monkeypatch, request):
         elif rest[:2] == ["-m", "mptrain.generate"] and world > 1:
             env = warm_env({**os.environ,  # its workers served warm (tests/warm_python.py; suite time)
                             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
-            launcher = str(Path(sys.executable).with_name("torchrun"))
+            # `torchrun` is `python -m torch.distributed.run`, its agent served warm too (suite time: ~1.7 CPU-s of
+            # imports; the generated text, not the launch, is the subject)
+            launcher = warm_command([sys.executable, "-m", "torch.distributed.run"], env)
             # runs while the next commands run (suite time: they read only what earlier commands wrote, and they
             # leave a core idle); its output takes its place in `printed` once it ended
-            launched.append((len(printed), subprocess.Popen([launcher, *argv[1:]], cwd=tmp_path, env=env,
+            launched.append((len(printed), subprocess.Popen([*launcher, *argv[1:]], cwd=tmp_path, env=env,
                                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
             printed.append(None)
         elif rest[:2] == ["-m", "mptrain.generate"]:
