@@ -5,8 +5,8 @@ config; a refusal under the launcher is one line; `make train ARGS="-m ..."` swe
 The quick start runs `make train`'s job (experiment=shakespeare_cpu, tp2 x pp2 on 4 ranks, defaults for
 every path) on the gloo pool in an empty folder, with fewer iterations; the follow-ups call the tools'
 `main(ARGS)` with the command lines the README gives. The launcher tests are real `python -m mptrain.launch`
-processes (the signal and the exit code are what they check); the launcher is a fresh interpreter under Ctrl-C
-and `make`, and served warm (tests/warm_python.py `warm_command`) for the run folder's one line."""
+processes (the signal and the exit code are what they check); the launcher is a fresh interpreter under Ctrl-C,
+and served warm (tests/warm_python.py `warm_command`) for the run folder's one line and `make train`."""
 
 from __future__ import annotations
 
@@ -225,15 +225,18 @@ def test_launcher_fresh_run_moves_on_and_says_so_once(launcher_jobs):
 def test_make_train_sweeps_the_layouts_given_in_args(tmp_path):
     """`make train ARGS="-m parallel=..."`: Hydra reads -m before the experiment's override; both layouts run to the
     same losses, each job saves into its own folder, and the experiment's run folder, holding a run, gives way to
-    `-2` as a single run's would. (The Makefile's own recipe, run from an empty folder with this interpreter.)"""
+    `-2` as a single run's would. (The Makefile's own recipe, run from an empty folder with this interpreter served
+    warm as its PY: tests/warm_python.py; suite time: the recipe and the sweep, not interpreter start-up, are the
+    subject, and Ctrl-C under a fresh launcher is the test above.)"""
     taken = tmp_path / "outputs" / "shakespeare_cpu"
     taken.mkdir(parents=True)
     (taken / "config.yaml").write_text("x: 1\n")
     (taken / "metrics.jsonl").write_text('{"split": "train", "iteration": 1}\n')
     args = "-m parallel=tp2pp1,tp1pp2 train.train_iters=2 train.eval_interval=null"
-    cmd = ["make", "-s", "-o", "setup", "-f", str(REPO / "Makefile"), "train", f"PY={sys.executable}", "NPROC=2",
-           f"ARGS={args}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    env = _env()
+    cmd = ["make", "-s", "-o", "setup", "-f", str(REPO / "Makefile"), "train", f"PY={warm_command([sys.executable], env)[0]}",
+           "NPROC=2", f"ARGS={args}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("sweep: outputs/shakespeare_cpu holds a run; this sweep writes to outputs/shakespeare_cpu-2 (pick the "
             "folder with run.dir=)") in proc.stderr.splitlines()
