@@ -26,8 +26,11 @@ import subprocess
 import sys
 import tempfile
 
-# torch._dynamo: every torch optimizer's __init__ imports it (torch._disable_dynamo), ~2-5 s of CPU per child
-_PRELOAD = ["torch", "torch._dynamo", "hydra", "omegaconf", "mptrain.config.schema", "mptrain.training.run", "procs_freeze"]
+# torch._dynamo: every torch optimizer's __init__ imports it (torch._disable_dynamo), ~2-5 s of CPU per child;
+# torch._inductor.compile_fx: a pool worker's first Inductor compile imports it (~1 CPU-s, once per worker process,
+# again after each pool recycle; no thread started at import)
+_PRELOAD = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "hydra", "omegaconf", "mptrain.config.schema",
+            "mptrain.training.run", "procs_freeze"]
 _CTX = None
 
 

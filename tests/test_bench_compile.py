@@ -8,14 +8,24 @@ collective (``dist.all_reduce`` ...) may be traced. On NCCL, Dynamo's rewrite of
 weight grads (2 x H200, bench/reports/2026-11-30-compile-tp-correctness.md) where gloo gave right ones, so the
 gloo equality alone could not catch it. Skipped where torch.compile cannot build on CPU (no C++
 compiler).
+
+Suite time: Inductor's C++ code generation is most of a CPU compile, so each kind of graph is compiled by
+Inductor once in the suite: the tp 1 MoE chunk here (embedding, attention, output layer and cross entropy
+without TP, the MoE layer); the tp 2 sequence-parallel dense chunk in
+tests/test_grad_accumulation.py::test_fused_accumulation_tp2 (the trainer's default linears, whose weight grads
+accumulate into the DDP buffer: its loss and every weight's grad against eager, no break, no in-place
+collective traced). The layer scope's graphs are traced by ``aot_eager`` (Dynamo's graph and AOTAutograd's
+joint forward / backward graphs run by ATen, which is what that case is about: one graph per layer reused by
+the next, the f / g all-reduces traced as functional collectives, no break); its cross entropy's passes still
+go through Inductor (`mptrain.layers.compile.compile_pass`).
 """
 
-import contextlib
 import shutil
 
 import pytest
 import torch
 
+from compile_checks import record_traced_collectives
 from harness import run_distributed
 from mptrain.config.model import ModelConfig
 from mptrain.config.parallel import ParallelConfig
@@ -38,32 +48,6 @@ def _compile_available() -> bool:
     return hasattr(torch, "compile") and (shutil.which("g++") or shutil.which("c++")) is not None
 
 
-IN_PLACE_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
-
-
-@contextlib.contextmanager
-def _record_traced_collectives(traced: list):
-    """Wrap torch.distributed's in-place collectives; a call made while compiling appends its name."""
-    import torch.distributed as dist
-
-    originals = {name: getattr(dist, name) for name in IN_PLACE_COLLECTIVES}
-
-    def wrap(name, fn):
-        def wrapper(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                traced.append(name)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    try:
-        for name, fn in originals.items():
-            setattr(dist, name, wrap(name, fn))
-        yield traced
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
-
 def _loss_and_grads(groups, tp: int, compile_layers: bool, sequence_parallel: bool = False, scope: str = "chunk",
                     moe: bool = False):
     # the chunk graph unrolls every layer: one layer keeps its CPU compile time down (the layer
@@ -73,6 +57,9 @@ def _loss_and_grads(groups, tp: int, compile_layers: bool, sequence_parallel: bo
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
     model = build_model_chunks(cfg, parallel, groups, vocab_size=VOCAB, seed=7)[0]
     assert model.compiled_chunk == (compile_layers and scope == "chunk"), model.compile_blocker
+    if compile_layers and scope == "layer":  # the layers as apply_compile compiled them, traced by aot_eager (module docstring)
+        for layer in model.decoder.layers.values():
+            layer.compile(backend="aot_eager")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=gen)
     labels = torch.randint(0, VOCAB, (2, cfg.seq_length), generator=gen)
@@ -98,7 +85,7 @@ def _compare(rank, world, tp, sequence_parallel=False, scope="chunk", moe=False)
     traced = []
     try:
         ref_loss, ref_grads = _loss_and_grads(g, tp, False, sequence_parallel, scope, moe)
-        with _record_traced_collectives(traced):
+        with record_traced_collectives(traced):
             got_loss, got_grads = _loss_and_grads(g, tp, True, sequence_parallel, scope, moe)
     finally:
         g.destroy()
@@ -111,11 +98,13 @@ def _compare(rank, world, tp, sequence_parallel=False, scope="chunk", moe=False)
 
 
 @pytest.mark.skipif(not _compile_available(), reason="torch.compile needs a C++ compiler on CPU")
-# tp 2: the chunk graph with sequence parallelism (all-gather / reduce-scatter in the layers; the vocab-parallel
-# cross entropy's all-reduces), the layer graph without it (the f / g all-reduces); suite time: one compiled case
-# per kind of TP collective, not every scope × SP combination
-@pytest.mark.parametrize("tp,sequence_parallel,scope,moe", [(1, False, "chunk", False), (2, True, "chunk", False),
-                                                            (2, False, "layer", False), (1, False, "chunk", True)])
+# tp 2: the layer graph without sequence parallelism (the f / g all-reduces); suite time: the tp 2 chunk graph
+# with it (all-gather / reduce-scatter in the layers, the vocab-parallel cross entropy's all-reduces) is
+# tests/test_grad_accumulation.py::test_fused_accumulation_tp2[True-True] (Inductor; the same chunk with the
+# trainer's default gradient_accumulation_fusion, compared with eager as here). No dense tp 1 chunk: its dense
+# layer is that case's without the collectives, its embedding, attention, output layer and cross entropy are
+# compiled at tp 1 by the MoE case.
+@pytest.mark.parametrize("tp,sequence_parallel,scope,moe", [(2, False, "layer", False), (1, False, "chunk", True)])
 def test_compiled_layers_match_eager(tp, sequence_parallel, scope, moe):
     """compile_scope=chunk: embedding + layers + output + cross entropy as one graph, no graph break; an MoE model
     (ep 1, dropless) too: router, permutation, grouped GEMMs and combine inside the graph."""

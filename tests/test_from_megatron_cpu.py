@@ -34,10 +34,16 @@ def test_llama3_8b_fp8_runs_on_4_cpu_processes(tmp_path):
     assert {"precision=fp8", "parallel.tensor_model_parallel_size=2", "model.apply_layernorm_1p=true",
             "model.normalization=RMSNorm", "optim.decoupled_lr=5.0e-4"} <= set(overrides)
     run_dir = tmp_path / "run"
-    # the script's 1.95 billion samples scaled down to 2 iterations of its global batch of 4
-    run_distributed(run_job, 4, [*overrides, f"run.dir={run_dir}", "train.train_samples=8"], timeout_s=300)
+    # the script's 1.95 billion samples scaled down to 2 iterations of its global batch of 4, and its 32 evaluation
+    # iterations to 1 (suite time: the three evaluations, at iteration 0 and at the end, were 96 forward
+    # iterations beside 2 training ones)
+    assert "train.eval_iters=32" in overrides
+    run_distributed(run_job, 4, [*overrides, f"run.dir={run_dir}", "train.train_samples=8", "train.eval_iters=1"],
+                    timeout_s=300)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["split"] == "train"]
     assert [(r["iteration"], r["consumed_samples"]) for r in train] == [(1, 4), (2, 8)]
+    # evaluated at the start and at the end (the script's split 99,1,0 has no test rows)
+    assert [(r["split"], r["iteration"]) for r in rows if r["split"] != "train"] == [("valid", 0), ("valid", 2)]
     assert all(r["lm_loss"] > 0 and r["grad_norm"] > 0 for r in train)
     assert (tmp_path / "ck" / "latest").read_text().strip() == "2"

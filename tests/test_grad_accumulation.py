@@ -9,6 +9,11 @@ fused path reports readiness (a bucket holding only linear weights would otherwi
 ``finish_grad_sync``). Also at tp 2 with sequence parallelism and the async input-grad path, and there under
 ``model.compile_layers`` (the op runs in place inside the compiled backward; compared with the eager hook;
 suite time: one compile per case, none at tp 1, whose linears are the same op without the TP collectives).
+That compiled case is also the suite's Inductor compile of the tp 2 sequence-parallel chunk
+(tests/test_bench_compile.py's module docstring): its per-token losses equal eager's, something was compiled,
+and no in-place c10d collective was traced (tests/compile_checks.py).
+The K-major variant under compile is traced by ``aot_eager`` (on CPU its copy is ``Xᵀ.contiguous()`` before
+the same op: what it adds to the Inductor-compiled case is the traced graph, not new code generation).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile_checks import record_traced_collectives
 from harness import run_distributed
 from mptrain.config.model import ModelConfig
 from mptrain.config.parallel import ParallelConfig
@@ -31,9 +37,13 @@ from procs import run_python
 VOCAB, SEQ, MBS = 64, 16, 2
 
 
-def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=False, kmajor=False):
+def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=False, kmajor=False, backend=None):
+    """``backend``: the compiled chunk's ``torch.compile`` backend (None: Inductor, as the trainer compiles)."""
     groups = build_groups(tp, 1)
-    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())  # the worker outlives this task
+    counters = torch._dynamo.utils.counters
+    breaks_before = sum(counters["graph_break"].values())  # the worker outlives this task
+    captured_before = counters["stats"]["calls_captured"]
+    traced = []
     saved = grad_accumulation.tf32_kmajor_pays
     if kmajor:  # the CUDA-TF32-only path, on CPU
         grad_accumulation.tf32_kmajor_pays = lambda t: True
@@ -46,6 +56,8 @@ def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=Fal
                           compile_layers=compile_layers)
         chunk, = build_model_chunks(cfg, ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), groups,
                                     vocab_size=VOCAB, seed=3)
+        if compile_layers and backend is not None:
+            chunk.compile(backend=backend)  # in place of apply_compile's Inductor graph
         module = Float16Module(chunk, torch.bfloat16, is_first_stage=True, is_last_stage=True) if bf16 else chunk
         # bucket_size 3000: several buckets, some holding only linear weights
         ddp = DistributedDataParallel(module, groups, grad_reduce_in_fp32=True, overlap_grad_reduce=True,
@@ -54,14 +66,15 @@ def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=Fal
         linears = [m for m in chunk.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         linears.append(chunk.output_layer)  # multiplies by the tied embedding weight (tp1pp1)
         g = torch.Generator().manual_seed(7)
-        launched, grads_seen = [], set()
+        launched, grads_seen, losses = [], set(), []
         for micro in range(2):
             tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
             labels = torch.roll(tokens, -1, dims=1)
             positions = torch.arange(SEQ).expand(MBS, SEQ)
-            with ddp.no_sync() if micro == 0 else torch.enable_grad():
-                loss = ddp(tokens, positions, None, labels=labels).sum()
-                loss.backward()
+            with ddp.no_sync() if micro == 0 else torch.enable_grad(), record_traced_collectives(traced):
+                loss = ddp(tokens, positions, None, labels=labels)  # [b, s]
+                loss.sum().backward()
+            losses.append(loss.detach())
             grads_seen |= {i for i, m in enumerate(linears[:-1]) if m.weight.grad is not None}
             if chunk.output_weight().grad is not None:
                 grads_seen.add("tied embedding")
@@ -70,8 +83,10 @@ def _buffers(rank, world, tp, fused, *, compile_layers=False, sp=False, bf16=Fal
         tied = ddp.grad_buffers[0].slot(chunk.output_weight())
         data = ddp.grad_buffers[0].data.clone()
         ddp.finish_grad_sync()
-        breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+        breaks = sum(counters["graph_break"].values()) - breaks_before
         return {"data": data, "launched": launched, "n_buckets": n_buckets, "grads_seen": sorted(grads_seen), "breaks": breaks,
+                "loss": torch.stack(losses), "captured": counters["stats"]["calls_captured"] - captured_before,
+                "traced": sorted(set(traced)),
                 "tied": (tied.start, tied.end),
                 "handed_out": sum(m.weight_main_grad is not None for m in linears), "n_linears": len(linears)}
     finally:
@@ -99,6 +114,10 @@ def _check(fused, plain, exact):
         torch.testing.assert_close(fused["data"], plain["data"], rtol=1e-5, atol=1e-6)
     assert fused["data"].abs().sum() > 0
     assert fused["breaks"] == 0  # compile_layers: the custom op traces without a graph break
+    assert fused["traced"] == []  # no in-place c10d collective inside a compiled graph (tests/compile_checks.py)
+    # fp32 per-token losses [2 micro-batches, b, s]; compiled: Inductor's fused reductions, a few ulps
+    # (tests/test_bench_compile.py's REL); bf16 params: the same ops in the same order
+    torch.testing.assert_close(fused["loss"], plain["loss"], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
 
 
 def test_fused_accumulation_equals_hook_tp1():
@@ -135,15 +154,18 @@ def test_fused_accumulation_tp2(tp2_buffers, sp, compile_layers):
     plain = tp2_buffers(False, sp, False)  # the eager hook is the reference of the compiled fused path too
     for f, p in zip(fused, plain):
         _check(f, p, exact=False)
+        assert (f["captured"] > 0) == compile_layers  # compiled: the chunk went through torch.compile
 
 
 @pytest.mark.parametrize("fused, compile_layers", [(True, False), (False, False), (True, True)])
 def test_kmajor_weight_grad_equals_plain(tp2_buffers, fused, compile_layers):
     """The K-major Xᵀ copies of `grad_accumulation.tf32_kmajor_pays` (forced on CPU): same grads, fused into main_grad
     or returned. With SP the column-parallel layers take `transpose.transpose_copy` (its CPU
-    fallback here), the row-parallel ones ``.contiguous()``; under compile those are Inductor's.
+    fallback here), the row-parallel ones ``.contiguous()``; under compile those are in the traced backward
+    (``aot_eager``, module docstring), compared with the Inductor-compiled plain run.
     """
-    kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True)
+    kmajor = run_distributed(_buffers, 2, 2, fused, sp=True, compile_layers=compile_layers, kmajor=True,
+                             backend="aot_eager" if compile_layers else None)
     plain = tp2_buffers(fused, True, compile_layers)
     for k, p in zip(kmajor, plain):
         torch.testing.assert_close(k["data"], p["data"], rtol=1e-5, atol=1e-6)

@@ -83,9 +83,11 @@ def _cross_entropy(rank, world, smoothing, fused=False, inplace=False):
         g.destroy()
 
 
-# fused: without smoothing, and with it and the in-place backward (suite time: each fused case is a compile)
-@pytest.mark.parametrize("smoothing,fused,inplace", [(0.0, False, False), (0.1, False, False), (0.0, True, False),
-                                                     (0.1, True, True)])
+# fused: with smoothing and the in-place backward (suite time: each fused case is a compile). Fused without
+# either: the model's chunk graph traces it (compared with the plain variant by test_bench_compile's MoE case, tp 1,
+# padded vocabulary, and test_grad_accumulation's compiled tp 2 case); its compiled passes in bf16, with the
+# logits left intact, are test_fused_cross_entropy_bf16_matches_plain
+@pytest.mark.parametrize("smoothing,fused,inplace", [(0.0, False, False), (0.1, False, False), (0.1, True, True)])
 def test_vocab_parallel_cross_entropy_matches_torch(smoothing, fused, inplace):
     """Both variants (fused = the compiled three-pass one of model.compile_layers) equal torch's; the
     fused one's inplace_backward writes the grad over its (non-leaf) logits and only then."""
@@ -133,7 +135,8 @@ def test_async_grad_allreduce_matches_plain_path(sequence_parallel, with_bias, c
 
 
 def _fused_ce_bf16(rank, world):
-    """bf16 logits: the fused variant's loss and grad equal the plain variant's (fp32 math inside both)."""
+    """bf16 logits: the fused variant's loss and grad equal the plain variant's (fp32 math inside both); neither
+    writes over its (non-leaf) logits without ``inplace_backward``."""
     g = build_groups(world, 1)
     try:
         gen = torch.Generator().manual_seed(3)
@@ -142,16 +145,17 @@ def _fused_ce_bf16(rank, world):
         out = []
         for fused in (False, True):
             x = logits.clone().requires_grad_(True)
-            loss = vocab_parallel_cross_entropy(x, target, group=g.tp_group, vocab_size=15, fused=fused)
+            inner = x * 1  # a non-leaf the loss owns (as the model's logits)
+            loss = vocab_parallel_cross_entropy(inner, target, group=g.tp_group, vocab_size=15, fused=fused)
             loss.sum().backward()
-            out.append((loss.detach(), x.grad))
-        (l0, g0), (l1, g1) = out
-        return float((l0 - l1).abs().max()), float((g0.float() - g1.float()).abs().max()), str(g1.dtype)
+            out.append((loss.detach(), x.grad, torch.equal(inner.detach(), logits)))
+        (l0, g0, kept0), (l1, g1, kept1) = out
+        return float((l0 - l1).abs().max()), float((g0.float() - g1.float()).abs().max()), str(g1.dtype), kept0 and kept1
     finally:
         g.destroy()
 
 
 def test_fused_cross_entropy_bf16_matches_plain():
-    for loss_err, grad_err, dtype in run_distributed(_fused_ce_bf16, 2):
-        assert dtype == "torch.bfloat16"
+    for loss_err, grad_err, dtype, logits_kept in run_distributed(_fused_ce_bf16, 2):
+        assert dtype == "torch.bfloat16" and logits_kept
         assert loss_err <= 1e-5 and grad_err <= 2 ** -8, (loss_err, grad_err)  # one bf16 rounding of the grad
