@@ -174,7 +174,13 @@ def _refuse(refusal: Optional[str]) -> None:
 
 
 def _with(cfg: Any, values: dict) -> Any:
-    """A copy of `cfg` (a `DictConfig` or a `Config`) with the dotted keys of `values` set (the caller's is left alone)."""
+    """A copy of `cfg` (a `DictConfig` or a `Config`) with the dotted keys of `values` set (the caller's is left alone).
+
+    A `DictConfig` that already holds each value itself (`_holds`) is returned as it is: the copy would equal it,
+    and what this module does with the result (`_select`, ``resolve``: a new `Config`) leaves it unchanged.
+    """
+    if isinstance(cfg, DictConfig) and all(_holds(cfg, key, value) for key, value in values.items()):
+        return cfg  # start-up time: a deep copy of a composed config is ~7 ms
     out = copy.deepcopy(cfg)
     for key, value in values.items():
         if isinstance(out, DictConfig):
@@ -187,6 +193,19 @@ def _with(cfg: Any, values: dict) -> Any:
                 node = getattr(node, name)
             setattr(node, leaf, value)
     return out
+
+
+def _holds(cfg: DictConfig, key: str, value: Any) -> bool:
+    """`cfg` has `value` at the dotted `key` as a literal of the same type (not an interpolation, not missing)."""
+    *path, leaf = key.split(".")
+    parent = OmegaConf.select(cfg, ".".join(path), default=None, throw_on_resolution_failure=False) if path else cfg
+    if not isinstance(parent, DictConfig) or leaf not in parent:
+        return False
+    node = parent._get_node(leaf)
+    if node is None or node._is_interpolation():
+        return False
+    held = node._value()
+    return type(held) is type(value) and held == value
 
 
 def _select(cfg: Any, key: str) -> Any:

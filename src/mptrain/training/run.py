@@ -55,6 +55,7 @@ from mptrain.training.batch import CheckedProvider, uses_document_offsets
 from mptrain.training.faults import install_fault_hooks
 from mptrain.training.host_malloc import tune_cpu_malloc
 from mptrain.training.loop import train
+from mptrain.training.recorder import Recorder, finished_summary
 from mptrain.runs.folder import checkpoint_save_refusal, path_inside, planned_config
 from mptrain.runs.sweep import current_sweep_job
 from mptrain.training.timers import Timers
@@ -227,8 +228,6 @@ def run(cfg: Any) -> dict:
     Raises:
         ConfigError: invalid config (on every rank, before any collective).
     """
-    from mptrain.training.recorder import Recorder, finished_summary
-
     t_start = time.time()
     env = read_dist_env()
     cfg, derived, plan = _validated(cfg, env.world_size)
