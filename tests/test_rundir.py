@@ -601,22 +601,3 @@ def test_a_relaunch_is_judged_by_the_folders_config_yaml(tmp_path):
     _complete_checkpoint(root / sub / "ck", 2)
     config, plan = _planned(swept, sweep_job=job)
     assert (plan.dir, config.checkpoint.load, plan.relaunch.iteration) == (str(root / sub), f"{root}/{sub}/ck", 2)
-
-
-def test_config_yaml_is_omegaconfs_text():
-    """config.yaml's text (`config_yaml`: plain values dumped directly) is `OmegaConf.to_yaml` of the container, for
-    strings YAML would read as another type too; a string holding ``${`` takes OmegaConf's own path (its grammar)."""
-    from omegaconf.errors import GrammarParseError
-
-    from mptrain.config.schema import as_config, config_to_container
-    from mptrain.runs.claim import config_yaml
-
-    container = config_to_container(as_config(_cfg(run__dir="/tmp/é 1", logger__name="1e-3", data__seed=3)))
-    container["extra"] = {"a": "true", "b": "null", "c": ["~", 1.5, None, False], "d": ""}
-    assert config_yaml(container) == OmegaConf.to_yaml(OmegaConf.create(container))
-    assert "logger:\n  name: '1e-3'" in config_yaml(container)  # quoted: YAML would read a float
-    container["extra"]["e"] = "${a.b}"  # a resolved \${...}: OmegaConf keeps it as an interpolation
-    assert config_yaml(container) == OmegaConf.to_yaml(OmegaConf.create(container))
-    container["extra"]["e"] = "${"
-    with pytest.raises(GrammarParseError):  # as OmegaConf.create raises it
-        config_yaml(container)
