@@ -19,18 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import yaml
 from omegaconf import OmegaConf
 
 from mptrain.config.schema import config_to_container
 from mptrain.errors import ConfigError
 from mptrain.runs.folder import RunDirPlan, run_dir_decision
 from mptrain.runs.relaunch import flatten
-
-try:  # OmegaConf's YAML dumper (quotes strings YAML would read as another type); private, so optional
-    from omegaconf._utils import get_omega_conf_dumper
-except ImportError:  # pragma: no cover - another OmegaConf: `config_yaml` takes the round trip
-    get_omega_conf_dumper = None
 
 
 def config_fingerprint(cfg: Any) -> tuple[str, dict]:
@@ -152,29 +146,6 @@ def write_config(run_dir: Path, cfg: Any) -> Path:
     container.setdefault("run", {})["dir"] = str(run_dir)
     path = Path(run_dir) / "config.yaml"
     tmp = path.with_name("config.yaml.tmp")
-    tmp.write_text(config_yaml(container))
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
     os.replace(tmp, path)
     return path
-
-
-def _plain(value: Any) -> bool:
-    """Only dicts with str keys, lists, numbers, bools, None and strings without ``${`` (a resolved config's
-    values: what OmegaConf's round trip returns unchanged)."""
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    if isinstance(value, str):
-        return "${" not in value  # an interpolation's grammar is OmegaConf's to check (GrammarParseError)
-    return value is None or isinstance(value, (int, float))  # bool is an int
-
-
-def config_yaml(container: dict) -> str:
-    """``OmegaConf.to_yaml(OmegaConf.create(container))``, the same text: a container of plain values (`_plain`)
-    is dumped with OmegaConf's YAML dumper directly (start-up time: the round trip through a DictConfig is ~3x
-    the dump); anything else takes the round trip (OmegaConf converts or rejects it)."""
-    if get_omega_conf_dumper is None or not _plain(container):
-        return OmegaConf.to_yaml(OmegaConf.create(container))
-    # OmegaConf.to_yaml's own call (omegaconf 2.3 omegaconf.py), on the container its round trip returns
-    return yaml.dump(container, default_flow_style=False, allow_unicode=True, sort_keys=False,
-                     Dumper=get_omega_conf_dumper())
