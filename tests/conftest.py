@@ -160,6 +160,11 @@ def _helper(name: str):
     import importlib.util
 
     try:
+        # the top-level name first: find_spec of ``a.b`` imports ``a`` (wandb, transformers: seconds at collection),
+        # and a helper under tests/ is a top-level module
+        top = importlib.util.find_spec(name.partition(".")[0])
+        if top is None or not top.origin or TESTS not in Path(top.origin).parents:
+            return None
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
