@@ -22,12 +22,13 @@ train: setup
 
 # .venv/fp8-site: torchao for precision=fp8's tests, kept out of the venv itself (scripts/setup.sh says why)
 # TEST_WORKERS: pytest-xdist workers, one test file at a time each (most tests run one process; two workers keep both
-# of a 2-core machine busy); TEST_WORKERS=0 runs the suite in this one process.
+# of a 2-core machine busy); TEST_WORKERS=0 runs the suite in this one process. PYTHONDONTWRITEBYTECODE cleared: the
+# suite's fresh interpreters (launchers, the wheel's commands) then read mptrain's cached bytecode, not its sources.
 test: setup
-	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-unit: setup
-	PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" tests
+	PYTHONDONTWRITEBYTECODE= PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" tests
 
 # ruff, configured in pyproject.toml
 lint: setup
