@@ -86,14 +86,14 @@ def reference_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(reference_dir):
     fp8 = {"fp8": FP8} if HAS_FP8 else {}
-    return _run(reference_dir, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16,
+    return _run(reference_dir, 1, {"rope": ROPE + EVAL, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16,
                                    **fp8})
 
 
 def test_cp2_world2_equals_cp1(tmp_path, references):
     runs = _run(tmp_path, 2, {
-        "p2p": CP2 + EVAL,
-        "p2p_rope_recompute": CP2 + ROPE + RECOMPUTE,
+        # the p2p ring (the default) in training and in evaluation; learned positions at cp2: all_gather_mask
+        "p2p_rope_recompute": CP2 + ROPE + RECOMPUTE + EVAL,
         "all_gather_rope": CP2 + ROPE + ["parallel.cp_comm_type=all_gather"],
         "a2a_rope": CP2 + ROPE + ["parallel.cp_comm_type=a2a"],
         "all_gather_mask": CP2 + MASK + ["parallel.cp_comm_type=all_gather"],
@@ -102,12 +102,11 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
         "p2p_fp16": CP2 + FP16,
         **({"p2p_fp8": CP2 + FP8} if HAS_FP8 else {}),
     })
-    _assert_same(runs["p2p"], references["learned"])
-    valid, ref_valid = runs["p2p/valid"], references["learned/valid"]
+    _assert_same(runs["p2p_rope_recompute"], references["rope"])
+    valid, ref_valid = runs["p2p_rope_recompute/valid"], references["rope/valid"]
     assert [r["iteration"] for r in valid] == [0, 3] == [r["iteration"] for r in ref_valid]
     for r, q in zip(valid, ref_valid):  # evaluation at cp2: the whole sequences' loss
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5)
-    _assert_same(runs["p2p_rope_recompute"], references["rope"])
     _assert_same(runs["all_gather_rope"], references["rope"])
     _assert_same(runs["a2a_rope"], references["rope"])
     _assert_same(runs["all_gather_mask"], references["mask"])
@@ -124,7 +123,7 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
 
 TP2_SP = ["parallel=tp2pp1", "parallel.sequence_parallel=true"]
 # pp2 and dp2 with the ring's document blocks (DOCS: RoPE, the positions every stage applies, reset per document);
-# the causal ring's other blocks beside pp2 / dp2: "p2p" at cp2 (world 2) and the ZeRO runs (dp2 x cp2) here
+# the causal ring's other blocks beside dp2: the ZeRO runs (dp2 x cp2) here; a stage runs its layers' rings as at pp1
 LAYOUTS_4 = {"cp2pp2": ["parallel=tp1pp2"], "cp2dp2_zero1": ["parallel.use_distributed_optimizer=true"]}
 
 
