@@ -169,7 +169,7 @@ def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference,
 
 @pytest.fixture(scope="module")
 def ep2_checkpoint(ep_runs):
-    """A checkpoint of iteration 2 written at ep2 (world 2) by the clipped reference's layout."""
+    """A checkpoint of iteration 2 written at ep2 (world 2): the ep2 layout's run of the clipped reference's config."""
     return ep_runs("ep2")[1]
 
 
