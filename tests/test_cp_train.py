@@ -15,7 +15,9 @@ import pytest
 from harness import run_distributed
 from train_utils import read_rows, run_job
 
-STEPS = 3
+# 2 steps: the first, and one after an update (the cp ranks' grads reduced and stepped); checkpoints hold
+# iteration 1 and resume for iteration 2
+STEPS = 2
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=4",
         "train.micro_batch_size=2"]
 
@@ -48,7 +50,7 @@ ROPE = ["model.position_embedding_type=rope"]
 RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 CP2 = ["parallel.context_parallel_size=2"]
 Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
-EVAL = ["train.eval_interval=3", "train.eval_iters=1"]
+EVAL = [f"train.eval_interval={STEPS}", "train.eval_iters=1"]
 MASK = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true",
         "data.create_attention_mask_in_dataloader=true"]
 # document offsets (no dense mask); mock ids run mod data.vocab_size, so with vocab 13 (EOD = 12) each 64-token sample
@@ -104,7 +106,7 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
     })
     _assert_same(runs["p2p_rope_recompute"], references["rope"])
     valid, ref_valid = runs["p2p_rope_recompute/valid"], references["rope/valid"]
-    assert [r["iteration"] for r in valid] == [0, 3] == [r["iteration"] for r in ref_valid]
+    assert [r["iteration"] for r in valid] == [0, STEPS] == [r["iteration"] for r in ref_valid]
     for r, q in zip(valid, ref_valid):  # evaluation at cp2: the whole sequences' loss
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5)
     _assert_same(runs["all_gather_rope"], references["rope"])
@@ -170,20 +172,20 @@ def test_resume_at_cp2_is_bitwise_and_a_cp2_checkpoint_resumes_at_cp1(tmp_path, 
     ckpt, ckpt_z3 = tmp_path / "ckpt", tmp_path / "ckpt_z3"
     # ZeRO-3 too: FSDP's params, grads and Adam's state sharded over the 2 cp ranks (dp × cp), saved and resumed
     zero3 = CP2 + ROPE + [Z3]
-    # the straight runs save after iteration 2 and go on; each resumes from that checkpoint (a stop by
+    # the straight runs save after iteration 1 and go on; each resumes from that checkpoint (a stop by
     # train.exit_interval and its resume: tests/test_checkpoint_resume.py)
-    every2 = ["checkpoint.save_interval=2"]
-    runs = _run(tmp_path, 2, {"straight": common + every2 + [f"checkpoint.save={ckpt}"],
-                              "straight_z3": zero3 + every2 + [f"checkpoint.save={ckpt_z3}"]})
-    resumed = _run(tmp_path, 2, {"resumed": common + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"],
-                                 "resumed_z3": zero3 + [f"checkpoint.load={ckpt_z3}", "checkpoint.load_iteration=2"]})
-    assert [r["iteration"] for r in resumed["resumed"]] == [3] == [r["iteration"] for r in resumed["resumed_z3"]]
+    every = ["checkpoint.save_interval=1"]
+    runs = _run(tmp_path, 2, {"straight": common + every + [f"checkpoint.save={ckpt}"],
+                              "straight_z3": zero3 + every + [f"checkpoint.save={ckpt_z3}"]})
+    resumed = _run(tmp_path, 2, {"resumed": common + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=1"],
+                                 "resumed_z3": zero3 + [f"checkpoint.load={ckpt_z3}", "checkpoint.load_iteration=1"]})
+    assert [r["iteration"] for r in resumed["resumed"]] == [2] == [r["iteration"] for r in resumed["resumed_z3"]]
     # bitwise: the floats read back from JSON are equal
-    assert without_timing(resumed["resumed"]) == without_timing(runs["straight"][2:])
-    assert without_timing(resumed["resumed_z3"]) == without_timing(runs["straight_z3"][2:])
+    assert without_timing(resumed["resumed"]) == without_timing(runs["straight"][1:])
+    assert without_timing(resumed["resumed_z3"]) == without_timing(runs["straight_z3"][1:])
     _assert_same(runs["straight"], references["rope"])
     _assert_same(runs["straight_z3"], references["rope"])
-    at_cp1 = _run(tmp_path, 1, {"cp1": ROPE + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"]})["cp1"]
-    assert [r["iteration"] for r in at_cp1] == [3]
+    at_cp1 = _run(tmp_path, 1, {"cp1": ROPE + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=1"]})["cp1"]
+    assert [r["iteration"] for r in at_cp1] == [2]
     for key in ("lm_loss", "grad_norm"):
-        assert at_cp1[0][key] == pytest.approx(references["rope"][2][key], rel=1e-5), key
+        assert at_cp1[0][key] == pytest.approx(references["rope"][1][key], rel=1e-5), key

@@ -24,8 +24,9 @@ SMALL = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=32", "model.
 FULL = ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
         "model.moe_router_bias_update_rate=0.01", "model.moe_z_loss_coeff=0.001",
         "model.moe_shared_expert_intermediate_size=32", "model.moe_shared_expert_gate=true", "optim.lr=0.01"]
-# 3 steps: the first, then two after updates of the weights and of the expert bias (the routing they change)
-STEPS = 3
+# 2 steps: the first, and one after an update of the weights and of the expert bias (the routing they change);
+# checkpoints hold iteration 1 and resume for iteration 2
+STEPS = 2
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max",
             "moe_dropped_tokens")
 
@@ -115,10 +116,10 @@ LAYOUTS_EP = {
 
 @pytest.fixture(scope="module")
 def clipped_reference(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + ["train.clip_grad=0.05", "train.train_iters=3"])
+    return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + ["train.clip_grad=0.05", f"train.train_iters={STEPS}"])
 
 
-# the layouts whose run also writes a checkpoint of iteration 2 (and goes on): the resume tests below read it
+# the layouts whose run also writes a checkpoint of iteration 1 (and goes on): the resume tests below read it
 SAVED = ("ep2", "dp2_ep2_zero1")
 
 
@@ -133,8 +134,8 @@ def ep_runs(tmp_path_factory):
             world, overrides = LAYOUTS_EP[layout]
             tmp = tmp_path_factory.mktemp(layout)
             ckpt = tmp / "ckpt" if layout in SAVED else None
-            save = [f"checkpoint.save={ckpt}", "checkpoint.save_interval=2"] if ckpt else []
-            done[layout] = (_run(tmp, layout, world, FULL + overrides + ["train.train_iters=3", *save]), ckpt)
+            save = [f"checkpoint.save={ckpt}", "checkpoint.save_interval=1"] if ckpt else []
+            done[layout] = (_run(tmp, layout, world, FULL + overrides + [f"train.train_iters={STEPS}", *save]), ckpt)
         return done[layout]
 
     return get
@@ -143,7 +144,7 @@ def ep_runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS_EP))
 def test_expert_parallel_layouts_match_tp1pp1(ep_runs, clipped_reference, layout):
     rows, _ = ep_runs(layout)
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert [r["iteration"] for r in rows] == [1, 2]
     for r, q in zip(rows, clipped_reference):
         assert q["grad_norm"] > 0.05  # the clip scaled every step
         for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -153,23 +154,23 @@ def test_expert_parallel_layouts_match_tp1pp1(ep_runs, clipped_reference, layout
 
 @pytest.mark.parametrize("saved_at", SAVED)
 def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference, ep_runs, saved_at):
-    common = FULL + ["train.clip_grad=0.05", "train.train_iters=3"]
+    common = FULL + ["train.clip_grad=0.05", f"train.train_iters={STEPS}"]
     _, ckpt = ep_runs(saved_at)  # world 2 (ep2), or world 4 under ZeRO-1 (dp2 x ep2)
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000001")).read_metadata().state_dict_metadata
     fc1 = keys["model/decoder.layers.0.mlp.experts.linear_fc1.weight"]
     assert tuple(fc1.size) == (4, 64, 32)  # the global expert axis: each EP rank wrote its 2 experts at its offset
     assert sorted(tuple(c.offsets)[0] for c in fc1.chunks) == [0, 2]
-    resumed = _run(tmp_path, "ep1", 1, common + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"])
-    assert [r["iteration"] for r in resumed] == [3]
+    resumed = _run(tmp_path, "ep1", 1, common + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=1"])
+    assert [r["iteration"] for r in resumed] == [2]
     for key in ("lm_loss", "grad_norm", "moe_aux_loss"):
-        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
+        assert resumed[0][key] == pytest.approx(clipped_reference[1][key], rel=1e-5), key
 
 
 @pytest.fixture(scope="module")
 def ep2_checkpoint(ep_runs):
-    """A checkpoint of iteration 2 written at ep2 (world 2): the ep2 layout's run of the clipped reference's config."""
+    """A checkpoint of iteration 1 written at ep2 (world 2): the ep2 layout's run of the clipped reference's config."""
     return ep_runs("ep2")[1]
 
 
@@ -185,11 +186,12 @@ RESUME_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
 def test_an_ep2_checkpoint_resumes_in_other_expert_layouts(tmp_path, clipped_reference, ep2_checkpoint, layout):
     resumed = _run(tmp_path, layout, 4, FULL + RESUME_LAYOUTS[layout] + [
-        "train.clip_grad=0.05", "train.train_iters=3", f"checkpoint.load={ep2_checkpoint}", "checkpoint.load_iteration=2"])
-    assert [r["iteration"] for r in resumed] == [3]
+        "train.clip_grad=0.05", f"train.train_iters={STEPS}", f"checkpoint.load={ep2_checkpoint}",
+        "checkpoint.load_iteration=1"])
+    assert [r["iteration"] for r in resumed] == [2]
     for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
-        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
-    assert resumed[0]["moe_tokens_per_expert_max"] == clipped_reference[2]["moe_tokens_per_expert_max"]
+        assert resumed[0][key] == pytest.approx(clipped_reference[1][key], rel=1e-5), key
+    assert resumed[0]["moe_tokens_per_expert_max"] == clipped_reference[1]["moe_tokens_per_expert_max"]
 
 
 def test_full_recompute_replays_the_same_routing(tmp_path):
@@ -205,12 +207,12 @@ def test_resume_is_bitwise_with_the_expert_bias(tmp_path, reference):
     common = FULL + [f"train.train_iters={STEPS}"]
     straight = reference  # the same config on one process
     ckpt = tmp_path / "ckpt"
-    _run(tmp_path, "split", 1, common + [f"checkpoint.save={ckpt}", "train.exit_interval=2"])
+    _run(tmp_path, "split", 1, common + [f"checkpoint.save={ckpt}", "train.exit_interval=1"])
     resumed = _run(tmp_path, "split", 1, common + [f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"])
     assert without_timing(resumed) == without_timing(straight)
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000001")).read_metadata().state_dict_metadata
     assert "model/decoder.layers.1.mlp.router.expert_bias" in keys
 
 
