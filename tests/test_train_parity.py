@@ -16,9 +16,9 @@ import pytest
 from harness import run_distributed
 from train_utils import read_rows, run_job
 
-# 3 steps: the first (the initial weights), and two after an update (each layout's optimizer step and its grad
-# reduction feed the next forward); a layout that got a reduction wrong differs from step 2 on
-STEPS = 3
+# 2 steps: the first (the initial weights), and one after an update (each layout's optimizer step and its grad
+# reduction feed the next forward); a layout that got a reduction wrong differs at step 2
+STEPS = 2
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
         "train.micro_batch_size=2"]
 
