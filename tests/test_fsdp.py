@@ -14,9 +14,9 @@ micro-batch per DP rank (two per step over one process), so that every rank sums
 as DDP, and their DDP run has no gradient accumulation fusion (which adds the tied output weight's grad into its
 fp32 buffer apart from the embedding lookup's, where autograd, under FSDP, sums the two in bf16 first): such
 last-bit differences in the grads, like the grad norm's partial sums, which set the clip factor, are magnified by
-the bf16 rounding of the weights and by the FP8 casts, to ~1e-3 in the grad norm by step 4 (of a 4-step run). fp16 keeps gradient
-accumulation at dp2 (each micro-batch's reduce-scatter sums in another order than DDP's buffer): its loss equals
-DDP's within rel 1e-5 at every step. With TP the row-parallel outputs are bf16 partial sums
+the bf16 rounding of the weights and by the FP8 casts, to ~1e-3 in the grad norm by step 4 (seen in a 4-step run).
+fp16 keeps gradient accumulation at dp2 (each micro-batch's reduce-scatter sums in another order than DDP's
+buffer): its loss equals DDP's within rel 1e-5 at every step. With TP the row-parallel outputs are bf16 partial sums
 reduced over TP, whose one-ulp differences an FP8 rounding step can magnify: tests/test_fp8.py's TP bounds (loss
 rel 2e-3, grad norm rel 2e-2), which it explains.
 """
