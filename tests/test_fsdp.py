@@ -31,10 +31,9 @@ import pytest
 from harness import run_distributed
 from train_utils import read_rows, run_job, without_timing
 
-# 3 steps: the first (the initial weights), then two that start from an update made of sharded grads and states;
-# the fp16 overflow at iteration 2 is followed by one step at the lowered scale; checkpoints of iteration 2 resume
-# for iteration 3
-STEPS = 3
+# 2 steps: the first (the initial weights), and one that starts from an update made of sharded grads and states;
+# checkpoints of iteration 1 resume for iteration 2 (the fp16 overflow runs: 3 steps, `FP16_OVERFLOW`)
+STEPS = 2
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
         "train.micro_batch_size=2", "run.progress_bar=false"]
 Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
@@ -96,7 +95,8 @@ def _assert_same(rows: list, ref: list, name: str, rel: float = 1e-5, grad_rel: 
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"], name  # it trained
 
 
-FP16_OVERFLOW = ["parallel=tp1pp1", "precision=fp16", "loss_scaler.initial_scale=1024", "loss_scaler.hysteresis=1",
+# the overflow at iteration 2, then one step at the lowered scale
+FP16_OVERFLOW = ["train.train_iters=3", "parallel=tp1pp1", "precision=fp16", "loss_scaler.initial_scale=1024", "loss_scaler.hysteresis=1",
                  "debug.nonfinite_grad_rank=0", "debug.nonfinite_grad_iteration=2"]
 
 
@@ -107,17 +107,17 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run, fp8_refe
     ckpt = tmp_path / "ckpt"
     fp8 = [("fp8_z2", ["parallel=tp1pp1", Z2, *FP8, FP8_MB]),
            ("fp8_z3", ["parallel=tp1pp1", Z3, *FP8, FP8_MB])] if HAS_FP8 else []
-    # dp2_z3 saves after iteration 2 and goes on; "z3_resumed" resumes that checkpoint (another seed: the checkpoint's
-    # RNG and data position are what count) for iteration 3
+    # dp2_z3 saves after iteration 1 and goes on; "z3_resumed" resumes that checkpoint (another seed: the checkpoint's
+    # RNG and data position are what count) for iteration 2
     runs = _train(tmp_path, 2, [("dp2_z2", ["parallel=tp1pp1", Z2]),
-                                ("dp2_z3", ["parallel=tp1pp1", Z3, f"checkpoint.save={ckpt}", "checkpoint.save_interval=2"]),
+                                ("dp2_z3", ["parallel=tp1pp1", Z3, f"checkpoint.save={ckpt}", "checkpoint.save_interval=1"]),
                                 # full recompute: the layers' forwards run again inside the backward
                                 ("dp2_z3_recompute", ["parallel=tp1pp1", Z3, "model.recompute_granularity=full",
                                                       "model.recompute_method=uniform", "model.recompute_num_layers=1"]),
                                 ("dp2_z3_offload", ["parallel=tp1pp1", Z3, OFFLOAD]),
                                 ("fp16_ddp", FP16_OVERFLOW), ("fp16_z3", FP16_OVERFLOW + [Z3]),
                                 ("z3_resumed", ["parallel=tp1pp1", Z3, f"checkpoint.load={ckpt}",
-                                                "checkpoint.load_iteration=2", "train.seed=999"]),
+                                                "checkpoint.load_iteration=1", "train.seed=999"]),
                                 *fp8])
     for name in ("dp2_z2", "dp2_z3", "dp2_z3_recompute"):
         _assert_same(runs[name], reference, name)
@@ -126,8 +126,8 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run, fp8_refe
         log = (tmp_path / name / "train.log").read_text()
         assert f"16 of 16 block linears (3 GEMMs each) in FP8 on this rank; {FP8_CAST_AFTER_GATHER}" in log, log
     # resume is bitwise: the floats read back from JSON are equal
-    assert [r["iteration"] for r in runs["z3_resumed"]] == [3]
-    assert without_timing(runs["z3_resumed"]) == without_timing(runs["dp2_z3"][2:])
+    assert [r["iteration"] for r in runs["z3_resumed"]] == [2]
+    assert without_timing(runs["z3_resumed"]) == without_timing(runs["dp2_z3"][1:])
     # the offloaded shards step the same floats (on CPU the host is the compute device: the same kernels)
     assert without_timing(runs["dp2_z3_offload"]) == without_timing(runs["dp2_z3"])
     assert "(ZeRO-3, FSDP2, dp=2, CPU offload)" in (tmp_path / "dp2_z3_offload" / "train.log").read_text()
@@ -188,11 +188,11 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference, fp8_reference
     # reduced over the embedding group on the shards), interleaved pp2 vpp2 x dp2
     # evaluation in between (forward only: ZeRO-2 leaves the params gathered) changes nothing in training
     # HSDP: dp4 = shard 2 x replicate 2 (grads reduce-scattered within [0,1] / [2,3], the shards all-reduced across
-    # [0,2] / [1,3]), with two micro-batches per rank; its checkpoint of iteration 2 resumed by DDP at tp2 x pp2
-    # (dp 1), which trains iteration 3 as the one-process run
+    # [0,2] / [1,3]), with two micro-batches per rank; its checkpoint of iteration 1 resumed by DDP at tp2 x pp2
+    # (dp 1), which trains iteration 2 as the one-process run
     # fp8 at tp2 x dp2 ZeRO-3: the gathered TP shard's cast, its amax reduced over TP (tp1's scales); 2 steps: the
     # casts of the first, and one after an update
-    evaluate = ["train.eval_interval=2", "train.eval_iters=1"]
+    evaluate = ["train.eval_interval=1", "train.eval_iters=1"]
     ckpt = tmp_path / "hsdp_ckpt"
     fp8 = [("fp8_tp2dp2_z3", ["parallel=tp2pp1", Z3, *FP8, FP8_MB, "train.train_iters=2"])] if HAS_FP8 else []
     runs = _train(tmp_path, 4, [("tp2dp2_sp_z3", ["parallel=tp2pp1", "parallel.sequence_parallel=true", Z3, *evaluate]),
@@ -200,10 +200,10 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference, fp8_reference
                                 ("pp2dp2_z3", ["parallel=tp1pp2", Z3]),
                                 ("pp2vpp2dp2_z2", ["parallel=tp1pp2vpp2", Z2, *evaluate]),
                                 ("hsdp_z3", ["parallel=tp1pp1", Z3, HSDP2, "train.micro_batch_size=1",
-                                             f"checkpoint.save={ckpt}", "checkpoint.save_interval=2"]),
+                                             f"checkpoint.save={ckpt}", "checkpoint.save_interval=1"]),
                                 ("hsdp_z2", ["parallel=tp1pp1", Z2, HSDP2]),
                                 ("hsdp_to_tp2pp2", ["parallel=tp2pp2", f"checkpoint.load={ckpt}",
-                                                    "checkpoint.load_iteration=2"]),
+                                                    "checkpoint.load_iteration=1"]),
                                 *fp8])
     resumed = runs.pop("hsdp_to_tp2pp2")
     for name, _ in fp8:
@@ -211,8 +211,8 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference, fp8_reference
         assert FP8_CAST_AFTER_GATHER in (tmp_path / name / "train.log").read_text()
     for name, rows in runs.items():
         _assert_same(rows, reference, name)
-    assert [r["iteration"] for r in resumed] == [3]
-    for r, q in zip(resumed, reference[2:]):
+    assert [r["iteration"] for r in resumed] == [2]
+    for r, q in zip(resumed, reference[1:]):
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5), (r, q)
         assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-5), (r, q)
     ranks = json.loads((tmp_path / "hsdp_z3" / "layout.json").read_text())["ranks"]
@@ -222,7 +222,7 @@ def test_tp2_and_pp2_by_dp2_equal_one_process(tmp_path, reference, fp8_reference
         (tmp_path / "hsdp_z3" / "train.log").read_text()
     for name in ("tp2dp2_sp_z3", "pp2vpp2dp2_z2"):
         valid = read_rows(tmp_path / name, "valid")
-        assert [r["iteration"] for r in valid] == [0, 2, STEPS], name
+        assert [r["iteration"] for r in valid] == [0, 1, 2], name
         # iteration 0: the untrained model; both layouts evaluate the same batches
         assert valid[0]["lm_loss"] == pytest.approx(read_rows(tmp_path / "tp2dp2_sp_z3", "valid")[0]["lm_loss"], rel=1e-5)
 
