@@ -4,7 +4,7 @@
   (lm_loss, grad_norm, loss_scale, lr), fp32 with dropout (so the RNG restore matters) and fp16
   with a dynamic scaler, also when the resumed run gets another train.seed;
 - resharding: saved at tp2pp2 (4 processes), resumed at tp1pp1 / tp2pp1 / tp1pp2 with a vocabulary
-  that pads differently per tp: steps 5..8 match the tp2pp2 run (DESIGN.md §3 tolerances);
+  that pads differently per tp: steps 5 and 6 match the tp2pp2 run (DESIGN.md §3 tolerances);
 - non-finite grad injected in fp16: the step is skipped, the scale backs off, training goes on.
 """
 
@@ -67,7 +67,8 @@ def _rel(a: float, b: float) -> float:
 
 
 def test_reshard_resume_from_tp2pp2(tmp_path):
-    common = SMALL + VOCAB + ["train.train_iters=8"]
+    # 6 iterations: the checkpoint of iteration 4, then two resumed steps (the second after an update at the new layout)
+    common = SMALL + VOCAB + ["train.train_iters=6"]
     ref, ckpt = tmp_path / "tp2pp2", tmp_path / "ckpt"
     run_distributed(run_job, 4, common + ["parallel=tp2pp2", f"run.dir={ref}", f"checkpoint.save={ckpt}",
                                           "checkpoint.save_interval=4"])
@@ -77,10 +78,10 @@ def test_reshard_resume_from_tp2pp2(tmp_path):
         run_distributed(run_job, world, common + [f"parallel={parallel}", f"run.dir={run_dir}", f"checkpoint.load={ckpt}",
                                                   "checkpoint.load_iteration=4"])
         got = _rows(run_dir)
-        assert sorted(got) == [5, 6, 7, 8], parallel
+        assert sorted(got) == [5, 6], parallel
         log = (run_dir / "train.log").read_text()
         assert "RNG states re-derived" in log and "saved at tp2 pp2 dp1" in log, log
-        for i in range(5, 9):
+        for i in (5, 6):
             # DESIGN.md §3: per-step loss rel 1e-5, grad norm rel 1e-4 across layouts (fp32 reduction order differs)
             assert _rel(got[i]["lm_loss"], want[i]["lm_loss"]) < 1e-5, (parallel, i, got[i], want[i])
             assert _rel(got[i]["grad_norm"], want[i]["grad_norm"]) < 1e-4, (parallel, i, got[i], want[i])

@@ -15,7 +15,9 @@ import pytest
 from harness import run_distributed
 from train_utils import read_rows, run_job
 
-STEPS = 3
+# 2 steps: the first, and one after an update (the cp ranks' grads reduced and stepped); checkpoints hold
+# iteration 1 and resume for iteration 2
+STEPS = 2
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=4",
         "train.micro_batch_size=2"]
 
@@ -48,15 +50,16 @@ ROPE = ["model.position_embedding_type=rope"]
 RECOMPUTE = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
 CP2 = ["parallel.context_parallel_size=2"]
 Z2, Z3 = "parallel.data_parallel_sharding_strategy=optim_grads", "parallel.data_parallel_sharding_strategy=optim_grads_params"
-EVAL = ["train.eval_interval=3", "train.eval_iters=1"]
+EVAL = [f"train.eval_interval={STEPS}", "train.eval_iters=1"]
 MASK = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "data.eod_mask_loss=true",
         "data.create_attention_mask_in_dataloader=true"]
 # document offsets (no dense mask); mock ids run mod data.vocab_size, so with vocab 13 (EOD = 12) each 64-token sample
 # holds about five documents of at most 13 tokens, cut at other places in each: at cp2 (chunks of 16) every diagonal
 # and neighbouring chunk pair is a masked block and every pair further apart is skipped (tests/test_cp_attention.py
-# covers the other kinds)
+# covers the other kinds); with RoPE, whose positions (reset at each document) every pipeline stage applies (learned
+# positions with reset position ids: MASK)
 DOCS = ["data.vocab_size=13", "data.reset_attention_mask=true", "data.reset_position_ids=true",
-        "data.eod_mask_loss=true"]
+        "data.eod_mask_loss=true", *ROPE]
 BF16 = ["precision=bf16"]
 FP16 = ["precision=fp16", "loss_scaler.initial_scale=65536"]
 # Half precision: cp1 and cp2 round differently (the ring merges per-block results in fp32 where cp1 runs one
@@ -85,14 +88,14 @@ def reference_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(reference_dir):
     fp8 = {"fp8": FP8} if HAS_FP8 else {}
-    return _run(reference_dir, 1, {"learned": EVAL, "rope": ROPE, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16,
+    return _run(reference_dir, 1, {"rope": ROPE + EVAL, "mask": MASK, "docs": DOCS, "bf16": BF16, "fp16": FP16,
                                    **fp8})
 
 
 def test_cp2_world2_equals_cp1(tmp_path, references):
     runs = _run(tmp_path, 2, {
-        "p2p": CP2 + EVAL,
-        "p2p_rope_recompute": CP2 + ROPE + RECOMPUTE,
+        # the p2p ring (the default) in training and in evaluation; learned positions at cp2: all_gather_mask
+        "p2p_rope_recompute": CP2 + ROPE + RECOMPUTE + EVAL,
         "all_gather_rope": CP2 + ROPE + ["parallel.cp_comm_type=all_gather"],
         "a2a_rope": CP2 + ROPE + ["parallel.cp_comm_type=a2a"],
         "all_gather_mask": CP2 + MASK + ["parallel.cp_comm_type=all_gather"],
@@ -101,12 +104,11 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
         "p2p_fp16": CP2 + FP16,
         **({"p2p_fp8": CP2 + FP8} if HAS_FP8 else {}),
     })
-    _assert_same(runs["p2p"], references["learned"])
-    valid, ref_valid = runs["p2p/valid"], references["learned/valid"]
-    assert [r["iteration"] for r in valid] == [0, 3] == [r["iteration"] for r in ref_valid]
+    _assert_same(runs["p2p_rope_recompute"], references["rope"])
+    valid, ref_valid = runs["p2p_rope_recompute/valid"], references["rope/valid"]
+    assert [r["iteration"] for r in valid] == [0, STEPS] == [r["iteration"] for r in ref_valid]
     for r, q in zip(valid, ref_valid):  # evaluation at cp2: the whole sequences' loss
         assert r["lm_loss"] == pytest.approx(q["lm_loss"], rel=1e-5)
-    _assert_same(runs["p2p_rope_recompute"], references["rope"])
     _assert_same(runs["all_gather_rope"], references["rope"])
     _assert_same(runs["a2a_rope"], references["rope"])
     _assert_same(runs["all_gather_mask"], references["mask"])
@@ -121,14 +123,18 @@ def test_cp2_world2_equals_cp1(tmp_path, references):
             tmp_path / "p2p_fp8" / "train.log").read_text()
 
 
-LAYOUTS_4 = {"tp2cp2_sp": ["parallel=tp2pp1", "parallel.sequence_parallel=true"], "cp2pp2": ["parallel=tp1pp2"],
-             "cp2dp2_zero1": ["parallel.use_distributed_optimizer=true"]}
+TP2_SP = ["parallel=tp2pp1", "parallel.sequence_parallel=true"]
+# pp2 and dp2 with the ring's document blocks (DOCS: RoPE, the positions every stage applies, reset per document);
+# the causal ring's other blocks beside dp2: the ZeRO runs (dp2 x cp2) here; a stage runs its layers' rings as at pp1
+LAYOUTS_4 = {"cp2pp2": ["parallel=tp1pp2"], "cp2dp2_zero1": ["parallel.use_distributed_optimizer=true"]}
 
 
 def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references, reference_dir):
     runs = _run(tmp_path, 4, {
-        **{name: CP2 + ROPE + layout for name, layout in LAYOUTS_4.items()},
-        **{f"{name}_docs": CP2 + DOCS + layout for name, layout in LAYOUTS_4.items()},  # the ring's document blocks
+        # TP splits the heads inside the ring: the causal blocks (RoPE) and the document blocks (DOCS)
+        "tp2cp2_sp": CP2 + ROPE + TP2_SP,
+        "tp2cp2_sp_docs": CP2 + DOCS + TP2_SP,
+        **{name: CP2 + DOCS + layout for name, layout in LAYOUTS_4.items()},
         # ZeRO-2 / ZeRO-3: FSDP2 shards over the 4 dp × cp ranks (grads reduce-scattered there, the grad norm summed
         # there once); HSDP shard 2: within each cp pair [0,1] / [2,3], replicated across dp
         "cp2dp2_zero2": CP2 + ROPE + [Z2],
@@ -136,7 +142,7 @@ def test_cp2_layouts_on_4_processes_equal_cp1(tmp_path, references, reference_di
         "cp2dp2_zero3_hsdp": CP2 + ROPE + [Z3, "parallel.data_parallel_shard_size=2"],
     })
     for name, rows in runs.items():
-        _assert_same(rows, references["docs" if name.endswith("_docs") else "rope"])
+        _assert_same(rows, references["docs" if name.endswith("_docs") or name in LAYOUTS_4 else "rope"])
     ref = json.loads((reference_dir / "rope" / "layout.json").read_text())["ranks"][0]
     z3 = json.loads((tmp_path / "cp2dp2_zero3" / "layout.json").read_text())["ranks"]
     assert [r["data_parallel_sharding_strategy"] for r in z3] == ["optim_grads_params"] * 4
@@ -163,21 +169,23 @@ def test_resume_at_cp2_is_bitwise_and_a_cp2_checkpoint_resumes_at_cp1(tmp_path, 
     from train_utils import without_timing
 
     common = CP2 + ROPE + ["parallel.use_distributed_optimizer=true"]  # ZeRO-1 shards Adam's state over dp × cp
-    ckpt = tmp_path / "ckpt"
-    split = common + [f"checkpoint.save={ckpt}"]
+    ckpt, ckpt_z3 = tmp_path / "ckpt", tmp_path / "ckpt_z3"
     # ZeRO-3 too: FSDP's params, grads and Adam's state sharded over the 2 cp ranks (dp × cp), saved and resumed
     zero3 = CP2 + ROPE + [Z3]
-    split_z3 = zero3 + [f"checkpoint.save={tmp_path / 'ckpt_z3'}"]
-    runs = _run(tmp_path, 2, {"straight": common, "split": split + ["train.exit_interval=2"],
-                              "straight_z3": zero3, "split_z3": split_z3 + ["train.exit_interval=2"]})
-    assert [r["iteration"] for r in runs["split"]] == [1, 2] == [r["iteration"] for r in runs["split_z3"]]
-    resumed = _run(tmp_path, 2, {"split": split + [f"checkpoint.load={ckpt}"],
-                                 "split_z3": split_z3 + [f"checkpoint.load={tmp_path / 'ckpt_z3'}"]})
-    assert without_timing(resumed["split"]) == without_timing(runs["straight"])  # bitwise, the rows of both halves
-    assert without_timing(resumed["split_z3"]) == without_timing(runs["straight_z3"])
+    # the straight runs save after iteration 1 and go on; each resumes from that checkpoint (a stop by
+    # train.exit_interval and its resume: tests/test_checkpoint_resume.py)
+    every = ["checkpoint.save_interval=1"]
+    runs = _run(tmp_path, 2, {"straight": common + every + [f"checkpoint.save={ckpt}"],
+                              "straight_z3": zero3 + every + [f"checkpoint.save={ckpt_z3}"]})
+    resumed = _run(tmp_path, 2, {"resumed": common + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=1"],
+                                 "resumed_z3": zero3 + [f"checkpoint.load={ckpt_z3}", "checkpoint.load_iteration=1"]})
+    assert [r["iteration"] for r in resumed["resumed"]] == [2] == [r["iteration"] for r in resumed["resumed_z3"]]
+    # bitwise: the floats read back from JSON are equal
+    assert without_timing(resumed["resumed"]) == without_timing(runs["straight"][1:])
+    assert without_timing(resumed["resumed_z3"]) == without_timing(runs["straight_z3"][1:])
     _assert_same(runs["straight"], references["rope"])
     _assert_same(runs["straight_z3"], references["rope"])
-    at_cp1 = _run(tmp_path, 1, {"cp1": ROPE + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"]})["cp1"]
-    assert [r["iteration"] for r in at_cp1] == [3]
+    at_cp1 = _run(tmp_path, 1, {"cp1": ROPE + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=1"]})["cp1"]
+    assert [r["iteration"] for r in at_cp1] == [2]
     for key in ("lm_loss", "grad_norm"):
-        assert at_cp1[0][key] == pytest.approx(references["rope"][2][key], rel=1e-5), key
+        assert at_cp1[0][key] == pytest.approx(references["rope"][1][key], rel=1e-5), key

@@ -270,10 +270,22 @@ def reference():
     return run_distributed(train, 1)
 
 
+_TRAINED: dict = {}
+
+
+def _trained(world: int, **kw) -> list:
+    """`train` on `world` ranks with keywords `kw`, run once per module (suite time: the dp4 runs are both
+    test_dp_matches_dp1's and test_overlap_bitwise_and_distopt_close_at_dp4's)."""
+    key = (world, tuple(sorted(kw.items())))
+    if key not in _TRAINED:
+        _TRAINED[key] = run_distributed(train, world, **kw)
+    return _TRAINED[key]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("distopt", [False, True])
 def test_dp_matches_dp1(reference, world, distopt):
-    assert_matches(run_distributed(train, world, distopt=distopt, bucket_size=300), reference)
+    assert_matches(_trained(world, distopt=distopt, bucket_size=300), reference)
 
 
 def _bitwise(a, b):
@@ -294,12 +306,12 @@ def test_overlap_and_distopt_bitwise_at_dp2():
 
 
 def test_overlap_bitwise_and_distopt_close_at_dp4():
-    base = run_distributed(train, 4, bucket_size=300)
+    base = _trained(4, distopt=False, bucket_size=300)
     ov = run_distributed(train, 4, bucket_size=300, overlap=True)
     for r0, r1 in zip(base, ov):
         _bitwise(r0, r1)  # same buckets, same collectives: only the launch time differs
     for kw in ({"distopt": True}, {"distopt": True, "overlap": True}):
-        other = run_distributed(train, 4, bucket_size=300, **kw)
+        other = _trained(4, bucket_size=300, **kw)
         # dp 4: buckets are padded to a multiple of 4 and reduce-scattered, so boundaries and the
         # summation order change: rel 1e-6 on losses and norms, 1e-6 normwise on params.
         g0, g1 = last_stage(base), last_stage(other)

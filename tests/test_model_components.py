@@ -83,6 +83,18 @@ def _outputs(rank, world, overrides):
         g.destroy()
 
 
+_BUILT: dict = {}
+
+
+def _outputs_once(overrides: list) -> tuple:
+    """`_outputs` on one process, computed once per overrides in this module (suite time: the built-in model is every
+    user class's reference)."""
+    key = tuple(overrides)
+    if key not in _BUILT:
+        _BUILT[key] = run_distributed(_outputs, 1, list(overrides))[0]
+    return _BUILT[key]
+
+
 @pytest.mark.parametrize("overrides, module, cls", [
     (["model._target_=test_model_components.MyGPT", "+model.tag=mine"], "", "MyGPT"),
     (["model.transformer_layer._target_=test_model_components.MyLayer"], "decoder.layers.1", "MyLayer"),
@@ -105,7 +117,7 @@ def _outputs(rank, world, overrides):
 ])
 def test_user_class_in_the_tree_equals_the_builtin(overrides, module, cls):
     (ref, ref_names, ref_params, _), (out, names, params, tag) = (
-        run_distributed(_outputs, 1, [])[0], run_distributed(_outputs, 1, overrides)[0])
+        _outputs_once([]), _outputs_once(overrides))
     assert names[module] == cls and ref_names[module] != cls  # the user's class was built there
     assert params == ref_params  # parameter names (checkpoints, export) unchanged
     if overrides[-1] == "+model.tag=mine":
@@ -124,7 +136,7 @@ def test_user_norm_target_equals_the_normalization_key():
 
 
 def test_sliding_window_changes_the_output():
-    full = run_distributed(_outputs, 1, [f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention"])[0][0]
+    full = _outputs_once([f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention"])[0]
     windowed = run_distributed(_outputs, 1, [f"{CORE}._target_=mptrain_plugins.attention.SlidingWindowAttention",
                                              f"+{CORE}.window=4"])[0][0]
     assert torch.equal(full[:, :4], windowed[:, :4])  # the first 4 positions see the same keys

@@ -24,7 +24,9 @@ SMALL = ["model=moe_tiny", "model.num_layers=2", "model.hidden_size=32", "model.
 FULL = ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
         "model.moe_router_bias_update_rate=0.01", "model.moe_z_loss_coeff=0.001",
         "model.moe_shared_expert_intermediate_size=32", "model.moe_shared_expert_gate=true", "optim.lr=0.01"]
-STEPS = 5
+# 2 steps: the first, and one after an update of the weights and of the expert bias (the routing they change);
+# checkpoints hold iteration 1 and resume for iteration 2
+STEPS = 2
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max",
             "moe_dropped_tokens")
 
@@ -38,7 +40,7 @@ def _run(tmp_path, name: str, world: int, overrides: list, split: str = "train")
 
 
 def test_moe_trains_and_logs_its_routing(tmp_path):
-    rows = _run(tmp_path, "tp1pp1", 1, [f"train.train_iters={STEPS}", "optim.lr=0.01", "train.eval_interval=5",
+    rows = _run(tmp_path, "tp1pp1", 1, ["train.train_iters=5", "optim.lr=0.01", "train.eval_interval=5",
                                         "train.eval_iters=1", "model.moe_z_loss_coeff=0.001",
                                         "model.moe_expert_capacity_factor=1.0"])
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.05
@@ -114,14 +116,35 @@ LAYOUTS_EP = {
 
 @pytest.fixture(scope="module")
 def clipped_reference(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + ["train.clip_grad=0.05", "train.train_iters=3"])
+    return _run(tmp_path_factory.mktemp("ref"), "tp1pp1", 1, FULL + ["train.clip_grad=0.05", f"train.train_iters={STEPS}"])
+
+
+# the layouts whose run also writes a checkpoint of iteration 1 (and goes on): the resume tests below read it
+SAVED = ("ep2", "dp2_ep2_zero1")
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    """``get(layout) -> (rows, checkpoint folder or None)``: each `LAYOUTS_EP` run once per module (the layout test
+    and the resume tests read the same run; each still runs it when alone)."""
+    done = {}
+
+    def get(layout: str):
+        if layout not in done:
+            world, overrides = LAYOUTS_EP[layout]
+            tmp = tmp_path_factory.mktemp(layout)
+            ckpt = tmp / "ckpt" if layout in SAVED else None
+            save = [f"checkpoint.save={ckpt}", "checkpoint.save_interval=1"] if ckpt else []
+            done[layout] = (_run(tmp, layout, world, FULL + overrides + [f"train.train_iters={STEPS}", *save]), ckpt)
+        return done[layout]
+
+    return get
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_EP))
-def test_expert_parallel_layouts_match_tp1pp1(tmp_path, clipped_reference, layout):
-    world, overrides = LAYOUTS_EP[layout]
-    rows = _run(tmp_path, layout, world, FULL + overrides + ["train.train_iters=3"])
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
+def test_expert_parallel_layouts_match_tp1pp1(ep_runs, clipped_reference, layout):
+    rows, _ = ep_runs(layout)
+    assert [r["iteration"] for r in rows] == [1, 2]
     for r, q in zip(rows, clipped_reference):
         assert q["grad_norm"] > 0.05  # the clip scaled every step
         for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -129,32 +152,26 @@ def test_expert_parallel_layouts_match_tp1pp1(tmp_path, clipped_reference, layou
         assert r["moe_tokens_per_expert_max"] == q["moe_tokens_per_expert_max"], r["iteration"]
 
 
-@pytest.mark.parametrize("world,saved_with", [(2, []), (4, ["parallel.use_distributed_optimizer=true"])],
-                         ids=["ep2", "dp2_ep2_zero1"])
-def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference, world, saved_with):
-    common = FULL + ["train.clip_grad=0.05", "train.train_iters=3"]
-    ckpt = tmp_path / "ckpt"
-    _run(tmp_path, "ep2", world, common + saved_with + ["parallel.expert_model_parallel_size=2",
-                                                        f"checkpoint.save={ckpt}", "train.exit_interval=2"])
+@pytest.mark.parametrize("saved_at", SAVED)
+def test_a_checkpoint_written_at_ep2_resumes_at_ep1(tmp_path, clipped_reference, ep_runs, saved_at):
+    common = FULL + ["train.clip_grad=0.05", f"train.train_iters={STEPS}"]
+    _, ckpt = ep_runs(saved_at)  # world 2 (ep2), or world 4 under ZeRO-1 (dp2 x ep2)
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000001")).read_metadata().state_dict_metadata
     fc1 = keys["model/decoder.layers.0.mlp.experts.linear_fc1.weight"]
     assert tuple(fc1.size) == (4, 64, 32)  # the global expert axis: each EP rank wrote its 2 experts at its offset
     assert sorted(tuple(c.offsets)[0] for c in fc1.chunks) == [0, 2]
-    resumed = _run(tmp_path, "ep1", 1, common + [f"checkpoint.load={ckpt}"])
-    assert [r["iteration"] for r in resumed] == [3]
+    resumed = _run(tmp_path, "ep1", 1, common + [f"checkpoint.load={ckpt}", "checkpoint.load_iteration=1"])
+    assert [r["iteration"] for r in resumed] == [2]
     for key in ("lm_loss", "grad_norm", "moe_aux_loss"):
-        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
+        assert resumed[0][key] == pytest.approx(clipped_reference[1][key], rel=1e-5), key
 
 
 @pytest.fixture(scope="module")
-def ep2_checkpoint(tmp_path_factory):
-    """A checkpoint of iteration 2 written at ep2 (world 2) by the clipped reference's run."""
-    ckpt = tmp_path_factory.mktemp("ep2") / "ckpt"
-    _run(ckpt.parent, "ep2", 2, FULL + ["train.clip_grad=0.05", "train.train_iters=3", f"checkpoint.save={ckpt}",
-                                        "parallel.expert_model_parallel_size=2", "train.exit_interval=2"])
-    return ckpt
+def ep2_checkpoint(ep_runs):
+    """A checkpoint of iteration 1 written at ep2 (world 2): the ep2 layout's run of the clipped reference's config."""
+    return ep_runs("ep2")[1]
 
 
 # each resumed layout re-cuts the global expert axis: 1 expert a rank (ep4), 2 experts a rank with their FFN split
@@ -169,11 +186,12 @@ RESUME_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
 def test_an_ep2_checkpoint_resumes_in_other_expert_layouts(tmp_path, clipped_reference, ep2_checkpoint, layout):
     resumed = _run(tmp_path, layout, 4, FULL + RESUME_LAYOUTS[layout] + [
-        "train.clip_grad=0.05", "train.train_iters=3", f"checkpoint.load={ep2_checkpoint}"])
-    assert [r["iteration"] for r in resumed] == [3]
+        "train.clip_grad=0.05", f"train.train_iters={STEPS}", f"checkpoint.load={ep2_checkpoint}",
+        "checkpoint.load_iteration=1"])
+    assert [r["iteration"] for r in resumed] == [2]
     for key in ("lm_loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
-        assert resumed[0][key] == pytest.approx(clipped_reference[2][key], rel=1e-5), key
-    assert resumed[0]["moe_tokens_per_expert_max"] == clipped_reference[2]["moe_tokens_per_expert_max"]
+        assert resumed[0][key] == pytest.approx(clipped_reference[1][key], rel=1e-5), key
+    assert resumed[0]["moe_tokens_per_expert_max"] == clipped_reference[1]["moe_tokens_per_expert_max"]
 
 
 def test_full_recompute_replays_the_same_routing(tmp_path):
@@ -185,16 +203,16 @@ def test_full_recompute_replays_the_same_routing(tmp_path):
     assert without_timing(recomputed) == without_timing(plain)  # bitwise, statistics counted once
 
 
-def test_resume_is_bitwise_with_the_expert_bias(tmp_path):
-    common = FULL + ["train.train_iters=4"]
-    straight = _run(tmp_path, "straight", 1, common)
+def test_resume_is_bitwise_with_the_expert_bias(tmp_path, reference):
+    common = FULL + [f"train.train_iters={STEPS}"]
+    straight = reference  # the same config on one process
     ckpt = tmp_path / "ckpt"
-    _run(tmp_path, "split", 1, common + [f"checkpoint.save={ckpt}", "train.exit_interval=2"])
+    _run(tmp_path, "split", 1, common + [f"checkpoint.save={ckpt}", "train.exit_interval=1"])
     resumed = _run(tmp_path, "split", 1, common + [f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"])
     assert without_timing(resumed) == without_timing(straight)
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(str(ckpt / "iter_0000002")).read_metadata().state_dict_metadata
+    keys = dcp.FileSystemReader(str(ckpt / "iter_0000001")).read_metadata().state_dict_metadata
     assert "model/decoder.layers.1.mlp.router.expert_bias" in keys
 
 

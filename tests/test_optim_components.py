@@ -232,29 +232,32 @@ def test_distributed_optimizer_replaces_the_builtin_wrappers_only():
 # --- end to end (gloo pool, one process) -------------------------------------------------------------
 def test_rmsprop_trains_and_resumes_bitwise(tmp_path):
     common = SMALL + RMSPROP + ["train.train_iters=6", "optim.lr=3e-3"]
-    run_distributed(run_job, 1, common + [f"run.dir={tmp_path / 'straight'}"])
+    # the straight run saves after iteration 3 and goes on; the resume of that checkpoint trains 4 to 6 (a stop by
+    # train.exit_interval and its resume: tests/test_checkpoint_resume.py)
     ckpt = tmp_path / "ckpt"
-    split = [f"run.dir={tmp_path / 'split'}", f"checkpoint.save={ckpt}"]
-    run_distributed(run_job, 1, common + split + ["train.exit_interval=3"])
-    run_distributed(run_job, 1, common + split + [f"checkpoint.load={ckpt}"])
-    want, got = _rows(tmp_path / "straight"), _rows(tmp_path / "split")
-    assert sorted(got) == list(range(1, 7))
-    assert _pick(got, range(1, 7)) == _pick(want, range(1, 7))  # bitwise: RMSprop's square_avg crossed the checkpoint
+    run_distributed(run_job, 1, common + [f"run.dir={tmp_path / 'straight'}", f"checkpoint.save={ckpt}",
+                                          "checkpoint.save_interval=3"])
+    run_distributed(run_job, 1, common + [f"run.dir={tmp_path / 'resumed'}", f"checkpoint.load={ckpt}",
+                                          "checkpoint.load_iteration=3"])
+    want, got = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert sorted(got) == [4, 5, 6]
+    assert _pick(got, range(4, 7)) == _pick(want, range(4, 7))  # bitwise: RMSprop's square_avg crossed the checkpoint
     assert want[6]["lm_loss"] < want[1]["lm_loss"]  # it trains
 
 
 def test_user_wrapper_of_the_declared_interface_trains_and_resumes_bitwise(tmp_path):
-    """8 straight iterations == 4 + a resume to 8 through the checkpoint (Adam's moments and step count
-    saved from the wrapper's `sharded_state_dict`), with the user's wrapper taking every step."""
+    """8 straight iterations (saving after the 4th) == a resume of the checkpoint of iteration 4 to 8 (Adam's
+    moments and step count saved from the wrapper's `sharded_state_dict`), with the user's wrapper taking every
+    step."""
     common = SMALL + ["precision._target_=test_optim_components.PlainFP32Wrapper", "train.train_iters=8"]
-    assert run_distributed(_count_wrapper_steps, 1, common + [f"run.dir={tmp_path / 'straight'}"]) == [8]
     ckpt = tmp_path / "ckpt"
-    split = [f"run.dir={tmp_path / 'split'}", f"checkpoint.save={ckpt}"]
-    assert run_distributed(_count_wrapper_steps, 1, common + split + ["train.exit_interval=4"]) == [4]
-    assert run_distributed(_count_wrapper_steps, 1, common + split + [f"checkpoint.load={ckpt}"]) == [4]
-    want, got = _rows(tmp_path / "straight"), _rows(tmp_path / "split")
-    assert sorted(got) == list(range(1, 9))
-    assert _pick(got, range(1, 9)) == _pick(want, range(1, 9))  # bitwise: the moments crossed the checkpoint
+    assert run_distributed(_count_wrapper_steps, 1, common + [f"run.dir={tmp_path / 'straight'}", f"checkpoint.save={ckpt}",
+                                                              "checkpoint.save_interval=4"]) == [8]
+    assert run_distributed(_count_wrapper_steps, 1, common + [f"run.dir={tmp_path / 'resumed'}", f"checkpoint.load={ckpt}",
+                                                              "checkpoint.load_iteration=4"]) == [4]
+    want, got = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert sorted(got) == [5, 6, 7, 8]
+    assert _pick(got, range(5, 9)) == _pick(want, range(5, 9))  # bitwise: the moments crossed the checkpoint
     assert want[8]["lm_loss"] < want[1]["lm_loss"]  # it trains
 
 
@@ -294,10 +297,12 @@ def test_tp2pp2_rmsprop_resumes_bitwise(tmp_path):
     """Reference, first half and resume on the test pool's 4 ranks (the torchrun launch itself is covered by
     tests/test_torchrun.py; one launch fewer for the suite's time)."""
     common = SMALL + ["parallel=tp2pp2", "train.train_iters=4"] + RMSPROP
-    run_distributed(run_job, 4, common + [f"run.dir={tmp_path / 'straight'}"])
-    ckpt, split = tmp_path / "ckpt", tmp_path / "split"
-    run_distributed(run_job, 4, common + [f"run.dir={split}", f"checkpoint.save={ckpt}", "train.exit_interval=2"])
-    run_distributed(run_job, 4, common + [f"run.dir={split}", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"])
-    want, got = _rows(tmp_path / "straight"), _rows(split)
-    assert sorted(got) == [1, 2, 3, 4]
-    assert _pick(got, range(1, 5)) == _pick(want, range(1, 5))
+    # the straight run saves after iteration 2 and goes on; the resume of that checkpoint trains 3 and 4 (a stop by
+    # train.exit_interval and its resume: tests/test_checkpoint_resume.py)
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed"
+    run_distributed(run_job, 4, common + [f"run.dir={tmp_path / 'straight'}", f"checkpoint.save={ckpt}",
+                                          "checkpoint.save_interval=2"])
+    run_distributed(run_job, 4, common + [f"run.dir={resumed}", f"checkpoint.load={ckpt}", "checkpoint.load_iteration=2"])
+    want, got = _rows(tmp_path / "straight"), _rows(resumed)
+    assert sorted(got) == [3, 4]
+    assert _pick(got, range(3, 5)) == _pick(want, range(3, 5))

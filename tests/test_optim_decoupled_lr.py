@@ -202,12 +202,17 @@ def test_zero1_dp2_with_decoupled_lr_resumes_bitwise(tmp_path):
     from mptrain.checkpoint.offline import load_full_state
 
     common = SMALL + DECOUPLED + ["train.train_iters=6", "parallel.use_distributed_optimizer=true"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    run_distributed(run_job, 2, common + [f"run.dir={straight}", f"checkpoint.save={tmp_path / 'ck_straight'}"])
-    ckpt = tmp_path / "ck_split"
-    run_distributed(run_job, 2, common + [f"run.dir={split}", f"checkpoint.save={ckpt}", "train.exit_interval=3"])
-    run_distributed(run_job, 2, common + [f"run.dir={split}", f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"])
-    assert without_timing(read_rows(split)) == without_timing(read_rows(straight))  # bitwise: == on the JSON floats
+    # the straight run saves after iteration 3 and goes on; the resume of that checkpoint trains 4 to 6 (a stop by
+    # train.exit_interval and its resume: tests/test_checkpoint_resume.py)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_distributed(run_job, 2, common + [f"run.dir={straight}", f"checkpoint.save={tmp_path / 'ck_straight'}",
+                                          "checkpoint.save_interval=3"])
+    ckpt = tmp_path / "ck_resumed"
+    run_distributed(run_job, 2, common + [f"run.dir={resumed}", f"checkpoint.load={tmp_path / 'ck_straight'}",
+                                          "checkpoint.load_iteration=3", f"checkpoint.save={ckpt}"])
+    rows = without_timing(read_rows(resumed))
+    assert [r["iteration"] for r in rows] == [4, 5, 6]
+    assert rows == without_timing(read_rows(straight))[3:]  # bitwise: == on the JSON floats
     for fp32_master in (False, True):  # the model weights and ZeRO-1's fp32 main params, bitwise
         want, _ = load_full_state(str(tmp_path / "ck_straight"), fp32_master=fp32_master)
         got, _ = load_full_state(str(ckpt), fp32_master=fp32_master)

@@ -4,8 +4,8 @@ left running after the step and waited for, bucket by bucket, where the next for
 - after a step the all-gathers are pending and the params unchanged; the embedding's forward pre-hook lands its
   buckets only; the chunk's forward lands the rest, and the params then equal the synchronous gather's bitwise;
 - dp2 (world 2) and pp2 × dp2 (world 4, with and without virtual stages): metrics.jsonl (train and evaluation
-  rows) and the saved weights and fp32 main params bitwise equal to overlap off; a run split by exit_interval and
-  resumed equals the straight one bitwise;
+  rows) and the saved weights and fp32 main params bitwise equal to overlap off; a resume of the checkpoint of
+  iteration 2 equals the straight run bitwise;
 - the rule (distributed optimizer and overlap_grad_reduce, as Megatron): one ConfigError line.
 """
 
@@ -103,15 +103,18 @@ def _run(tmp_path, world: int, name: str, overrides: list) -> tuple:
 
 
 def test_dp2_equals_overlap_off_and_resumes_bitwise(tmp_path):
-    rows_on, weights_on = _run(tmp_path, 2, "on", ON)
+    # overlap on also saves after iteration 2 (and goes on: the rows and weights of overlap off show that the save
+    # changed nothing); "resumed" resumes that checkpoint for iterations 3 and 4
+    rows_on, weights_on = _run(tmp_path, 2, "on", ON + ["checkpoint.save_interval=2"])
     rows_off, weights_off = _run(tmp_path, 2, "off", OFF)
     assert [(r["split"], r["iteration"]) for r in rows_on][:4] == [("valid", 0), ("train", 1), ("train", 2), ("valid", 2)]
     assert rows_on == rows_off  # bitwise: == on the floats read back from JSON, evaluation rows included
     _assert_same_weights(weights_on, weights_off)
-    split, ckpt = tmp_path / "split", tmp_path / "split_ckpt"
-    run_distributed(run_job, 2, SMALL + ON + [f"run.dir={split}", f"checkpoint.save={ckpt}", "train.exit_interval=2"])
-    run_distributed(run_job, 2, SMALL + ON + [f"run.dir={split}", f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}"])
-    assert without_timing(read_metrics(split)) == rows_on
+    resumed, ckpt = tmp_path / "resumed", tmp_path / "resumed_ckpt"
+    run_distributed(run_job, 2, SMALL + ON + [f"run.dir={resumed}", f"checkpoint.load={tmp_path / 'on_ckpt'}",
+                                              "checkpoint.load_iteration=2", f"checkpoint.save={ckpt}"])
+    rows = without_timing(read_metrics(resumed))
+    assert rows[0]["iteration"] == 3 and rows == [r for r in rows_on if r["iteration"] > 2]
     _assert_same_weights(_weights(ckpt), weights_on)
 
 

@@ -3,7 +3,7 @@
 examples/plugins/mptrain_plugins/schedules.py is a user's GPipe written against the public
 interface (`ScheduleSpec`, `forward_step` / `backward_step`, `p2p`); it must equal the built-in
 ``schedule=gpipe`` bitwise (same operations in the same order): losses, grad norms and every
-parameter after a few steps, at tp1pp4 and tp2pp2 (4 gloo ranks each, through `run(cfg)`).
+parameter after two steps, at tp1pp4 and tp2pp2 (4 gloo ranks each, through `run(cfg)`).
 """
 
 import json
@@ -22,7 +22,7 @@ from train_utils import compose, read_rows, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "mptrain_plugins.schedules.my_gpipe"
-STEPS = 3
+STEPS = 2  # the first step, and one after an update: every parameter after two updates, bitwise
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
         "train.micro_batch_size=2", f"checkpoint.save_interval={STEPS}"]
 

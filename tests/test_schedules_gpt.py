@@ -134,8 +134,11 @@ def check_against_reference(results, m, sequence_parallel=False):
     assert loss_sum / tokens == pytest.approx(ref_sum / ref_tokens, rel=1e-5)  # fp32, other summation order
 
 
+# the GPT chunks through each schedule with fewer, as many and more micro-batches than stages; every count
+# (1, 2, 3, 4, 8 at pp2 and pp4; interleaved 2, 4, 8 / 4, 8) on the same schedule code: tests/test_schedules.py
+# (test_pp2, test_pp4, test_interleaved_pp2_vpp2, test_interleaved_pp4_vpp2), a toy chunk against its reference
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3])
 def test_gpt_pp2(schedule, m):
     results = run_distributed(_run, 2, 1, 2, None, schedule, m)
     check_against_reference(results, m)
@@ -143,14 +146,15 @@ def test_gpt_pp2(schedule, m):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8])
 def test_gpt_pp4(schedule, m):
     results = run_distributed(_run, 4, 1, 4, None, schedule, m)
     check_against_reference(results, m)
     assert [r["inflight"] for r in results] == ([m] * 4 if schedule == "gpipe" else [min(4 - r, m) for r in range(4)])
 
 
-@pytest.mark.parametrize("world, m", [(2, 1), (2, 2), (2, 3), (2, 4), (2, 8), (4, 1), (4, 2), (4, 3), (4, 4), (4, 8)])
+# m % pp != 0 is refused (m = 3 at pp2, 2 at pp4)
+@pytest.mark.parametrize("world, m", [(2, 2), (2, 3), (2, 8), (4, 2), (4, 4), (4, 8)])
 def test_gpt_interleaved_vpp2(world, m):
     results = run_distributed(_run, world, 1, world, 2, "interleaved_1f1b", m)
     if m % world:

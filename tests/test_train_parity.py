@@ -5,7 +5,7 @@ and writes metrics.jsonl; the test compares lm_loss (rel 1e-5) and grad_norm (re
 with the single-process run, and reads layout.json for the facts that show the parallelism is real.
 
 Tolerances (DESIGN.md §3): layouts change the summation order of TP all-reduces and of the DP
-SUM, so fp32 results differ in the last bits; 1e-5 on the loss and 1e-4 on the norm over 5 steps.
+SUM, so fp32 results differ in the last bits; 1e-5 on the loss and 1e-4 on the norm per step.
 """
 
 import json
@@ -16,7 +16,9 @@ import pytest
 from harness import run_distributed
 from train_utils import read_rows, run_job
 
-STEPS = 5
+# 2 steps: the first (the initial weights), and one after an update (each layout's optimizer step and its grad
+# reduction feed the next forward); a layout that got a reduction wrong differs at step 2
+STEPS = 2
 BASE = ["model=tiny", f"train.train_iters={STEPS}", "train.eval_interval=null", "train.global_batch_size=8",
         "train.micro_batch_size=2"]
 
@@ -92,10 +94,12 @@ def test_tp2pp2_layout_json_shows_real_sharding(layout_runs, reference):
         assert 0.15 * total < r["num_params"] < 0.4 * total, (r, total)
 
 
-def test_tp2pp2_dp2_on_8_processes_each_schedule(tmp_path, reference):
-    for parallel, schedule in (("tp2pp2", "1f1b"), ("tp2pp2", "gpipe"), ("tp2pp2vpp2", "interleaved_1f1b")):
-        rows = _job(tmp_path, schedule, 8, [f"parallel={parallel}", f"schedule={schedule}"])
-        _assert_same(rows, reference)
+def test_tp2pp2vpp2_dp2_on_8_processes(tmp_path, reference):
+    # the full 3-D layout end to end with the interleaved schedule; 1f1b and gpipe at tp2 x pp2 x dp2 (8 processes):
+    # tests/test_schedules_gpt.py::test_gpt_tp2_pp2_dp2_world8 (every grad of the schedule's forward/backward), and
+    # end to end here at tp2pp2 (1f1b, gpipe) and with DP beside PP (tp1pp2vpp2_dp2) on 4 processes
+    rows = _job(tmp_path, "interleaved_1f1b", 8, ["parallel=tp2pp2vpp2", "schedule=interleaved_1f1b"])
+    _assert_same(rows, reference)
 
 
 @pytest.mark.parametrize("parallel", ["tp2pp1", "tp1pp2"])
