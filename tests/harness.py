@@ -34,9 +34,9 @@ import traceback
 
 _POOLS: dict = {}
 _GRACE_S = 5.0
-# Suite time: a training job (`mptrain.training.run.run`) leaves ~15 threads per world-2 worker
-# behind (its destroyed sub-groups' `gloo_tcp_loop` / `pt_gloo_runloop` threads stay alive; a bare
-# new_group + all_reduce + destroy_process_group leaves none), and the idle `gloo_tcp_loop` threads
+# Suite time: a job that leaves process groups alive (a ZeRO-2/3 job: ~3 threads per world-2 worker; every
+# training job left ~15 until the end of a run released DDP's grad hooks) keeps their `gloo_tcp_loop` /
+# `pt_gloo_runloop` threads (a bare new_group + all_reduce + destroy_process_group leaves none), and the idle `gloo_tcp_loop` threads
 # keep waking up: a worker idling with ~680 threads used 0.25 of a core, ~300 threads 0.09, ~150
 # 0.04. In a full suite run the pools' workers reached ~700 threads each (the 4-rank pool alone
 # then drains about a core, even while idle): load average 30-200 and tests 2-5x slower than alone.

@@ -12,6 +12,7 @@ global batch; the mask is random so that the per-rank token counts differ.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -344,3 +345,31 @@ def test_pipeline_tied_embedding_stays_equal(reference, world, pp, distopt):
 
 def test_grad_reduce_in_fp32_matches(reference):
     assert_matches(run_distributed(train, 2, fp32_reduce=True, distopt=True), reference)
+
+
+def _job_frees_its_model(rank, world, run_dir):
+    """(GPTModel instances, native threads) before and after a tp2 training job in this process."""
+    import gc
+    import os
+
+    from mptrain.layers.gpt import GPTModel
+    from mptrain.training.run import run
+    from train_utils import compose
+
+    def alive():
+        gc.collect()
+        return (sum(isinstance(o, GPTModel) for o in gc.get_objects()), len(os.listdir(f"/proc/{os.getpid()}/task")))
+
+    before = alive()
+    run(compose(["model=tiny", "parallel=tp2pp1", "train.train_iters=2", "train.eval_interval=null",
+                 f"run.dir={run_dir}"]))
+    return before, alive()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_a_finished_run_frees_its_model_and_process_groups(tmp_path):
+    """The DDP wrapper's grad hooks live in the params' C++ autograd state (a cycle Python's GC cannot see):
+    the end of a run removes them, so the model, its grad buffers and the run's process groups (gloo's threads)
+    are freed in the process that ran it."""
+    for before, after in run_distributed(_job_frees_its_model, 2, str(tmp_path / "run")):
+        assert after == before

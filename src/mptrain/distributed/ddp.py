@@ -162,6 +162,16 @@ class DistributedDataParallel(ChunkWrapper):
         if overlap_param_gather:
             self._hook_handles += self._param_gather.install_hooks(unwrap(module))
 
+    def release(self) -> None:
+        """Remove the params' hooks (the run is over; the wrapper is not used again).
+
+        A post-accumulate-grad hook is held by the param's C++ autograd state, so the cycle param -> hook ->
+        this wrapper -> param is invisible to Python's garbage collector: without this, a finished run's model,
+        grad buffers and process groups (gloo's threads) stay alive in the process that ran it."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
     # --- buffers ---------------------------------------------------------------------------
     @property
     def grad_buffers(self) -> tuple:

@@ -23,3 +23,7 @@ class ChunkWrapper(torch.nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    def release(self) -> None:
+        """At the end of a run: drop what ties the chunk's params to this wrapper outside Python's view (nothing
+        here; `DistributedDataParallel` removes its grad hooks)."""

@@ -35,6 +35,7 @@ from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.distributed.fsdp import FullyShardedDataParallel
 from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM, running_strategy
+from mptrain.distributed.wrapper import ChunkWrapper
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
 from mptrain.groups import (TORCHRUN_WORLD_SIZE_FLAG, ParallelGroups, build_groups, init_distributed,
                             read_dist_env)
@@ -250,6 +251,7 @@ def run(cfg: Any) -> dict:
     # the rank heartbeat (training/watchdog.py): armed around each step from this process's second on
     heartbeat = StepWatchdog(cfg.train.step_timeout_s, rank=groups.rank) if cfg.train.step_timeout_s is not None else None
     clean_exit = False
+    built = None
     try:
         built = build(cfg, groups, derived, tokenizer, vocab_size)  # data, optimizer: their errors come first
         recorder = Recorder.open(cfg, groups, derived, plan=plan, vocab_size=vocab_size, t_start=t_start)
@@ -266,6 +268,9 @@ def run(cfg: Any) -> dict:
         stop.uninstall()
         if recorder is not None:
             recorder.close()
+        for chunk in built.chunks if built is not None else ():
+            if isinstance(chunk, ChunkWrapper):
+                chunk.release()  # the grad hooks' cycles through C++ (ChunkWrapper.release): the model can be freed
         # After a failure on this rank the communicators are left alone (destroying an NCCL group
         # while a peer waits in a collective hangs): the process exits and torchrun stops the others.
         if clean_exit:
