@@ -199,12 +199,11 @@ def _holds(cfg: DictConfig, key: str, value: Any) -> bool:
     """`cfg` has `value` at the dotted `key` as a literal of the same type (not an interpolation, not missing)."""
     *path, leaf = key.split(".")
     parent = OmegaConf.select(cfg, ".".join(path), default=None, throw_on_resolution_failure=False) if path else cfg
-    if not isinstance(parent, DictConfig) or leaf not in parent:
+    if not isinstance(parent, DictConfig) or leaf not in parent.keys():  # keys(): no interpolation resolved
         return False
-    node = parent._get_node(leaf)
-    if node is None or node._is_interpolation():
+    if OmegaConf.is_interpolation(parent, leaf) or OmegaConf.is_missing(parent, leaf):
         return False
-    held = node._value()
+    held = parent[leaf]
     return type(held) is type(value) and held == value
 
 

@@ -35,7 +35,6 @@ from mptrain.distributed.ddp import DistributedDataParallel
 from mptrain.distributed.finalize import finalize_model_grads
 from mptrain.distributed.fsdp import FullyShardedDataParallel
 from mptrain.distributed.strategy import FULLY_SHARDED, OPTIM, running_strategy
-from mptrain.distributed.wrapper import ChunkWrapper
 from mptrain.errors import ConfigError, StorageError, launch_rank_and_world, report_and_exit
 from mptrain.groups import (TORCHRUN_WORLD_SIZE_FLAG, ParallelGroups, build_groups, init_distributed,
                             read_dist_env)
@@ -268,9 +267,8 @@ def run(cfg: Any) -> dict:
         stop.uninstall()
         if recorder is not None:
             recorder.close()
-        for chunk in built.chunks if built is not None else ():
-            if isinstance(chunk, ChunkWrapper):
-                chunk.release()  # the grad hooks' cycles through C++ (ChunkWrapper.release): the model can be freed
+        for chunk in built.chunks if built is not None else ():  # each a ChunkWrapper (build_model_and_optimizer)
+            chunk.release()  # the grad hooks' cycles through C++ (ChunkWrapper.release): the model can be freed
         # After a failure on this rank the communicators are left alone (destroying an NCCL group
         # while a peer waits in a collective hangs): the process exits and torchrun stops the others.
         if clean_exit:
