@@ -24,11 +24,13 @@ train: setup
 # TEST_WORKERS: pytest-xdist workers, one test file at a time each (most tests run one process; two workers keep both
 # of a 2-core machine busy); TEST_WORKERS=0 runs the suite in this one process. PYTHONDONTWRITEBYTECODE cleared: the
 # suite's fresh interpreters (launchers, the wheel's commands) then read mptrain's cached bytecode, not its sources.
+PYTEST = PYTHONDONTWRITEBYTECODE= PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	PYTHONDONTWRITEBYTECODE= PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PYTEST) tests
 
 test-unit: setup
-	PYTHONDONTWRITEBYTECODE= PYTHONPATH=.venv/fp8-site OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" tests
+	$(PYTEST) -m "not integration" tests
 
 # ruff, configured in pyproject.toml
 lint: setup
