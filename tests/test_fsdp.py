@@ -128,8 +128,8 @@ def test_dp2_zero2_and_zero3_equal_one_process(tmp_path, reference_run, fp8_refe
     # resume is bitwise: the floats read back from JSON are equal
     assert [r["iteration"] for r in runs["z3_resumed"]] == [2]
     assert without_timing(runs["z3_resumed"]) == without_timing(runs["dp2_z3"][1:])
-    # the offloaded shards step the same floats (on CPU the host is the compute device: the same kernels)
-    assert without_timing(runs["dp2_z3_offload"]) == without_timing(runs["dp2_z3"])
+    # offloaded: each rank sums its micro-batches' grads before one reduce-scatter (the same sums in another order)
+    _assert_same(runs["dp2_z3_offload"], runs["dp2_z3"], "dp2_z3_offload", rel=1e-6, grad_rel=1e-6)
     assert "(ZeRO-3, FSDP2, dp=2, CPU offload)" in (tmp_path / "dp2_z3_offload" / "train.log").read_text()
     ddp, z3 = runs["fp16_ddp"], runs["fp16_z3"]
     assert [r["skipped_iter"] for r in z3] == [r["skipped_iter"] for r in ddp] == [False, True, False]

@@ -598,3 +598,19 @@ def test_check_names_world_size_as_the_fix_of_the_world_size():
         run_check(_cfg(["model=tiny", "world_size=2", "parallel=tp2pp2"]), 2)
     assert str(err.value) == ("parallel: world size 2 is not divisible by tensor_model_parallel_size × "
                               "pipeline_model_parallel_size = 4; run with world_size=4 or 8, or pick another parallel=")
+
+
+def test_offload_with_gradient_accumulation_plans_the_unsharded_grads_on_the_device():
+    """optim.optimizer_cpu_offload at dp 1: one micro-batch a step keeps no full grad on the device; four keep the
+    grads unsharded in fp32 there across the step (`mptrain.distributed.fsdp`): ZeRO-2 adds exactly 4 bytes a param
+    (the offloaded fp32 grads' size), ZeRO-3 the same less the one unit's grad it already counted."""
+    def gathered(strategy, gbs):
+        records = _plan(["model=tiny", "precision=bf16", "world_size=1", f"train.global_batch_size={gbs}",
+                         "train.micro_batch_size=2", f"{SHARDING}={strategy}", "optim.optimizer_cpu_offload=true"])
+        r = next(r for r in records if r["recompute"] == "none" and r["optimizer_cpu_offload"])
+        return r["memory_gib"]["gathered"] * 2**30, r["memory_gib"]["grads"] * 2**30
+
+    (z2_one, grads), (z2_four, _) = gathered("optim_grads", 2), gathered("optim_grads", 8)
+    assert z2_four - z2_one == grads > 0
+    z3_one, z3_four = gathered("optim_grads_params", 2)[0], gathered("optim_grads_params", 8)[0]
+    assert 0 < z3_four - z3_one < grads

@@ -47,6 +47,10 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
   no full-size grad is ever held, the reduce-scatter hides behind the backward); under PP the stage's params stay
   gathered and its grads accumulate unsharded in fp32, reduce-scattered once after the last micro-batch (torch's
   pipelining stages do the same: 1F1B's interleaved forwards and backwards would re-gather every micro-batch).
+  With CPU offload the grads also accumulate unsharded in fp32 on the device (4 bytes a param there while a step
+  has more than one micro-batch; the params are still resharded after each backward): FSDP2 would otherwise copy
+  each micro-batch's grad shards to host memory and add them there, a blocking pass over every shard per
+  micro-batch; this way they reduce and offload once per step.
 
 Gradient accumulation fusion (``parallel.gradient_accumulation_fusion``) does not apply: FSDP owns the grads.
 """
@@ -183,6 +187,8 @@ class FullyShardedDataParallel(ChunkWrapper):
         if self.groups.pp_size > 1:  # module docstring: keep the stage gathered, reduce once per step
             root.set_requires_gradient_sync(sync)
             root.set_reshard_after_backward(sync)
+        elif self.cpu_offload:  # module docstring: reduce and offload once per step, the params still resharded
+            root.set_requires_gradient_sync(sync)
         root.set_is_last_backward(sync)
 
     @contextlib.contextmanager

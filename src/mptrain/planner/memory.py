@@ -32,7 +32,9 @@ Model states (FORMULAS; exact for what `training/run.py::build_model_and_optimiz
                     micro-batches, whose grads also accumulate unsharded: + N_r × 4); ZeRO-3 without PP: two
                     units (the one computing and the one prefetched) and the root unit (the tied embedding of a
                     one-stage chunk) in the compute dtype, plus one unit's unsharded fp32 grad before its
-                    reduce-scatter; a unit = the largest of a transformer layer and the embedding.
+                    reduce-scatter; a unit = the largest of a transformer layer and the embedding. CPU offload
+                    with m > 1 micro-batches (no PP): the grads accumulate unsharded on the device, + N_r × 4
+                    (ZeRO-3: in place of the one unit's grad).
     Bucket padding (< dp elements per bucket) and Adam's scalar `step` tensors are ignored (< 0.01 %).
     Expert parallelism (ep > 1): the rank's routed-expert elements X_r (`RankParams.expert_numel`, E/ep experts
     per MoE layer) are sharded by ZeRO-1 over the expert-data-parallel group instead: main params and optimizer
@@ -283,10 +285,12 @@ def gathered_bytes(cfg, layout: PlanLayout, rp: RankParams, *, vocab_size: int) 
     compute = PARAM_BYTES[cfg.precision.name]
     if layout.pp > 1:  # the stage stays gathered over its micro-batches; grads accumulate unsharded in fp32
         return rp.numel * (compute + 4)
+    # CPU offload with gradient accumulation: the grads accumulate unsharded in fp32 on the device
+    accumulated = rp.numel * 4 if layout.cpu_offload and layout.num_microbatches > 1 else 0.0
     if layout.sharding != OPTIM_GRADS_PARAMS:  # ZeRO-2: every layer gathered from its forward to its backward
-        return rp.numel * compute
+        return rp.numel * compute + accumulated
     unit, root = fsdp_unit_elements(cfg, layout, rp, vocab_size=vocab_size)
-    return (2 * unit + root) * compute + unit * 4
+    return (2 * unit + root) * compute + max(unit * 4, accumulated)
 
 
 def _interleaved_inflight(pp: int, vpp: Optional[int], m: int, pp_rank: int) -> int:
