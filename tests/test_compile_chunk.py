@@ -102,6 +102,19 @@ def _notes(rank, world):
             model = GPTModel(cfg, g, parallel=ParallelConfig(), pre_process=True, post_process=True,
                              layer_numbers=[0], vocab_size=32)
             out.append(compile_note([model]))  # torch.compile is lazy: nothing compiles here
+        # the chunk graph under FSDP2 (ZeRO-3 over the one rank, offloaded): each layer its own graph and unit
+        from torch.distributed.fsdp import FSDPModule
+
+        from mptrain.distributed.fsdp import FullyShardedDataParallel
+
+        cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, compile_layers=True)
+        model = GPTModel(cfg, g, parallel=ParallelConfig(), pre_process=True, post_process=True, layer_numbers=[0],
+                         vocab_size=32)
+        assert model.compiled_chunk
+        FullyShardedDataParallel(model, g, strategy="optim_grads_params", compute_dtype=torch.float32, cpu_offload=True)
+        layer = model.decoder.layers["0"]
+        out.append((compile_note([model]), model.compiled_chunk, model._compiled_forward is None,
+                    layer._compiled_body is not None, isinstance(layer, FSDPModule)))
         return out
     finally:
         g.destroy()
@@ -115,6 +128,8 @@ def test_layer_scope_is_its_own_reason():
         " compile=chunk (one graph per model chunk, mode default; model.compile_layers=true)",
         " compile=chunk (one graph per model chunk, mode default; model.compile_layers=true)",
         " compile=off (default: eager on cpu; model.compile_layers=true compiles)",
+        (" compile=layer (chunk graph: ZeRO-2 / ZeRO-3: FSDP2 gathers each layer's params around that layer's graph; "
+         "model.compile_layers=true)", False, True, True, True),
     ]
 
 

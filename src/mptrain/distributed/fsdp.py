@@ -35,6 +35,9 @@ Layout (torchtitan ``torchtitan/distributed/fsdp.py``, Megatron's torch-FSDP2 wr
 * ``reshard_after_forward``: True for ZeRO-3 (``optim_grads_params``), False for ZeRO-2, and False under pipeline
   parallelism whatever the strategy (torchtitan: 1F1B interleaves forwards and backwards of micro-batches, so
   re-gathering per micro-batch costs two all-gathers each and cannot follow FSDP's prefetch order);
+* ``model.compile_layers``: each layer is its own graph, never the chunk as one (`GPTModel.compile_per_layer`,
+  torchtitan's per-block compile under FSDP2): FSDP's pre-forward hooks run eagerly outside a graph, so one chunk
+  graph would make the whole chunk one unit, every param gathered at once for the whole forward and backward;
 * ``precision=fp8``: the block linears keep no per-iteration FP8 weight cast (outside its layer's forward and
   backward a weight is a shard); each FP8 GEMM casts the bf16 weight gathered here (`mptrain.layers.fp8.apply_fp8`,
   ``cache_weight_casts``), as torchao's ``Float8Linear`` under FSDP2 without its FP8 all-gather;
@@ -69,6 +72,9 @@ from mptrain.distributed.wrapper import ChunkWrapper
 from mptrain.layers.param_use import ParamUseRegions
 from mptrain.layers.sharding import collect_shard_specs
 from mptrain.precision.module import round_params_to
+
+
+COMPILE_BLOCKER = "ZeRO-2 / ZeRO-3: FSDP2 gathers each layer's params around that layer's graph"
 
 
 def dp_mesh(groups, device_type: Optional[str] = None) -> DeviceMesh:
@@ -151,6 +157,8 @@ class FullyShardedDataParallel(ChunkWrapper):
         if compute_dtype != torch.float32:  # DDP's master weights: its 16-bit params upcast (module docstring)
             round_params_to(module, compute_dtype)
         mesh = dp_mesh(groups)
+        if hasattr(module, "compile_per_layer"):  # one chunk graph would be one unit, gathered whole (module docstring)
+            module.compile_per_layer(COMPILE_BLOCKER)
         self._reshard, self.cpu_offload = reshard, cpu_offload
         # pinned host memory makes the shards' copies to the device asynchronous; a CPU-only build has none to pin
         offload = CPUOffloadPolicy(pin_memory=groups.device.type == "cuda") if cpu_offload else OffloadPolicy()

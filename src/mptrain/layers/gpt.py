@@ -27,7 +27,7 @@ from mptrain.components import ComponentKind, build
 from mptrain.config.model import ModelConfig
 from mptrain.errors import ConfigError, check_choice
 from mptrain.layers.attention import check_attention_backend, rotary_dim
-from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, plan_compile
+from mptrain.layers.compile import CompilePlan, apply_compile, check_compile, compile_mode_for, plan_compile
 from mptrain.layers.context import LayerContext, layer_context
 from mptrain.layers.cross_entropy import vocab_parallel_cross_entropy
 from mptrain.layers.cp_blocks import document_plan
@@ -349,6 +349,20 @@ class GPTModel(torch.nn.Module):
         """This chunk's forward as one ``torch.compile`` graph, in place (`mptrain.layers.compile.apply_compile`
         under ``compile_scope=chunk``); the received activations are a graph input, parameter names unchanged."""
         self._compiled_forward = torch.compile(self._forward, *args, **kwargs)
+
+    def compile_per_layer(self, reason: str) -> None:
+        """Compile each layer instead of the chunk as one graph, before the first forward (``torch.compile`` is
+        lazy: nothing was traced yet); ``reason``: why, as the ``kernels:`` line gives it. A wrapper that acts
+        around each layer (FSDP2 gathers a layer's params before its forward) needs the layers as regions of their
+        own (`param_use_regions`): around one chunk graph it could act only around the whole chunk. Nothing to do
+        when the chunk is not one graph."""
+        if not self.compiled_chunk:
+            return
+        self.compile_plan = dataclasses.replace(self.compile_plan, chunk=False, blocker=reason,
+                                                mode=compile_mode_for(self.config, self.groups, self.context.device, False))
+        self._compiled_forward = None
+        self.decoder.rng_fork = self.decoder.sequence_parallel  # eager between the layer graphs: the SP fork runs
+        apply_compile(self, self.compile_plan)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activations ``[s(/tp), b, h]`` from the previous stage (a tensor or a one-element list)."""
