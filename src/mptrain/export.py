@@ -22,6 +22,7 @@ from mptrain.hf import registry
 from mptrain.hf.io import DTYPES
 
 LEGACY_FORMATS = {"hf-gpt2": ("gpt2", "float32")}  # old --format: --format hf's --hf-model-type and --dtype
+IMPORTS = ("import_hf", "import_hf_gpt2", "import_megatron")  # the sources of an import (one at a time)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,9 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--import-megatron", metavar="DIR", help="import a Megatron-LM checkpoint (torch_dist or legacy torch; its "
         "--save folder or one iter_N folder) into a checkpoint at --output")
     return parser
-
-
-IMPORTS = ("import_hf", "import_hf_gpt2", "import_megatron")
 
 
 def _import(args) -> None:

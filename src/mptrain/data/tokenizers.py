@@ -54,6 +54,8 @@ class TokenizerProtocol(Protocol):
         decode(ids: Sequence[int]) -> str: text of `ids` (EOD dropped or rendered, the class decides).
         encode_array(text) -> np.ndarray (optional): a fast path for preprocessing; without it
             `encode` is used.
+        tokenizer_json() -> str (optional): the tokenizer as one Hugging Face `tokenizers` JSON whose EOD
+            is ``<|endoftext|>``: the tokenizer.json of a ``--format hf`` export (`mptrain.hf.tokenizer`).
     """
 
     vocab_size: int
@@ -102,6 +104,8 @@ class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, EOD = 256 (vocab 257). Needs no files; the default for
     `data=shakespeare`. `decode` drops EOD ids and replaces invalid UTF-8."""
 
+    EOD_TOKEN = "<|endoftext|>"  # the EOD's token in `tokenizer_json`
+
     def __init__(self) -> None:
         self.vocab_size = 257
         self.eod = 256
@@ -114,6 +118,25 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def tokenizer_json(self) -> str:
+        """This tokenizer as one `tokenizers` JSON (a Hugging Face export's), exactly: GPT-2's byte-level
+        pre-tokenizer and decoder, a BPE without merges mapping byte b's character to id b, `EOD_TOKEN` = 256,
+        no BOS."""
+        from tokenizers import Tokenizer as _HF
+        from tokenizers import decoders, models, pre_tokenizers
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        # GPT-2's byte -> character table (encoder.py::bytes_to_unicode): printable bytes as is, the others 256, ...
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        byte_to_char = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+        assert sorted(byte_to_char.values()) == sorted(ByteLevel.alphabet())
+        tok = _HF(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([self.EOD_TOKEN])  # id 256: the next free id
+        return tok.to_str()
 
     @property
     def fingerprint(self) -> str:

@@ -7,14 +7,17 @@ a module); ``mapping.py``: the two-way tensor mappings they are made of; ``io.py
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import pkgutil
 from typing import Optional
 
 from mptrain.errors import ConfigError
+from mptrain.hf import families
 
 
+@dataclasses.dataclass(frozen=True)
 class Family:
     """One Hugging Face ``model_type``, as a ``families/`` module supplies it: ``model_type`` (the key), ``architecture``
     (config.json's ``architectures`` entry), ``title``, ``ignored`` (a regex matching buffers among tensor names),
@@ -22,26 +25,23 @@ class Family:
     ``model_from_config(cfg, notes)`` (our model dict for config.json ``cfg``; a lossy step appends a line to ``notes``;
     ConfigError, one line, for what our model cannot express), ``config_from_model(model)`` (its config.json less
     vocab_size, bos / eos ids and dtype), ``problems(model)`` (what of our model it cannot express, ``model.KEY=value
-    (Title: want)`` each), ``rules(model)`` (the `mptrain.hf.mapping.Rule` of each parameter of ours; an MoE family's
-    experts are more rules), ``import_rules(model, names)`` (the rules that read a folder holding the tensors ``names``:
-    ``rules`` unless a family reads two layouts) and ``stored_name(name)`` (the rules' name of a tensor as a folder
-    stores it).
+    (Title: want)`` each), ``rules(model, names=())`` (the `mptrain.hf.mapping.Rule` of each parameter of ours; an MoE
+    family's experts are more rules; ``names``: the tensors of the folder read, for a family that reads two layouts)
+    and ``stored_name(name)`` (the rules' name of a tensor as a folder stores it).
     """
 
+    model_type: str
+    architecture: str
+    title: str
     ignored, head = r"(?!)", "lm_head.weight"  # no buffers; Hugging Face's name of the output layer
 
     def stored_name(self, name: str) -> str:
         return name
 
-    def import_rules(self, model: dict, names) -> list:
-        return self.rules(model)
-
 
 @functools.cache
 def registry() -> dict:
     """{model_type: Family} of the modules of ``mptrain/hf/families`` (name order, each in its ``FAMILIES`` order)."""
-    from mptrain.hf import families
-
     modules = sorted(info.name for info in pkgutil.iter_modules(families.__path__))
     return {f.model_type: f for m in modules for f in importlib.import_module(f"{families.__name__}.{m}").FAMILIES}
 

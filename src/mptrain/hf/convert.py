@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from mptrain.checkpoint import offline
+from mptrain.checkpoint.args import HF_CONFIG_KEYS
 from mptrain.errors import ConfigError
 from mptrain.hf import export_family, family_of, io
 from mptrain.hf.tokenizer import checkpoint_tokenizer, import_tokenizer, write_tokenizer_files
@@ -31,7 +32,7 @@ def special_ids(meta: dict, eod: Optional[int], bos: Optional[int] = None) -> tu
 
 def _import_tensors(family, model: dict, tensors: io.HFTensors) -> dict:
     """{our name: (shape, dtype, loader)}; ConfigError (one line): a tensor missing, extra or of another shape."""
-    rules, want = {rule.ours: rule for rule in family.import_rules(model, tensors.names)}, offline.expected_shapes(model)
+    rules, want = {rule.ours: rule for rule in family.rules(model, tensors.names)}, offline.expected_shapes(model)
     needed = {src for rule in rules.values() for src in rule.hf}
     tied = set() if model["untie_embeddings_and_output_weights"] else {family.head}  # a saved tied head is allowed
     extra = sorted({n for n in tensors.names if not re.search(family.ignored, n)} - needed - tied)
@@ -60,8 +61,6 @@ def import_hf(hf_dir: str, output: str) -> tuple[Path, list]:
     (model_type, bos / eos ids) and ``use_checkpoint_args``: ``checkpoint.load=<output>`` makes the model at any layout.
     Returns (the checkpoint folder, notes). ConfigError (one line): no config.json, an unsupported family or feature,
     weights that do not match config.json, an ``output`` that is not new."""
-    from mptrain.checkpoint.args import HF_CONFIG_KEYS
-
     hf_path, root = Path(hf_dir), Path(output)
     if not (hf_path / "config.json").is_file():
         raise ConfigError(f"import-hf: {hf_path} has no config.json; pass a Hugging Face model folder "

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from mptrain.errors import ConfigError
 
@@ -19,8 +21,6 @@ INDEX = "model.safetensors.index.json"
 
 def _safe_open(path: Path):
     """Raises ConfigError: ``path`` is missing, truncated or not safetensors."""
-    from safetensors import safe_open
-
     if not path.is_file():
         raise ConfigError(f"import-hf: {path} is missing ({INDEX} lists it); copy the whole Hugging Face folder")
     try:
@@ -63,8 +63,6 @@ class HFTensors:
 def write_shards(out: Path, sizes: list, load: Callable[[str], dict], max_shard_size_mb: float) -> list:
     """Shards filled in order up to ``max_shard_size_mb`` MB, as transformers cuts them (``sizes``: [(key, bytes)], a key's
     tensors, ``load(key)``: {name: tensor}, in one shard), and the index; returns the files written."""
-    from safetensors.torch import save_file
-
     shards, limit = [[]], max_shard_size_mb * 1_000_000
     for key, size in sizes:
         if shards[-1] and sum(s for _, s in shards[-1]) + size > limit:

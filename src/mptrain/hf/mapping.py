@@ -1,11 +1,10 @@
 """Two-way tensor mappings between our tp1pp1 parameters and Hugging Face tensors. A `Rule` ties our ``ours`` to the
 Hugging Face tensors ``hf`` it is made of: ``to_hf(t)`` gives them, ``from_hf(ts)`` inverts it (reshapes, transposes,
-splits, concatenations: exact). An MoE family's grouped expert weights ``[E, ...]`` are `Experts` rules: one
-Hugging Face tensor per expert and part (Mixtral's ``experts.{e}.w1``, Qwen3-MoE's ``experts.{e}.gate_proj``), or
-transformers 5's fused ``experts.gate_up_proj [E, 2f, h]`` / ``down_proj [E, h, f]``, which are ours as they are. Fused QKV (`mptrain.layers.attention`): our rows, per
-query group g ``[q_{g,0..np/ng-1}, k_g, v_g]`` × hn, are viewed ``[ng, np/ng + 2, hn, ...]``; Hugging Face keeps q
-``[np·hn]``, k and v ``[ng·hn]`` head-major, as three tensors (Llama) or one ``[q; k; v]`` (GPT-2's ``c_attn``, ng = np).
-Sources: transformers ``modeling_llama.py`` (``LlamaAttention``), ``modeling_gpt2.py`` (``Conv1D``); Megatron-LM
+splits, concatenations: exact); an MoE family's grouped expert weights ``[E, ...]`` are `Experts` rules (or direct ones
+in transformers 5's fused layout). Fused QKV (`mptrain.layers.attention`): our rows, per query group g
+``[q_{g,0..np/ng-1}, k_g, v_g]`` × hn, are viewed ``[ng, np/ng + 2, hn, ...]``; Hugging Face keeps q ``[np·hn]``, k and
+v ``[ng·hn]`` head-major, as three tensors (Llama) or one ``[q; k; v]`` (GPT-2's ``c_attn``, ng = np). Sources:
+transformers ``modeling_llama.py`` (``LlamaAttention``), ``modeling_gpt2.py`` (``Conv1D``); Megatron-LM
 ``tools/checkpoint/loader_llama_mistral.py``.
 """
 
@@ -20,26 +19,18 @@ def _t(t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Direct: ``hf[0]`` is our tensor as is (embeddings, norms, most linears)."""
+    """Direct: ``hf[0]`` is our tensor as is (embeddings, norms, most linears), or with ``transpose`` our weight
+    transposed, ``[in, out]`` (GPT-2's Conv1D; a bias as is)."""
 
     ours: str
     hf: tuple
+    transpose: bool = False
 
     def to_hf(self, t: torch.Tensor) -> tuple:
-        return (t,)
+        return (_t(t) if self.transpose else t,)
 
     def from_hf(self, ts: list) -> torch.Tensor:
-        return ts[0]
-
-
-class Transpose(Rule):
-    """``hf[0]`` is our weight transposed, ``[in, out]`` (GPT-2's Conv1D); a bias as is."""
-
-    def to_hf(self, t: torch.Tensor) -> tuple:
-        return (_t(t),)
-
-    def from_hf(self, ts: list) -> torch.Tensor:
-        return _t(ts[0])
+        return _t(ts[0]) if self.transpose else ts[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +39,6 @@ class FusedQKV(Rule):
 
     heads: int = 1
     groups: int = 1
-    transpose: bool = False
 
     def to_hf(self, t: torch.Tensor) -> tuple:
         rest, rep = t.shape[1:], self.heads // self.groups

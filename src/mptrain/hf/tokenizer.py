@@ -1,10 +1,9 @@
 """The tokenizer files of a Hugging Face export, per training tokenizer (``data.tokenizer``), and an import's. An
 `HFTokenizer`: its ``tokenizer.json`` copied, and the tokenizer_config.json / special_tokens_map.json beside it
 (`TOKENIZER_SIDECARS`) with every field kept (``tokenizer_class``, ``add_bos_token``: the BOS rule travels,
-`mptrain.data.tokenizers.bos_token_id`) but ``bos_token`` / ``eos_token``, which name config.json's ids. The
-`ByteTokenizer`: an exact equivalent (GPT-2's byte-level pre-tokenizer, a BPE without merges mapping byte b's
-character to id b, ``<|endoftext|>`` = 256, no BOS). The `GPT2BPETokenizer`: its vocab and merges as one
-tokenizer.json. Any other: nothing (a note)."""
+`mptrain.data.tokenizers.bos_token_id`) but ``bos_token`` / ``eos_token``, which name config.json's ids. A tokenizer
+with a ``tokenizer_json()`` (`ByteTokenizer`, `GPT2BPETokenizer`; bos / eos ``<|endoftext|>``): that JSON; any other:
+nothing (a note)."""
 
 from __future__ import annotations
 
@@ -13,31 +12,15 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-BYTE_EOD_TOKEN = "<|endoftext|>"
+from tokenizers import Tokenizer
 
-
-def byte_level_tokenizer_json() -> str:
-    """A `tokenizers` JSON equal to `ByteTokenizer` (ids 0..255 = bytes, 256 = EOD)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    # GPT-2's byte -> character table (encoder.py::bytes_to_unicode): printable bytes as is, the others 256, 257, ...
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    byte_to_char = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-    assert sorted(byte_to_char.values()) == sorted(ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([BYTE_EOD_TOKEN])  # id 256: the next free id
-    return tok.to_str()
+from mptrain.checkpoint.args import TOKENIZER_SIDECARS
+from mptrain.data.tokenizers import HFTokenizer, build_tokenizer, token_content, tokenizer_config
+from mptrain.errors import ConfigError
 
 
 def checkpoint_tokenizer(data_cfg: dict) -> tuple:
     """(the tokenizer of a saved ``data`` config, None when it cannot be made here; notes for the user)."""
-    from mptrain.data.tokenizers import build_tokenizer
-    from mptrain.errors import ConfigError
-
     try:
         return build_tokenizer(data_cfg), []
     except ConfigError as err:
@@ -49,11 +32,8 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int, s
     """Write the tokenizer of ``data_cfg`` (``tokenizer``: it, already made) into ``out``. ``special_ids``: the (bos, eos)
     ids of config.json (ints or lists), None: the tokenizer's BOS (else EOD) and EOD. Returns (the EOD, None when the
     tokenizer cannot be made here; the files written; notes for the user)."""
-    from mptrain.checkpoint.args import TOKENIZER_SIDECARS
-    from mptrain.data.tokenizers import ByteTokenizer, GPT2BPETokenizer, HFTokenizer, tokenizer_config
-
     tokenizer, notes = (tokenizer, []) if tokenizer is not None else checkpoint_tokenizer(data_cfg)
-    special, copied, base = {"bos_token": BYTE_EOD_TOKEN, "eos_token": BYTE_EOD_TOKEN}, [], {}
+    special, copied, base = dict.fromkeys(("bos_token", "eos_token"), "<|endoftext|>"), [], {}
     if isinstance(tokenizer, HFTokenizer):
         source = Path(str(data_cfg["tokenizer"]["tokenizer_json"])).expanduser()
         shutil.copyfile(source, out / "tokenizer.json")
@@ -65,9 +45,7 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int, s
                                                             tokenizer.eod)):
             first = ids[0] if isinstance(ids, list) and ids else ids  # an id outside the vocabulary: the EOD's token
             special[key] = tokenizer.token(default if first is None else first) or tokenizer.token(tokenizer.eod)
-    elif isinstance(tokenizer, ByteTokenizer):
-        (out / "tokenizer.json").write_text(byte_level_tokenizer_json())
-    elif isinstance(tokenizer, GPT2BPETokenizer):  # bos / eos: <|endoftext|>, GPT-2's
+    elif callable(getattr(tokenizer, "tokenizer_json", None)):
         (out / "tokenizer.json").write_text(tokenizer.tokenizer_json())
     else:
         return getattr(tokenizer, "eod", None), [], notes or [
@@ -85,11 +63,6 @@ def write_tokenizer_files(data_cfg: dict, out: Path, *, model_max_length: int, s
 def import_tokenizer(hf_path: Path, root: Path, cfg: dict) -> Optional[dict]:
     """``data.tokenizer`` of an import: `HFTokenizer` on the folder's tokenizer.json copied to ``root`` with its sidecars,
     EOD = the EOS (tokenizer_config.json's, else config.json's); None without a tokenizer.json."""
-    from tokenizers import Tokenizer
-
-    from mptrain.checkpoint.args import TOKENIZER_SIDECARS
-    from mptrain.data.tokenizers import token_content, tokenizer_config
-
     if not (hf_path / "tokenizer.json").is_file():
         return None
     for name in ("tokenizer.json", *TOKENIZER_SIDECARS):

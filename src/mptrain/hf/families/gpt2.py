@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from mptrain.errors import ConfigError
 from mptrain.hf import Family
-from mptrain.hf.mapping import FusedQKV, Rule, Transpose
+from mptrain.hf.mapping import FusedQKV, Rule
 
 
 class GPT2(Family):
-    model_type, architecture, title = "gpt2", "GPT2LMHeadModel", "GPT-2"
     ignored = r"\.attn\.(bias|masked_bias)$"  # the causal-mask buffers of older transformers
 
     def model_from_config(self, cfg: dict, notes: list) -> dict:
@@ -51,7 +50,7 @@ class GPT2(Family):
             out.append(f"model.kv_channels={model['kv_channels']} (GPT-2: hidden_size / heads = {h // heads})")
         return out
 
-    def rules(self, model: dict) -> list:
+    def rules(self, model: dict, names=()) -> list:
         heads, kinds = model["num_attention_heads"], ("weight", "bias")
         out = [Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
                Rule("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
@@ -60,10 +59,10 @@ class GPT2(Family):
             out += [Rule(f"{ours}.input_layernorm.{k}", (f"{hf}.ln_1.{k}",)),
                     FusedQKV(f"{ours}.self_attention.linear_qkv.{k}", (f"{hf}.attn.c_attn.{k}",), heads=heads,
                              groups=heads, transpose=True),
-                    Transpose(f"{ours}.self_attention.linear_proj.{k}", (f"{hf}.attn.c_proj.{k}",)),
+                    Rule(f"{ours}.self_attention.linear_proj.{k}", (f"{hf}.attn.c_proj.{k}",), transpose=True),
                     Rule(f"{ours}.pre_mlp_layernorm.{k}", (f"{hf}.ln_2.{k}",)),
-                    Transpose(f"{ours}.mlp.linear_fc1.{k}", (f"{hf}.mlp.c_fc.{k}",)),
-                    Transpose(f"{ours}.mlp.linear_fc2.{k}", (f"{hf}.mlp.c_proj.{k}",))]
+                    Rule(f"{ours}.mlp.linear_fc1.{k}", (f"{hf}.mlp.c_fc.{k}",), transpose=True),
+                    Rule(f"{ours}.mlp.linear_fc2.{k}", (f"{hf}.mlp.c_proj.{k}",), transpose=True)]
         if model.get("untie_embeddings_and_output_weights"):
             out.append(Rule("output_layer.weight", (self.head,)))
         return out
@@ -73,4 +72,4 @@ class GPT2(Family):
         return name if name.startswith(("transformer.", "lm_head")) else f"transformer.{name}"
 
 
-FAMILIES = (GPT2(),)
+FAMILIES = (GPT2("gpt2", "GPT2LMHeadModel", "GPT-2"),)

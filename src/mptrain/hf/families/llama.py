@@ -1,9 +1,8 @@
 """Llama (2 / 3 / 3.x) and its variants Mistral, Qwen2 (2.5), Qwen3: RMSNorm, SwiGLU, RoPE with ``llama3`` scaling (ours
 rotates halves, as theirs), grouped-query attention (FusedQKV), gate / up (GatedMLP), tied or untied embeddings (names:
 docs/CHECKPOINTS.md). The variants differ in biases (Llama: every linear or none; Mistral, Qwen3: none; Qwen2: q, k, v),
-sliding-window keys (a window shorter than the positions is refused) and Qwen3's q / k norms (model.qk_layernorm); the
-MoE families (mixtral.py, qwen3_moe.py) subclass it. Source: transformers ``models/{llama,mistral,qwen2,qwen3}/``,
-Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
+sliding-window keys (a window shorter than the positions is refused) and Qwen3's q / k norms (model.qk_layernorm).
+Sources: transformers ``models/{llama,mistral,qwen2,qwen3}/``, Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
 """
 
 from __future__ import annotations
@@ -20,10 +19,6 @@ _SAME = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_a
 _SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _bias_kind(model: dict) -> str:  # our biases: on every linear, on q, k, v only, or none
-    return "all" if model.get("add_bias_linear") else "qkv" if model.get("add_qkv_bias") else "none"
-
-
 def _rope(cfg: dict) -> tuple[float, dict]:  # (theta, llama3 scaling or {}): transformers 5's keys or the older
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or params
@@ -35,10 +30,7 @@ def _rope(cfg: dict) -> tuple[float, dict]:  # (theta, llama3 scaling or {}): tr
 
 @dataclasses.dataclass(frozen=True)
 class LlamaFamily(Family):
-    model_type: str
-    architecture: str
-    title: str
-    biases: tuple = ("none",)  # the `_bias_kind`s it expresses
+    biases: tuple = ("none",)  # the biases it expresses: "all" (every linear), "qkv" (q, k, v only), "none"
     window: str = "key"  # config.json's sliding_window: "key", "opt_in" (Qwen2: with use_sliding_window), "" (none)
     qk_norm: bool = False  # Qwen3's q_norm / k_norm: model.qk_layernorm
     ignored = r"rotary_emb\.inv_freq$"
@@ -95,15 +87,16 @@ class LlamaFamily(Family):
                ("activation", "swiglu"), ("position_embedding_type", "rope"), ("rotary_percent", 1.0),
                ("qk_layernorm", self.qk_norm)) if model.get(key, want if key != "qk_layernorm" else False) != want]
         out += self.moe_problems(model)  # partial RoPE: Llama's attention rotates whole heads
-        if _bias_kind(model) not in self.biases:
+        bias = "all" if model.get("add_bias_linear") else "qkv" if model.get("add_qkv_bias") else "none"
+        if bias not in self.biases:
             out.append(f"model.add_bias_linear={model.get('add_bias_linear')}, add_qkv_bias={model.get('add_qkv_bias')} "
                        f"({self.title}: biases on {' or '.join(self.biases)})")
         return out
 
-    def rules(self, model: dict) -> list:
+    def rules(self, model: dict, names=()) -> list:
         heads, ng = model["num_attention_heads"], model.get("num_query_groups") or model["num_attention_heads"]
         kinds = ("weight", "bias") if model.get("add_bias_linear") else ("weight",)
-        qkv_kinds = ("weight", "bias") if _bias_kind(model) != "none" else ("weight",)
+        qkv_kinds = ("weight", "bias") if model.get("add_bias_linear") or model.get("add_qkv_bias") else ("weight",)
         out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
                Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
         for i in range(model["num_layers"]):

@@ -12,17 +12,11 @@ transformers 5's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` (read; expor
 
 from __future__ import annotations
 
-import dataclasses
-
 from mptrain.errors import ConfigError
-from mptrain.hf.families.llama import LlamaFamily
-from mptrain.hf.families.mixtral import expert_rules, layer_pattern, routing_problems
+from mptrain.hf.families.mixtral import MoeFamily, layer_pattern
 
 
-@dataclasses.dataclass(frozen=True)
-class Qwen3MoeFamily(LlamaFamily):
-    fused: bool = False  # the folder holds transformers 5's fused expert tensors
-
+class Qwen3MoeFamily(MoeFamily):
     def model_from_config(self, cfg: dict, notes: list) -> dict:
         layers, step = int(cfg["num_hidden_layers"]), int(cfg.get("decoder_sparse_step") or 1)
         experts, dense = int(cfg.get("num_experts", cfg.get("num_local_experts")) or 0), set(cfg.get("mlp_only_layers") or ())
@@ -31,31 +25,16 @@ class Qwen3MoeFamily(LlamaFamily):
             raise ConfigError(f"import-hf: config.json num_experts={experts}, decoder_sparse_step={step}, mlp_only_layers="
                               f"{sorted(dense)} leave no MoE layer; import it as a qwen3 (dense) model")
         return {**super().model_from_config(cfg, notes), "num_moe_experts": experts,
-                "moe_router_topk": int(cfg["num_experts_per_tok"]), "moe_layer_freq": 1 if all(pattern) else pattern,
-                "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]), "moe_router_score_function": "softmax",
-                "moe_router_pre_softmax": not cfg.get("norm_topk_prob", False),
-                "moe_aux_loss_coeff": float(cfg.get("router_aux_loss_coef") or 0.0)}
+                "moe_layer_freq": 1 if all(pattern) else pattern,
+                "moe_router_pre_softmax": not cfg.get("norm_topk_prob", False)}
 
     def config_from_model(self, model: dict) -> dict:
-        width = model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * model["hidden_size"]
-        pattern = layer_pattern(model)
-        return {**super().config_from_model(model), "num_experts": model["num_moe_experts"],
-                "num_experts_per_tok": model.get("moe_router_topk", 2), "moe_intermediate_size": width,
-                "decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe],
+        return {**super().config_from_model(model), "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, moe in enumerate(layer_pattern(model)) if not moe],
                 "norm_topk_prob": not model.get("moe_router_pre_softmax", False), "attention_bias": False,
-                "router_aux_loss_coef": model.get("moe_aux_loss_coeff", 0.0), "output_router_logits": False,
                 "max_window_layers": model["num_layers"]}
 
-    def moe_problems(self, model: dict) -> list:
-        return routing_problems(model, self.title, (False, True))
 
-    def import_rules(self, model: dict, names) -> list:
-        return dataclasses.replace(self, fused=any(n.endswith(".experts.gate_up_proj") for n in names)).rules(model)
-
-    def mlp_rules(self, model: dict, i: int, kinds: tuple) -> list:
-        if not layer_pattern(model)[i]:
-            return super().mlp_rules(model, i, kinds)
-        return expert_rules(i, "mlp", model["num_moe_experts"], ("gate_proj", "up_proj", "down_proj"), self.fused)
-
-
-FAMILIES = (Qwen3MoeFamily("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", window="opt_in", qk_norm=True),)
+FAMILIES = (Qwen3MoeFamily("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", window="opt_in", qk_norm=True,
+                           keys=("num_experts", "moe_intermediate_size"), block="mlp",
+                           parts=("gate_proj", "up_proj", "down_proj"), pre_softmax=(False, True)),)
