@@ -408,7 +408,8 @@ def _zero(gpus: int) -> list:
       run as no_shard at dp = 1, ZeRO-1 as a distributed optimizer over one rank): each ≥ 0.98 × the DDP row;
     * ZeRO-3 + full recompute with ``optim.optimizer_cpu_offload`` (FSDP2 keeps the one rank's fp32 shards, their
       grads and Adam's state in host memory, 16 bytes a param; the device holds two layers' bf16 params, the
-      recomputed activations and the logits) against the same without offload (at dp = 1 the DDP path: 18 bytes a
+      recomputed activations, the logits and, with four micro-batches a step, the fp32 grads accumulated unsharded
+      until the step's one reduction) against the same without offload (at dp = 1 the DDP path: 18 bytes a
       param on the device), at gpt_2.7b (both fit an H100: the price of offload) and gpt_6.7b, the largest GPT
       preset whose host states fit the machine's 128 GiB (gpt_13b needs 208 GB); without offload it needs 120 GiB
       of device memory: the planner skips it on an 80 GiB GPU."""
