@@ -311,6 +311,19 @@ def test_different_model_is_a_config_error(tmp_path):
     assert "\n" not in msg
 
 
+def test_use_checkpoint_args_keeps_the_position_table_of_another_seq_length():
+    """The fixture saved a learned-position model with max_position_embeddings null at seq_length 16: its table has
+    16 rows, which use_checkpoint_args carries to a run of seq_length 8 (the run's seq_length stays its own)."""
+    from mptrain.checkpoint.args import apply_checkpoint_args
+    from mptrain.config.schema import as_config
+    from train_utils import compose
+
+    ckpt = Path(__file__).parent / "fixtures" / "ckpt_fp16_tp1pp2" / "checkpoint"
+    overrides = [f"checkpoint.load={ckpt}", "checkpoint.use_checkpoint_args=true", "model.seq_length=8"]
+    cfg = apply_checkpoint_args(as_config(compose(overrides)), overrides)
+    assert (cfg.model.max_position_embeddings, cfg.model.seq_length) == (16, 8)
+
+
 # --- folders, latest, keep_last_n (pure file logic) --------------------------------------------------
 def _fake_save(root, iteration, keep_last_n=None):
     """What save_checkpoint does on disk, with stand-in files for DCP's output."""

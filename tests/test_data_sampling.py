@@ -265,9 +265,15 @@ def test_provider_config_and_data_errors(corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"^data.prefixes is empty; set data.prefixes=\[PATH_PREFIX\]"):
         check_data_config(_cfg([]))
     check_data_config(DataConfig(name="mock", tokenizer=BYTE))  # mock data reads no corpus
-    with pytest.raises(ConfigError, match=r"data.vocab_size=300 exceeds the tokenizer's vocab_size=257"):
+    with pytest.raises(ConfigError, match=r"data.vocab_size=300 exceeds the tokenizer's vocab_size=257; set "
+                                          r"data.vocab_size<=257$"):  # a byte tokenizer's size is no key
         build_provider(DataConfig(name="mock", vocab_size=300), tokenizer=ByteTokenizer(), seq_length=8, micro_batch_size=1,
                        global_batch_size=1, dp_rank=0, dp_size=1, needs_data=True)
+    from mptrain.data.tokenizers import NullTokenizer
+
+    with pytest.raises(ConfigError, match=r"set data.vocab_size<=100 or raise data.tokenizer.vocab_size$"):
+        build_provider(DataConfig(name="mock", vocab_size=300), tokenizer=NullTokenizer(100), seq_length=8,
+                       micro_batch_size=1, global_batch_size=1, dp_rank=0, dp_size=1, needs_data=True)
     p = _provider(DataConfig(_target_=INDEXED, name="indexed", prefixes=[corpus["a"]], split="1,0,0", tokenizer=BYTE), tmp_path)
     assert p.has_split("train") and not p.has_split("valid")
     with pytest.raises(DataError, match=r"data.split='1,0,0' leaves the valid split no documents"):

@@ -614,3 +614,13 @@ def test_offload_with_gradient_accumulation_plans_the_unsharded_grads_on_the_dev
     assert z2_four - z2_one == grads > 0
     z3_one, z3_four = gathered("optim_grads_params", 2)[0], gathered("optim_grads_params", 8)[0]
     assert 0 < z3_four - z3_one < grads
+
+
+def test_offloaded_layouts_rank_after_those_that_fit_without_and_say_what_their_step_time_leaves_out():
+    from mptrain.planner.memory import OFFLOAD_ASSUMPTION
+
+    records = _plan(["model=tiny", "precision=bf16", "world_size=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+                     f"{SHARDING}=optim_grads_params", "optim.optimizer_cpu_offload=true"])
+    offloaded = [r["optimizer_cpu_offload"] for r in records if r["fits"]]
+    assert offloaded == sorted(offloaded) and offloaded[0] is False and offloaded[-1] is True
+    assert all((OFFLOAD_ASSUMPTION in r["assumptions"]) == r["optimizer_cpu_offload"] for r in records)

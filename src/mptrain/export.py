@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--iteration", type=int, default=None, help="which iteration (default: latest; --import-megatron: its iter_N)")
     add("--output", required=True, help="the folder to write (new or empty): the export, or the imported checkpoint")
     add("--format", choices=("safetensors", "hf", *LEGACY_FORMATS), default=None,
-        help="safetensors (default: model.safetensors + config.json); hf: a Hugging Face folder")
+        help="safetensors (default: model.safetensors + config.json); hf: a Hugging Face folder "
+        "(hf-gpt2: its old spelling)")
     add("--dtype", choices=tuple(DTYPES), default=None, help="--format hf: weight dtype (default: the checkpoint's)")
     add("--hf-model-type", choices=tuple(registry()), default=None,
         help="--format hf: the family (default: the imported one, else the first that expresses the model)")
@@ -94,7 +95,7 @@ def _export(args) -> None:
                        max_shard_size_mb=args.max_shard_size_mb, flag=flag)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    print(f"wrote {out} ({fmt})")
+    print(f"wrote {out} ({'hf' if fmt in LEGACY_FORMATS else fmt})")
 
 
 def main(argv: Optional[list] = None) -> int:

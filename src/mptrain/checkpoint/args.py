@@ -239,6 +239,9 @@ def apply_checkpoint_args(cfg, command_line: Optional[Sequence[str]] = None):
         return cfg
     model = saved.get("model") or {}
     updates = {k: model[k] for k in ARCHITECTURE_KEYS if k in model}
+    if updates.get("max_position_embeddings") is None and model.get("position_embedding_type") == "learned_absolute":
+        # null meant the saved run's seq_length: the position table's rows, not this run's (a training choice)
+        updates["max_position_embeddings"] = model.get("seq_length")
     given = command_line_keys(command_line)
     replaced = [f"model.{k}={getattr(cfg.model, k)} -> {v}" for k, v in updates.items()
                 if _given(given, f"model.{k}") and getattr(cfg.model, k) != v]

@@ -466,9 +466,11 @@ class MockDataProvider(GPTDataProvider):
 
     def _check(self) -> None:
         if self.vocab_size > self.tokenizer.vocab_size:
+            # raising the tokenizer's size is a fix only where its vocab_size is a key (NullTokenizer's, not a file's)
+            sized = "vocab_size" in (accepted_keywords(type(self.tokenizer)) or ())
             raise ConfigError(
                 f"data.vocab_size={self.vocab_size} exceeds the tokenizer's vocab_size={self.tokenizer.vocab_size}; "
-                f"lower data.vocab_size or raise data.tokenizer.vocab_size"
+                f"set data.vocab_size<={self.tokenizer.vocab_size}" + (" or raise data.tokenizer.vocab_size" if sized else "")
             )
 
     def _build_splits(self) -> dict[str, Any]:

@@ -331,10 +331,18 @@ MOE_ASSUMPTION = ("MoE: activations and all-to-all traffic assume uniform routin
 """The plan's note on an MoE model (``model.num_moe_experts``): what its formulas assume (`mptrain.planner.moe`)."""
 
 
+OFFLOAD_ASSUMPTION = ("optim.optimizer_cpu_offload: step s leaves out the optimizer step in host memory and the shards' "
+                      "host-device copies (host memory bandwidth; docs/CONFIG.md \"CPU offload\"); such a layout ranks "
+                      "after those that fit without offload")
+"""The plan's note on an offloaded layout: what its step time leaves out."""
+
+
 def planner_assumptions(cfg, layout: PlanLayout) -> list[str]:
-    """The assumptions behind this layout's numbers (user optimizer / schedule, an MoE model), for the plan output."""
+    """The assumptions behind this layout's numbers (user optimizer / schedule, an MoE model, CPU offload), for the
+    plan output."""
     moe = MOE_ASSUMPTION if getattr(cfg.model, "num_moe_experts", None) is not None else None
-    notes = [optimizer_states_per_element(cfg)[1], schedule_assumption(layout.schedule), moe]
+    offload = OFFLOAD_ASSUMPTION if layout.fully_sharded and layout.cpu_offload else None
+    notes = [optimizer_states_per_element(cfg)[1], schedule_assumption(layout.schedule), moe, offload]
     return [n for n in notes if n is not None]
 
 
