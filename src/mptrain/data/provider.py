@@ -470,7 +470,8 @@ class MockDataProvider(GPTDataProvider):
             sized = "vocab_size" in (accepted_keywords(type(self.tokenizer)) or ())
             raise ConfigError(
                 f"data.vocab_size={self.vocab_size} exceeds the tokenizer's vocab_size={self.tokenizer.vocab_size}; "
-                f"set data.vocab_size<={self.tokenizer.vocab_size}" + (" or raise data.tokenizer.vocab_size" if sized else "")
+                f"set data.vocab_size<={self.tokenizer.vocab_size}"
+                + (" or raise data.tokenizer.vocab_size" if sized else "")
             )
 
     def _build_splits(self) -> dict[str, Any]:

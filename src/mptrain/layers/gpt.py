@@ -358,8 +358,8 @@ class GPTModel(torch.nn.Module):
         when the chunk is not one graph."""
         if not self.compiled_chunk:
             return
-        self.compile_plan = dataclasses.replace(self.compile_plan, chunk=False, blocker=reason,
-                                                mode=compile_mode_for(self.config, self.groups, self.context.device, False))
+        mode = compile_mode_for(self.config, self.groups, self.context.device, False)
+        self.compile_plan = dataclasses.replace(self.compile_plan, chunk=False, blocker=reason, mode=mode)
         self._compiled_forward = None
         self.decoder.rng_fork = self.decoder.sequence_parallel  # eager between the layer graphs: the SP fork runs
         apply_compile(self, self.compile_plan)

@@ -377,6 +377,7 @@ def plan(cfg, world_size: int, hw: HardwareConfig, *, vocab_size: int, layouts: 
             f"change world_size or the batch sizes"
         )
     records = [plan_layout(cfg, lay, hw, vocab_size=vocab_size) for lay in layouts]
-    # offload after the layouts that fit as well without it: its step time leaves out the host's part (OFFLOAD_ASSUMPTION)
+    # offload after the layouts that fit as well without it: its step time leaves out the host's part
+    # (OFFLOAD_ASSUMPTION)
     return sorted(records, key=lambda r: (not r["fits"], not r["tight"], r["optimizer_cpu_offload"], r["step_time_s"],
                                           r["bubble_fraction"], r["memory_gib"]["total"]))

@@ -331,9 +331,9 @@ MOE_ASSUMPTION = ("MoE: activations and all-to-all traffic assume uniform routin
 """The plan's note on an MoE model (``model.num_moe_experts``): what its formulas assume (`mptrain.planner.moe`)."""
 
 
-OFFLOAD_ASSUMPTION = ("optim.optimizer_cpu_offload: step s leaves out the optimizer step in host memory and the shards' "
-                      "host-device copies (host memory bandwidth; docs/CONFIG.md \"CPU offload\"); such a layout ranks "
-                      "after those that fit without offload")
+OFFLOAD_ASSUMPTION = ("optim.optimizer_cpu_offload: step s leaves out the optimizer step in host memory and the "
+                      "shards' host-device copies (host memory bandwidth; docs/CONFIG.md \"CPU offload\"); such a "
+                      "layout ranks after those that fit without offload")
 """The plan's note on an offloaded layout: what its step time leaves out."""
 
 

@@ -212,8 +212,8 @@ class Recorder:
                                    cpu_offload=self.cfg.optim.optimizer_cpu_offload))
             allocated = memory_allocated_gib(self.groups.device)
             if allocated is not None:  # Megatron's report_memory after setup: what the build itself left and peaked at
-                self.log(f"memory after the model, optimizer and LR scheduler are built: allocated {allocated:.2f} GiB, "
-                         f"max allocated {peak_memory_gib(self.groups.device):.2f} GiB (rank {self.groups.rank})")
+                self.log(f"memory after the model, optimizer and LR scheduler are built: allocated {allocated:.2f} "
+                         f"GiB, max allocated {peak_memory_gib(self.groups.device):.2f} GiB (rank {self.groups.rank})")
             fp8 = getattr(built, "fp8", None)
             if fp8 is not None and fp8.warning() is not None:
                 self.log(fp8.warning())
