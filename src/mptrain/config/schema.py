@@ -66,11 +66,6 @@ def register() -> None:
         cs.store(group=group, name=f"base_{group}", node=_SCHEMA_NODE[group] if same else schema)
 
 
-def _schema_node() -> DictConfig:
-    """The structured node of `Config` (`_SCHEMA_NODE`); callers never change it."""
-    return _SCHEMA_NODE
-
-
 def as_config(cfg: Any) -> Config:
     """A `Config` object from a Hydra `DictConfig` (typed or plain, e.g. a saved config.yaml) or a `Config`.
 
@@ -89,7 +84,7 @@ def as_config(cfg: Any) -> Config:
         cfg = OmegaConf.create(cfg)
     if not isinstance(cfg, DictConfig):
         raise TypeError(f"as_config: expected a DictConfig, dict or Config, got {type(cfg).__name__}")
-    merged = OmegaConf.merge(_schema_node(), cfg)
+    merged = OmegaConf.merge(_SCHEMA_NODE, cfg)
     try:
         obj = OmegaConf.to_object(merged)
     except InterpolationResolutionError as err:  # ${...} naming a missing key or an unset variable
